@@ -1,0 +1,56 @@
+"""`scd-serve` entry point.
+
+Each subcommand lives in the module that owns its noun; that module exposes
+`add_arguments(parser)` and `run(args) -> int`. Modules are imported lazily so
+`scd-serve --help` starts fast and one broken area does not take the others down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from scd_serve.errors import ScdError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("scd_serve.model.generate", "greedy completion from one local model"),
+    "make-demo-pair": ("scd_serve.pair.make_pair", "train the embedded producer/consumer pair"),
+    "eval": ("scd_serve.quality.harness", "quality of a transfer method against the oracle"),
+    "calibrate": ("scd_serve.codec.calibrate", "fit an SCD codebook for a producer/consumer pair"),
+    "prefill": ("scd_serve.prefill.main", "run a prefill worker (producer model)"),
+    "decode": ("scd_serve.decode.main", "run a decode worker (consumer model + HTTP API)"),
+    "gateway": ("scd_serve.gateway.main", "run the HTTP gateway in front of decode workers"),
+    "up": ("scd_serve.cluster.up", "start a local prefill + decode + gateway cluster"),
+    "bench": ("scd_serve.bench.main", "benchmarks: ttft over a shaped link, serving load"),
+    "plan": ("scd_serve.bench.plan", "project payload and TTFT for real model shapes"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scd-serve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if name == only:  # only the chosen command's module is imported
+            importlib.import_module(module_name).add_arguments(sp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    args = build_parser(chosen).parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except ScdError as exc:  # expected failures: one clear line, no traceback
+        print(f"scd-serve {args.command}: error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

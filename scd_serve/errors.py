@@ -1,0 +1,165 @@
+"""The one error table: every ScdError maps to an HTTP status, a gRPC code and a JSON body.
+
+Raise the most specific subclass; the API, the gRPC servicers and the CLI all render
+errors through `http_status`, `grpc_code` and `to_body` so the same failure looks the
+same everywhere (also as the last event of a stream).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ScdError(Exception):
+    """Base class. `type` is the stable machine-readable name in the JSON body."""
+
+    type = "internal_error"
+    http_status = 500
+    grpc_code = "INTERNAL"  # name of a grpc.StatusCode member; grpc stays out of this module
+
+    def __init__(self, message: str, *, field: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.headers = headers or {}
+
+    def to_body(self, request_id: str | None = None) -> dict[str, Any]:
+        error: dict[str, Any] = {"type": self.type, "message": self.message, "request_id": request_id}
+        if self.field is not None:
+            error["param"] = self.field
+        return {"error": error}
+
+
+class InvalidRequest(ScdError):
+    """The client sent something we will not run (bad field, out-of-range parameter)."""
+
+    type = "invalid_request_error"
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class ValidationFailed(InvalidRequest):
+    """Body does not match the schema (wrong types, missing fields)."""
+
+    type = "validation_error"
+    http_status = 422
+
+
+class PromptTooLong(InvalidRequest):
+    type = "context_length_exceeded"
+    http_status = 400
+
+
+class Unauthorized(ScdError):
+    type = "authentication_error"
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
+
+
+class NotFound(ScdError):
+    type = "not_found"
+    http_status = 404
+    grpc_code = "NOT_FOUND"
+
+
+class PayloadTooLarge(ScdError):
+    type = "payload_too_large"
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class UnsupportedMediaType(ScdError):
+    type = "unsupported_media_type"
+    http_status = 415
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class Overloaded(ScdError):
+    """Admission control said no; the client should retry later (Retry-After is set)."""
+
+    type = "overloaded"
+    http_status = 429
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str = "server is at capacity, retry later", *, retry_after_s: int = 1):
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class Unavailable(ScdError):
+    """A peer or the engine is not ready (starting, draining, dead)."""
+
+    type = "unavailable"
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+
+class ShuttingDown(Unavailable):
+    type = "shutting_down"
+
+
+class EngineDead(Unavailable):
+    type = "engine_dead"
+
+
+class DeadlineExceeded(ScdError):
+    type = "deadline_exceeded"
+    http_status = 504
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class TransferCorrupt(ScdError):
+    """A chunk failed its checksum or sequence check; it is never decoded."""
+
+    type = "transfer_corrupt"
+    http_status = 502
+    grpc_code = "DATA_LOSS"
+
+
+class TransferFailed(ScdError):
+    """The transfer from the prefill worker broke off (peer died, stream cut)."""
+
+    type = "transfer_failed"
+    http_status = 502
+    grpc_code = "UNAVAILABLE"
+
+
+class IncompatiblePeer(ScdError):
+    """Handshake found a different codec version, dtype or model fingerprint."""
+
+    type = "incompatible_peer"
+    http_status = 503
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class ModelLoadError(ScdError):
+    """A model directory is missing, unsupported or inconsistent."""
+
+    type = "model_load_error"
+    http_status = 500
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class CodebookError(ScdError):
+    """A codebook is missing, truncated, of the wrong shapes or made for other models."""
+
+    type = "codebook_error"
+    http_status = 500
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class ConfigError(ScdError):
+    """A configuration value is invalid; raised at the entry point before anything starts."""
+
+    type = "config_error"
+    http_status = 500
+    grpc_code = "INVALID_ARGUMENT"
+
+
+def error_table() -> list[tuple[str, int, str]]:
+    """(type, http status, grpc code) for every error class, for docs and tests."""
+    rows, stack = [], [ScdError]
+    while stack:
+        cls = stack.pop()
+        rows.append((cls.type, cls.http_status, cls.grpc_code))
+        stack.extend(cls.__subclasses__())
+    return sorted(set(rows))
