@@ -1,0 +1,44 @@
+"""The error table and the CLI's handling of expected failures."""
+
+import types
+
+import pytest
+
+from scd_serve import cli, errors
+
+
+def test_every_error_type_has_a_client_or_server_status_and_a_grpc_code():
+    import grpc
+
+    rows = errors.error_table()
+    assert len(rows) >= 10
+    for type_name, http_status, grpc_code in rows:
+        assert 400 <= http_status < 600, type_name
+        assert hasattr(grpc.StatusCode, grpc_code), (type_name, grpc_code)
+
+
+def test_body_shape_is_the_same_for_every_error():
+    body = errors.PromptTooLong("prompt has 10 tokens", field="prompt").to_body("req-1")
+    assert body == {"error": {"type": "context_length_exceeded", "message": "prompt has 10 tokens",
+                              "request_id": "req-1", "param": "prompt"}}
+    assert errors.Overloaded().headers["Retry-After"] == "1"
+    assert errors.Overloaded().http_status == 429
+
+
+def test_cli_turns_an_expected_error_into_one_line_and_exit_2(monkeypatch, capsys):
+    def failing_run(args):
+        raise errors.ModelLoadError("no config.json in /nowhere")
+
+    fake = types.SimpleNamespace(add_arguments=lambda p: None, run=failing_run)
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: fake)
+    assert cli.main(["generate"]) == 2
+    err = capsys.readouterr().err
+    assert "no config.json in /nowhere" in err and "Traceback" not in err
+
+
+def test_cli_lists_every_command_in_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert name in out
