@@ -1,0 +1,37 @@
+"""Transfer codecs: how a layer's KV state travels from the producer to the consumer.
+
+    codec = build("raw", producer=rt_a, consumer=rt_b)      # runtimes or their specs
+    code = codec.encode_layer(layer, state)                 # producer: dict[str, Tensor]
+    k_pre, v = codec.decode_layer(layer, code, rt_b)        # consumer, then rt_b.write_kv(...)
+
+`METHODS` lists the names `build` accepts. The producer can build its half with specs only
+(the codebook carries the producer encoders); the consumer passes its runtime to decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scd_serve.codec.base import (ATTN_INPUT, KEYS, VALUES, TransferCodec, payload_bytes)
+from scd_serve.codec.baselines import IdentityCodec, RawCodec
+from scd_serve.errors import ConfigError
+
+_FACTORIES = {
+    "identity": lambda producer, consumer, codebook: IdentityCodec(producer, consumer),
+    "raw": lambda producer, consumer, codebook: RawCodec(producer, consumer),
+}
+
+METHODS: list[str] = list(_FACTORIES)
+
+
+def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any = None) -> TransferCodec:
+    """Make the codec called `method`. codebook: a directory, a loaded Codebook, or None."""
+    factory = _FACTORIES.get(method)
+    if factory is None:
+        raise ConfigError(f"unknown transfer method '{method}'; choose one of {', '.join(METHODS)}")
+    if producer is None and method != "identity":
+        raise ConfigError(f"method '{method}' needs the producer (a runtime or its spec)")
+    return factory(producer, consumer, codebook)
+
+
+__all__ = ["METHODS", "build", "payload_bytes", "TransferCodec", "KEYS", "VALUES", "ATTN_INPUT"]

@@ -1,0 +1,78 @@
+"""The transfer-codec contract shared by every method, and helpers all methods use.
+
+A codec has two halves. The producer calls `encode_layer(layer, state)` on each layer's
+state as soon as the layer is done and ships the returned dict of tensors; the consumer
+calls `decode_layer(layer, code, consumer)` and writes the returned (k_pre, v) with
+`consumer.write_kv`, which applies the consumer's own RoPE. Keys cross the codec in
+pre-RoPE form at the consumer's side: decode returns keys that, rotated by the consumer,
+give what the method intends the consumer to attend to.
+
+Prompt positions are 0..T-1 (the whole prompt is transferred from position 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import torch
+
+from scd_serve.errors import CodebookError
+
+CODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.uint8)
+# Names of the producer states a method may need per layer (LayerState attributes).
+KEYS, VALUES, ATTN_INPUT = "keys", "values", "attn_input"
+
+
+@runtime_checkable
+class TransferCodec(Protocol):
+    name: str
+    version: str
+
+    def states_needed(self, layer: int) -> frozenset[str]:
+        """Which producer states (KEYS, VALUES, ATTN_INPUT) encode_layer reads for `layer`."""
+
+    def encode_layer(self, layer: int, state: Any) -> dict[str, torch.Tensor]:
+        """Producer side. state: keys [T,kvh,hd] pre-RoPE, values [T,kvh,hd], attn_input [T,hidden]."""
+
+    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor],
+                     consumer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consumer side -> (k_pre [T,kvh,hd], v [T,kvh,hd]) for consumer.write_kv."""
+
+
+def state_field(state: Any, name: str) -> torch.Tensor:
+    """Read one producer state from a LayerState (attributes) or a mapping."""
+    value = state.get(name) if isinstance(state, Mapping) else getattr(state, name, None)
+    if value is None:
+        raise CodebookError(f"producer state '{name}' was not captured but the codec needs it")
+    return value
+
+
+def payload_bytes(code: Mapping[str, torch.Tensor]) -> int:
+    """Bytes on the wire for one code: the tensor bytes (names and shapes are framing)."""
+    return sum(t.numel() * t.element_size() for t in code.values())
+
+
+def check_code(code: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Codes carry only transport dtypes, as contiguous detached tensors."""
+    out = {}
+    for key, tensor in code.items():
+        if tensor.dtype not in CODE_DTYPES:
+            raise TypeError(f"code tensor '{key}' has dtype {tensor.dtype}, not a transport dtype")
+        out[key] = tensor.detach().contiguous()
+    return out
+
+
+def positions_for(num_tokens: int) -> torch.Tensor:
+    """Prompt positions of a transferred layer. -> [T] long."""
+    return torch.arange(num_tokens, dtype=torch.long)
+
+
+def device_of(consumer: Any) -> torch.device | None:
+    """Where the consumer computes (codes may arrive on the CPU from the transport)."""
+    device = getattr(consumer, "device", None)
+    return torch.device(device) if device is not None else None
+
+
+def to_consumer(t: torch.Tensor, consumer: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    device = device_of(consumer)
+    return t.to(device=device, dtype=dtype) if device is not None else t.to(dtype)
