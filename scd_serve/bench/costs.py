@@ -1,0 +1,87 @@
+"""Per-request payload and compute of each transfer method, for a model shape.
+
+These are the counting rules the planner uses; they follow the method note
+(docs/scd-method.md) and the baselines' definitions:
+  raw         K and V of every layer in 16 bit
+  quant4/2    KIVI-style: 4/2-bit K and V plus a 16-bit scale and zero per group
+  droidspeak  16-bit K/V for most layers; for the recomputed layers the 16-bit
+              attention input instead, from which the consumer recomputes K/V
+  reuse       per layer a rank-r_K code for K and rank-r_V code for V, 16 bit
+  scd         reuse codes on reuse layers, a rank-r_H code of the attention input on
+              patch layers (aligner MLP + the consumer's own k/v projections)
+  scd-int8    scd with int8 codes (per-channel scales, a constant per layer)
+Tokens shipped are T-1: the decode side runs the last prompt token as its first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scd_serve.bench.shapes import ModelShape
+
+METHODS = ("oracle", "raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8")
+HALF = 2  # bytes per 16-bit element
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Rank ratios (rank / width) applied to a real shape; from a codebook or the defaults."""
+
+    k_ratio: float = 0.5  # mean r_K / kv_width over reuse layers
+    v_ratio: float = 0.7  # mean r_V / kv_width
+    patch_fraction: float = 6 / 32  # share of layers that are patch layers
+    h_ratio: float = 0.72  # r_H / hidden_size on patch layers
+    droidspeak_fraction: float = 4 / 32  # share of layers DroidSpeak recomputes
+    quant_group: int = 64  # elements per scale/zero pair in quant4/quant2
+    source: str = "defaults (payload ratios of the SCD paper: reuse 0.60x raw, scd 0.76x raw)"
+
+    def num_patch(self, num_layers: int) -> int:
+        return int(round(self.patch_fraction * num_layers))
+
+    def num_droid(self, num_layers: int) -> int:
+        return max(1, int(round(self.droidspeak_fraction * num_layers)))
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    method: str
+    payload_bytes: float  # on the wire, per request
+    encode_flops: float  # producer side, after its prefill
+    encode_bytes: float
+    rebuild_flops: float  # consumer side, codes -> KV cache
+    rebuild_bytes: float  # consumer memory traffic while rebuilding
+
+
+def method_cost(method: str, shape: ModelShape, prompt_tokens: int, plan: RankPlan) -> MethodCost:
+    t = max(1, prompt_tokens - 1)
+    L, d, h = shape.num_layers, shape.kv_width, shape.hidden_size
+    kv_layer = t * 2 * d * HALF  # one layer's K+V in 16 bit
+    kv_all = L * kv_layer
+    rk, rv, rh = plan.k_ratio * d, plan.v_ratio * d, plan.h_ratio * h
+    if method == "oracle":
+        return MethodCost(method, 0.0, 0.0, 0.0, 0.0, 0.0)
+    if method == "raw":
+        return MethodCost(method, kv_all, 0.0, 0.0, 0.0, 2 * kv_all)
+    if method in ("quant4", "quant2"):
+        bits = 4 if method == "quant4" else 2
+        per_elem = bits / 8 + 2 * HALF / plan.quant_group
+        payload = L * t * 2 * d * per_elem
+        return MethodCost(method, payload, 0.0, kv_all + payload, 0.0, payload + kv_all)
+    if method == "droidspeak":
+        n = plan.num_droid(L)
+        payload = (L - n) * kv_layer + n * t * h * HALF
+        flops = n * 2.0 * t * h * 2 * d  # consumer's own k_proj and v_proj
+        weights = n * h * 2 * d * HALF
+        return MethodCost(method, payload, 0.0, 0.0, flops, payload + kv_all + weights)
+    n_patch = plan.num_patch(L) if method in ("scd", "scd-int8") else 0
+    n_reuse = L - n_patch
+    code_bytes = 1 if method == "scd-int8" else HALF
+    payload = (n_reuse * t * (rk + rv) + n_patch * t * rh) * code_bytes
+    if method == "scd-int8":
+        payload += L * 2 * (rk + rv + rh) * 4  # float32 scale per channel per layer
+    enc = n_reuse * 2.0 * t * d * (rk + rv) + n_patch * 2.0 * t * h * rh
+    reuse_flops = n_reuse * 2.0 * t * d * (rk + rv)
+    # aligner: a two-layer MLP r_H -> hidden -> hidden, then k/v projections
+    patch_flops = n_patch * (2.0 * t * (rh * h + h * h) + 2.0 * t * h * 2 * d)
+    weights = (n_reuse * (rk + rv) * d + n_patch * (rh * h + h * h + 2 * h * d)) * HALF
+    return MethodCost(method, payload, enc, weights, reuse_flops + patch_flops, payload + kv_all + weights)

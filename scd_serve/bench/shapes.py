@@ -1,0 +1,91 @@
+"""Model shapes for projections: the shipped public configs or any HF config.json.
+
+Only architecture numbers are read (no weights): enough to count parameters,
+prefill FLOPs and the per-token size of the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from scd_serve.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).parent / "model_configs"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+
+    @property
+    def kv_width(self) -> int:  # d in the method note: kv_heads * head_dim per stream (K or V)
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.q_width * 2 + h * self.kv_width * 2  # q, o, k, v
+        return attn + 3 * h * i + 2 * h  # gated MLP + two norms
+
+    @property
+    def num_params(self) -> int:
+        emb = self.vocab_size * self.hidden_size
+        return self.num_layers * self.layer_params + emb * (1 if self.tie_word_embeddings else 2)
+
+    def layer_flops(self, tokens: int) -> float:
+        """One layer's forward over `tokens` prompt tokens: weights + causal attention."""
+        return 2.0 * self.layer_params * tokens + 2.0 * tokens * tokens * self.q_width
+
+    def prefill_flops(self, tokens: int) -> float:
+        """Whole prefill, logits for the last token only."""
+        return self.num_layers * self.layer_flops(tokens) + 2.0 * self.hidden_size * self.vocab_size
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_shape(name_or_path: str) -> ModelShape:
+    """A shipped name ('mistral-7b', case-insensitive), a config.json, or a model directory."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        shipped = CONFIG_DIR / f"{name_or_path.lower()}.json"
+        if not shipped.exists():
+            raise ConfigError(
+                f"model config {name_or_path!r} not found; give a path or one of: {', '.join(available())}",
+                field="model_config",
+            )
+        path = shipped
+    try:
+        cfg = json.loads(path.read_text())
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        return ModelShape(
+            name=str(cfg.get("name") or cfg.get("_name_or_path") or path.parent.name or path.stem),
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ConfigError(f"model config {path} lacks a needed field: {exc}", field="model_config") from exc
