@@ -14,11 +14,16 @@ from typing import Any
 
 from scd_serve.codec.base import (ATTN_INPUT, KEYS, VALUES, TransferCodec, payload_bytes)
 from scd_serve.codec.baselines import IdentityCodec, RawCodec
+from scd_serve.codec.droidspeak import DroidSpeakCodec
+from scd_serve.codec.quant import QuantCodec
 from scd_serve.errors import ConfigError
 
 _FACTORIES = {
     "identity": lambda producer, consumer, codebook: IdentityCodec(producer, consumer),
     "raw": lambda producer, consumer, codebook: RawCodec(producer, consumer),
+    "quant4": lambda producer, consumer, codebook: QuantCodec(producer, bits=4),
+    "quant2": lambda producer, consumer, codebook: QuantCodec(producer, bits=2),
+    "droidspeak": lambda producer, consumer, codebook: DroidSpeakCodec(producer),
 }
 
 METHODS: list[str] = list(_FACTORIES)
