@@ -1,0 +1,60 @@
+"""Prefill worker settings: model, listener, admission, code cache and transfer lease."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scd_serve.config.transport import MiB, TransportConfig
+from scd_serve.errors import ConfigError
+
+DEFAULT_PRODUCER = "models/demo-pair/producer"
+DEFAULT_CODEBOOK = "models/demo-pair/codebook"
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    model: str = DEFAULT_PRODUCER
+    codebook: str = DEFAULT_CODEBOOK  # "" or missing directory = codebook-free methods only
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = the OS picks
+    # Control plane: where to register and send heartbeats ("" = standalone), and the
+    # HOST:PORT decode workers should dial ("" = host:bound port).
+    control_url: str = ""
+    advertise: str = ""
+    # Transfers running at once; one more gets RESOURCE_EXHAUSTED at once (no queue).
+    max_concurrent: int = 4
+    # Longest prompt accepted (tokens); 0 = the model's max_position_embeddings.
+    max_prompt_tokens: int = 0
+    # A transfer holds its resources at most this long, even if the reader stalls.
+    transfer_lease_s: float = 60.0
+    # Code cache for repeated prompts: bounded by bytes and entries (LRU).
+    cache_bytes: int = 256 * MiB
+    cache_entries: int = 1024
+    # Cached codes are resent in chunks of up to this many bytes (several layers each).
+    chunk_bytes: int = 4 * MiB
+    # Seconds to finish running transfers after SIGTERM before the listener closes.
+    shutdown_grace_s: float = 5.0
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("prefill.model must name a model directory")
+        if not (0 <= self.port <= 65535):
+            raise ConfigError(f"prefill.port must be in [0, 65535], got {self.port}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"prefill.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_concurrent", "cache_entries", "chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"prefill.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens < 0 or self.cache_bytes < 0:
+            raise ConfigError("prefill.max_prompt_tokens and cache_bytes must be >= 0")
+        if self.chunk_bytes > self.transport.max_message_bytes // 2:
+            raise ConfigError(f"prefill.chunk_bytes ({self.chunk_bytes}) must be at most half of "
+                              f"max_message_bytes ({self.transport.max_message_bytes})")
+        for name in ("transfer_lease_s", "shutdown_grace_s"):
+            if not (0 < getattr(self, name) <= 3600):
+                raise ConfigError(f"prefill.{name} must be in (0, 3600] seconds")
+        if self.control_url and not self.control_url.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"prefill.control_url must look like tcp://HOST:PORT, got {self.control_url!r}")

@@ -1,0 +1,62 @@
+"""Bounded LRU cache of encoded codes, so a repeated prompt skips the producer entirely.
+
+Keyed by (method, token ids): an exact prompt match. Codes are kept as the Tensor
+messages already built for the wire, one list per layer. Bounded by bytes and entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+def cache_key(method: str, token_ids) -> tuple[str, int, bytes]:
+    digest = hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=16).digest()
+    return (method, len(token_ids), digest)
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+class CodeCache:
+    def __init__(self, max_bytes: int, max_entries: int):
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, tuple[list[list], int]] = OrderedDict()
+        self.num_bytes = 0
+        self.stats = CacheStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key) -> list[list] | None:
+        """Per-layer Tensor message lists, or None; a hit becomes most recent."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.stats.hits += 1
+        return entry[0]
+
+    def put(self, key, layers: list[list]) -> bool:
+        """Store codes; False if they alone exceed the byte budget (nothing is evicted then)."""
+        size = sum(len(t.data) for tensors in layers for t in tensors)
+        if size > self.max_bytes:
+            return False
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.num_bytes -= old[1]
+        while self._entries and (self.num_bytes + size > self.max_bytes or len(self._entries) >= self.max_entries):
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self.num_bytes -= evicted
+            self.stats.evictions += 1
+        self._entries[key] = (layers, size)
+        self.num_bytes += size
+        return True

@@ -1,0 +1,216 @@
+"""The prefill worker's gRPC service: run the producer, encode and stream each layer.
+
+Each Prefill call is one transfer: admitted at once or refused with RESOURCE_EXHAUSTED,
+registered in `transfers` until it ends, bounded by min(RPC deadline, transfer lease).
+The producer runs in a worker thread and hands each encoded layer to the event loop as
+soon as it is done, so the first chunk leaves while later layers still compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from scd_serve.config.prefill import PrefillConfig
+from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, InvalidRequest, Overloaded,
+                              ScdError, TransferFailed)
+from scd_serve.prefill.code_cache import CodeCache, cache_key
+from scd_serve.transport.chunking import group_layers, make_chunk
+from scd_serve.transport.proto import PROTOCOL_VERSION, pb, pb_grpc
+from scd_serve.transport.status import abort_with
+from scd_serve.transport.tensors import encode_code
+
+log = logging.getLogger("scd_serve.prefill")
+MAX_REQUEST_ID = 128
+_DONE = object()
+
+
+class Aborted(Exception):
+    """The decode side called Abort for this transfer."""
+
+
+@dataclass
+class Transfer:
+    request_id: str
+    expires: float  # time.monotonic() at which the lease or the RPC deadline runs out
+    stop: threading.Event = field(default_factory=threading.Event)  # tells the producer thread
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, runtime, codecs: dict, config: PrefillConfig):
+        self.rt = runtime
+        self.codecs = codecs  # method name -> TransferCodec (producer half)
+        self.config = config
+        self.cache = CodeCache(config.cache_bytes, config.cache_entries)
+        self.transfers: dict[str, Transfer] = {}
+        self.max_prompt_tokens = config.max_prompt_tokens or runtime.spec.max_position_embeddings
+        self._pool = ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="producer")
+        self.num_served = 0  # completed transfers
+        self.num_prefills = 0  # producer runs (cache misses that started)
+        self.num_failed = 0
+
+    # ---- handshake -----------------------------------------------------------------------
+    async def Info(self, request, context):
+        s = self.rt.spec
+        return pb.InfoReply(
+            protocol_version=PROTOCOL_VERSION, producer_fingerprint=self.rt.fingerprint,
+            model_family=s.family, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim, compute_dtype=str(self.rt.dtype).removeprefix("torch."),
+            codecs=[pb.CodecInfo(codec_id=name, codec_version=c.version,
+                                 codebook_id=getattr(c, "codebook_id", "") or "")
+                    for name, c in self.codecs.items()],
+            max_message_bytes=self.config.transport.max_message_bytes,
+            max_prompt_tokens=self.max_prompt_tokens)
+
+    async def Abort(self, request, context):
+        t = self.transfers.get(request.request_id)
+        if t is not None:
+            log.info("abort request_id=%s reason=%s", request.request_id, request.reason[:200])
+            t.stop.set()
+            t.aborted.set()
+        return pb.AbortReply(was_running=t is not None)
+
+    def load(self) -> dict:
+        """What heartbeats report (plain numbers)."""
+        return {"running": len(self.transfers), "waiting": 0, "capacity": self.config.max_concurrent,
+                "served": self.num_served, "prefills": self.num_prefills, "failed": self.num_failed,
+                "cache_hits": self.cache.stats.hits, "cache_entries": len(self.cache),
+                "cache_bytes": self.cache.num_bytes}
+
+    # ---- the transfer --------------------------------------------------------------------
+    async def Prefill(self, request, context):
+        rid = request.request_id
+        try:
+            codec = self._admit(request)
+        except ScdError as err:
+            await abort_with(context, err)
+        remaining = context.time_remaining()
+        lease = self.config.transfer_lease_s
+        t = Transfer(rid, time.monotonic() + (lease if remaining is None else min(lease, remaining)))
+        self.transfers[rid] = t
+        try:
+            await self._stream(request, codec, t, context)
+            self.num_served += 1
+        except ScdError as err:
+            self.num_failed += 1
+            await abort_with(context, err)
+        except Aborted:
+            self.num_failed += 1
+            await abort_with(context, TransferFailed(f"transfer {rid} aborted by the decode side"))
+        except asyncio.CancelledError:  # the client went away or the deadline hit
+            self.num_failed += 1
+            log.info("transfer cancelled request_id=%s", rid)
+            raise
+        finally:
+            t.stop.set()
+            self.transfers.pop(rid, None)
+
+    def _admit(self, request):
+        rid, n = request.request_id, len(request.token_ids)
+        if not rid or len(rid) > MAX_REQUEST_ID:
+            raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} characters", field="request_id")
+        if rid in self.transfers:
+            raise InvalidRequest(f"request_id {rid} is already transferring", field="request_id")
+        if not 1 <= n <= self.max_prompt_tokens:
+            raise InvalidRequest(f"token_ids has {n} tokens; must be 1..{self.max_prompt_tokens}",
+                                 field="token_ids")
+        vocab = self.rt.spec.vocab_size
+        if max(request.token_ids) >= vocab:
+            raise InvalidRequest(f"token id {max(request.token_ids)} >= vocab size {vocab}", field="token_ids")
+        codec = self.codecs.get(request.method)
+        if codec is None:
+            raise InvalidRequest(f"method {request.method!r} not served here; have {sorted(self.codecs)}",
+                                 field="method")
+        want = getattr(codec, "consumer_fingerprint", "")
+        if want and request.consumer_fingerprint and want != request.consumer_fingerprint:
+            raise IncompatiblePeer(f"codebook of {request.method!r} is for consumer {want}, "
+                                   f"request comes from {request.consumer_fingerprint}")
+        if len(self.transfers) >= self.config.max_concurrent:
+            raise Overloaded(f"prefill worker runs {len(self.transfers)} transfers (max_concurrent)")
+        return codec
+
+    async def _guarded(self, t: Transfer, aw):
+        """Await `aw` unless the transfer is aborted or its lease/deadline runs out first."""
+        task = asyncio.ensure_future(aw)
+        stopper = asyncio.ensure_future(t.aborted.wait())
+        try:
+            done, _ = await asyncio.wait({task, stopper}, timeout=max(0.0, t.expires - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not task.done():
+                task.cancel()
+        if task in done:
+            return task.result()
+        if stopper in done:
+            raise Aborted()
+        raise DeadlineExceeded(f"transfer {t.request_id} ran past its deadline or lease")
+
+    async def _stream(self, request, codec, t: Transfer, context) -> None:
+        s, tokens = self.rt.spec, list(request.token_ids)
+        key = cache_key(request.method, tokens)
+        cached = self.cache.get(key)
+        ranges = group_layers(cached, self.config.chunk_bytes) if cached else \
+            [(i, i + 1) for i in range(s.num_layers)]
+        header = pb.TransferHeader(
+            request_id=t.request_id, codec_id=request.method, codec_version=codec.version,
+            producer_fingerprint=self.rt.fingerprint, consumer_fingerprint=request.consumer_fingerprint,
+            num_tokens=len(tokens), num_layers=s.num_layers, total_chunks=len(ranges),
+            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, cache_hit=cached is not None)
+        await self._guarded(t, context.write(pb.PrefillChunk(header=header)))
+        if cached is not None:
+            for seq, (a, b) in enumerate(ranges):
+                tensors = [m for layer in cached[a:b] for m in layer]
+                chunk = make_chunk(t.request_id, seq, len(ranges), a, b, tensors)
+                await self._guarded(t, context.write(pb.PrefillChunk(chunk=chunk)))
+            return
+        layers = await self._produce_and_send(tokens, codec, t, context, len(ranges))
+        self.cache.put(key, layers)
+
+    async def _produce_and_send(self, tokens, codec, t: Transfer, context, total: int) -> list[list]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        emit = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+        self.num_prefills += 1
+        loop.run_in_executor(self._pool, _produce, self.rt, codec, tokens, t.stop, emit)
+        layers: list[list] = []
+        while True:
+            item = await self._guarded(t, queue.get())
+            if item is _DONE:
+                return layers
+            if isinstance(item, BaseException):
+                log.error("producer failed request_id=%s: %s", t.request_id, item)
+                raise TransferFailed(f"producer failed on layer {len(layers)}: {type(item).__name__}")
+            layer, tensors, us = item
+            chunk = make_chunk(t.request_id, layer, total, layer, layer + 1, tensors, us)
+            await self._guarded(t, context.write(pb.PrefillChunk(chunk=chunk)))
+            layers.append(tensors)
+
+    def close(self) -> None:
+        for t in list(self.transfers.values()):
+            t.stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _produce(rt, codec, tokens: list[int], stop: threading.Event, emit) -> None:
+    """Worker thread: prefill layer by layer, encode, hand each layer over at once."""
+    try:
+        ids = torch.tensor(tokens, dtype=torch.long)  # ids: [T]
+        start = time.perf_counter()
+        for layer, state in rt.iter_prefill(ids, compute_logits=False):
+            if stop.is_set():
+                return
+            tensors = encode_code(layer, codec.encode_layer(layer, state))
+            now = time.perf_counter()
+            emit((layer, tensors, int((now - start) * 1e6)))
+            start = now
+        emit(_DONE)
+    except BaseException as exc:  # noqa: BLE001 - handed to the loop, which fails the RPC
+        emit(exc)

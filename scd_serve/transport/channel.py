@@ -1,0 +1,70 @@
+"""Client channels to prefill workers: size caps, auth, TLS, and a deadline on every call."""
+
+from __future__ import annotations
+
+import collections
+
+import grpc
+
+from scd_serve.config.transport import TransportConfig
+from scd_serve.transport.security import auth_metadata, channel_credentials
+
+
+class DeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Every outgoing RPC gets a deadline and the worker token.
+
+    A call made without a timeout gets `default_s` (strict=True refuses it instead, for
+    tests that prove every call site sets its own). `timeouts` keeps the last deadlines
+    seen, so a test can assert none was None.
+    """
+
+    def __init__(self, default_s: float, metadata=(), strict: bool = False):
+        self.default_s = default_s
+        self.metadata = tuple(metadata)
+        self.strict = strict
+        self.timeouts: collections.deque[tuple[str, float | None]] = collections.deque(maxlen=1024)
+
+    def _details(self, d):
+        method = d.method.decode() if isinstance(d.method, bytes) else d.method
+        self.timeouts.append((method, d.timeout))
+        timeout = d.timeout
+        if timeout is None:
+            if self.strict:
+                raise ValueError(f"RPC {method} made without a deadline")
+            timeout = self.default_s
+        metadata = grpc.aio.Metadata(*(tuple(d.metadata or ()) + self.metadata))
+        return grpc.aio.ClientCallDetails(d.method, timeout, metadata, d.credentials, d.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+def channel_options(config: TransportConfig) -> list[tuple[str, int | str]]:
+    opts: list[tuple[str, int | str]] = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # reconnect quickly after a worker restart, without hammering a dead address
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+    ]
+    if config.tls_server_name:
+        opts.append(("grpc.ssl_target_name_override", config.tls_server_name))
+    return opts
+
+
+def make_channel(address: str, config: TransportConfig,
+                 strict_deadlines: bool = False) -> tuple[grpc.aio.Channel, DeadlineInterceptor]:
+    """An aio channel to HOST:PORT and the interceptor that stamps its deadlines."""
+    interceptor = DeadlineInterceptor(config.rpc_timeout_s, auth_metadata(config), strict_deadlines)
+    creds = channel_credentials(config)
+    if creds is None:
+        ch = grpc.aio.insecure_channel(address, options=channel_options(config), interceptors=[interceptor])
+    else:
+        ch = grpc.aio.secure_channel(address, creds, options=channel_options(config), interceptors=[interceptor])
+    return ch, interceptor

@@ -1,0 +1,108 @@
+"""Chunks of a transfer: built on the prefill side, verified on the decode side.
+
+`StreamVerifier` is the receiver's state machine (plain Python, no torch): it checks the
+header against what was asked, and each chunk's request id, position, layer range and
+digest BEFORE anything is decoded. Duplicates are ignored; gaps, overflow and bad digests
+end the transfer with TransferCorrupt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scd_serve.errors import TransferCorrupt, TransferFailed
+from scd_serve.transport.checksum import chunk_digest, seal
+from scd_serve.transport.proto import pb
+
+
+def make_chunk(request_id: str, seq: int, total: int, layer_start: int, layer_end: int,
+               tensors: list, encode_us: int = 0) -> pb.KVChunk:
+    chunk = pb.KVChunk(request_id=request_id, seq=seq, total=total, layer_start=layer_start,
+                       layer_end=layer_end, tensors=tensors, encode_us=encode_us)
+    return seal(chunk)
+
+
+def group_layers(layer_tensors: list[list], max_bytes: int) -> list[tuple[int, int]]:
+    """Split layers into contiguous ranges of at most max_bytes of code each (>= 1 layer)."""
+    ranges, start, size = [], 0, 0
+    for layer, tensors in enumerate(layer_tensors):
+        n = sum(len(t.data) for t in tensors)
+        if layer > start and size + n > max_bytes:
+            ranges.append((start, layer))
+            start, size = layer, 0
+        size += n
+    if layer_tensors:
+        ranges.append((start, len(layer_tensors)))
+    return ranges
+
+
+@dataclass
+class StreamVerifier:
+    """Receiver-side checks for one Prefill stream."""
+
+    request_id: str
+    method: str
+    num_tokens: int
+    num_layers: int
+    header: pb.TransferHeader | None = None
+    next_seq: int = 0
+    next_layer: int = 0
+    digests: dict[int, int] = field(default_factory=dict)
+
+    def on_header(self, header: pb.TransferHeader) -> None:
+        if self.header is not None:
+            raise TransferCorrupt(f"request {self.request_id}: second header in one stream")
+        want = {"request_id": self.request_id, "codec_id": self.method,
+                "num_tokens": self.num_tokens, "num_layers": self.num_layers}
+        for name, value in want.items():
+            if getattr(header, name) != value:
+                raise TransferCorrupt(f"request {self.request_id}: header {name}={getattr(header, name)!r}, "
+                                      f"expected {value!r}")
+        if not 1 <= header.total_chunks <= self.num_layers:
+            raise TransferCorrupt(f"request {self.request_id}: header total_chunks={header.total_chunks} "
+                                  f"not in [1, {self.num_layers}]")
+        self.header = header
+
+    def on_chunk(self, chunk: pb.KVChunk) -> bool:
+        """True if the chunk is new and verified; False for an identical duplicate."""
+        rid = self.request_id
+        if self.header is None:
+            raise TransferCorrupt(f"request {rid}: chunk before header")
+        if chunk.request_id != rid:
+            raise TransferCorrupt(f"request {rid}: chunk for another request {chunk.request_id!r}")
+        total = self.header.total_chunks
+        if chunk.total != total or chunk.seq >= total:
+            raise TransferCorrupt(f"request {rid}: chunk seq={chunk.seq} total={chunk.total}, header total={total}")
+        digest = chunk_digest(chunk)
+        if digest != chunk.digest:
+            raise TransferCorrupt(f"request {rid}: chunk {chunk.seq} failed its xxh64 check "
+                                  f"(got {chunk.digest:016x}, computed {digest:016x})")
+        if chunk.seq < self.next_seq:  # a resend: harmless if it is the same chunk
+            if self.digests.get(chunk.seq) != digest:
+                raise TransferCorrupt(f"request {rid}: chunk {chunk.seq} sent twice with different content")
+            return False
+        if chunk.seq > self.next_seq:
+            raise TransferCorrupt(f"request {rid}: chunk {chunk.seq} arrived, expected {self.next_seq} (gap)")
+        if chunk.layer_start != self.next_layer or not (chunk.layer_start < chunk.layer_end <= self.num_layers):
+            raise TransferCorrupt(f"request {rid}: chunk {chunk.seq} covers layers [{chunk.layer_start}, "
+                                  f"{chunk.layer_end}), expected to start at {self.next_layer} "
+                                  f"and end <= {self.num_layers}")
+        for t in chunk.tensors:
+            if not chunk.layer_start <= t.layer < chunk.layer_end:
+                raise TransferCorrupt(f"request {rid}: chunk {chunk.seq} holds tensor of layer {t.layer}")
+        self.digests[chunk.seq] = digest
+        self.next_seq += 1
+        self.next_layer = chunk.layer_end
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return self.header is not None and self.next_seq == self.header.total_chunks \
+            and self.next_layer == self.num_layers
+
+    def finish(self) -> None:
+        """Call when the stream ends: every chunk must have arrived."""
+        if not self.complete:
+            got = self.next_seq
+            want = self.header.total_chunks if self.header else "?"
+            raise TransferFailed(f"request {self.request_id}: stream ended after {got} of {want} chunks")

@@ -1,0 +1,43 @@
+"""gRPC server construction shared by workers: size caps, auth, TLS, health service."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from scd_serve.config.transport import TransportConfig
+from scd_serve.transport.security import TokenAuthInterceptor, server_credentials
+
+
+def make_server(config: TransportConfig, max_concurrent_rpcs: int | None = None
+                ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A grpc.aio server with message caps, optional token auth, and grpc.health.v1 added."""
+    interceptors = [TokenAuthInterceptor(config.worker_token)] if config.worker_token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # port 0 must give a port nobody else holds
+        ],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, health_servicer
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, config: TransportConfig) -> int:
+    """Listen on host:port (port 0 = OS picks) and return the bound port."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    creds = server_credentials(config)
+    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"could not listen on {address}")
+    return bound
+
+
+async def set_serving(health_servicer, service: str, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_servicer.set(service, status)
+    await health_servicer.set("", status)  # overall health, what probes ask by default
