@@ -1,0 +1,68 @@
+"""The compact decoder-layer math (Llama/Mistral/Qwen2/Qwen3), as plain functions on weights.
+
+Matches transformers' modules op for op: RMSNorm in float32 then cast back, SiLU-gated MLP,
+optional q/k/v biases and per-head q/k RMSNorm, SDPA with the default 1/sqrt(head_dim) scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from scd_serve.model.spec import ModelSpec
+from scd_serve.model.weights import LayerWeights
+
+Tensor = torch.Tensor
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def project_q(lw: LayerWeights, spec: ModelSpec, x: Tensor) -> Tensor:
+    # x: [..., hidden] -> q: [..., heads, head_dim] (pre-RoPE, after q_norm if any)
+    q = F.linear(x, lw.wq, lw.bq).unflatten(-1, (spec.num_heads, spec.head_dim))
+    return rms_norm(q, lw.q_norm, spec.rms_norm_eps) if lw.q_norm is not None else q
+
+
+def project_kv(lw: LayerWeights, spec: ModelSpec, x: Tensor) -> tuple[Tensor, Tensor]:
+    # x: [..., hidden] -> k_pre, v: [..., kv_heads, head_dim] (k after k_norm if any)
+    kv = F.linear(x, lw.wkv, lw.bkv)
+    k, v = kv.split(spec.kv_width, dim=-1)
+    k = k.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
+    v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
+    if lw.k_norm is not None:
+        k = rms_norm(k, lw.k_norm, spec.rms_norm_eps)
+    return k, v
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    # q: [B, Tq, heads, hd]; k, v: [B, S, kv_heads, hd]; mask: [B, 1, Tq, S] bool (True = attend)
+    # or None for plain causal with Tq == S. Returns [B, Tq, heads*hd].
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2).flatten(2)
+
+
+def finish_layer(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> Tensor:
+    # h: residual [..., hidden]; attn: attention output [..., heads*hd] -> new residual
+    h = h + F.linear(attn, lw.wo, lw.bo)
+    x = rms_norm(h, lw.ln2, spec.rms_norm_eps)
+    gate, up = F.linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+
+
+def causal_mask(q_pos: Tensor, lengths: Tensor, s: int, window: int | None) -> Tensor:
+    """[B, 1, Tq, S] bool: query at absolute position q_pos[b, i] sees key slot j iff
+    j <= q_pos[b, i], j < lengths[b] and (with a sliding window) j > q_pos[b, i] - window."""
+    # q_pos: [B, Tq] long, lengths: [B] long
+    j = torch.arange(s, device=q_pos.device)
+    ok = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < lengths[:, None, None])
+    if window is not None:
+        ok &= j[None, None, :] > q_pos[:, :, None] - window
+    return ok.unsqueeze(1)

@@ -1,0 +1,98 @@
+"""From a local HF directory (or, when no such path exists, a hub id) to spec, weights,
+rotary tables, fingerprint and tokenizer. Every failure is a ModelLoadError naming the problem."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scd_serve.errors import ModelLoadError
+from scd_serve.model.rope import Rotary, inv_freq_and_scaling
+from scd_serve.model.spec import ModelSpec, spec_from_config
+from scd_serve.model.weights import ModelWeights, group, read_tensors
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Loaded:
+    path: Path
+    spec: ModelSpec
+    weights: ModelWeights
+    rotary: Rotary
+    fingerprint: str
+    tokenizer: Any | None
+    config: dict[str, Any]
+
+
+def resolve(path: str | Path) -> Path:
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            raise ModelLoadError(f"{p}: is a file, expected a model directory (config.json + *.safetensors)")
+        return p
+    text = str(path)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):  # looks like "org/name"
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        except Exception as exc:  # offline, unknown repo, ...
+            raise ModelLoadError(f"{text}: no such directory, and fetching it as a hub id failed ({type(exc).__name__})") from None
+    raise ModelLoadError(f"{p}: no such model directory")
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no config.json, not a Hugging Face model directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path / 'config.json'}: expected a JSON object")
+    return cfg
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: tokenizer files present but unreadable ({exc})") from None
+
+
+def check_device(device: str | torch.device, dtype: torch.dtype) -> torch.device:
+    if dtype not in DTYPES.values():
+        raise ModelLoadError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"bad device {device!r} ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {device!r} is not supported; use cpu or cuda[:N]")
+    return dev
+
+
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Loaded:
+    dev = check_device(device, dtype)
+    root = resolve(path)
+    cfg = read_config(root)
+    spec = spec_from_config(cfg, where=str(root / "config.json"))
+    found, digest = read_tensors(root, spec)
+    weights = group(found, spec, dev, dtype)
+    del found
+    inv_freq, scaling = inv_freq_and_scaling(spec, cfg)
+    rotary = Rotary(inv_freq, scaling, spec.max_position_embeddings, dev, dtype)
+    fingerprint = f"{spec.family}-{digest[:16]}"
+    return Loaded(root, spec, weights, rotary, fingerprint, load_tokenizer(root), cfg)

@@ -1,0 +1,69 @@
+"""Rotary position embedding with one model's own parameters (theta, scaling).
+
+Keys are kept pre-RoPE at every boundary of the runtime (prefill output, codec, recompute)
+and rotated here with THIS model's tables, so a producer and a consumer with different
+rope_theta each apply their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scd_serve.errors import ModelLoadError
+from scd_serve.model.spec import ModelSpec
+
+
+def inv_freq_and_scaling(spec: ModelSpec, cfg: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim/2] float32 and the attention scaling applied to cos/sin."""
+    if spec.rope_type == "default":
+        dim = spec.head_dim
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, 1.0
+    # Scaled variants (linear, llama3, yarn): reuse transformers' reference formulas.
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    try:
+        hf_cfg = AutoConfig.for_model(**cfg)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[spec.rope_type](hf_cfg, None)
+    except Exception as exc:  # transformers raises many kinds on a bad rope config
+        raise ModelLoadError(f"config.json: cannot build rope type {spec.rope_type!r}: {exc}") from None
+    return inv_freq.float().cpu(), float(scaling)
+
+
+class Rotary:
+    """cos/sin computed per call from positions, as transformers does (no table to size)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, device, dtype):
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)  # [hd/2]
+        self.scaling = scaling
+        self.max_positions = max_positions
+        self.dtype = dtype
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [...] long -> cos/sin [..., 1, hd] (broadcast over heads), rounded to
+        # the compute dtype exactly where transformers rounds them
+        freqs = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.scaling).to(self.dtype)
+        sin = (emb.sin() * self.scaling).to(self.dtype)
+        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [..., T, heads, hd], positions: [..., T]
+        cos, sin = self._tables(positions)
+        return x * cos + rotate_half(x) * sin
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # inverse of rotate: R(p)^T / scaling^2 (cos^2 + sin^2 = scaling^2)
+        cos, sin = self._tables(positions)
+        out = x * cos - rotate_half(x) * sin
+        return out if self.scaling == 1.0 else out / (self.scaling**2)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+

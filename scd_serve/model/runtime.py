@@ -1,0 +1,247 @@
+"""ModelRuntime: layer-wise prefill with K/V capture, rotary helpers, recompute, paged KV pool,
+extend (prefix-attending chunks) and one batched decode step. See docs/architecture.md.
+
+All compute runs under torch.no_grad (not inference_mode) so captured tensors can feed
+training code, e.g. the codec's aligner, without a clone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from scd_serve.errors import InvalidRequest, PromptTooLong
+from scd_serve.model import loader
+from scd_serve.model.kv_pool import KVPool, block_table
+from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class LayerState:
+    keys: Tensor  # [T, kv_heads, head_dim] pre-RoPE (after k_norm for Qwen3)
+    values: Tensor  # [T, kv_heads, head_dim]
+    attn_input: Tensor  # [T, hidden] after input_layernorm
+
+
+@dataclass
+class PrefillOutput:
+    logits: Tensor  # [T, vocab] float32
+    keys: Tensor | None = None  # [L, T, kv_heads, head_dim] pre-RoPE
+    values: Tensor | None = None  # [L, T, kv_heads, head_dim]
+    attn_inputs: Tensor | None = None  # [L, T, hidden]
+
+
+class PrefillIterator:
+    """Yields (layer, LayerState) as each layer finishes. Once exhausted, `.logits` holds the
+    [T, vocab] float32 logits (also the StopIteration value); None if compute_logits=False."""
+
+    def __init__(self, gen: Iterator):
+        self._gen = gen
+        self.logits: Tensor | None = None
+
+    def __iter__(self) -> PrefillIterator:
+        return self
+
+    def __next__(self) -> tuple[int, LayerState]:
+        try:
+            return next(self._gen)
+        except StopIteration as stop:
+            self.logits = stop.value
+            raise
+
+
+class ModelRuntime:
+    def __init__(self, loaded: loader.Loaded, device: torch.device, dtype: torch.dtype):
+        self.path: Path = loaded.path
+        self.spec = loaded.spec
+        self.fingerprint = loaded.fingerprint
+        self.tokenizer = loaded.tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.weights = loaded.weights
+        self.rotary = loaded.rotary
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> ModelRuntime:
+        loaded = loader.load(path, device, dtype)
+        return cls(loaded, torch.device(device), dtype)
+
+    # ---- prefill -------------------------------------------------------------------------
+    def prefill(self, input_ids, capture: bool = True) -> PrefillOutput:
+        it = self.iter_prefill(input_ids)
+        states = [state for _, state in it]
+        if not capture:
+            return PrefillOutput(logits=it.logits)
+        return PrefillOutput(
+            logits=it.logits,
+            keys=torch.stack([s.keys for s in states]),
+            values=torch.stack([s.values for s in states]),
+            attn_inputs=torch.stack([s.attn_input for s in states]),
+        )
+
+    def iter_prefill(self, input_ids, compute_logits: bool = True) -> PrefillIterator:
+        ids = self._check_ids(input_ids)
+        return PrefillIterator(self._prefill_layers(ids, compute_logits))
+
+    @torch.no_grad()
+    def _prefill_layers(self, ids: Tensor, compute_logits: bool):
+        spec, rot = self.spec, self.rotary
+        t = ids.shape[0]
+        pos = torch.arange(t, device=self.device)
+        h = self.weights.embed[ids]  # [T, hidden]
+        masks = self._masks(pos[None], torch.tensor([t], device=self.device), t)
+        for layer, lw in enumerate(self.weights.layers):
+            x = rms_norm(h, lw.ln1, spec.rms_norm_eps)  # [T, hidden]
+            k_pre, v = project_kv(lw, spec, x)
+            q = rot.rotate(project_q(lw, spec, x), pos)
+            attn = attend(q[None], rot.rotate(k_pre, pos)[None], v[None], masks[spec.window(layer)])
+            h = finish_layer(lw, spec, h, attn[0])
+            yield layer, LayerState(keys=k_pre, values=v, attn_input=x)
+        return self._logits(h) if compute_logits else None
+
+    # ---- K/V helpers ---------------------------------------------------------------------
+    @torch.no_grad()
+    def rotate_keys(self, k_pre: Tensor, positions: Tensor) -> Tensor:
+        # k_pre: [T, kv_heads, head_dim], positions: [T] -> post-RoPE keys with this model's rotary
+        return self.rotary.rotate(k_pre.to(self.device, self.dtype), positions)
+
+    @torch.no_grad()
+    def unrotate_keys(self, k_rot: Tensor, positions: Tensor) -> Tensor:
+        return self.rotary.unrotate(k_rot.to(self.device, self.dtype), positions)
+
+    @torch.no_grad()
+    def recompute_kv(self, layer: int, attn_input: Tensor) -> tuple[Tensor, Tensor]:
+        # attn_input: [T, hidden] -> (k_pre, v): [T, kv_heads, head_dim]
+        self._check_layer(layer)
+        return project_kv(self.weights.layers[layer], self.spec, attn_input.to(self.device, self.dtype))
+
+    # ---- paged KV pool -------------------------------------------------------------------
+    def new_kv_pool(self, num_blocks: int, block_size: int) -> KVPool:
+        s = self.spec
+        return KVPool.allocate(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, self.device, self.dtype)
+
+    @torch.no_grad()
+    def write_kv(self, pool: KVPool, block_ids: Sequence[int], layer: int, k_pre: Tensor, v: Tensor, start: int = 0) -> None:
+        # k_pre, v: [T, kv_heads, head_dim] for positions start..start+T-1; keys rotated here
+        self._check_layer(layer)
+        t = k_pre.shape[0]
+        slots = pool.slots(block_ids, start, t)
+        pos = torch.arange(start, start + t, device=self.device)
+        pool.write(layer, slots, self.rotate_keys(k_pre, pos), v.to(self.device))
+
+    @torch.no_grad()
+    def extend(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, Tensor]]) -> list[Tensor]:
+        """Run each item's new tokens over its cached prefix, writing their K/V to the pool.
+        items: (block_ids, num_cached, tokens [n]) -> logits [n, vocab] float32 per item."""
+        out = []
+        for block_ids, num_cached, tokens in items:
+            ids = self._check_ids(tokens, offset=int(num_cached))
+            out.append(self._extend_one(pool, list(block_ids), int(num_cached), ids))
+        return out
+
+    def _extend_one(self, pool: KVPool, block_ids: list[int], cached: int, ids: Tensor) -> Tensor:
+        spec, rot, bs = self.spec, self.rotary, pool.block_size
+        n = ids.shape[0]
+        slots = pool.slots(block_ids, cached, n)
+        total = cached + n
+        table = block_table([block_ids[: -(-total // bs)]], pool.num_blocks, self.device)  # [1, nb]
+        pos = torch.arange(cached, total, device=self.device)
+        masks = self._masks(pos[None], torch.tensor([total], device=self.device), table.shape[1] * bs, force=True)
+        h = self.weights.embed[ids]  # [n, hidden]
+        for layer, lw in enumerate(self.weights.layers):
+            x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
+            k_pre, v = project_kv(lw, spec, x)
+            pool.write(layer, slots, rot.rotate(k_pre, pos), v)
+            kc, vc = pool.gather(layer, table)  # [1, S, kv_heads, hd]
+            q = rot.rotate(project_q(lw, spec, x), pos)
+            h = finish_layer(lw, spec, h, attend(q[None], kc, vc, masks[spec.window(layer)])[0])
+        return self._logits(h)
+
+    @torch.no_grad()
+    def decode_step(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, int]]) -> Tensor:
+        """One token for each of B sequences in ONE batched forward.
+        items: (block_ids, num_cached, token_id) -> logits [B, vocab] float32."""
+        if not items:
+            raise InvalidRequest("decode_step needs at least one item")
+        spec, rot, bs = self.spec, self.rotary, pool.block_size
+        cached = [int(c) for _, c, _ in items]
+        tokens = [int(t) for _, _, t in items]
+        self._check_positions(cached, [len(b) for b, _, _ in items], bs)
+        if min(tokens) < 0 or max(tokens) >= spec.vocab_size:
+            raise InvalidRequest(f"token ids must lie in 0..{spec.vocab_size - 1}")
+        width = -(-(max(cached) + 1) // bs)  # blocks the longest sequence needs
+        table = block_table([list(b)[:width] for b, _, _ in items], pool.num_blocks, self.device)  # [B, width]
+        pos = torch.tensor(cached, device=self.device)  # [B]
+        rows = torch.arange(len(items), device=self.device)
+        slots = table[rows, pos // bs] * bs + pos % bs  # [B]
+        masks = self._masks(pos[:, None], pos + 1, table.shape[1] * bs, force=True)  # [B, 1, 1, S]
+        h = self.weights.embed[torch.tensor(tokens, device=self.device)]  # [B, hidden]
+        for layer, lw in enumerate(self.weights.layers):
+            x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
+            k_pre, v = project_kv(lw, spec, x)  # [B, kv_heads, hd]
+            pool.write(layer, slots, rot.rotate(k_pre, pos), v)
+            kc, vc = pool.gather(layer, table)  # [B, S, kv_heads, hd]
+            q = rot.rotate(project_q(lw, spec, x), pos)  # [B, heads, hd]
+            h = finish_layer(lw, spec, h, attend(q[:, None], kc, vc, masks[spec.window(layer)])[:, 0])
+        return self._logits(h)
+
+    # ---- convenience ---------------------------------------------------------------------
+    def generate_greedy(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None, block_size: int = 16) -> list[int]:
+        """Greedy continuation through the pool (extend for the prompt, then decode_step)."""
+        ids = self._check_ids(input_ids)
+        t, limit = ids.shape[0], self.spec.max_position_embeddings
+        if max_new_tokens < 0:
+            raise InvalidRequest(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if t + max_new_tokens > limit:
+            raise PromptTooLong(
+                f"prompt of {t} tokens + {max_new_tokens} new tokens = {t + max_new_tokens} exceeds "
+                f"the model's context of {limit} positions (max_position_embeddings)"
+            )
+        if max_new_tokens == 0:
+            return []
+        num_blocks = -(-(t + max_new_tokens) // block_size)
+        pool, blocks = self.new_kv_pool(num_blocks, block_size), list(range(num_blocks))
+        token = int(self.extend(pool, [(blocks, 0, ids)])[0][-1].argmax())
+        out = [token]
+        while len(out) < max_new_tokens and token != eos_token_id:
+            token = int(self.decode_step(pool, [(blocks, t + len(out) - 1, token)])[0].argmax())
+            out.append(token)
+        return out
+
+    # ---- internals -----------------------------------------------------------------------
+    def _logits(self, h: Tensor) -> Tensor:
+        w = self.weights
+        return (rms_norm(h, w.norm, self.spec.rms_norm_eps) @ w.lm_head.T).float()
+
+    def _masks(self, q_pos: Tensor, lengths: Tensor, s: int, force: bool = False) -> dict:
+        """window -> [B, 1, Tq, S] bool mask (None for full causal square attention if not forced)."""
+        windows = {self.spec.window(i) for i in range(self.spec.num_layers)}
+        return {w: (causal_mask(q_pos, lengths, s, w) if (force or w is not None) else None) for w in windows}
+
+    def _check_ids(self, input_ids, offset: int = 0) -> Tensor:
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidRequest(f"input_ids must be a non-empty 1-D integer tensor, got shape {tuple(ids.shape)} {ids.dtype}")
+        total, limit = offset + ids.numel(), self.spec.max_position_embeddings
+        if total > limit:
+            raise PromptTooLong(f"{total} positions exceed the model's context of {limit} (max_position_embeddings)")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
+            raise InvalidRequest(f"token ids must lie in 0..{self.spec.vocab_size - 1}")
+        return ids.to(self.device, torch.long)
+
+    def _check_positions(self, cached: list[int], num_blocks: list[int], bs: int) -> None:
+        limit = self.spec.max_position_embeddings
+        for c, nb in zip(cached, num_blocks):
+            if c < 0 or c + 1 > nb * bs:
+                raise InvalidRequest(f"num_cached {c} + 1 new token does not fit in {nb} blocks of {bs}")
+            if c + 1 > limit:
+                raise PromptTooLong(f"position {c} is past the model's context of {limit} (max_position_embeddings)")
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.spec.num_layers:
+            raise InvalidRequest(f"layer {layer} out of range 0..{self.spec.num_layers - 1}")

@@ -1,0 +1,146 @@
+"""Parity of the compact runtime with transformers' own forward, for every supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from scd_serve.model import ModelRuntime
+from scd_serve.model.tiny import save_tiny_model
+
+# name -> (family, overrides): together they cover GQA and MHA, q/k/v (+o, mlp) biases,
+# q/k norm, a head_dim that is not hidden/heads, several rope_theta values, tied and
+# untied embeddings, a sliding window, and llama3 rope scaling.
+VARIANTS = {
+    "llama-gqa": ("llama", {}),
+    "llama-mha-tied-bias": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True, rope_theta=500000.0,
+                                          attention_bias=True, mlp_bias=True, num_hidden_layers=3)),
+    "llama3-rope": ("llama", dict(rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                       low_freq_factor=1.0, high_freq_factor=4.0,
+                                                       original_max_position_embeddings=32))),
+    "mistral-window": ("mistral", dict(rope_theta=1e6, sliding_window=8)),
+    "qwen2-bias-tied": ("qwen2", dict(rope_theta=1e6, tie_word_embeddings=True, num_key_value_heads=1)),
+    "qwen3-qknorm": ("qwen3", dict(rope_theta=1e6, head_dim=32, num_hidden_layers=3)),
+}
+MAX_DIFF = 1e-4
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory):
+    family, overrides = VARIANTS[request.param]
+    path = save_tiny_model(tmp_path_factory.mktemp(request.param), family, tokenizer=False, **overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return ModelRuntime.load(path), hf
+
+
+def prompt(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def hf_greedy(hf, ids: torch.Tensor, n: int) -> list[int]:
+    out = hf(ids[None], use_cache=True)
+    past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+    while len(tokens) < n:
+        out = hf(torch.tensor([[tokens[-1]]]), cache=past, use_cache=True)
+        past = out.past_key_values
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def test_prefill_logits_match_transformers(pair):
+    rt, hf = pair
+    ids = prompt(40, 1)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    got = rt.prefill(ids, capture=False)
+    assert got.keys is None and got.values is None and got.attn_inputs is None
+    assert got.logits.shape == (40, rt.spec.vocab_size)
+    assert (got.logits - ref).abs().max().item() <= MAX_DIFF
+
+
+def test_prefill_kv_and_inputs_match_transformers(pair):
+    rt, hf = pair
+    ids = prompt(24, 2)
+    with torch.no_grad():
+        ref = hf(ids[None], use_cache=True, output_hidden_states=True)
+    out = rt.prefill(ids)
+    spec = rt.spec
+    assert out.keys.shape == (spec.num_layers, 24, spec.num_kv_heads, spec.head_dim)
+    assert out.attn_inputs.shape == (spec.num_layers, 24, spec.hidden_size)
+    pos = torch.arange(24)
+    for layer in range(spec.num_layers):
+        # HF's cache holds post-RoPE keys [1, kvh, T, hd]; ours are pre-RoPE [T, kvh, hd]
+        # (a sliding-window cache keeps only the last window-1 positions: compare those)
+        hf_k = ref.past_key_values.layers[layer].keys[0].transpose(0, 1)
+        hf_v = ref.past_key_values.layers[layer].values[0].transpose(0, 1)
+        kept = hf_k.shape[0]
+        assert kept == 24 or kept == spec.sliding_window - 1
+        assert (rt.rotate_keys(out.keys[layer], pos)[-kept:] - hf_k).abs().max() <= MAX_DIFF
+        assert (out.values[layer][-kept:] - hf_v).abs().max() <= MAX_DIFF
+        with torch.no_grad():
+            hf_x = hf.model.layers[layer].input_layernorm(ref.hidden_states[layer][0])
+        assert (out.attn_inputs[layer] - hf_x).abs().max() <= MAX_DIFF
+
+
+def test_iter_prefill_streams_layers_then_logits(pair):
+    rt, _ = pair
+    ids = prompt(12, 3)
+    full = rt.prefill(ids)
+    it = rt.iter_prefill(ids)
+    assert it.logits is None
+    seen = []
+    for layer, state in it:
+        seen.append(layer)
+        assert torch.equal(state.keys, full.keys[layer]) and torch.equal(state.attn_input, full.attn_inputs[layer])
+    assert seen == list(range(rt.spec.num_layers))
+    assert torch.equal(it.logits, full.logits)
+
+
+def test_greedy_32_tokens_match_transformers(pair):
+    rt, hf = pair
+    ids = prompt(9, 4)
+    assert rt.generate_greedy(ids, 32) == hf_greedy(hf, ids, 32)
+
+
+def test_batched_decode_step_matches_transformers(pair):
+    """Three sequences of different lengths share one pool with interleaved, out-of-order
+    blocks; after extend for the prompts, every step is ONE decode_step over all three."""
+    rt, hf = pair
+    prompts = [prompt(5, 10), prompt(17, 11), prompt(11, 12)]
+    refs = [hf_greedy(hf, p, 32) for p in prompts]
+    bs, per_seq = 4, 13  # 13 blocks of 4 hold 17 + 32 positions
+    pool = rt.new_kv_pool(3 * per_seq + 2, bs)
+    blocks = [list(range(40, 40 - 3 * per_seq, -3)), list(range(0, 3 * per_seq, 3)), list(range(2, 3 * per_seq, 3))]
+    assert len({b for bl in blocks for b in bl}) == 3 * per_seq  # disjoint
+    logits = rt.extend(pool, [(b, 0, p) for b, p in zip(blocks, prompts)])
+    tokens = [[int(lg[-1].argmax())] for lg in logits]
+    for _ in range(31):
+        items = [(b, len(p) + len(t) - 1, t[-1]) for b, p, t in zip(blocks, prompts, tokens)]
+        step = rt.decode_step(pool, items)
+        assert step.shape == (3, rt.spec.vocab_size)
+        for t, row in zip(tokens, step):
+            t.append(int(row.argmax()))
+    assert tokens == refs
+
+
+def test_decode_step_logits_match_transformers(pair):
+    rt, hf = pair
+    ids = prompt(15, 5)
+    pool = rt.new_kv_pool(4, 8)
+    rt.extend(pool, [([3, 1], 0, ids[:-1])])
+    got = rt.decode_step(pool, [([3, 1], 14, int(ids[-1]))])
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, -1]
+    assert (got[0] - ref).abs().max() <= MAX_DIFF
+
+
+def test_chunked_extend_matches_one_shot(pair):
+    rt, _ = pair
+    ids = prompt(30, 6)
+    one = rt.prefill(ids, capture=False).logits
+    pool = rt.new_kv_pool(8, 4)
+    blocks = [7, 0, 5, 2, 6, 1, 4, 3]
+    chunks = [rt.extend(pool, [(blocks, a, ids[a:b])])[0] for a, b in ((0, 7), (7, 20), (20, 30))]
+    assert (torch.cat(chunks) - one).abs().max() <= MAX_DIFF
