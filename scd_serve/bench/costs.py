@@ -32,7 +32,7 @@ class RankPlan:
     patch_fraction: float = 6 / 32  # share of layers that are patch layers
     h_ratio: float = 0.72  # r_H / hidden_size on patch layers
     droidspeak_fraction: float = 4 / 32  # share of layers DroidSpeak recomputes
-    quant_group: int = 64  # elements per scale/zero pair in quant4/quant2
+    quant_group: int = 32  # elements per fp16 scale/min pair in quant4/quant2 (as scd_serve.codec.quant)
     source: str = "defaults (payload ratios of the SCD paper: reuse 0.60x raw, scd 0.76x raw)"
 
     def num_patch(self, num_layers: int) -> int:

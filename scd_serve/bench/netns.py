@@ -1,0 +1,116 @@
+"""A real shaped link: two network namespaces joined by a veth pair, `tc tbf` on both ends.
+
+The prefill worker runs in one namespace and the decode side in the other, so every byte
+of the transfer crosses the veth and its token-bucket filter, as on two hosts. Needs root
+and iproute2. `down()` always runs (context manager, atexit) and removes both
+namespaces, which also removes the veth pair and its qdiscs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+
+from scd_serve.bench.units import tc_rate
+from scd_serve.errors import Unavailable
+
+MIN_BURST = 96 * 1024  # bytes; at least a GSO super-packet so tbf never stalls
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=check)
+
+
+class NetnsLink:
+    """Producer namespace `<tag>p` (addr .1) <-veth-> consumer namespace `<tag>c` (addr .2)."""
+
+    kind = "netns+veth+tc-tbf"
+
+    def __init__(self, tag: str | None = None):
+        n = os.getpid() % 250 + 1
+        self.tag = tag or f"scdb{os.getpid()}"
+        self.producer_ns, self.consumer_ns = f"{self.tag}p", f"{self.tag}c"
+        self._veth = (f"vp{os.getpid()}"[:15], f"vc{os.getpid()}"[:15])
+        self.producer_host, self.consumer_host = f"10.213.{n}.1", f"10.213.{n}.2"
+        self.rate_bytes_per_s: float | None = None
+        self.burst_bytes = 0
+        self._up = False
+
+    @staticmethod
+    def available() -> str | None:
+        """None if namespaces can be made here, else the reason why not."""
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            return "iproute2 (ip, tc) is not installed"
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        return None
+
+    def up(self) -> "NetnsLink":
+        reason = self.available()
+        if reason:
+            raise Unavailable(f"cannot create network namespaces: {reason}")
+        atexit.register(self.down)
+        self._up = True
+        try:
+            a, b = self._veth
+            _ip("netns", "add", self.producer_ns)
+            _ip("netns", "add", self.consumer_ns)
+            _ip("link", "add", a, "type", "veth", "peer", "name", b)
+            for ns, dev, host in ((self.producer_ns, a, self.producer_host), (self.consumer_ns, b, self.consumer_host)):
+                _ip("link", "set", dev, "netns", ns)
+                _ip("-n", ns, "addr", "add", f"{host}/24", "dev", dev)
+                _ip("-n", ns, "link", "set", dev, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            err = getattr(exc, "stderr", "") or str(exc)
+            self.down()
+            raise Unavailable(f"cannot create network namespaces: {err.strip()}") from exc
+        return self
+
+    def set_rate(self, bytes_per_s: float | None) -> None:
+        """Token bucket at `bytes_per_s` on both directions; None removes shaping."""
+        for ns, dev in ((self.producer_ns, self._veth[0]), (self.consumer_ns, self._veth[1])):
+            if bytes_per_s is None:
+                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
+                continue
+            # burst ~2 ms of traffic: small enough that a transfer of a few ms is still shaped
+            burst = max(MIN_BURST, int(bytes_per_s * 0.002))
+            limit = burst + int(bytes_per_s * 0.05)  # queue up to 50 ms before dropping
+            cmd = ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", tc_rate(bytes_per_s),
+                   "burst", str(burst), "limit", str(limit)]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+            if res.returncode != 0:
+                raise Unavailable(f"tc could not shape the link: {res.stderr.strip()}")
+            self.burst_bytes = burst
+        self.rate_bytes_per_s = bytes_per_s
+
+    def exec_prefix(self, side: str) -> list[str]:
+        """Command prefix that runs a process on `side` ('producer' or 'consumer')."""
+        return ["ip", "netns", "exec", self.producer_ns if side == "producer" else self.consumer_ns]
+
+    def producer_addr(self, port: int) -> str:
+        """Where the consumer connects to reach a producer listening on `port`."""
+        return f"{self.producer_host}:{port}"
+
+    def producer_bind(self) -> str:
+        return self.producer_host
+
+    def down(self) -> None:
+        if not self._up:
+            return
+        for ns in (self.producer_ns, self.consumer_ns):
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", self._veth[0], check=False)  # only left if it never moved into a namespace
+        self._up = False
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "producer_ns": self.producer_ns, "consumer_ns": self.consumer_ns,
+                "burst_bytes": self.burst_bytes, "shaped_in_kernel": True}
+
+    def __enter__(self) -> "NetnsLink":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
