@@ -1,0 +1,51 @@
+"""Load-aware choice of a worker: least (reported load + requests we sent since), round-robin on ties.
+
+Heartbeats arrive every ~0.5 s, so between two of them the reported load is stale; the
+chooser adds the requests it has itself sent and not yet finished ("in flight") so a burst
+spreads instead of piling onto the worker that looked idle at the last heartbeat.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Candidate:
+    address: str
+    running: int = 0
+    waiting: int = 0
+    capacity: int = 0  # 0 = unknown
+
+
+@dataclass
+class LoadBalancer:
+    inflight: Counter = field(default_factory=Counter)
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def score(self, c: Candidate) -> float:
+        load = c.running + c.waiting + self.inflight[c.address]
+        return load / c.capacity if c.capacity else float(load)
+
+    def choose(self, candidates: Iterable[Candidate], exclude: Iterable[str] = ()) -> Candidate | None:
+        pool = [c for c in candidates if c.address not in set(exclude)]
+        if not pool:
+            return None
+        best = min(self.score(c) for c in pool)
+        tied = sorted((c for c in pool if self.score(c) == best), key=lambda c: c.address)
+        return tied[next(self._turn) % len(tied)]
+
+    @contextmanager
+    def track(self, address: str):
+        """Count a request against `address` while it runs (decremented in finally)."""
+        self.inflight[address] += 1
+        try:
+            yield
+        finally:
+            self.inflight[address] -= 1
+            if self.inflight[address] <= 0:
+                del self.inflight[address]

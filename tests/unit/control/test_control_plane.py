@@ -1,0 +1,97 @@
+"""Registry table, message validation, load-aware choice, and heartbeats over real ZMQ sockets."""
+
+import asyncio
+import json
+
+import pytest
+
+from scd_serve.config.control import ControlConfig
+from scd_serve.control.choice import Candidate, LoadBalancer
+from scd_serve.control.heartbeat import HeartbeatClient
+from scd_serve.control.registry import Registry, encode, parse
+from scd_serve.control.server import RegistryServer
+
+
+def hb(wid, role="prefill", address="127.0.0.1:1", ready=True, **load):
+    return {"type": "heartbeat", "id": wid, "role": role, "address": address, "ready": ready, "load": load}
+
+
+def test_registry_drops_silent_workers():
+    now = [0.0]
+    reg = Registry(ttl_s=3.0, clock=lambda: now[0])
+    reg.apply(parse(encode(hb("a", address="h:1")), 4096))
+    now[0] = 2.0
+    reg.apply(parse(encode(hb("b", role="decode", address="h:2")), 4096))
+    assert [r.id for r in reg.workers()] == ["a", "b"]
+    now[0] = 3.5
+    assert [r.id for r in reg.workers()] == ["b"]
+    assert [r.id for r in reg.workers(role="prefill")] == []
+    reg.apply({"type": "bye", "id": "b"})
+    assert reg.workers() == []
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b"\x80\x04pickle", "Expecting value|utf-8|codec"),
+    (b"[1,2]", "JSON object"),
+    (encode({"type": "heartbeat", "id": "x", "role": "boss", "address": "h:1", "ready": True}), "role"),
+    (encode(hb("x", address="nohost")), "HOST:PORT"),
+    (encode({**hb("x"), "load": {"running": "many"}}), "finite numbers"),
+    (encode({"type": "exec", "id": "x"}), "unknown message type"),
+    (b"{" + b" " * 5000 + b"}", "exceeds"),
+])
+def test_parse_rejects_bad_messages(raw, match):
+    with pytest.raises(ValueError, match=match):
+        parse(raw, 4096)
+
+
+def test_choice_prefers_least_loaded_and_counts_inflight():
+    lb = LoadBalancer()
+    a, b = Candidate("a:1", running=2), Candidate("b:1", running=0)
+    assert lb.choose([a, b]).address == "b:1"
+    with lb.track("b:1"), lb.track("b:1"), lb.track("b:1"):
+        assert lb.choose([a, b]).address == "a:1"  # 2 < 0 + 3 in flight
+    assert lb.inflight == {}
+    assert lb.choose([a, b], exclude=["b:1"]).address == "a:1"
+    assert lb.choose([a], exclude=["a:1"]) is None
+    tied = [Candidate("x:1"), Candidate("y:1")]
+    assert {lb.choose(tied).address for _ in range(4)} == {"x:1", "y:1"}  # round-robin on ties
+
+
+async def test_heartbeats_register_share_peers_and_expire():
+    cfg = ControlConfig(heartbeat_s=0.1, worker_ttl_s=0.5)
+    server = RegistryServer("tcp://127.0.0.1:0", cfg)
+    server.start()
+    seen = []
+    p = HeartbeatClient(server.url, "prefill", "127.0.0.1:7001", lambda: True, lambda: {"running": 1}, cfg)
+    d = HeartbeatClient(server.url, "decode", "127.0.0.1:8001", lambda: False, lambda: {}, cfg,
+                        on_peers=seen.append)
+    p.start()
+    d.start()
+    try:
+        for _ in range(50):
+            if len(server.registry.workers()) == 2 and seen and len(seen[-1]) == 2:
+                break
+            await asyncio.sleep(0.05)
+        roles = {r.role: r for r in server.registry.workers()}
+        assert roles["prefill"].load == {"running": 1} and roles["decode"].ready is False
+        assert {w["address"] for w in seen[-1]} == {"127.0.0.1:7001", "127.0.0.1:8001"}
+        # a crashed worker (no bye) disappears after the ttl
+        p._task.cancel()
+        await asyncio.sleep(0.8)
+        assert [r.role for r in server.registry.workers()] == ["decode"]
+        # a garbage frame is counted and dropped, the registry keeps serving
+        import zmq
+        raw = server.ctx.socket(zmq.DEALER)
+        raw.connect(server.url)
+        await raw.send(b"not json")
+        await asyncio.sleep(0.2)
+        raw.close(linger=0)
+        assert server.num_rejected >= 1 and len(server.registry.workers()) == 1
+        # a clean close says bye at once
+        await d.close()
+        await asyncio.sleep(0.2)
+        assert server.registry.workers() == []
+    finally:
+        await p.close()
+        await server.close()
+    assert json.loads(encode(server.registry.peers_message())) == {"type": "peers", "workers": []}
