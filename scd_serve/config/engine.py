@@ -1,0 +1,60 @@
+"""Engine settings: KV pool size, batch limits, admission and deadlines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scd_serve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Paged KV pool, preallocated once at start: num_blocks * block_size token slots.
+    block_size: int = 16
+    num_blocks: int = 512
+    # Longest sequence (prompt + generated tokens) the engine accepts.
+    max_model_len: int = 2048
+    # Sequences holding KV blocks at once (decode batch size bound).
+    max_num_seqs: int = 32
+    # Requests admitted at once (holding blocks + waiting for blocks); the next one gets 429.
+    max_concurrent: int = 128
+    # Tokens of local prefill run per engine step (chunked prefill keeps decode steps short).
+    max_prefill_tokens: int = 512
+    # Longest a request waits for KV blocks / a batch slot before 504.
+    queue_timeout_s: float = 30.0
+    # Deadline for a request that carries none (seconds from admission).
+    request_timeout_s: float = 300.0
+    # The step loop counts as stalled (ready() false) when one iteration takes longer.
+    stall_timeout_s: float = 10.0
+    # How often an idle loop wakes to check deadlines and report liveness.
+    idle_poll_s: float = 0.05
+    # Retry-After (seconds) sent with 429.
+    retry_after_s: int = 1
+    # When a KV fill (transfer) fails, prefill the prompt locally instead of failing the request.
+    fallback_to_local: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_concurrent",
+                     "max_prefill_tokens", "retry_after_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"engine.{name} must be an integer >= 1, got {value!r}")
+        for name in ("queue_timeout_s", "request_timeout_s", "stall_timeout_s", "idle_poll_s"):
+            value = getattr(self, name)
+            if not (0 < value <= 86400):
+                raise ConfigError(f"engine.{name} must be in (0, 86400] seconds, got {value!r}")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            # otherwise a single sequence could run out of blocks with nobody left to preempt
+            raise ConfigError(
+                f"engine KV pool holds {self.num_blocks * self.block_size} tokens "
+                f"(num_blocks {self.num_blocks} x block_size {self.block_size}), "
+                f"less than max_model_len {self.max_model_len}")
+        if self.max_concurrent < self.max_num_seqs:
+            raise ConfigError(f"engine.max_concurrent ({self.max_concurrent}) must be >= "
+                              f"max_num_seqs ({self.max_num_seqs})")
+        if self.idle_poll_s >= self.stall_timeout_s:
+            raise ConfigError("engine.idle_poll_s must be shorter than stall_timeout_s")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

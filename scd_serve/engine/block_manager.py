@@ -1,0 +1,72 @@
+"""BlockManager: hands out KV pool blocks to sequences. Plain Python, no torch.
+
+A sequence with n token slots in use holds ceil(n / block_size) blocks; position p lives in
+block_ids[p // block_size]. No prefix sharing: every block has exactly one owner, so a
+free is always safe and the pool is back to full once every sequence is released.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from scd_serve.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._owner: dict[int, int] = {}  # block id -> seq_id, to catch double frees early
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission: blocks for every token the sequence holds now (prompt, or prompt+output
+    #    after a preemption), which also covers the slot of its first decode step.
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_for(seq.num_tokens) - len(seq.block_ids) <= self.num_free
+
+    def allocate(self, seq: Sequence) -> None:
+        need = self.blocks_for(seq.num_tokens) - len(seq.block_ids)
+        if need > self.num_free:
+            raise RuntimeError(f"allocate without can_allocate: need {need}, free {self.num_free}")
+        for _ in range(need):
+            self._take(seq)
+
+    # -- decode: the next step writes position num_cached; it needs a slot there.
+    def can_append(self, seq: Sequence) -> bool:
+        return self._append_need(seq) <= self.num_free
+
+    def may_append(self, seq: Sequence) -> None:
+        need = self._append_need(seq)
+        if need > self.num_free:
+            raise RuntimeError(f"may_append without can_append: need {need}, free {self.num_free}")
+        for _ in range(need):
+            self._take(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Idempotent: a sequence with no blocks is left alone."""
+        for block in reversed(seq.block_ids):
+            if self._owner.pop(block, None) != seq.seq_id:
+                raise RuntimeError(f"block {block} freed by seq {seq.seq_id} but not owned by it")
+            self._free.appendleft(block)  # reuse hot blocks first
+        seq.block_ids = []
+
+    def _append_need(self, seq: Sequence) -> int:
+        return max(0, self.blocks_for(seq.num_cached + 1) - len(seq.block_ids))
+
+    def _take(self, seq: Sequence) -> None:
+        block = self._free.popleft()
+        self._owner[block] = seq.seq_id
+        seq.block_ids.append(block)

@@ -1,0 +1,318 @@
+"""Engine: continuous batching in its own thread, an asyncio `generate` on the outside.
+
+All scheduler and block-manager state is owned by the step-loop thread. The asyncio side
+talks to it only through a thread-safe inbox (add, filled, fallback, abort), applied
+between steps; the loop answers through each request's asyncio.Queue. Blocks are freed
+on every path: finish, error, deadline, client gone (abort from `finally`), engine death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from scd_serve.config.engine import EngineConfig
+from scd_serve.engine.block_manager import BlockManager
+from scd_serve.engine.detokenizer import Detokenizer
+from scd_serve.engine.fill import run_fill
+from scd_serve.engine.request import GenerationRequest, KVFill, TokenEvent, Usage
+from scd_serve.engine.runner import Runner
+from scd_serve.engine.scheduler import Scheduler
+from scd_serve.engine.sequence import Sequence
+from scd_serve.engine.sink import LayerSink
+from scd_serve.errors import (DeadlineExceeded, EngineDead, InvalidRequest, Overloaded, PromptTooLong,
+                              ScdError, ShuttingDown)
+
+log = logging.getLogger("scd_serve.engine")
+
+_POLL_S = 0.25  # how often a waiting request re-checks engine death
+
+
+@dataclasses.dataclass
+class BlocksReady:
+    """First message to a filling request: its blocks are allocated; write through `sink`."""
+
+    sink: LayerSink
+
+
+@dataclasses.dataclass(eq=False)
+class _Handle:
+    seq: Sequence
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    detok: Detokenizer
+    sink: LayerSink | None = None
+
+
+class Engine:
+    def __init__(self, runtime: Any, config: EngineConfig):
+        self.config = config
+        self.runtime = runtime
+        self.tokenizer = runtime.tokenizer
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.scheduler = Scheduler(config, self.block_manager, frozenset([eos] if eos is not None else []))
+        self.runner = Runner(runtime, config)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _handles (touched from any event loop)
+        self._handles: dict[str, _Handle] = {}  # request_id -> handle, for admission
+        self._live: dict[int, _Handle] = {}  # seq_id -> handle; loop thread only
+        self._outbox: list[tuple[_Handle, Any]] = []  # loop thread only, flushed once per step
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self._accepting = True
+        self._beat = time.monotonic()
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+        self.num_fallbacks = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._beat = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="scd-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Drain: refuse new requests, let running ones finish within grace_s, end the rest
+        with a `shutting_down` error, then stop the loop."""
+        self._accepting = False
+        end = time.monotonic() + max(0.0, grace_s)
+        while self._num_handles() and time.monotonic() < end and self._loop_alive():
+            await asyncio.sleep(0.02)
+        with self._lock:
+            left = list(self._handles.values())
+        for h in left:
+            self._send(("abort", h, ShuttingDown("server shut down before the request finished")))
+        end = time.monotonic() + 2.0
+        while self._num_handles() and time.monotonic() < end and self._loop_alive():
+            await asyncio.sleep(0.02)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+
+    def ready(self) -> bool:
+        return (self._accepting and self._loop_alive()
+                and time.monotonic() - self._beat < self.config.stall_timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_filling": self.scheduler.num_filling,
+            "num_requests": self._num_handles(),
+            "num_free_blocks": self.block_manager.num_free,
+            "num_total_blocks": self.block_manager.num_blocks,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.num_steps,
+            "num_fallbacks": self.num_fallbacks,
+            "ready": self.ready(),
+        }
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, req: GenerationRequest, kv_fill: KVFill | None = None) -> AsyncIterator[TokenEvent]:
+        self._check_accepting()
+        n, max_tokens = req.num_prompt_tokens, req.params.max_tokens
+        if n < 1:
+            raise InvalidRequest("prompt is empty: it must contain at least one token", field="prompt")
+        if n + max_tokens > self.config.max_model_len:
+            raise PromptTooLong(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                                f"exceeds the maximum context length {self.config.max_model_len}", field="max_tokens")
+        deadline = req.deadline if req.deadline is not None else time.monotonic() + self.config.request_timeout_s
+        req = dataclasses.replace(req, deadline=deadline)
+        seq = Sequence(req, needs_fill=kv_fill is not None and n > 1)
+        h = _Handle(seq, asyncio.get_running_loop(), asyncio.Queue(),
+                    Detokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop))
+        with self._lock:
+            if len(self._handles) >= self.config.max_concurrent:
+                raise Overloaded(f"engine is at capacity ({self.config.max_concurrent} requests), retry later",
+                                 retry_after_s=self.config.retry_after_s)
+            if req.request_id in self._handles:
+                raise InvalidRequest(f"request id {req.request_id!r} is already in flight", field="request_id")
+            self._handles[req.request_id] = h
+        log.debug("admitted request_id=%s prompt_tokens=%d max_tokens=%d method=%s",
+                  req.request_id, n, max_tokens, req.method)
+        try:
+            self._send(("add", h))
+            if seq.needs_fill:
+                ready = await self._next(h, deadline)
+                failure = await run_fill(kv_fill, req, ready.sink, lambda: self._next(h, deadline))
+                if failure is None:
+                    self._send(("filled", h))
+                elif self.config.fallback_to_local and not isinstance(failure, DeadlineExceeded):
+                    log.warning("request_id=%s KV fill failed (%s); prefilling locally", req.request_id, failure.type)
+                    self._send(("fallback", h))
+                else:
+                    raise failure
+            while True:
+                event = await self._next(h, deadline)
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self._send(("abort", h, None))  # no-op when already finished; frees blocks otherwise
+            with self._lock:
+                self._handles.pop(req.request_id, None)
+
+    async def _next(self, h: _Handle, deadline: float) -> Any:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(f"request {h.seq.request.request_id} exceeded its deadline")
+            try:
+                item = await asyncio.wait_for(h.queue.get(), timeout=min(remaining, _POLL_S))
+            except TimeoutError:
+                if self._dead is not None or (self._thread is not None and not self._thread.is_alive()):
+                    raise EngineDead("the engine loop has stopped") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    # ---------------------------------------------------------------- helpers (any thread)
+    def _check_accepting(self) -> None:
+        if self._dead is not None or (self._thread is not None and not self._thread.is_alive()):
+            raise EngineDead("the engine loop has stopped")
+        if not self._accepting:
+            raise ShuttingDown("server is shutting down")
+        if self._thread is None:
+            raise ShuttingDown("engine is not started")
+
+    def _loop_alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    def _num_handles(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    # ---------------------------------------------------------------- the step loop (its thread)
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._beat = time.monotonic()
+                self._apply_inbox()
+                self._expire(time.monotonic())
+                batch = self.scheduler.schedule()
+                for seq in batch.filling:
+                    h = self._live[seq.seq_id]
+                    h.sink = self.runner.sink_for(seq)
+                    self._outbox.append((h, BlocksReady(h.sink)))
+                if batch.is_empty:
+                    self._flush()
+                    if self._wake.wait(self.config.idle_poll_s):
+                        self._wake.clear()
+                    continue
+                tokens = self.runner.run(batch)
+                self.scheduler.postprocess(batch, tokens)
+                for seq, token in zip(batch.decodes, tokens, strict=True):
+                    self._emit_token(seq, token)
+                self.num_generated_tokens += len(tokens)
+                self.num_steps += 1
+                self._flush()
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the loop; requests must hear of it
+            self._die(exc)
+
+    def _apply_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind, h = command[0], command[1]
+            if kind == "add":
+                self._live[h.seq.seq_id] = h
+                self.scheduler.add(h.seq)
+            elif kind == "filled":
+                self.scheduler.fill_done(h.seq)
+            elif kind == "fallback":
+                if h.sink is not None:
+                    h.sink.close()  # no late writes over the local prefill
+                if self.scheduler.fill_failed(h.seq):
+                    self.num_fallbacks += 1
+            elif kind == "abort":
+                self._end(h, "abort", command[2])
+
+    def _expire(self, now: float) -> None:
+        for seq, why in self.scheduler.expired(now):
+            h = self._live[seq.seq_id]
+            if why == "queue_timeout":
+                err = DeadlineExceeded(f"request waited more than {self.config.queue_timeout_s:g} s "
+                                       f"for capacity (queue_timeout_s)")
+            else:
+                err = DeadlineExceeded(f"request {seq.request.request_id} exceeded its deadline")
+            self._end(h, why, err)
+
+    def _end(self, h: _Handle, reason: str, error: ScdError | None) -> None:
+        """Finish a sequence early (abort, deadline, shutdown) and free its blocks."""
+        if h.sink is not None:
+            h.sink.close()  # waits for a write in flight; later writes are refused
+        if self._live.pop(h.seq.seq_id, None) is None:
+            return  # already finished, or never reached the loop
+        self.scheduler.finish(h.seq, reason)
+        if error is not None:
+            self._outbox.append((h, error))
+        log.debug("ended request_id=%s reason=%s output_tokens=%d", h.seq.request.request_id, reason,
+                  h.seq.num_output_tokens)
+
+    def _emit_token(self, seq: Sequence, token: int) -> None:
+        h = self._live[seq.seq_id]
+        delta = h.detok.add(token)
+        if h.detok.stopped and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+        if not seq.is_finished:
+            self._outbox.append((h, TokenEvent(token, delta)))
+            return
+        delta += h.detok.flush()
+        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
+        self._outbox.append((h, TokenEvent(token, delta, seq.finish_reason, usage)))
+        del self._live[seq.seq_id]
+        log.debug("finished request_id=%s reason=%s output_tokens=%d", seq.request.request_id,
+                  seq.finish_reason, seq.num_output_tokens)
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for h, item in self._outbox:
+            by_loop.setdefault(h.loop, []).append((h.queue, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed; its requests are gone
+                pass
+
+    def _die(self, exc: BaseException) -> None:
+        self._dead = exc
+        log.error("engine loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        err = EngineDead(f"the engine failed: {type(exc).__name__}")
+        self._outbox = [(h, item) for h, item in self._outbox if isinstance(item, ScdError)]
+        for h in list(self._live.values()):
+            if h.sink is not None:
+                h.sink.close()
+            self._live.pop(h.seq.seq_id, None)
+            try:
+                self.scheduler.finish(h.seq, "error")
+            except Exception:  # noqa: BLE001 - bookkeeping may be what broke; still tell everyone
+                log.exception("could not release request_id=%s", h.seq.request.request_id)
+            self._outbox.append((h, err))
+        self._flush()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -1,0 +1,176 @@
+"""Scheduler: continuous batching over the block manager. Plain Python, no torch.
+
+One engine step is `batch = schedule()` -> `tokens = runner.run(batch)` ->
+`postprocess(batch, tokens)`. Each step decodes one token for every running sequence that
+has its prompt cached, and runs up to `max_prefill_tokens` of chunked local prefill.
+Running sequences come first: they get their next slot before waiting ones are admitted;
+when the pool runs dry the newest running sequence is preempted (blocks freed) and later
+recomputed locally from its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from scd_serve.config.engine import EngineConfig
+from scd_serve.engine.block_manager import BlockManager
+from scd_serve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens to cache now)
+    decodes: list[Sequence] = field(default_factory=list)  # one token each
+    filling: list[Sequence] = field(default_factory=list)  # just got blocks; their KV fill may start
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefills or self.decodes)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: frozenset[int] = frozenset()):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.filling: dict[int, Sequence] = {}
+        self.running: list[Sequence] = []
+        self._waiting_since: dict[int, float] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_filling(self) -> int:
+        return len(self.filling)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.filling or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._waiting_since[seq.seq_id] = seq.arrival
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        for seq in list(self.running):  # oldest first
+            if seq.status is not SequenceStatus.RUNNING or seq.num_to_prefill:
+                continue
+            while not self.block_manager.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.may_append(seq)
+                batch.decodes.append(seq)
+        if not batch.preempted:  # re-admitting right after a preemption would only thrash
+            self._admit(batch)
+        budget = self.config.max_prefill_tokens
+        for seq in self.running:
+            if budget and seq.num_to_prefill:
+                n = min(seq.num_to_prefill, budget)
+                batch.prefills.append((seq, n))
+                budget -= n
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Advance prefills, append one token per decode; returns the sequences that finished."""
+        for seq, n in batch.prefills:
+            seq.num_cached += n
+        finished = []
+        for seq, token in zip(batch.decodes, token_ids, strict=True):
+            seq.append_token(token)
+            params = seq.request.params
+            if token in self.eos_token_ids and not params.ignore_eos:
+                self.finish(seq, "stop")
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                self.finish(seq, "length")
+            else:
+                continue
+            finished.append(seq)
+        return finished
+
+    def fill_done(self, seq: Sequence) -> None:
+        """The KV fill wrote tokens 0..T-2: the sequence decodes from its last prompt token."""
+        if self.filling.pop(seq.seq_id, None) is None:
+            return  # aborted meanwhile
+        seq.num_cached = seq.num_tokens - 1
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def fill_failed(self, seq: Sequence) -> bool:
+        """Fallback: the fill broke off, so prefill locally into the blocks it already holds."""
+        if self.filling.pop(seq.seq_id, None) is None:
+            return False
+        seq.needs_fill = False
+        seq.num_cached = 0
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove from every queue and free its blocks. Idempotent; reachable from every state."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.FILLING:
+            del self.filling[seq.seq_id]
+        else:
+            self.running.remove(seq)
+        self._waiting_since.pop(seq.seq_id, None)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def expired(self, now: float) -> list[tuple[Sequence, str]]:
+        """Sequences past their deadline ("deadline") or queued too long ("queue_timeout")."""
+        out = []
+        for seq in [*self.waiting, *self.filling.values(), *self.running]:
+            deadline = seq.request.deadline
+            if deadline is not None and now >= deadline:
+                out.append((seq, "deadline"))
+            elif (seq.status is SequenceStatus.WAITING
+                  and now - self._waiting_since[seq.seq_id] >= self.config.queue_timeout_s):
+                out.append((seq, "queue_timeout"))
+        return out
+
+    def _admit(self, batch: ScheduledBatch) -> None:
+        while self.waiting and self.num_running + self.num_filling < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break  # FIFO: no overtaking, so a long prompt is not starved by short ones
+            self.waiting.popleft()
+            del self._waiting_since[seq.seq_id]
+            self.block_manager.allocate(seq)
+            if seq.needs_fill:
+                seq.status = SequenceStatus.FILLING
+                self.filling[seq.seq_id] = seq
+                batch.filling.append(seq)
+            else:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                if not seq.num_to_prefill:  # a 1-token prompt: its blocks already hold the first slot
+                    batch.decodes.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_cached = 0
+        seq.needs_fill = False  # recompute locally from prompt + output so far
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self._waiting_since[seq.seq_id] = time.monotonic()

@@ -1,0 +1,76 @@
+"""Sequence: one request's state inside the engine (tokens, blocks, progress). No torch."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum, auto
+from typing import Any
+
+from scd_serve.engine.request import GenerationRequest
+
+_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # admitted, waiting for KV blocks and a batch slot
+    FILLING = auto()  # holds blocks; a KV fill (transfer) is writing the prompt's K/V
+    RUNNING = auto()  # in the batch: local prefill chunks, then one decode step per engine step
+    FINISHED = auto()
+
+
+class Sequence:
+    """Tokens 0..num_cached-1 have K/V in the pool; the next step feeds token num_cached.
+
+    Every sequence follows the same path: the K/V of token_ids[:-1] (local chunked prefill,
+    a remote fill, or a recompute after preemption), then decode steps starting from the
+    last token. So the first decode step of a new request yields its first output token.
+    """
+
+    def __init__(self, request: GenerationRequest, *, needs_fill: bool = False, now: float | None = None):
+        self.seq_id = next(_ids)
+        self.request = request
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.block_ids: list[int] = []
+        self.num_cached = 0
+        self.status = SequenceStatus.WAITING
+        self.needs_fill = needs_fill  # cleared after a preemption: recompute is local
+        self.arrival = time.monotonic() if now is None else now
+        self.finish_reason: str | None = None
+        self.sampler_state: Any = None  # the sampler's per-sequence RNG; opaque here
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, request={self.request.request_id!r}, tokens={self.num_tokens}, "
+                f"cached={self.num_cached}, blocks={len(self.block_ids)}, {self.status.name})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_to_prefill(self) -> int:
+        """Tokens still to be cached before the sequence can decode (all but the last)."""
+        return max(0, self.num_tokens - 1 - self.num_cached)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        # the fed token (old last) now has K/V in the pool
+        self.num_cached = self.num_tokens
+        self.token_ids.append(token_id)

@@ -1,0 +1,52 @@
+"""LayerSink: where a KV fill (a transfer) writes one request's prompt K/V, layer by layer.
+
+It checks every write (layer range, shape) before it touches the pool, and once closed
+(request aborted, failed or timed out) it refuses writes, so a late chunk can never land
+in blocks that were freed and handed to another request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from scd_serve.errors import TransferCorrupt, TransferFailed
+
+
+class LayerSink:
+    def __init__(self, write: Callable[[int, Any, Any], None], *, request_id: str, num_layers: int,
+                 num_tokens: int, kv_heads: int, head_dim: int):
+        self._write = write  # (layer, k_pre, v) -> stores into this request's blocks
+        self.request_id = request_id
+        self.num_layers = num_layers
+        self.num_tokens = num_tokens  # T-1: every prompt token but the last
+        self.shape = (num_tokens, kv_heads, head_dim)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._written: set[int] = set()
+
+    @property
+    def complete(self) -> bool:
+        return len(self._written) == self.num_layers
+
+    @property
+    def num_written(self) -> int:
+        return len(self._written)
+
+    def write_layer(self, layer: int, k_pre: Any, v: Any) -> None:
+        # k_pre, v: [T-1, kv_heads, head_dim]; k before RoPE (the pool rotates it)
+        if not (isinstance(layer, int) and 0 <= layer < self.num_layers):
+            raise TransferCorrupt(f"layer {layer!r} outside 0..{self.num_layers - 1}")
+        for name, t in (("k", k_pre), ("v", v)):
+            if tuple(t.shape) != self.shape:
+                raise TransferCorrupt(f"layer {layer} {name} has shape {tuple(t.shape)}, expected {self.shape}")
+        with self._lock:  # close() waits for a write in progress
+            if self._closed:
+                raise TransferFailed(f"request {self.request_id} no longer accepts K/V (aborted or timed out)")
+            self._write(layer, k_pre, v)
+            self._written.add(layer)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
