@@ -1,0 +1,34 @@
+"""Model settings: which local model directory, on which device, in which dtype."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from scd_serve.errors import ConfigError
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # Local Hugging Face directory: config.json + *.safetensors (+ tokenizer files).
+    path: str
+    # "cpu" (default; nothing assumes a GPU) or "cuda" / "cuda:N".
+    device: str = "cpu"
+    # Compute and KV-pool dtype.
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError("model path must be a non-empty string", field="path")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}", field="device")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}", field="dtype")
+
+    @property
+    def torch_dtype(self):
+        import torch  # kept local: config modules are imported by torch-free bookkeeping code
+
+        return getattr(torch, self.dtype)
