@@ -32,30 +32,34 @@ class Detokenizer:
         if self.stopped:
             return ""
         self._ids.append(token_id)
+        self._advance(final=False)
+        return self._take(final=self.stopped)
+
+    def flush(self) -> str:
+        """At the end of the sequence: the held-back rest, including a trailing partial character."""
+        if not self.stopped:
+            self._advance(final=True)
+        return self._take(final=True)
+
+    def _advance(self, final: bool) -> None:
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""  # nothing new, or a partial character
-        delta = full[len(prefix):]
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return  # nothing new, or a partial character
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         start = max(0, len(self.text) - self._hold)  # a stop may straddle old and new text
-        self.text += delta
+        self.text += full[len(prefix):]
         cut = self._find_stop(start)
         if cut is not None:
             self.text = self.text[:cut]
             self.stopped = True
-            return self.flush()
-        stable = len(self.text) - self._hold
-        if stable <= self._emitted:
-            return ""
-        out = self.text[self._emitted:stable]
-        self._emitted = stable
-        return out
 
-    def flush(self) -> str:
-        """The held-back rest, once the sequence has finished."""
-        out = self.text[self._emitted:]
-        self._emitted = len(self.text)
+    def _take(self, final: bool) -> str:
+        end = len(self.text) if final else len(self.text) - self._hold
+        if end <= self._emitted:
+            return ""
+        out = self.text[self._emitted:end]
+        self._emitted = end
         return out
 
     def _find_stop(self, start: int) -> int | None:

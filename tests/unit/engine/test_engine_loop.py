@@ -1,0 +1,301 @@
+"""Engine over the toy runtime: batching correctness, determinism, aborts, deadlines, fills, death, drain."""
+
+import asyncio
+import time
+
+import pytest
+
+from scd_serve.config.engine import EngineConfig
+from scd_serve.engine.engine import Engine
+from scd_serve.engine.request import GenerationRequest, SamplingParams
+from scd_serve.engine.toy import ToyRuntime
+from scd_serve.errors import DeadlineExceeded, EngineDead, Overloaded, PromptTooLong, ShuttingDown, TransferFailed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def cfg(**kw):
+    base = dict(num_blocks=64, block_size=4, max_model_len=128, max_num_seqs=16, max_concurrent=32,
+                max_prefill_tokens=16, idle_poll_s=0.01, stall_timeout_s=1.0)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+@pytest.fixture
+async def engine():
+    eng = Engine(ToyRuntime(), cfg())
+    eng.start()
+    yield eng
+    await eng.stop(grace_s=1)
+
+
+def req(rid, prompt, **params):
+    params.setdefault("temperature", 0)
+    params.setdefault("max_tokens", 8)
+    return GenerationRequest(rid, list(prompt), SamplingParams(**params))
+
+
+async def collect(eng, r, kv_fill=None):
+    events = [e async for e in eng.generate(r, kv_fill)]
+    return [e.token_id for e in events if e.token_id is not None], events
+
+
+async def wait_clean(eng, timeout=2.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = eng.stats()
+        if s["num_free_blocks"] == s["num_total_blocks"] and not eng.scheduler.has_unfinished() \
+                and s["num_requests"] == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not back to clean state: {eng.stats()}")
+
+
+def prompts(rt, n):
+    return [rt.tokenizer.encode(f"prompt number {i} " + "x" * (i * 3)) for i in range(n)]
+
+
+async def test_greedy_output_equals_reference(engine):
+    rt = engine.runtime
+    for prompt in ([5], rt.tokenizer.encode("hello world, a longer prompt over several blocks")):
+        tokens, events = await collect(engine, req("a", prompt, max_tokens=12))
+        assert tokens == rt.greedy(prompt, 12)
+        last = events[-1]
+        assert last.finish_reason in ("length", "stop")
+        assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == len(tokens)
+        assert "".join(e.text_delta for e in events) == rt.tokenizer.decode(tokens, skip_special_tokens=True)
+    await wait_clean(engine)
+
+
+async def test_sixteen_concurrent_prompts_equal_solo_runs(engine):
+    rt = engine.runtime
+    ps = prompts(rt, 16)
+    solo = [rt.greedy(p, 10) for p in ps]
+    outs = await asyncio.gather(*(collect(engine, req(f"r{i}", p, max_tokens=10)) for i, p in enumerate(ps)))
+    assert [o[0] for o in outs] == solo
+    await wait_clean(engine)
+
+
+async def test_preemption_under_a_small_pool_keeps_outputs_exact():
+    eng = Engine(ToyRuntime(), cfg(num_blocks=32, max_model_len=64, max_num_seqs=8))
+    eng.start()
+    try:
+        rt = eng.runtime
+        ps = [rt.tokenizer.encode("p%d " % i + "y" * 20) for i in range(8)]  # 8 x 24+ tokens > 128 slots
+        outs = await asyncio.gather(*(collect(eng, req(f"r{i}", p, max_tokens=20)) for i, p in enumerate(ps)))
+        assert [o[0] for o in outs] == [rt.greedy(p, 20) for p in ps]
+        await wait_clean(eng)
+    finally:
+        await eng.stop(1)
+
+
+async def test_seeded_sampling_is_deterministic(engine):
+    p = engine.runtime.tokenizer.encode("seeded")
+    a, _ = await collect(engine, req("a", p, temperature=1.0, top_p=0.9, seed=123, max_tokens=16))
+    b, _ = await collect(engine, req("b", p, temperature=1.0, top_p=0.9, seed=123, max_tokens=16))
+    c, _ = await collect(engine, req("c", p, temperature=1.0, top_p=0.9, seed=124, max_tokens=16))
+    assert a == b and a != c
+
+
+async def test_client_gone_aborts_and_frees_blocks(engine):
+    engine.runtime.step_delay_s = 0.005
+    gen = engine.generate(req("a", [1, 2, 3], max_tokens=100))
+    n = 0
+    async for _ in gen:
+        n += 1
+        if n == 3:
+            break
+    await gen.aclose()
+    await wait_clean(engine, timeout=1.0)
+    steps = engine.runtime.num_steps
+    await asyncio.sleep(0.1)
+    assert engine.runtime.num_steps == steps  # it stopped generating
+    tokens, _ = await collect(engine, req("a", [1, 2, 3], max_tokens=4))  # the id is free again
+    assert len(tokens) == 4
+
+
+async def test_overloaded_is_immediate_and_prompt_too_long_names_both_numbers():
+    eng = Engine(ToyRuntime(), cfg(max_concurrent=16, max_num_seqs=16))
+    eng.runtime.step_delay_s = 0.01
+    eng.start()
+    try:
+        gens = [eng.generate(req(f"r{i}", [1, 2], max_tokens=50)) for i in range(16)]
+        firsts = await asyncio.gather(*(g.__anext__() for g in gens))
+        assert len(firsts) == 16
+        t0 = time.monotonic()
+        with pytest.raises(Overloaded) as e:
+            await eng.generate(req("x", [1])).__anext__()
+        assert time.monotonic() - t0 < 0.1 and e.value.headers["Retry-After"] == "1"
+        with pytest.raises(PromptTooLong) as e:
+            await eng.generate(req("y", [1] * 100, max_tokens=29)).__anext__()
+        assert "100" in e.value.message and "29" in e.value.message and "128" in e.value.message
+        for g in gens:
+            await g.aclose()
+        await wait_clean(eng)
+        tokens, _ = await collect(eng, req("z", [1] * 100, max_tokens=28))  # exactly max_model_len: fine
+        assert len(tokens) == 28 or tokens[-1] == eng.tokenizer.eos_token_id
+    finally:
+        await eng.stop(1)
+
+
+async def test_queue_timeout_gives_deadline_exceeded_in_time():
+    eng = Engine(ToyRuntime(), cfg(num_blocks=8, max_model_len=32, queue_timeout_s=0.5))
+    eng.runtime.step_delay_s = 0.15
+    eng.start()
+    try:
+        hog = eng.generate(req("hog", [1] * 28, max_tokens=4))  # holds 7-8 of 8 blocks for 6 steps (~0.9 s)
+        hog_task = asyncio.ensure_future(collect_gen(hog))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded) as e:
+            await collect(eng, req("late", [1] * 28, max_tokens=4))
+        assert 0.5 <= time.monotonic() - t0 < 1.0 and "queue_timeout_s" in e.value.message
+        await hog_task
+        await wait_clean(eng)
+    finally:
+        await eng.stop(1)
+
+
+async def collect_gen(gen):
+    return [e async for e in gen]
+
+
+async def test_request_deadline_ends_a_long_generation(engine):
+    engine.runtime.step_delay_s = 0.01
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        r = req("a", [1, 2], max_tokens=100, )
+        r.deadline = time.monotonic() + 0.2
+        await collect(engine, r)
+    assert time.monotonic() - t0 < 0.6
+    await wait_clean(engine)
+
+
+async def test_stop_sequence_ends_output_before_it(engine):
+    rt = engine.runtime
+    p = rt.tokenizer.encode("stop test")
+    ref = rt.tokenizer.decode(rt.greedy(p, 30), skip_special_tokens=True)
+    stop = ref[10:12]
+    cut = ref.find(stop)
+    tokens, events = await collect(engine, req("a", p, max_tokens=30, stop=(stop,)))
+    assert "".join(e.text_delta for e in events) == ref[:cut]
+    assert events[-1].finish_reason == "stop"
+    await wait_clean(engine)
+
+
+def fill_from(rt, fail_at_layer=None, delay=0.0):
+    calls = []
+
+    async def kv_fill(r, sink):
+        out = rt.prefill(r.prompt_token_ids[:-1])
+        calls.append(r.request_id)
+        for layer in range(sink.num_layers):
+            if layer == fail_at_layer:
+                raise ConnectionError("peer went away")
+            await asyncio.sleep(delay)
+            sink.write_layer(layer, out.keys[layer], out.values[layer])
+    kv_fill.calls = calls
+    return kv_fill
+
+
+async def test_remote_fill_gives_the_same_tokens_as_local(engine):
+    rt = engine.runtime
+    ps = prompts(rt, 6)
+    fill = fill_from(rt)
+    outs = await asyncio.gather(*(collect(engine, req(f"r{i}", p, max_tokens=8), fill) for i, p in enumerate(ps)))
+    assert [o[0] for o in outs] == [rt.greedy(p, 8) for p in ps]
+    assert len(fill.calls) == 6
+    await wait_clean(engine)
+
+
+async def test_failed_fill_falls_back_to_local_or_fails_cleanly():
+    rt = ToyRuntime()
+    p = rt.tokenizer.encode("fallback please")
+    for fallback in (True, False):
+        eng = Engine(rt, cfg(fallback_to_local=fallback))
+        eng.start()
+        try:
+            if fallback:
+                tokens, _ = await collect(eng, req("a", p), fill_from(rt, fail_at_layer=1))
+                assert tokens == rt.greedy(p, 8) and eng.stats()["num_fallbacks"] == 1
+            else:
+                with pytest.raises(TransferFailed):
+                    await collect(eng, req("a", p), fill_from(rt, fail_at_layer=1))
+            await wait_clean(eng)
+        finally:
+            await eng.stop(1)
+
+
+async def test_late_write_after_abort_is_refused(engine):
+    rt = engine.runtime
+    sinks = []
+
+    async def slow_fill(r, sink):
+        sinks.append(sink)
+        await asyncio.sleep(10)
+
+    gen = engine.generate(req("a", [1, 2, 3, 4, 5]), slow_fill)
+    task = asyncio.ensure_future(gen.__anext__())
+    while not sinks:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await gen.aclose()
+    await wait_clean(engine)
+    out = rt.prefill([1, 2, 3, 4])
+    with pytest.raises(TransferFailed):
+        sinks[0].write_layer(0, out.keys[0], out.values[0])
+
+
+async def test_engine_death_fails_requests_and_readiness():
+    eng = Engine(ToyRuntime(), cfg())
+    eng.start()
+    assert eng.ready()
+    eng.runtime.fail_after_steps = 3
+    with pytest.raises(EngineDead):
+        await collect(eng, req("a", [1, 2, 3], max_tokens=50))
+    assert not eng.ready()
+    t0 = time.monotonic()
+    with pytest.raises(EngineDead):
+        await collect(eng, req("b", [1]))
+    assert time.monotonic() - t0 < 0.1
+    s = eng.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+    await eng.stop(0.1)
+
+
+async def test_stalled_step_makes_engine_not_ready():
+    eng = Engine(ToyRuntime(), cfg(stall_timeout_s=0.3, idle_poll_s=0.01))
+    eng.start()
+    try:
+        eng.runtime.step_delay_s = 1.0
+        task = asyncio.ensure_future(collect(eng, req("a", [1], max_tokens=1)))
+        await asyncio.sleep(0.6)
+        assert not eng.ready()
+        await task
+        await asyncio.sleep(0.05)
+        assert eng.ready()
+    finally:
+        await eng.stop(1)
+
+
+async def test_stop_drains_then_ends_long_streams_with_shutting_down():
+    eng = Engine(ToyRuntime(), cfg())
+    eng.runtime.step_delay_s = 0.01
+    eng.start()
+    short = asyncio.ensure_future(collect(eng, req("short", [1, 2], max_tokens=3)))
+    long = asyncio.ensure_future(collect(eng, req("long", [1, 2], max_tokens=120)))
+    await asyncio.sleep(0.02)
+    stopping = asyncio.ensure_future(eng.stop(grace_s=0.3))
+    await asyncio.sleep(0.01)
+    with pytest.raises(ShuttingDown):
+        await collect(eng, req("new", [1]))
+    assert not eng.ready()
+    tokens, _ = await short
+    assert len(tokens) == 3
+    with pytest.raises(ShuttingDown):
+        await long
+    await stopping
+    s = eng.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"] and not eng._thread.is_alive()
