@@ -1,0 +1,136 @@
+"""`scd-serve bench {ttft,serve}`: the two measured benchmarks (the planner is `scd-serve plan`).
+
+    scd-serve bench ttft --json out/ttft.json --plot out/ttft.png [--quick]
+    scd-serve bench serve --json out/serve.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from scd_serve.errors import ConfigError
+
+DEMO = "models/demo-pair"
+ALL_METHODS = ("oracle", "raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    t = sub.add_parser("ttft", help="TTFT per method over a shaped link (netns + veth + tc tbf)")
+    t.add_argument("--json", required=True, help="write the results here")
+    t.add_argument("--plot", help="PNG: TTFT vs bandwidth; the Pareto plot goes next to it (*.pareto.png)")
+    t.add_argument("--bandwidths", nargs="+", help="link rates, e.g. 100mbit 1gbit (default: chosen from the "
+                                                   "oracle's measured TTFT so raw KV goes from negligible to dominant)")
+    t.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    t.add_argument("--ref-tokens", type=int, default=1024, help="prompt length the sweep and targets refer to")
+    t.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
+    t.add_argument("--modes", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
+    t.add_argument("--reps", type=int, default=3, help="timed requests per (method, length, mode); medians reported")
+    t.add_argument("--producer", default=f"{DEMO}/producer")
+    t.add_argument("--consumer", default=f"{DEMO}/consumer")
+    t.add_argument("--codebook", default=f"{DEMO}/codebook", help="'' for codebook-free methods only")
+    t.add_argument("--quality", help="JSON of `scd-serve eval --table --json` (F1 per method) for the Pareto plot")
+    t.add_argument("--no-netns", action="store_true", help="use the userspace token-bucket proxy")
+    t.add_argument("--quick", action="store_true", help="tiny setting: one length, one rep, two bandwidths")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--start-timeout", type=float, default=300.0)
+    t.add_argument("--point-timeout", type=float, default=1800.0)
+
+    s = sub.add_parser("serve", help="open-loop Poisson load: engine (continuous batching) vs sequential generate")
+    s.add_argument("--json", required=True)
+    s.add_argument("--consumer", default=f"{DEMO}/consumer")
+    s.add_argument("--method", default="local", help="scd_method of every request ('local' = no transfer)")
+    s.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
+                   help="extra argument for `scd-serve decode` (repeatable), e.g. --engine-arg=--prefill=H:P")
+    s.add_argument("--rates", nargs="+", help="request rates (req/s); default: 0.5, 1, 2, 4 x baseline capacity")
+    s.add_argument("--requests", type=int, default=24, help="requests per rate")
+    s.add_argument("--prompt-tokens", type=int, default=64)
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--concurrency", type=int, default=16, help="streams for the tokens/s comparison")
+    s.add_argument("--streams-rounds", type=int, default=2, help="requests per stream in that comparison")
+    s.add_argument("--slo-ttft", type=float, default=2.0, help="SLO: TTFT bound (s)")
+    s.add_argument("--slo-itl", type=float, default=0.25, help="SLO: mean inter-token latency bound (s)")
+    s.add_argument("--quick", action="store_true", help="tiny setting: one rate, few requests, 2 streams")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--start-timeout", type=float, default=300.0)
+    s.add_argument("--request-timeout", type=float, default=300.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.bench == "ttft":
+        doc = _ttft(args)
+    else:
+        if args.quick:
+            args.rates = args.rates or ["1"]
+            args.requests, args.concurrency, args.streams_rounds = 3, 2, 1
+            args.max_tokens, args.prompt_tokens = min(args.max_tokens, 4), min(args.prompt_tokens, 16)
+        for name in ("requests", "prompt_tokens", "max_tokens", "concurrency", "streams_rounds"):
+            if getattr(args, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1", field=name)
+        from scd_serve.bench.serve import run_serve
+
+        doc = run_serve(args)
+        print(f"bench serve: {doc['concurrent_streams']} streams, engine/sequential tokens/s = "
+              f"{doc['batching_speedup_tokens_per_s']}")
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def _ttft(args) -> dict:
+    from scd_serve.bench import plot
+    from scd_serve.bench.report import check_targets
+    from scd_serve.bench.ttft import run_ttft
+
+    if args.quick:
+        args.prompt_tokens, args.reps = [min(args.prompt_tokens)], 1
+        args.modes = ["warm"]
+        if not args.bandwidths:
+            args.bandwidths = ["1gbit", "100mbit"]
+    if any(t < 2 for t in args.prompt_tokens) or args.reps < 1:
+        raise ConfigError("--prompt-tokens must be >= 2 and --reps >= 1", field="prompt_tokens")
+    if not args.codebook or not Path(args.codebook).exists():
+        needs = [m for m in args.methods if m in ("reuse", "scd", "scd-int8")]
+        if needs:
+            print(f"bench ttft: no codebook at {args.codebook!r}; skipping {needs}", file=sys.stderr)
+            args.methods = [m for m in args.methods if m not in needs]
+        args.codebook = None
+    ref = args.ref_tokens if args.ref_tokens in args.prompt_tokens else max(args.prompt_tokens)
+    doc = run_ttft(args)
+    f1 = _load_f1(args.quality) if args.quality else None
+    doc["quality"] = {"source": args.quality, "f1": f1}
+    doc["targets"] = check_targets(doc, f1, ref)
+    if args.plot:
+        png = Path(args.plot)
+        doc["plots"] = [str(plot.ttft_vs_bandwidth(doc, png, ref))]
+        if f1:
+            doc["plots"].append(str(plot.pareto(doc, f1, png.with_suffix(".pareto.png"), ref)))
+    _print_table(doc, ref)
+    return doc
+
+
+def _load_f1(path: str) -> dict[str, float]:
+    from scd_serve.bench.quality import f1_by_method
+
+    return f1_by_method(Path(path))
+
+
+def _print_table(doc: dict, tokens: int) -> None:
+    print(f"link: {doc['link']['kind']}; prompt {tokens} tokens; medians of {doc['reps']} (ms)")
+    print(f"{'bandwidth':>10} {'method':<11}{'mode':<6}{'TTFT':>9}{'prefill':>9}{'encode':>8}{'wire':>8}"
+          f"{'rebuild':>9}{'first':>7}{'payload':>11}{'bound':>8}{'ratio':>7}")
+    for p in doc["sweep"]:
+        for r in p["rows"]:
+            if r["prompt_tokens"] != tokens:
+                continue
+            ms = lambda k: f"{r[k] * 1e3:.1f}" if r.get(k) is not None else "-"  # noqa: E731
+            ratio = f"{r['ratio_to_lower_bound']:.2f}" if r.get("ratio_to_lower_bound") else "-"
+            print(f"{p['bandwidth']:>10} {r['method']:<11}{r['mode']:<6}{ms('ttft_s'):>9}{ms('prefill_s'):>9}"
+                  f"{ms('encode_s'):>8}{ms('wire_s'):>8}{ms('rebuild_s'):>9}{ms('first_step_s'):>7}"
+                  f"{r['payload_bytes'] / 1e6:>10.3f}M{ms('lower_bound_s'):>8}{ratio:>7}")
+    print(json.dumps(doc["targets"], indent=1))

@@ -1,0 +1,116 @@
+"""Turn probe samples into the `bench ttft` document: medians, breakdown, lower bound, targets."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+from scd_serve.bench.stats import median
+
+BREAKDOWN = ("producer_s", "prefill_s", "encode_s", "first_chunk_s", "wire_s", "rebuild_s", "rebuild_tail_s",
+             "first_step_s")
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(),
+            "torch": torch.__version__, "threads_per_worker": 1}
+
+
+def _med(samples: list[dict], key: str) -> float | None:
+    vals = [s[key] for s in samples if s.get(key) is not None]
+    return median(vals) if vals else None
+
+
+def summarize_rows(calib: list[dict], points: list[dict], link: dict, ref_tokens: int, args) -> dict:
+    oracle = {r["prompt_tokens"]: _med(r["samples"], "ttft_s") for r in calib if r["method"] == "oracle"}
+    prefill = {r["prompt_tokens"]: _med(r["samples"], "producer_s") for r in calib if r["method"] == "identity"}
+    sweep = []
+    for p in points:
+        bw = p["bandwidth_bytes_per_s"]
+        rows = [{"method": "oracle", "prompt_tokens": t, "mode": "local", "ttft_s": v, "payload_bytes": 0}
+                for t, v in sorted(oracle.items())]
+        for r in p["rows"]:
+            s = r["samples"]
+            row = {"method": r["method"], "prompt_tokens": r["prompt_tokens"], "mode": r["mode"],
+                   "ttft_s": _med(s, "ttft_s"), "ttft_samples_s": [x["ttft_s"] for x in s],
+                   "payload_bytes": _med(s, "payload_bytes"),
+                   "cache_hits": sum(bool(x.get("cache_hit")) for x in s), "reps": len(s)}
+            for key in BREAKDOWN:
+                row[key] = _med(s, key)
+            # producer time split: prefill = identity's producer time (the same forward, ~no encode)
+            row["prefill_s"] = prefill.get(r["prompt_tokens"]) if r["mode"] == "cold" else 0.0
+            if row["producer_s"] is not None and row["prefill_s"] is not None:
+                row["encode_s"] = max(0.0, row["producer_s"] - row["prefill_s"])
+            row["wire_nominal_s"] = row["payload_bytes"] / bw
+            row["lower_bound_s"] = max(row["wire_nominal_s"], row["rebuild_s"]) + row["first_step_s"]
+            row["ratio_to_lower_bound"] = row["ttft_s"] / row["lower_bound_s"]
+            row["oracle_ttft_s"] = oracle.get(r["prompt_tokens"])
+            row["speedup_vs_oracle"] = (row["oracle_ttft_s"] / row["ttft_s"]) if row["oracle_ttft_s"] else None
+            rows.append(row)
+        sweep.append({"bandwidth_bytes_per_s": bw, "bandwidth": p["bandwidth"], "rows": rows,
+                      "elapsed_s": p["elapsed_s"]})
+    return {"benchmark": "ttft", "machine": machine(), "link": link, "reference_prompt_tokens": ref_tokens,
+            "oracle_ttft_s": oracle, "producer_prefill_s": prefill, "reps": args.reps,
+            "models": {"producer": args.producer, "consumer": args.consumer, "codebook": args.codebook},
+            "lower_bound": "max(payload / bandwidth, rebuild) + first step",
+            "sweep": sweep}
+
+
+def pick(doc: dict, bw_index: int, method: str, tokens: int, mode: str) -> dict | None:
+    for r in doc["sweep"][bw_index]["rows"]:
+        if r["method"] == method and r["prompt_tokens"] == tokens and r["mode"] in (mode, "local"):
+            return r
+    return None
+
+
+def check_targets(doc: dict, f1: dict[str, float] | None, tokens: int = 1024) -> dict:
+    """The issue's must-show figures, each with the numbers behind it (met / missed / n/a)."""
+    out: dict = {"prompt_tokens": tokens}
+    oracle = doc["oracle_ttft_s"].get(tokens) or doc["oracle_ttft_s"].get(str(tokens))
+    if oracle is None:
+        out["note"] = f"no {tokens}-token prompts in this run"
+        return out
+    # 1. the highest bandwidth at which raw's wire time is at least half the oracle's TTFT
+    point = None
+    for i, p in enumerate(doc["sweep"]):
+        raw = pick(doc, i, "raw", tokens, "warm")
+        if raw and raw["wire_nominal_s"] >= 0.5 * oracle:
+            point = i
+            break
+    if point is not None:
+        raw, scd = pick(doc, point, "raw", tokens, "warm"), pick(doc, point, "scd", tokens, "warm")
+        if scd:
+            out["scd_vs_oracle_and_raw"] = {
+                "bandwidth": doc["sweep"][point]["bandwidth"], "oracle_s": oracle, "raw_s": raw["ttft_s"],
+                "scd_s": scd["ttft_s"], "scd_over_oracle": scd["ttft_s"] / oracle, "scd_over_raw": scd["ttft_s"] / raw["ttft_s"],
+                "met": scd["ttft_s"] <= oracle / 3 and scd["ttft_s"] <= raw["ttft_s"] / 1.5}
+    # 2. streaming overlap: warm scd within 1.2x of its lower bound, per bandwidth
+    ratios = {p["bandwidth"]: r["ratio_to_lower_bound"] for i, p in enumerate(doc["sweep"])
+              if (r := pick(doc, i, "scd", tokens, "warm"))}
+    if ratios:
+        out["scd_lower_bound_ratio"] = {"per_bandwidth": ratios, "met_at": [b for b, x in ratios.items() if x <= 1.2],
+                                        "met": all(x <= 1.2 for x in ratios.values())}
+    # 3. Pareto: scd at least as fast and as accurate as quant4 and droidspeak, better in one
+    if f1 and "scd" in f1:
+        dom = []
+        for i, p in enumerate(doc["sweep"]):
+            scd = pick(doc, i, "scd", tokens, "warm")
+            ok = bool(scd)
+            for other in ("quant4", "droidspeak"):
+                o = pick(doc, i, other, tokens, "warm")
+                if not (scd and o and other in f1):
+                    ok = False
+                    continue
+                no_worse = scd["ttft_s"] <= o["ttft_s"] and f1["scd"] >= f1[other]
+                ok = ok and no_worse and (scd["ttft_s"] < o["ttft_s"] or f1["scd"] > f1[other])
+            if ok:
+                dom.append(p["bandwidth"])
+        out["scd_pareto_dominates_quant4_droidspeak"] = {"at": dom, "met": len(dom) >= 2, "f1": f1}
+    return out

@@ -1,0 +1,109 @@
+"""`scd-serve bench serve`: the same open-loop load against the engine and a sequential baseline.
+
+Targets, run one after the other (never both at once on the shared CPU):
+  engine    `scd-serve decode` serving /v1/completions with continuous batching
+  baseline  baseline.py: one transformers `generate` at a time (FIFO)
+Per request rate: TTFT / inter-token / end-to-end p50/p90/p99, throughput and goodput
+under the stated SLO. Then tokens/s with a fixed number of concurrent streams (16).
+By default the rates are multiples of the baseline's capacity (1 / its single-request
+latency), so the sweep shows where sequential serving saturates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from pathlib import Path
+
+from scd_serve.bench import procs
+from scd_serve.bench.loadgen import closed_loop, open_loop
+from scd_serve.bench.report import machine
+from scd_serve.bench.stats import Slo, summarize
+from scd_serve.errors import ConfigError
+
+CAPACITY_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
+
+
+def make_body_factory(prompt_tokens: int, max_tokens: int, vocab: int, method: str | None, seed: int):
+    def body(i: int) -> dict:
+        rng = random.Random(seed * 100003 + i)
+        b = {"model": "bench", "prompt": [rng.randrange(3, min(vocab, 30000)) for _ in range(prompt_tokens)],
+             "max_tokens": max_tokens, "temperature": 0.0}
+        if method:
+            b["scd_method"] = method
+        return b
+    return body
+
+
+def start_target(name: str, args, logs: Path):
+    port = procs.free_port()
+    if name == "engine":
+        cmd = [sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.consumer, "--host", "127.0.0.1",
+               "--port", str(port), *args.engine_args]
+        ready = "/ready"
+    else:
+        cmd = [sys.executable, "-m", "scd_serve.bench.baseline", "--model", args.consumer, "--port", str(port),
+               "--threads", "1"]
+        ready = "/ready"
+    log = logs / f"{name}.log"
+    proc = procs.spawn(cmd, log)
+    url = f"http://127.0.0.1:{port}"
+    procs.wait_http(url + ready, proc, args.start_timeout, log)
+    return proc, url
+
+
+def bench_target(name: str, url: str, args, rates: list[float] | None, slo: Slo, vocab: int) -> dict:
+    method = args.method if name == "engine" else None
+    body = make_body_factory(args.prompt_tokens, args.max_tokens, vocab, method, args.seed)
+    # warm-up + single-request latency (used to pick rates when none are given)
+    asyncio.run(closed_loop(url, 1, 1, body, timeout_s=args.request_timeout))
+    single, wall = asyncio.run(closed_loop(url, 1, 2, body, timeout_s=args.request_timeout))
+    single_sum = summarize(single, wall, slo)
+    out = {"single_request": single_sum, "rates": []}
+    for rate in rates or []:
+        res, wall = asyncio.run(open_loop(url, rate, args.requests, body, seed=args.seed,
+                                          timeout_s=args.request_timeout))
+        out["rates"].append({"rate_rps": rate, **summarize(res, wall, slo)})
+        print(f"  {name}: {rate:.3g} req/s -> {out['rates'][-1]['throughput_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    res, wall = asyncio.run(closed_loop(url, args.concurrency, args.concurrency * args.streams_rounds, body,
+                                        timeout_s=args.request_timeout))
+    out["concurrent"] = {"streams": args.concurrency, **summarize(res, wall, slo)}
+    print(f"  {name}: {args.concurrency} streams -> {out['concurrent']['throughput_tokens_per_s']:.1f} tok/s",
+          file=sys.stderr)
+    return out
+
+
+def run_serve(args) -> dict:
+    cfg = Path(args.consumer) / "config.json"
+    if not cfg.exists():
+        raise ConfigError(f"model directory {args.consumer} has no config.json", field="consumer")
+    import json
+
+    vocab = int(json.loads(cfg.read_text())["vocab_size"])
+    logs = Path(args.json).resolve().parent / "bench-serve-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    slo = Slo(args.slo_ttft, args.slo_itl)
+    results: dict = {}
+    rates = [float(r) for r in args.rates] if args.rates else None
+    for name in ("baseline", "engine"):  # the baseline first: its latency sets the default rates
+        proc = None
+        try:
+            proc, url = start_target(name, args, logs)
+            if rates is None:
+                probe = make_body_factory(args.prompt_tokens, args.max_tokens, vocab, None, args.seed)
+                one, wall = asyncio.run(closed_loop(url, 1, 2, probe, timeout_s=args.request_timeout))
+                e2e = summarize(one, wall, slo)["e2e_s"]["p50"] or 1.0
+                rates = [round(m / e2e, 3) for m in CAPACITY_MULTIPLES]
+            results[name] = bench_target(name, url, args, rates, slo, vocab)
+        finally:
+            procs.stop(proc)
+    eng = results["engine"]["concurrent"]["throughput_tokens_per_s"]
+    base = results["baseline"]["concurrent"]["throughput_tokens_per_s"]
+    ratio = eng / base if base else None
+    return {"benchmark": "serve", "machine": machine(), "consumer": args.consumer, "method": args.method,
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "requests_per_rate": args.requests,
+            "slo": {"ttft_s": slo.ttft_s, "mean_itl_s": slo.itl_s}, "rates_rps": rates, "targets": results,
+            "concurrent_streams": args.concurrency,
+            "batching_speedup_tokens_per_s": ratio,
+            "target_4x_met": ratio is not None and ratio >= 4.0}

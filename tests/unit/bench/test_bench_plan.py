@@ -1,0 +1,65 @@
+"""`scd-serve plan`: shapes, cost rules and the printed/JSON projection."""
+
+import json
+
+import pytest
+
+from scd_serve.bench.costs import METHODS, RankPlan, method_cost
+from scd_serve.bench.shapes import available, load_shape
+from scd_serve.bench.units import parse_bandwidth
+from scd_serve.cli import main
+from scd_serve.errors import ConfigError
+
+
+def test_shipped_configs_have_public_parameter_counts():
+    assert {"mistral-7b", "llama-3-8b", "qwen2.5-32b"} <= set(available())
+    assert load_shape("Mistral-7B").num_params == pytest.approx(7.24e9, rel=0.01)
+    assert load_shape("llama-3-8b").num_params == pytest.approx(8.03e9, rel=0.01)
+    assert load_shape("qwen2.5-32b").num_params == pytest.approx(32.5e9, rel=0.02)
+
+
+def test_raw_payload_is_16bit_kv_of_every_layer():
+    s = load_shape("mistral-7b")
+    raw = method_cost("raw", s, 1025, RankPlan())
+    assert raw.payload_bytes == 32 * 1024 * 2 * 1024 * 2  # layers * (T-1) * (K+V) * width * 2 bytes
+    # quant4 carries 4 bits plus an fp16 scale and min per 32 elements
+    q4 = method_cost("quant4", s, 1025, RankPlan())
+    assert q4.payload_bytes == pytest.approx(raw.payload_bytes * (0.5 + 4 / 32) / 2)
+    assert method_cost("oracle", s, 1025, RankPlan()).payload_bytes == 0
+
+
+def test_scd_int8_halves_scd_codes():
+    s = load_shape("llama-3-8b")
+    scd, int8 = (method_cost(m, s, 2048, RankPlan()) for m in ("scd", "scd-int8"))
+    assert int8.payload_bytes < 0.51 * scd.payload_bytes
+
+
+@pytest.mark.parametrize("text,bps", [("100mbit", 12.5e6), ("10Gbps", 1.25e9), ("1500MB/s", 1.5e9), ("8kbit", 1e3)])
+def test_parse_bandwidth(text, bps):
+    assert parse_bandwidth(text) == pytest.approx(bps)
+
+
+@pytest.mark.parametrize("bad", ["fast", "-1gbit", "0mbit", ""])
+def test_parse_bandwidth_rejects(bad):
+    with pytest.raises(ConfigError):
+        parse_bandwidth(bad)
+
+
+def test_plan_cli_prints_formula_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model-config", "qwen2.5-32b", "--bandwidth", "10gbit", "100gbit",
+               "--prompt-tokens", "256", "1024", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "warm TTFT   = max(wire, rebuild) + first step" in text
+    doc = json.loads(out.read_text())
+    assert len(doc["results"]) == 4
+    for res in doc["results"]:
+        assert [r["method"] for r in res["rows"]] == list(METHODS)
+        raw = next(r for r in res["rows"] if r["method"] == "raw")
+        assert raw["wire_s"] == pytest.approx(raw["payload_bytes"] / res["bandwidth_bytes_per_s"])
+
+
+def test_plan_cli_unknown_model_is_a_clear_error(capsys):
+    assert main(["plan", "--model-config", "gpt-9", "--bandwidth", "1gbit"]) == 2
+    assert "mistral-7b" in capsys.readouterr().err
