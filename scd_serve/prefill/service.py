@@ -67,7 +67,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                  codebook_id=getattr(c, "codebook_id", "") or "")
                     for name, c in self.codecs.items()],
             max_message_bytes=self.config.transport.max_message_bytes,
-            max_prompt_tokens=self.max_prompt_tokens)
+            max_prompt_tokens=self.max_prompt_tokens, hidden_size=s.hidden_size, rope_theta=s.rope_theta,
+            max_concurrent=self.config.max_concurrent)
 
     async def Abort(self, request, context):
         t = self.transfers.get(request.request_id)

@@ -46,4 +46,7 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str) -> errors.ScdError:
 
 
 def is_retryable(err: errors.ScdError) -> bool:
-    return bool(getattr(err, "retryable", isinstance(err, errors.Overloaded)))
+    """Statuses from the wire say it themselves; locally found breakage (a corrupt chunk, a
+    stream cut short) is worth another worker; everything else is not."""
+    default = isinstance(err, (errors.Overloaded, errors.TransferCorrupt, errors.TransferFailed))
+    return bool(getattr(err, "retryable", default))

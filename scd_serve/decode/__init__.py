@@ -1,0 +1,1 @@
+"""Decode worker: pulls codes from prefill workers, rebuilds them into the KV pool, serves HTTP."""

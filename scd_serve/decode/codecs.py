@@ -1,0 +1,51 @@
+"""The consumer halves of the transfer codecs, one per (producer, method), built on demand.
+
+The decode side has no producer weights; it builds each codec from the producer's shape
+and rotary facts as the handshake (InfoReply) reports them, plus the local codebook.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from scd_serve import codec as codec_registry
+from scd_serve.errors import ScdError
+
+log = logging.getLogger("scd_serve.decode")
+
+
+def producer_spec(info) -> dict:
+    """InfoReply -> the dict codec.spec.spec_of() reads."""
+    return {"num_layers": info.num_layers, "hidden_size": info.hidden_size, "num_kv_heads": info.num_kv_heads,
+            "head_dim": info.head_dim, "rope_theta": info.rope_theta, "fingerprint": info.producer_fingerprint}
+
+
+def codebook_arg(path: str):
+    """The codebook directory if it exists, else None (codebook-free methods only)."""
+    return path if path and Path(path).is_dir() else None
+
+
+class ConsumerCodecs:
+    def __init__(self, runtime, codebook: str = ""):
+        self.rt = runtime
+        self.codebook = codebook_arg(codebook)
+        self._built: dict[tuple[str, str], object] = {}
+
+    def get(self, info, method: str):
+        """The codec for `method` against the producer described by `info`; raises ScdError."""
+        key = (info.producer_fingerprint, method)
+        c = self._built.get(key)
+        if c is None:
+            c = codec_registry.build(method, producer=producer_spec(info), consumer=self.rt,
+                                     codebook=self.codebook)
+            self._built[key] = c
+        return c
+
+    def can_build(self, info, method: str) -> str:
+        """'' if the codec builds, else why not (for handshake messages)."""
+        try:
+            self.get(info, method)
+            return ""
+        except (ScdError, ValueError, KeyError, OSError) as exc:
+            return f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"

@@ -1,0 +1,195 @@
+"""RemoteKVFill: the engine's KVFill over gRPC. Pull codes, verify, rebuild layer by layer.
+
+For one request: choose a prefill worker by load, call Prefill with a deadline, check the
+header and every chunk (seq, total, layer range, xxh64) BEFORE decoding it, and rebuild
+each layer into the request's blocks as its chunk arrives, in a worker thread so the
+event loop keeps serving. On a retryable failure another worker is tried (up to
+max_attempts); then the error is raised and the engine falls back to a local prefill
+when configured. Cancellation (client gone, engine abort) cancels the stream and sends
+Abort to the prefill worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import grpc
+
+from scd_serve.config.decode import DecodeConfig
+from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
+                              Unavailable)
+from scd_serve.transport.chunking import StreamVerifier
+from scd_serve.transport.proto import pb
+from scd_serve.transport.status import from_rpc_error, is_retryable
+from scd_serve.transport.tensors import decode_code
+
+log = logging.getLogger("scd_serve.decode")
+RETRY_BACKOFF_S = 0.05
+ABORT_TIMEOUT_S = 1.0
+
+
+@dataclass
+class TransferStats:
+    num_transfers: int = 0  # completed
+    num_failed: int = 0  # attempts that failed
+    num_retries: int = 0
+    num_cache_hits: int = 0  # producer served from its code cache
+    payload_bytes: int = 0  # code bytes received
+    raw_kv_bytes: int = 0  # what 16-bit K+V of the same tokens would have been
+    encode_s: float = 0.0  # producer time reported in chunks
+    rebuild_s: float = 0.0  # consumer decode_layer + write time
+    transfer_s: float = 0.0  # first call to last chunk, wall time
+
+
+class RemoteKVFill:
+    def __init__(self, runtime, peers, codecs, config: DecodeConfig):
+        self.rt = runtime
+        self.peers = peers
+        self.codecs = codecs
+        self.config = config
+        self.stats = TransferStats()
+        self.per_peer: Counter = Counter()  # completed transfers per prefill address
+        self.inflight: dict[str, str] = {}  # request_id -> prefill address (empty when idle)
+        self._aborts: set[asyncio.Task] = set()
+        self._freed = asyncio.Event()  # set whenever a transfer ends and frees a peer slot
+
+    async def __call__(self, req, sink) -> dict:
+        tokens = list(req.prompt_token_ids[:-1])  # the last prompt token is our first decode step
+        tried: list[str] = []
+        errors: list[ScdError] = []
+        for attempt in range(self.config.max_attempts):
+            peer = await self._acquire(req, len(tokens), tried)
+            if peer is None:
+                break
+            if attempt:
+                self.stats.num_retries += 1
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+            tried.append(peer.address)
+            try:
+                with self.peers.balancer.track(peer.address):
+                    return await self._transfer(peer, req, tokens, sink)
+            except ScdError as err:
+                self.stats.num_failed += 1
+                errors.append(err)
+                log.warning("request_id=%s transfer from %s failed (%s): %s", req.request_id, peer.address,
+                            err.type, err.message)
+                if isinstance(err, IncompatiblePeer):
+                    peer.problem = f"incompatible: {err.message}"  # the health loop re-handshakes it
+                if not is_retryable(err):
+                    break
+        raise self._final_error(req, tried, errors)
+
+    async def _acquire(self, req, num_tokens: int, tried: list[str]):
+        """A peer with a free slot, waiting (until the request's deadline) while all are busy;
+        None when no usable peer serves the method at all."""
+        while True:
+            peer = self.peers.choose(req.method, num_tokens, exclude=tried)
+            if peer is not None or not [p for p in self.peers.serving(req.method, num_tokens)
+                                        if p.address not in tried]:
+                return peer
+            self._freed.clear()
+            left = (req.deadline or time.monotonic() + self.config.transport.prefill_timeout_s) - time.monotonic()
+            try:
+                await asyncio.wait_for(self._freed.wait(), timeout=max(0.0, left))
+            except TimeoutError:
+                raise DeadlineExceeded(f"request {req.request_id} waited its deadline for a prefill slot") from None
+
+    def _final_error(self, req, tried: list[str], errors: list[ScdError]) -> ScdError:
+        if not errors:
+            return Unavailable(f"no ready prefill worker offers method {req.method!r} "
+                               f"({self.peers.why_not_ready() or 'all busy or excluded'})")
+        last = errors[-1]
+        if isinstance(last, TransferFailed):
+            return Unavailable(f"transfer failed on {len(tried)} prefill worker(s): {last.message}")
+        return last
+
+    async def _transfer(self, peer, req, tokens: list[int], sink) -> dict:
+        codec = self.codecs.get(peer.info, req.method)
+        rid = req.request_id
+        start = time.monotonic()
+        deadline = start + self.config.transport.prefill_timeout_s
+        if req.deadline is not None:
+            deadline = min(deadline, req.deadline)
+        if deadline <= start:
+            raise DeadlineExceeded(f"request {rid} has no time left for a transfer")
+        call = peer.client.prefill(pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
+                                                     consumer_fingerprint=self.rt.fingerprint),
+                                   timeout=deadline - start)
+        verifier = StreamVerifier(rid, req.method, len(tokens), self.rt.spec.num_layers)
+        loop = asyncio.get_running_loop()
+        self.inflight[rid] = peer.address
+        payload = encode_us = 0
+        rebuild_s = 0.0
+        ok = server_ended = False
+        try:
+            async for msg in call:
+                if msg.WhichOneof("body") == "header":
+                    verifier.on_header(msg.header)
+                    self._check_header(msg.header, peer, codec)
+                elif verifier.on_chunk(msg.chunk):  # raises before anything is decoded
+                    payload += sum(len(t.data) for t in msg.chunk.tensors)
+                    encode_us += msg.chunk.encode_us
+                    rebuild_s += await loop.run_in_executor(None, self._rebuild, msg.chunk, codec, sink)
+            verifier.finish()
+            ok = True
+        except grpc.aio.AioRpcError as exc:
+            server_ended = True
+            raise from_rpc_error(exc, peer.address) from None
+        finally:
+            self.inflight.pop(rid, None)
+            self._freed.set()
+            if not ok:
+                call.cancel()
+                if not server_ended:  # we walked away (cancelled, corrupt chunk): tell the producer
+                    self._abort_remote(peer, rid)
+        s = self.stats
+        s.num_transfers += 1
+        s.num_cache_hits += int(verifier.header.cache_hit)
+        s.payload_bytes += payload
+        raw = 2 * 2 * len(tokens) * self.rt.spec.num_layers * self.rt.spec.num_kv_heads * self.rt.spec.head_dim
+        s.raw_kv_bytes += raw
+        s.encode_s += encode_us / 1e6
+        s.rebuild_s += rebuild_s
+        s.transfer_s += time.monotonic() - start
+        self.per_peer[peer.address] += 1
+        return {"prefill": peer.address, "payload_bytes": payload, "raw_kv_bytes": raw,
+                "cache_hit": verifier.header.cache_hit, "rebuild_s": rebuild_s}
+
+    def _check_header(self, header, peer, codec) -> None:
+        if header.producer_fingerprint != peer.info.producer_fingerprint:
+            raise IncompatiblePeer(f"prefill {peer.address} now runs producer {header.producer_fingerprint}, "
+                                   f"handshake said {peer.info.producer_fingerprint}")
+        if header.codec_version != codec.version:
+            raise IncompatiblePeer(f"prefill {peer.address} sent codec_version {header.codec_version}, "
+                                   f"this worker decodes {codec.version}")
+
+    def _rebuild(self, chunk, codec, sink) -> float:
+        """Worker thread: decode and write every layer of one verified chunk. -> seconds spent."""
+        t0 = time.perf_counter()
+        for layer in range(chunk.layer_start, chunk.layer_end):
+            try:
+                code = decode_code(chunk.tensors, layer)
+                k_pre, v = codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd] each
+            except ScdError:
+                raise
+            except Exception as exc:  # malformed code: refuse it, never write garbage
+                raise TransferCorrupt(f"layer {layer} code could not be decoded: {type(exc).__name__}: {exc}") from None
+            sink.write_layer(layer, k_pre, v)
+        return time.perf_counter() - t0
+
+    def _abort_remote(self, peer, rid: str) -> None:
+        async def abort():
+            try:
+                await peer.client.abort(rid, "decode side stopped reading", timeout=ABORT_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                pass  # the peer is gone; its lease frees the transfer
+        task = asyncio.ensure_future(abort())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    def snapshot(self) -> dict:
+        return asdict(self.stats) | {"per_prefill": dict(self.per_peer), "inflight": len(self.inflight)}

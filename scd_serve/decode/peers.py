@@ -1,0 +1,151 @@
+"""The prefill workers a decode worker can pull from: handshake, health, load-aware choice.
+
+Peers come from `--prefill` (static) and from the control plane's peer list. Each is
+handshaken (Info) before use and again after any failure (reconnect); one that differs
+in a field that matters stays unusable with a message naming the field. A health loop
+checks every peer each period, so /ready follows a dead prefill worker within ~2 periods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from scd_serve.config.decode import DecodeConfig
+from scd_serve.control.choice import Candidate, LoadBalancer
+from scd_serve.decode.compat import compat_problems
+from scd_serve.transport.client import PrefillClient
+
+log = logging.getLogger("scd_serve.decode")
+
+
+@dataclass
+class Peer:
+    address: str
+    client: object  # PrefillClient or transport.fake.FakePrefillClient
+    static: bool
+    info: object | None = None  # pb.InfoReply once the handshake succeeded
+    problem: str = "not connected yet"  # "" = usable
+    load: dict = field(default_factory=dict)
+
+    @property
+    def usable(self) -> bool:
+        return self.info is not None and not self.problem
+
+    def offers(self, method: str) -> bool:
+        return self.info is not None and any(c.codec_id == method for c in self.info.codecs)
+
+
+class PeerSet:
+    def __init__(self, runtime, codecs, config: DecodeConfig, client_factory=None):
+        self.rt = runtime
+        self.codecs = codecs
+        self.config = config
+        self.client_factory = client_factory or (lambda addr: PrefillClient(addr, config.transport))
+        self.peers: dict[str, Peer] = {}
+        self.balancer = LoadBalancer()
+        self.expect_producer = config.expect_producer
+        self._task: asyncio.Task | None = None
+        for address in config.prefill:
+            self.add(address, static=True)
+
+    def add(self, address: str, static: bool = False, client=None) -> Peer:
+        peer = self.peers.get(address)
+        if peer is None:
+            peer = self.peers[address] = Peer(address, client or self.client_factory(address), static)
+        return peer
+
+    # ---- handshake and health ------------------------------------------------------------
+    async def handshake(self, peer: Peer) -> None:
+        try:
+            info = await peer.client.info(timeout=self.config.transport.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            peer.info, peer.problem = None, f"unreachable ({exc.code().name})"
+            return
+        problems = compat_problems(info, self.rt.spec, self.config.method, self.codecs, self.expect_producer)
+        peer.info = info
+        if problems and not self.config.allow_incompatible:
+            problem = "incompatible: " + "; ".join(problems)
+            if problem != peer.problem:
+                log.error("prefill %s refused at handshake: %s", peer.address, problem)
+            peer.problem = problem
+            return
+        if problems:
+            log.warning("prefill %s differs (%s) but allow_incompatible is set", peer.address, "; ".join(problems))
+        if peer.problem:
+            log.info("prefill %s connected (producer %s)", peer.address, info.producer_fingerprint)
+        peer.problem = ""
+
+    async def check(self, peer: Peer) -> None:
+        """One health round for one peer: re-handshake if it was down, else a health check."""
+        if not peer.usable:  # incompatible ones too: the operator may have restarted them fixed
+            await self.handshake(peer)
+            return
+        if not await peer.client.serving(timeout=self.config.health_period_s):
+            peer.problem = "health check failed"
+            log.warning("prefill %s stopped answering health checks", peer.address)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(p) for p in list(self.peers.values())))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._health_loop(), name="prefill-health")
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.config.health_period_s)
+
+    # ---- control plane -------------------------------------------------------------------
+    def update_from_registry(self, workers: list[dict]) -> None:
+        """Apply the registry's peer list: add new prefill workers, drop vanished ones."""
+        seen = set()
+        for w in workers:
+            if w.get("role") != "prefill" or not isinstance(w.get("address"), str):
+                continue
+            seen.add(w["address"])
+            peer = self.add(w["address"])
+            peer.load = w.get("load") if isinstance(w.get("load"), dict) else {}
+            if not w.get("ready", False) and peer.usable:
+                peer.problem = "registry reports not ready"
+        for address, peer in list(self.peers.items()):
+            if not peer.static and address not in seen:
+                del self.peers[address]
+                asyncio.ensure_future(peer.client.close())
+
+    # ---- choice --------------------------------------------------------------------------
+    def serving(self, method: str, num_tokens: int) -> list[Peer]:
+        """Usable peers that offer `method` and take prompts of num_tokens."""
+        return [p for p in self.peers.values()
+                if p.usable and p.offers(method) and num_tokens <= (p.info.max_prompt_tokens or num_tokens)]
+
+    def choose(self, method: str, num_tokens: int, exclude=()) -> Peer | None:
+        """Least-loaded serving peer with a free slot (we never send more than its
+        max_concurrent at once: it would answer RESOURCE_EXHAUSTED)."""
+        cands = [Candidate(p.address, int(p.load.get("running", 0)), int(p.load.get("waiting", 0)),
+                           int(p.info.max_concurrent))
+                 for p in self.serving(method, num_tokens)
+                 if not p.info.max_concurrent or self.balancer.inflight[p.address] < p.info.max_concurrent]
+        pick = self.balancer.choose(cands, exclude)
+        return None if pick is None else self.peers[pick.address]
+
+    def ready(self) -> bool:
+        return any(p.usable for p in self.peers.values())
+
+    def status(self) -> dict[str, str]:
+        """address -> "" (usable) or the problem, for /ready bodies and logs."""
+        return {a: p.problem for a, p in sorted(self.peers.items())}
+
+    def why_not_ready(self) -> str:
+        if not self.peers:
+            return "no prefill worker known (give --prefill or --control-url)"
+        return "; ".join(f"{a}: {why}" for a, why in self.status().items() if why)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(p.client.close() for p in self.peers.values()), return_exceptions=True)

@@ -1,0 +1,96 @@
+"""Shared pieces of the serving tests: tiny models, a real prefill server, a decode side."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import torch
+
+from scd_serve import codec as codec_registry
+from scd_serve.config.decode import DecodeConfig
+from scd_serve.config.engine import EngineConfig
+from scd_serve.config.prefill import PrefillConfig
+from scd_serve.config.transport import TransportConfig
+from scd_serve.decode.codecs import ConsumerCodecs
+from scd_serve.decode.kv_fill import RemoteKVFill
+from scd_serve.decode.peers import PeerSet
+from scd_serve.engine.engine import Engine
+from scd_serve.engine.request import GenerationRequest, SamplingParams
+from scd_serve.model.runtime import ModelRuntime
+from scd_serve.model.tiny import save_tiny_model
+from scd_serve.prefill.service import PrefillServicer
+from scd_serve.transport.proto import SERVICE_NAME, pb_grpc
+from scd_serve.transport.server import bind, make_server, set_serving
+
+
+def tiny_runtime(path, seed=0, **overrides) -> ModelRuntime:
+    save_tiny_model(path, "llama", seed=seed, **overrides)
+    return ModelRuntime.load(path)
+
+
+@dataclasses.dataclass
+class PrefillNode:
+    server: object
+    servicer: PrefillServicer
+    health: object
+    address: str
+
+    async def stop(self):
+        self.servicer.close()
+        await self.server.stop(grace=None)
+
+
+async def start_prefill(rt, methods=("identity",), transport: TransportConfig | None = None,
+                        servicer_cls=PrefillServicer, **cfg) -> PrefillNode:
+    transport = transport or TransportConfig()
+    config = PrefillConfig(model="unused", port=0, transport=transport, **cfg)
+    codecs = {m: codec_registry.build(m, producer=rt) for m in methods}
+    servicer = servicer_cls(rt, codecs, config)
+    server, health = make_server(transport)
+    pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+    port = bind(server, "127.0.0.1", 0, transport)
+    await server.start()
+    await set_serving(health, SERVICE_NAME, True)
+    return PrefillNode(server, servicer, health, f"127.0.0.1:{port}")
+
+
+async def make_decode(rt, addresses, method="identity", client_factory=None, **cfg):
+    config = DecodeConfig(model="unused", codebook="", prefill=tuple(addresses), method=method, **cfg)
+    codecs = ConsumerCodecs(rt)
+    peers = PeerSet(rt, codecs, config, client_factory=client_factory)
+    await peers.check_all()
+    return peers, RemoteKVFill(rt, peers, codecs, config)
+
+
+def engine_for(rt, **cfg) -> Engine:
+    config = EngineConfig(num_blocks=256, block_size=8, max_model_len=256, max_num_seqs=32,
+                          **({"fallback_to_local": False} | cfg))
+    engine = Engine(rt, config)
+    engine.start()
+    return engine
+
+
+def prompts(n: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+async def greedy(engine, rid, tokens, method="local", kv_fill=None, max_tokens=12) -> list[int]:
+    req = GenerationRequest(rid, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                            method=method)
+    out = []
+    async for ev in engine.generate(req, kv_fill=kv_fill if method != "local" else None):
+        if ev.token_id is not None:
+            out.append(ev.token_id)
+    return out
+
+
+async def wait_until(pred, timeout=5.0, step=0.02) -> bool:
+    end = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < end:
+        if pred():
+            return True
+        await asyncio.sleep(step)
+    return pred()
