@@ -1,0 +1,62 @@
+"""Backend: what the HTTP app needs from whatever generates tokens.
+
+`create_app` takes any object with this shape: the decode worker passes an EngineBackend
+(engine + the KV fill per transfer method), tests pass a fake that answers in microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol
+
+from scd_serve.engine.request import GenerationRequest, KVFill, TokenEvent
+from scd_serve.errors import InvalidRequest
+
+LOCAL = "local"  # the method with no transfer: the decode worker prefills the prompt itself
+
+
+class Backend(Protocol):
+    model_name: str
+    tokenizer: Any
+    vocab_size: int
+
+    def ready(self) -> bool: ...  # engine loop alive and peers reachable
+
+    def stats(self) -> dict[str, Any]: ...  # engine stats (num_running, num_waiting, ...)
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]: ...  # async generator
+
+
+class EngineBackend:
+    """An Engine plus a KV fill per transfer method. `fills` maps method name -> KVFill;
+    "local" is always there and means no transfer. An unknown method is a 400 naming
+    `scd_method`, raised before anything runs."""
+
+    def __init__(self, engine: Any, model_name: str, fills: Mapping[str, KVFill] | None = None,
+                 peers_ready: Callable[[], bool] = lambda: True):
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = int(engine.runtime.spec.vocab_size)
+        self.fills: dict[str, KVFill | None] = {LOCAL: None, **(fills or {})}
+        self.peers_ready = peers_ready
+
+    @property
+    def methods(self) -> list[str]:
+        return sorted(self.fills)
+
+    def ready(self) -> bool:
+        return self.engine.ready() and self.peers_ready()
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if req.method not in self.fills:
+            raise InvalidRequest(f"scd_method must be one of {self.methods}, got {req.method!r}", field="scd_method")
+        gen = self.engine.generate(req, self.fills[req.method])
+        try:
+            async for event in gen:
+                yield event
+        finally:
+            await gen.aclose()

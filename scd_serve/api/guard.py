@@ -1,0 +1,106 @@
+"""RequestGuard: ASGI middleware that runs before routing and before the body is parsed.
+
+In order: give the request an id (scope state + `x-request-id` response header), check
+the API key on every path but OPEN_PATHS, require application/json on bodies (415), and
+read the body with a hard cap (413) - also when it arrives chunked without
+Content-Length - so an oversized body is refused before it is held in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from starlette.responses import JSONResponse
+
+from scd_serve.api.auth import OPEN_PATHS, key_matches
+from scd_serve.config.api import ApiConfig
+from scd_serve.errors import PayloadTooLarge, ScdError, Unauthorized, UnsupportedMediaType
+
+log = logging.getLogger("scd_serve.api")
+
+
+def new_request_id() -> str:
+    return "req-" + uuid.uuid4().hex[:24]
+
+
+def error_response(exc: ScdError, request_id: str | None) -> JSONResponse:
+    return JSONResponse(exc.to_body(request_id), status_code=exc.http_status, headers=exc.headers)
+
+
+class RequestGuard:
+    def __init__(self, app, config: ApiConfig):
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = new_request_id()
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        try:
+            self._check_key(scope["path"], headers)
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                body = await self._read_body(headers, receive)
+                receive = _replay(body, receive)
+        except ScdError as exc:
+            return await error_response(exc, rid)(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # noqa: BLE001 - unexpected: log it all, tell the client nothing internal
+            log.error("request_id=%s unhandled %s", rid, type(exc).__name__, exc_info=exc)
+            if started:
+                raise
+            await error_response(ScdError("internal error"), rid)(scope, receive, send_with_id)
+
+    def _check_key(self, path: str, headers: dict[str, str]) -> None:
+        key = self.config.api_key
+        if key and path not in OPEN_PATHS and not key_matches(headers.get("authorization"), key):
+            raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'",
+                               headers={"WWW-Authenticate": "Bearer"})
+
+    async def _read_body(self, headers: dict[str, str], receive) -> bytes:
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise UnsupportedMediaType(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+        limit = self.config.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    done = False
+
+    async def replayed():
+        nonlocal done
+        if not done:
+            done = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later calls see the client's disconnect
+
+    return replayed

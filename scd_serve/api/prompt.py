@@ -1,0 +1,57 @@
+"""Prompt -> token ids: plain completions, and chat messages through a chat template.
+
+When the tokenizer has no chat template, DEFAULT_CHAT_TEMPLATE is used: each message as
+`<|role|>\\ncontent\\n`, then `<|assistant|>\\n` to open the reply. It is plain text, so it
+works with any tokenizer (a byte-level one included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scd_serve.api.schemas import ChatMessage
+from scd_serve.errors import InvalidRequest
+
+DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+DEFAULT_GENERATION_PROMPT = "<|assistant|>\n"
+
+
+def completion_prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise InvalidRequest(f"prompt: one prompt per request, got a list of {len(prompt)}", field="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, list):  # token ids
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt: token id {bad} outside 0..{vocab_size - 1}", field="prompt")
+        return list(prompt)
+    if not prompt:
+        raise InvalidRequest("prompt is empty", field="prompt")
+    return encode(tokenizer, prompt, add_special_tokens=True, field="prompt")
+
+
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
+    plain = [{"role": m.role, "content": message_text(m)} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "".join(DEFAULT_CHAT_TEMPLATE.format(**m) for m in plain) + DEFAULT_GENERATION_PROMPT
+    # the template already holds any BOS it wants
+    return encode(tokenizer, text, add_special_tokens=False, field="messages")
+
+
+def message_text(m: ChatMessage) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    return "".join(part.text for part in m.content)
+
+
+def encode(tokenizer: Any, text: str, *, add_special_tokens: bool, field: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{field} is not valid Unicode text (it holds a lone surrogate)", field=field) from None
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

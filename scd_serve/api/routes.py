@@ -1,0 +1,143 @@
+"""OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Everything is validated before the backend sees the request (schema 422, ranges 400,
+prompt length 400 naming both numbers). The first token event is awaited before the
+response starts, so admission errors (429, 503, 504) are HTTP statuses, not stream events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from scd_serve.api.prompt import chat_prompt_ids, completion_prompt_ids
+from scd_serve.api.sampling import check_length, sampling_params
+from scd_serve.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
+from scd_serve.api.sse import Shape, sse_stream
+from scd_serve.engine.request import GenerationRequest, TokenEvent
+from scd_serve.errors import InvalidRequest, NotFound, ScdError, ShuttingDown
+
+log = logging.getLogger("scd_serve.api")
+router = APIRouter()
+
+
+@router.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
+async def models(request: Request) -> dict:
+    name = request.app.state.model_name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "scd-serve"}]}
+
+
+@router.post("/v1/completions", responses=ERROR_RESPONSES)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    if body.echo:
+        raise InvalidRequest("echo is not supported", field="echo")
+    if body.logprobs is not None:
+        raise InvalidRequest("logprobs is not supported", field="logprobs")
+    return await _serve(request, body, chat=False, max_tokens=body.max_tokens)
+
+
+@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    if body.logprobs:
+        raise InvalidRequest("logprobs is not supported", field="logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return await _serve(request, body, chat=True, max_tokens=max_tokens)
+
+
+async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) -> Response:
+    t0 = time.perf_counter()
+    state, rid = request.app.state, request.state.request_id
+    config, backend = state.config, state.backend
+    if state.draining:
+        raise ShuttingDown("server is shutting down")
+    if body.model is not None and body.model != state.model_name:
+        raise NotFound(f"model {body.model!r} does not exist; this server serves {state.model_name!r}", field="model")
+    params = sampling_params(body, config, max_tokens)
+    if chat:
+        ids = await asyncio.to_thread(chat_prompt_ids, body.messages, backend.tokenizer)
+    else:
+        ids = await asyncio.to_thread(completion_prompt_ids, body.prompt, backend.tokenizer, backend.vocab_size)
+    check_length(len(ids), params.max_tokens, config.max_model_len)
+    method = body.scd_method or config.default_method
+    req = GenerationRequest(rid, ids, params, method, deadline=time.monotonic() + config.request_timeout_s)
+    events = _timed(backend.generate(req), state.metrics, method, t0)
+    route = request.url.path
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        raise ScdError("the backend ended the request without a result") from None
+    except BaseException:
+        await events.aclose()
+        raise
+    shape = Shape(rid, state.model_name, chat, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+
+    def on_end(status: int) -> None:
+        state.metrics.requests.labels(route, str(status)).inc()
+        log.info("request_id=%s route=%s status=%d prompt_tokens=%d max_tokens=%d method=%s seconds=%.3f",
+                 rid, route, status, len(ids), params.max_tokens, method, time.perf_counter() - t0)
+
+    if body.stream:
+        return StreamingResponse(sse_stream(shape, first, events, rid, on_end), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    status = 499
+    try:
+        text, last = await _collect_unless_gone(request, first, events)
+        status = 200
+    except ScdError as exc:
+        status = exc.http_status
+        raise
+    finally:
+        on_end(status)
+    if last is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(shape.whole(text, last.finish_reason, last.usage.to_dict()))
+
+
+async def _timed(events: AsyncIterator[TokenEvent], metrics, method: str, t0: float) -> AsyncIterator[TokenEvent]:
+    last = None
+    try:
+        async for event in events:
+            now = time.perf_counter()
+            if last is None:
+                metrics.ttft.labels(method).observe(now - t0)
+            else:
+                metrics.inter_token.labels(method).observe(now - last)
+            last = now
+            if event.finish_reason is not None:
+                metrics.e2e.labels(method).observe(now - t0)
+                if event.usage is not None:
+                    metrics.prompt_tokens.inc(event.usage.prompt_tokens)
+                    metrics.generation_tokens.inc(event.usage.completion_tokens)
+            yield event
+    finally:
+        await events.aclose()
+
+
+async def _collect_unless_gone(request: Request, first: TokenEvent, events: AsyncIterator[TokenEvent]):
+    """(text, last event), or ("", None) when the client disconnected first (generation aborted)."""
+
+    async def collect():
+        parts, event = [first.text_delta], first
+        while event.finish_reason is None:
+            event = await anext(events)
+            parts.append(event.text_delta)
+        return "".join(parts), event
+
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return work.result() if work.done() else ("", None)
+    finally:
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+        await events.aclose()

@@ -1,0 +1,124 @@
+"""Happy paths of the OpenAI routes against a fake backend: shapes, SSE, usage, health, metrics."""
+
+import json
+
+import pytest
+from api_fakes import FakeBackend
+
+from scd_serve.errors import Overloaded, TransferFailed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def sse_events(text):
+    out = []
+    for block in text.strip().split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+async def test_completion_whole(client, backend):
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "fake-model"
+    assert body["choices"][0]["text"] == "Hello" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert r.headers["x-request-id"].startswith("req-")
+    req = backend.calls[0]
+    assert req.prompt_token_ids == backend.tokenizer.encode("hi") and req.params.temperature == 0
+    assert req.method == "local" and req.request_id == r.headers["x-request-id"]
+
+
+async def test_completion_prompt_as_token_ids_and_method_extension(client, backend):
+    r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "scd_method": "raw", "max_tokens": 2})
+    assert r.status_code == 200
+    assert backend.calls[0].prompt_token_ids == [1, 2, 3] and backend.calls[0].method == "raw"
+
+
+async def test_chat_whole_uses_default_template(client, backend):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    r = await client.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 13})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello, world!"}
+    expected = "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    assert backend.tokenizer.decode(backend.calls[0].prompt_token_ids) == expected
+
+
+async def test_completion_stream_with_usage(client):
+    body = {"prompt": "hi", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    chunks = events[:-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hell"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks)
+
+
+async def test_chat_stream_role_first_then_deltas(client):
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "max_tokens": 3, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1]) == "Hel"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in e for e in events[:-1])
+
+
+async def test_error_mid_stream_is_the_last_event(make_client):
+    c = await make_client(FakeBackend(error_after=(2, TransferFailed("prefill worker went away"))))
+    r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["type"] == "transfer_failed" and err["request_id"] == r.headers["x-request-id"]
+
+
+async def test_overloaded_before_first_token_is_a_429_with_retry_after(make_client):
+    c = await make_client(FakeBackend(error=Overloaded(retry_after_s=3)))
+    for stream in (False, True):
+        r = await c.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+        assert r.status_code == 429 and r.headers["retry-after"] == "3"
+        assert r.json()["error"]["type"] == "overloaded"
+
+
+async def test_models_live_ready(client, backend):
+    r = await client.get("/v1/models")
+    assert r.json()["data"][0]["id"] == "fake-model"
+    assert (await client.get("/live")).status_code == 200
+    assert (await client.get("/ready")).status_code == 200
+    backend.is_ready = False
+    r = await client.get("/ready")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+    assert (await client.get("/live")).status_code == 200
+
+
+async def test_metrics_record_latencies_and_transfer_hooks(client):
+    await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True})
+    await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})
+    client.app.state.metrics.observe_transfer("scd", payload_bytes=100, raw_bytes=1000, rebuild_s=0.01)
+    text = (await client.get("/metrics")).text
+    assert 'scd_time_to_first_token_seconds_count{method="local"} 2.0' in text
+    assert 'scd_inter_token_latency_seconds_count{method="local"} 4.0' in text
+    assert 'scd_e2e_request_latency_seconds_count{method="local"} 2.0' in text
+    assert 'scd_requests_total{route="/v1/completions",status="200"} 2.0' in text
+    assert 'scd_requests_total{route="/v1/completions",status="400"} 1.0' in text
+    assert 'scd_transfer_payload_ratio_sum{method="scd"} 0.1' in text
+    assert 'scd_transfer_bytes_total{method="scd"} 100.0' in text
+    assert "scd_kv_blocks_free 10.0" in text and "scd_num_requests_running 0.0" in text
+
+
+async def test_wrong_model_name_is_404_naming_both(client):
+    r = await client.post("/v1/completions", json={"prompt": "hi", "model": "gpt-9"})
+    assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
+    assert "fake-model" in r.json()["error"]["message"]
