@@ -19,7 +19,7 @@ import torch
 
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, InvalidRequest, Overloaded,
-                              ScdError, TransferFailed)
+                              PayloadTooLarge, ScdError, TransferFailed)
 from scd_serve.prefill.code_cache import CodeCache, cache_key
 from scd_serve.transport.chunking import group_layers, make_chunk
 from scd_serve.transport.proto import PROTOCOL_VERSION, pb, pb_grpc
@@ -191,6 +191,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 raise TransferFailed(f"producer failed on layer {len(layers)}: {type(item).__name__}")
             layer, tensors, us = item
             chunk = make_chunk(t.request_id, layer, total, layer, layer + 1, tensors, us)
+            if chunk.ByteSize() > self.config.transport.max_message_bytes - 1024:  # room for framing
+                raise PayloadTooLarge(f"layer {layer} code is {chunk.ByteSize()} bytes, over max_message_bytes "
+                                      f"({self.config.transport.max_message_bytes}); raise --max-message-mb "
+                                      f"or send a shorter prompt")
             await self._guarded(t, context.write(pb.PrefillChunk(chunk=chunk)))
             layers.append(tensors)
 

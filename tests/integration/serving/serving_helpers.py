@@ -42,14 +42,14 @@ class PrefillNode:
 
 
 async def start_prefill(rt, methods=("identity",), transport: TransportConfig | None = None,
-                        servicer_cls=PrefillServicer, **cfg) -> PrefillNode:
+                        servicer_cls=PrefillServicer, port: int = 0, **cfg) -> PrefillNode:
     transport = transport or TransportConfig()
-    config = PrefillConfig(model="unused", port=0, transport=transport, **cfg)
+    config = PrefillConfig(model="unused", port=port, transport=transport, **cfg)
     codecs = {m: codec_registry.build(m, producer=rt) for m in methods}
     servicer = servicer_cls(rt, codecs, config)
     server, health = make_server(transport)
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    port = bind(server, "127.0.0.1", 0, transport)
+    port = bind(server, "127.0.0.1", port, transport)
     await server.start()
     await set_serving(health, SERVICE_NAME, True)
     return PrefillNode(server, servicer, health, f"127.0.0.1:{port}")
@@ -94,3 +94,22 @@ async def wait_until(pred, timeout=5.0, step=0.02) -> bool:
             return True
         await asyncio.sleep(step)
     return pred()
+
+
+class SlowRuntime:
+    """Wraps a runtime: sleeps `delay` s per prefill layer and calls on_layer(layer) (fault hooks)."""
+
+    def __init__(self, rt, delay: float = 0.0, on_layer=None):
+        self._rt, self.delay, self.on_layer = rt, delay, on_layer
+
+    def __getattr__(self, name):
+        return getattr(self._rt, name)
+
+    def iter_prefill(self, ids, compute_logits=True):
+        import time as _time
+
+        for layer, state in self._rt.iter_prefill(ids, compute_logits=compute_logits):
+            if self.on_layer is not None:
+                self.on_layer(layer)
+            _time.sleep(self.delay)
+            yield layer, state
