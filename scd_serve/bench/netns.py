@@ -16,7 +16,7 @@ import subprocess
 from scd_serve.bench.units import tc_rate
 from scd_serve.errors import Unavailable
 
-MIN_BURST = 96 * 1024  # bytes; at least a GSO super-packet so tbf never stalls
+MIN_BURST = 16 * 1024  # bytes; tbf splits larger GSO packets itself
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -63,6 +63,9 @@ class NetnsLink:
                 _ip("-n", ns, "addr", "add", f"{host}/24", "dev", dev)
                 _ip("-n", ns, "link", "set", dev, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+                # a kept-alive channel must not fall back to slow start between requests
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
+                               capture_output=True, timeout=10)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             err = getattr(exc, "stderr", "") or str(exc)
             self.down()
@@ -75,8 +78,8 @@ class NetnsLink:
             if bytes_per_s is None:
                 subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
                 continue
-            # burst ~2 ms of traffic: small enough that a transfer of a few ms is still shaped
-            burst = max(MIN_BURST, int(bytes_per_s * 0.002))
+            # burst ~1 ms of traffic: small enough that a transfer of a few ms is still shaped
+            burst = max(MIN_BURST, int(bytes_per_s * 0.001))
             limit = burst + int(bytes_per_s * 0.05)  # queue up to 50 ms before dropping
             cmd = ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", tc_rate(bytes_per_s),
                    "burst", str(burst), "limit", str(limit)]
@@ -85,6 +88,10 @@ class NetnsLink:
                 raise Unavailable(f"tc could not shape the link: {res.stderr.strip()}")
             self.burst_bytes = burst
         self.rate_bytes_per_s = bytes_per_s
+
+    def measure_throughput(self, nbytes: int = 8 << 20) -> float | None:
+        """Bytes/s of one TCP stream producer -> consumer through the shaped veth (None on failure)."""
+        return measure_tcp(self.exec_prefix("producer"), self.exec_prefix("consumer"), self.producer_host, nbytes)
 
     def exec_prefix(self, side: str) -> list[str]:
         """Command prefix that runs a process on `side` ('producer' or 'consumer')."""
@@ -114,3 +121,38 @@ class NetnsLink:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+
+_SEND = """
+import socket, sys
+s = socket.create_server(({host!r}, 0)); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); buf = bytes(1 << 20); left = {n}
+while left > 0:
+    c.sendall(buf[:min(left, len(buf))]); left -= len(buf)
+c.close()
+"""
+_RECV = """
+import socket, time
+c = socket.create_connection(({host!r}, {port}), timeout=30); n = 0; t = None
+while b := c.recv(1 << 20):
+    t = t or time.perf_counter(); n += len(b)
+print(n / (time.perf_counter() - t))
+"""
+
+
+def measure_tcp(send_prefix: list[str], recv_prefix: list[str], host: str, nbytes: int) -> float | None:
+    """A plain-socket transfer of `nbytes` from one side to the other; -> achieved bytes/s."""
+    import sys
+
+    sender = subprocess.Popen([*send_prefix, sys.executable, "-c", _SEND.format(host=host, n=nbytes)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(sender.stdout.readline())
+        out = subprocess.run([*recv_prefix, sys.executable, "-c", _RECV.format(host=host, port=port)],
+                             capture_output=True, text=True, timeout=120)
+        return float(out.stdout.strip())
+    except (ValueError, subprocess.TimeoutExpired):
+        return None
+    finally:
+        sender.kill()
+        sender.wait()

@@ -40,6 +40,7 @@ class Probe:
         self.codebook = codebook
         self.codecs: dict = {}
         self.clients: dict = {}
+        self.num_cold = 0  # cold prompts never repeat within this process (no code-cache hit)
 
     def codec(self, method: str, producer_fingerprint: str):
         if method not in self.codecs:
@@ -115,7 +116,9 @@ class Probe:
         t_first = time.perf_counter()
         return {"ttft_s": t_first - t0, "payload_bytes": payload, "cache_hit": cache_hit,
                 "producer_s": producer_us / 1e6, "first_chunk_s": t_first_chunk - t0,
-                "recv_s": t_last_chunk - t0, "wire_s": t_last_chunk - t_first_chunk,
+                "recv_s": t_last_chunk - t0,
+                # time to all bytes not explained by producer compute (request, queueing, the link)
+                "wire_s": max(0.0, t_last_chunk - t0 - producer_us / 1e6),
                 "rebuild_s": rebuild, "rebuild_tail_s": t_rebuilt - t_last_chunk,
                 "first_step_s": t_first - t_rebuilt}
 
@@ -135,7 +138,8 @@ class Probe:
                         warm_ids = self.prompt(n, cmd["seed"])
                         await self.transfer(cmd["prefill"], method, warm_ids)
                     for r in range(cmd["reps"]):
-                        ids = warm_ids if mode == "warm" else self.prompt(n, cmd["seed"] * 7919 + 1 + r)
+                        self.num_cold += mode == "cold"
+                        ids = warm_ids if mode == "warm" else self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold)
                         samples.append(await self.transfer(cmd["prefill"], method, ids))
                     rows.append({"method": method, "prompt_tokens": n, "mode": mode, "samples": samples})
         return {"rows": rows}

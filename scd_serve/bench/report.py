@@ -55,6 +55,7 @@ def summarize_rows(calib: list[dict], points: list[dict], link: dict, ref_tokens
             row["speedup_vs_oracle"] = (row["oracle_ttft_s"] / row["ttft_s"]) if row["oracle_ttft_s"] else None
             rows.append(row)
         sweep.append({"bandwidth_bytes_per_s": bw, "bandwidth": p["bandwidth"], "rows": rows,
+                      "measured_tcp_bytes_per_s": p.get("measured_tcp_bytes_per_s"),
                       "elapsed_s": p["elapsed_s"]})
     return {"benchmark": "ttft", "machine": machine(), "link": link, "reference_prompt_tokens": ref_tokens,
             "oracle_ttft_s": oracle, "producer_prefill_s": prefill, "reps": args.reps,

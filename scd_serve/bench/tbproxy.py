@@ -129,6 +129,9 @@ class ProxyLink:
     def exec_prefix(self, side: str) -> list[str]:
         return []
 
+    def measure_throughput(self, nbytes: int = 8 << 20) -> float | None:
+        return None  # the proxy is only attached to the producer's port
+
     def producer_bind(self) -> str:
         return "127.0.0.1"
 

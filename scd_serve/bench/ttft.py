@@ -127,11 +127,12 @@ def run_ttft(args) -> dict:
         points = []
         for bw in sweep:
             link.set_rate(bw)
+            measured = link.measure_throughput(max(1 << 20, min(16 << 20, int(bw * 0.5))))
             t0 = time.monotonic()
             rows = probe.ask({**base, "prompt_tokens": args.prompt_tokens, "methods": methods,
                               "modes": args.modes}, args.point_timeout)["rows"]
             points.append({"bandwidth_bytes_per_s": bw, "bandwidth": fmt_bandwidth(bw), "rows": rows,
-                           "elapsed_s": time.monotonic() - t0})
+                           "measured_tcp_bytes_per_s": measured, "elapsed_s": time.monotonic() - t0})
             print(f"  {fmt_bandwidth(bw)} done in {time.monotonic() - t0:.0f}s", file=sys.stderr)
         link_info = link.describe()
     finally:
