@@ -8,8 +8,8 @@ These are the counting rules the planner uses; they follow the method note
               attention input instead, from which the consumer recomputes K/V
   reuse       per layer a rank-r_K code for K and rank-r_V code for V, 16 bit
   scd         reuse codes on reuse layers, a rank-r_H code of the attention input on
-              patch layers (aligner MLP + the consumer's own k/v projections)
-  scd-int8    scd with int8 codes (per-channel scales, a constant per layer)
+              patch layers (aligner + the consumer's own k/v projections)
+  scd-int8    scd with int8 codes (a 16-bit scale per code channel, a constant per layer)
 Tokens shipped are T-1: the decode side runs the last prompt token as its first step.
 """
 
@@ -31,7 +31,10 @@ class RankPlan:
     v_ratio: float = 0.7  # mean r_V / kv_width
     patch_fraction: float = 6 / 32  # share of layers that are patch layers
     h_ratio: float = 0.72  # r_H / hidden_size on patch layers
-    droidspeak_fraction: float = 4 / 32  # share of layers DroidSpeak recomputes
+    reuse_k_ratio: float | None = None  # ranks of the reuse-only plan; None = same as scd's
+    reuse_v_ratio: float | None = None
+    aligner_width_ratio: float = 0.25  # hidden width of the aligner's MLP branch / hidden_size
+    droidspeak_fraction: float = 4 / 32  # share of layers DroidSpeak recomputes (first eighth)
     quant_group: int = 32  # elements per fp16 scale/min pair in quant4/quant2 (as scd_serve.codec.quant)
     source: str = "defaults (payload ratios of the SCD paper: reuse 0.60x raw, scd 0.76x raw)"
 
@@ -58,6 +61,8 @@ def method_cost(method: str, shape: ModelShape, prompt_tokens: int, plan: RankPl
     kv_layer = t * 2 * d * HALF  # one layer's K+V in 16 bit
     kv_all = L * kv_layer
     rk, rv, rh = plan.k_ratio * d, plan.v_ratio * d, plan.h_ratio * h
+    if method == "reuse" and plan.reuse_k_ratio is not None:
+        rk, rv = plan.reuse_k_ratio * d, (plan.reuse_v_ratio or plan.v_ratio) * d
     if method == "oracle":
         return MethodCost(method, 0.0, 0.0, 0.0, 0.0, 0.0)
     if method == "raw":
@@ -78,10 +83,12 @@ def method_cost(method: str, shape: ModelShape, prompt_tokens: int, plan: RankPl
     code_bytes = 1 if method == "scd-int8" else HALF
     payload = (n_reuse * t * (rk + rv) + n_patch * t * rh) * code_bytes
     if method == "scd-int8":
-        payload += L * 2 * (rk + rv + rh) * 4  # float32 scale per channel per layer
+        payload += (n_reuse * (rk + rv) + n_patch * rh) * HALF  # fp16 scale per code channel
     enc = n_reuse * 2.0 * t * d * (rk + rv) + n_patch * 2.0 * t * h * rh
     reuse_flops = n_reuse * 2.0 * t * d * (rk + rv)
-    # aligner: a two-layer MLP r_H -> hidden -> hidden, then k/v projections
-    patch_flops = n_patch * (2.0 * t * (rh * h + h * h) + 2.0 * t * h * 2 * d)
-    weights = (n_reuse * (rk + rv) * d + n_patch * (rh * h + h * h + 2 * h * d)) * HALF
+    # aligner: linear r_H -> hidden plus an MLP r_H -> w -> hidden; then the k/v projections
+    w = plan.aligner_width_ratio * h
+    aligner = rh * h + rh * w + w * h
+    patch_flops = n_patch * (2.0 * t * aligner + 2.0 * t * h * 2 * d)
+    weights = (n_reuse * (rk + rv) * d + n_patch * (aligner + 2 * h * d)) * HALF
     return MethodCost(method, payload, enc, weights, reuse_flops + patch_flops, payload + kv_all + weights)

@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
           f"{shape.num_params / 1e9:.2f}B params", file=out)
     print(f"ranks: {plan.source}", file=out)
     print(f"  r_K/d={plan.k_ratio:.3f} r_V/d={plan.v_ratio:.3f} patch layers {plan.num_patch(shape.num_layers)}/"
-          f"{shape.num_layers} r_H/hidden={plan.h_ratio:.3f}", file=out)
+          f"{shape.num_layers} r_H/hidden={plan.h_ratio:.3f}"
+          + (f"; reuse-only plan r_K/d={plan.reuse_k_ratio:.3f} r_V/d={plan.reuse_v_ratio:.3f}"
+             if plan.reuse_k_ratio is not None else ""), file=out)
     print(f"rates ({rates.source}): prefill {rates.prefill_tflops:.3g} TFLOP/s, rebuild {rates.rebuild_tflops:.3g} "
           f"TFLOP/s, memory {rates.mem_gbps:.4g} GB/s", file=out)
     print(FORMULA, file=out)

@@ -20,5 +20,31 @@ def rank_plan_from_codebook(path: Path) -> RankPlan:
     return _from_manifest(doc, str(manifest))
 
 
+def _ratios(plan: list[dict], kv_width: int, hidden: int) -> tuple[float, float, float, float]:
+    """(mean r_k/d, mean r_v/d over reuse layers, patch share, mean r_h/hidden over patch layers)."""
+    reuse = [lp for lp in plan if lp.get("mode") == "reuse"]
+    patch = [lp for lp in plan if lp.get("mode") == "patch"]
+    k = sum(lp["r_k"] for lp in reuse) / (len(reuse) * kv_width) if reuse else 0.0
+    v = sum(lp["r_v"] for lp in reuse) / (len(reuse) * kv_width) if reuse else 0.0
+    h = sum(lp["r_h"] for lp in patch) / (len(patch) * hidden) if patch else 0.0
+    return k, v, len(patch) / len(plan), h
+
+
 def _from_manifest(doc: dict, where: str) -> RankPlan:
-    raise CodebookError(f"codebook manifest {where}: format not understood yet")
+    """Ratios of the codebook's `scd` plan (and `reuse` plan, when it has its own ranks)."""
+    try:
+        spec = doc["consumer"]
+        kv_width, hidden = int(spec["num_kv_heads"]) * int(spec["head_dim"]), int(spec["hidden_size"])
+        plans = doc["plans"]
+        scd = plans.get("scd") or plans.get("scd-int8")
+        if not scd:
+            raise KeyError("plans.scd")
+        k, v, patch, h = _ratios(scd, kv_width, hidden)
+        rk, rv = (_ratios(plans["reuse"], kv_width, hidden)[:2]) if plans.get("reuse") else (k, v)
+        droid = doc.get("droidspeak_layers")
+        layers = int(spec["num_layers"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise CodebookError(f"codebook manifest {where} lacks plan or spec fields ({exc})") from exc
+    return RankPlan(k_ratio=k, v_ratio=v, patch_fraction=patch, h_ratio=h, reuse_k_ratio=rk, reuse_v_ratio=rv,
+                    droidspeak_fraction=(len(droid) / layers) if droid else RankPlan.droidspeak_fraction,
+                    source=f"codebook {where} (ratios of its scd/reuse plans)")

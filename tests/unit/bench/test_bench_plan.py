@@ -63,3 +63,27 @@ def test_plan_cli_prints_formula_and_writes_json(tmp_path, capsys):
 def test_plan_cli_unknown_model_is_a_clear_error(capsys):
     assert main(["plan", "--model-config", "gpt-9", "--bandwidth", "1gbit"]) == 2
     assert "mistral-7b" in capsys.readouterr().err
+
+
+def test_rank_ratios_come_from_the_codebook_manifest(tmp_path, capsys):
+    spec = {"num_layers": 4, "hidden_size": 64, "num_kv_heads": 2, "head_dim": 16, "rope_theta": 1e4}
+    plans = {"scd": [{"mode": "reuse", "r_k": 8, "r_v": 16}] * 3 + [{"mode": "patch", "r_h": 32}],
+             "reuse": [{"mode": "reuse", "r_k": 16, "r_v": 16}] * 4}
+    (tmp_path / "manifest.json").write_text(json.dumps({"producer": spec, "consumer": spec, "plans": plans,
+                                                        "droidspeak_layers": [0]}))
+    from scd_serve.bench.ranks import rank_plan_from_codebook
+
+    rp = rank_plan_from_codebook(tmp_path)
+    assert (rp.k_ratio, rp.v_ratio, rp.patch_fraction, rp.h_ratio) == (0.25, 0.5, 0.25, 0.5)
+    assert (rp.reuse_k_ratio, rp.droidspeak_fraction) == (0.5, 0.25)
+    s = load_shape("mistral-7b")
+    reuse = method_cost("reuse", s, 1025, rp)
+    assert reuse.payload_bytes == 32 * 1024 * (512 + 512) * 2
+    assert main(["plan", "--model-config", "mistral-7b", "--bandwidth", "1gbit", "--codebook", str(tmp_path)]) == 0
+    assert "patch layers 8/32" in capsys.readouterr().out
+
+
+def test_bad_codebook_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "manifest.json").write_text("{}")
+    assert main(["plan", "--model-config", "mistral-7b", "--bandwidth", "1gbit", "--codebook", str(tmp_path)]) == 2
+    assert "lacks plan or spec" in capsys.readouterr().err
