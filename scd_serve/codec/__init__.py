@@ -15,7 +15,9 @@ from typing import Any
 from scd_serve.codec.base import (ATTN_INPUT, KEYS, VALUES, TransferCodec, payload_bytes)
 from scd_serve.codec.baselines import IdentityCodec, RawCodec
 from scd_serve.codec.droidspeak import DroidSpeakCodec
+from scd_serve.codec.codebook import Codebook, as_codebook
 from scd_serve.codec.quant import QuantCodec
+from scd_serve.codec.scd import ScdCodec
 from scd_serve.errors import ConfigError
 
 _FACTORIES = {
@@ -23,8 +25,25 @@ _FACTORIES = {
     "raw": lambda producer, consumer, codebook: RawCodec(producer, consumer),
     "quant4": lambda producer, consumer, codebook: QuantCodec(producer, bits=4),
     "quant2": lambda producer, consumer, codebook: QuantCodec(producer, bits=2),
-    "droidspeak": lambda producer, consumer, codebook: DroidSpeakCodec(producer),
+    "droidspeak": lambda producer, consumer, codebook: _droidspeak(producer, consumer, codebook),
+    "reuse": lambda producer, consumer, codebook: _scd("reuse", producer, consumer, codebook),
+    "scd": lambda producer, consumer, codebook: _scd("scd", producer, consumer, codebook),
+    "scd-int8": lambda producer, consumer, codebook: _scd("scd-int8", producer, consumer, codebook),
 }
+# methods that cannot work without a calibrated codebook
+NEEDS_CODEBOOK = frozenset({"reuse", "scd", "scd-int8"})
+
+
+def _droidspeak(producer: Any, consumer: Any, codebook: Any) -> DroidSpeakCodec:
+    """Recompute layers chosen by calibration when a codebook is given, else a default set."""
+    layers = as_codebook(codebook, producer, consumer).droidspeak_layers if codebook is not None else None
+    return DroidSpeakCodec(producer, layers)
+
+
+def _scd(method: str, producer: Any, consumer: Any, codebook: Any) -> ScdCodec:
+    book = as_codebook(codebook, producer, consumer)
+    plan_name = method if method in book.manifest.get("plans", {}) or method != "scd-int8" else "scd"
+    return ScdCodec(method, book, book.plan(plan_name), int8=method.endswith("int8"))
 
 METHODS: list[str] = list(_FACTORIES)
 
@@ -39,4 +58,5 @@ def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any
     return factory(producer, consumer, codebook)
 
 
-__all__ = ["METHODS", "build", "payload_bytes", "TransferCodec", "KEYS", "VALUES", "ATTN_INPUT"]
+__all__ = ["METHODS", "NEEDS_CODEBOOK", "build", "payload_bytes", "Codebook", "TransferCodec",
+           "KEYS", "VALUES", "ATTN_INPUT"]

@@ -1,0 +1,41 @@
+"""From fitted layers and chosen plans to a Codebook holding only what the plans use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scd_serve.codec.codebook import Codebook
+from scd_serve.codec.fit import LayerFit
+from scd_serve.codec.plan import REUSE, Plan
+from scd_serve.codec.spec import CodecSpec
+
+
+def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: CodecSpec, consumer: CodecSpec,
+                   extra: dict[str, Any] | None = None) -> Codebook:
+    """Encoders are stored at the widest rank any plan uses (their columns nest); decoders and
+    aligners per rank used."""
+    tensors: dict[str, torch.Tensor] = {}
+    for plan in plans.values():
+        for i, lp in enumerate(plan.layers):
+            streams = [("k", lp.r_k), ("v", lp.r_v)] if lp.mode == REUSE else [("h", lp.r_h)]
+            for s, r in streams:
+                jc, p = fits[i].codes[s], f"layers.{i}.{s}"
+                width = max(r, tensors[f"{p}.enc"].shape[1] if f"{p}.enc" in tensors else 0)
+                tensors[f"{p}.enc"] = jc.enc[:, :width].float().contiguous()
+                tensors[f"{p}.mu_a"] = jc.mu_a.float()
+                if s == "h":
+                    for name, t in fits[i].aligners[r].tensors().items():
+                        tensors[f"{p}.g.r{r}.{name}"] = t
+                else:
+                    tensors[f"{p}.mu_b"] = jc.mu_b.float()
+                    tensors[f"{p}.dec.r{r}"] = jc.decoder(r).float().contiguous()
+    manifest = {
+        "producer": producer.to_dict(),
+        "consumer": consumer.to_dict(),
+        "plans": {name: plan.to_json() for name, plan in plans.items()},
+        "code_dtypes": {"reuse": "float16", "scd": "float16", "scd-int8": "int8+float16 scales"},
+    } | (extra or {})
+    book = Codebook(manifest, tensors)
+    return book

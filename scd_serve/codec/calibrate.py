@@ -1,0 +1,183 @@
+"""`scd-serve calibrate`: fit an SCD codebook for a producer/consumer pair under a KL budget.
+
+Steps: paired states of both models on calibration prompts -> joint codes per layer and
+stream (Reuse) and per candidate patch layer (Patch, linear aligners) -> measured profiling
+and plan search under the budget (see search.py) -> MLP aligners for the chosen patches ->
+DroidSpeak layer choice -> codebook, re-measured through the real codecs -> trade-off PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from scd_serve.codec.assemble import build_codebook
+from scd_serve.codec.base import payload_bytes
+from scd_serve.codec.codebook import Codebook
+from scd_serve.codec.candidates import Candidates
+from scd_serve.codec.curve import plot_tradeoff
+from scd_serve.codec.fit import collect_rows, fit_layer, train_aligner
+from scd_serve.codec.probe import KLProbe, make_examples
+from scd_serve.codec.search import PlanSearch, SearchPoint
+from scd_serve.codec.spec import spec_of
+from scd_serve.config.codec import CalibrateConfig
+from scd_serve.errors import ConfigError
+
+KV_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
+H_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2)
+
+
+def rank_grid(width: int, fractions: tuple[float, ...]) -> list[int]:
+    return sorted({max(1, round(width * f)) for f in fractions})
+
+
+@dataclass
+class Calibration:
+    codebook: Codebook
+    curve: list[SearchPoint]
+    methods: dict[str, dict[str, float]]  # method -> measured kl, payload ratio to raw
+
+
+def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
+    """KL on the probe examples and payload relative to raw 16-bit K/V, through encode/decode."""
+    nbytes = {"n": 0}
+
+    def rebuild(ex, layer):
+        code = codec.encode_layer(layer, ex.producer[layer])
+        nbytes["n"] += payload_bytes(code)
+        return codec.decode_layer(layer, code, consumer)
+
+    layers = range(spec_of(consumer).num_layers)
+    kl = probe.measure({i: rebuild for i in layers})
+    spec = spec_of(consumer)
+    raw = sum(e.prefix for e in probe.examples) * spec.num_layers * 2 * spec.kv_width * 2
+    return {"kl": kl, "payload_ratio": nbytes["n"] / raw}
+
+
+def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list, cfg: CalibrateConfig,
+              log: Callable[[str], None] = print, show_progress: bool = True) -> Calibration:
+    from scd_serve import codec as registry
+
+    pspec, cspec = spec_of(producer), spec_of(consumer)
+    if pspec.num_layers != cspec.num_layers:
+        raise ConfigError(f"producer has {pspec.num_layers} layers, consumer {cspec.num_layers}: "
+                          "a per-layer codebook needs the same layer count")
+    started, num_layers = time.time(), cspec.num_layers
+    kv_grid = rank_grid(cspec.kv_width, KV_FRACTIONS)
+    h_grid = rank_grid(cspec.hidden_size, H_FRACTIONS)
+    with tqdm(total=len(fit_prompts), desc="collect states", disable=not show_progress) as bar:
+        rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update)
+    fits = [fit_layer(r, cspec.kv_width, h_grid, cfg.aligner_width)
+            for r in tqdm(rows, desc="fit layers", disable=not show_progress)]
+    h_rows = [r["h"] for r in rows]
+    del rows
+    probe = KLProbe(consumer, make_examples(producer, consumer, probe_pairs))
+    cands = Candidates(fits, producer, consumer)
+    with tqdm(total=num_layers, desc="profile + search", disable=not show_progress) as bar:
+        search = PlanSearch(probe, num_layers, kv_grid, h_grid, cands.layer_kv, cands.stream_kv,
+                            progress=lambda msg: (bar.update(1) if msg.startswith("profiled") else bar.set_postfix_str(msg)))
+        max_patches = num_layers // 2 if cfg.max_patches is None else cfg.max_patches
+        best, curve, benefit = search.run(cfg.kl_budget, max_patches)
+    plan, kl_linear = best.plan, best.kl
+    if cfg.aligner_steps and plan.patch_layers:  # MLP aligners where patches were chosen
+        linear = {i: fits[i].aligners[plan.layers[i].r_h] for i in plan.patch_layers}
+        for i in tqdm(plan.patch_layers, desc="train aligners", disable=not show_progress):
+            train_aligner(fits[i], h_rows[i], plan.layers[i].r_h, cfg.aligner_width, cfg.aligner_steps)
+        if search.measure(plan) > kl_linear:  # measured, not assumed: keep what is better
+            for i, g in linear.items():
+                fits[i].aligners[plan.layers[i].r_h] = g
+            log("MLP aligners did not lower the measured KL; kept the linear ones")
+    ds_layers = droidspeak_layers(probe, cands, num_layers, max(1, len(plan.patch_layers)))
+    stats = {
+        "kl_budget": cfg.kl_budget, "config": asdict(cfg), "feasible": best.feasible,
+        "probe_positions": probe.num_positions, "fit_prompts": len(fit_prompts),
+        "kv_rank_grid": kv_grid, "h_rank_grid": h_grid,
+        "patch_benefit": {str(k): v for k, v in benefit.items()},
+        "curve": [{"patches": p.num_patches, "patch_layers": list(p.plan.patch_layers),
+                   "code_width": p.plan.code_width(), "kl": p.kl, "kl_full_rank": p.kl_full_rank,
+                   "feasible": p.feasible} for p in curve],
+        "reuse_rel_err": [{s: fits[i].codes[s].rel_error(getattr(lp, f"r_{s}")) for s in "kv"}
+                          if lp.mode == "reuse" else {"aligner": fits[i].aligner_err[lp.r_h]}
+                          for i, lp in enumerate(plan.layers)],
+    }
+    book = build_codebook(fits, {"scd": plan, "reuse": curve[0].plan}, pspec, cspec,
+                          extra={"droidspeak_layers": ds_layers, "calibration": stats})
+    methods = {}
+    for name in [m for m in registry.METHODS if m != "identity"]:
+        codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
+        methods[name] = measure_codec(probe, codec, consumer)
+    stats["methods"] = methods
+    stats["seconds"] = round(time.time() - started, 1)
+    stats["probe_measurements"] = probe.num_measurements
+    return Calibration(book, curve, methods)
+
+
+def droidspeak_layers(probe: KLProbe, cands: Candidates, num_layers: int, count: int) -> list[int]:
+    """DroidSpeak's layer choice by measured profiling: the layers whose recompute from the
+    producer's hidden states lowers the all-raw KL the most."""
+    raw = {i: cands.raw for i in range(num_layers)}
+    base = probe.measure(raw)
+    gain = {i: base - probe.measure(raw | {i: cands.droidspeak}) for i in range(num_layers)}
+    return sorted(sorted(gain, key=gain.get, reverse=True)[:count])
+
+
+def load_prompts(tokenizer: Any, split: str, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(prompt ids with <bos>, answer ids) from the project's deterministic data."""
+    from scd_serve.pair.data import load_split
+
+    if tokenizer is None:
+        raise ConfigError("the consumer model directory has no tokenizer; calibration needs one for its prompts")
+    out = []
+    for ex in load_split(split, n, seed=seed):
+        prompt = tokenizer(ex["prompt"])["input_ids"]
+        answer = tokenizer(ex["answer"], add_special_tokens=False)["input_ids"]
+        out.append((torch.tensor(prompt), torch.tensor(answer)))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--producer", required=True, help="producer (prefill side) model directory")
+    parser.add_argument("--consumer", required=True, help="consumer (decode side) model directory")
+    parser.add_argument("--data", default="calibration", help="data split of scd_serve.pair.data")
+    parser.add_argument("--num-prompts", type=int, default=48, help="prompts that fit the codes")
+    parser.add_argument("--probe-prompts", type=int, default=16, help="other prompts whose KL steers the plan")
+    parser.add_argument("--kl-budget", type=float, required=True, help="KL budget, nats per answer token")
+    parser.add_argument("--max-patches", type=int, default=None, help="most patch layers tried (default L/2)")
+    parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")
+    parser.add_argument("--aligner-steps", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", required=True, help="codebook directory to write")
+
+
+def run(args: argparse.Namespace) -> int:
+    from scd_serve.model import ModelRuntime
+
+    cfg = CalibrateConfig(kl_budget=args.kl_budget, num_prompts=args.num_prompts,
+                          num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
+                          max_patches=args.max_patches, aligner_steps=args.aligner_steps, seed=args.seed)
+    torch.manual_seed(cfg.seed)
+    producer = ModelRuntime.load(args.producer, device=args.device)
+    consumer = ModelRuntime.load(args.consumer, device=args.device)
+    pairs = load_prompts(consumer.tokenizer, args.data, cfg.num_prompts + cfg.num_probe_prompts, cfg.seed)
+    fit_prompts = [p for p, _ in pairs[: cfg.num_prompts]]
+    result = calibrate(producer, consumer, fit_prompts, pairs[cfg.num_prompts:], cfg)
+    out = result.codebook.save(args.out)
+    spec = spec_of(consumer)
+    chosen = result.codebook.plan("scd")
+    png = plot_tradeoff(result.curve, chosen, 2 * spec.num_layers * spec.kv_width, cfg.kl_budget, out / "tradeoff.png")
+    stats = result.codebook.manifest["calibration"]
+    print(f"codebook: {out} ({'within' if stats['feasible'] else 'OVER'} KL budget {cfg.kl_budget}); "
+          f"patch layers {list(chosen.patch_layers)}; droidspeak layers {result.codebook.droidspeak_layers}; "
+          f"{stats['seconds']} s")
+    print(f"{'method':<12}{'KL':>10}{'payload/raw':>13}")
+    for name, m in result.methods.items():
+        print(f"{name:<12}{m['kl']:>10.4f}{m['payload_ratio']:>13.3f}")
+    print(f"trade-off curve: {png}")
+    return 0

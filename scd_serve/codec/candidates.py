@@ -1,0 +1,78 @@
+"""Rebuild functions used while calibrating: how each option turns the producer's prefix states
+into consumer K/V for one layer, computed from the fits directly (the codec does the same
+from the codebook; calibration finally re-measures through the real codecs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scd_serve.codec.base import positions_for
+from scd_serve.codec.fit import LayerFit, code_rows
+from scd_serve.codec.plan import REUSE, LayerPlan
+from scd_serve.codec.probe import Example, LayerKV
+from scd_serve.codec.spec import CodecSpec, rotate_with, spec_of
+
+Tensor = torch.Tensor
+
+
+class Candidates:
+    def __init__(self, fits: list[LayerFit], producer: Any, consumer: Any):
+        self.fits, self.producer, self.consumer = fits, producer, consumer
+        self.pspec: CodecSpec = spec_of(producer)
+        self.cspec: CodecSpec = spec_of(consumer)
+        self._decoders: dict[tuple[int, str, int], Tensor] = {}
+
+    def _shape(self, x: Tensor) -> Tensor:
+        return x.reshape(x.shape[0], self.cspec.num_kv_heads, self.cspec.head_dim)
+
+    def decoder(self, layer: int, s: str, rank: int) -> Tensor:
+        key = (layer, s, rank)
+        if key not in self._decoders:
+            self._decoders[key] = self.fits[layer].codes[s].decoder(rank).float()
+        return self._decoders[key]
+
+    def reuse_stream(self, ex: Example, layer: int, s: str, rank: int) -> Tensor:
+        """Consumer-side pre-RoPE keys (s='k') or values (s='v') rebuilt from a rank-r code."""
+        jc = self.fits[layer].codes[s]
+        a = getattr(ex.producer[layer], "keys" if s == "k" else "values")
+        z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
+        return self._shape(z @ self.decoder(layer, s, rank) + jc.mu_b.float())
+
+    def patch(self, ex: Example, layer: int, rank: int) -> tuple[Tensor, Tensor]:
+        jc, g = self.fits[layer].codes["h"], self.fits[layer].aligners[rank]
+        z = code_rows(jc, ex.producer[layer].attn_input.double(), rank)
+        with torch.no_grad():
+            return self.consumer.recompute_kv(layer, g(z).to(_dtype(self.consumer)))
+
+    # ---- LayerKV factories for the probe ------------------------------------------------
+    def layer_kv(self, lp: LayerPlan) -> LayerKV:
+        if lp.mode == REUSE:
+            return lambda ex, layer: (self.reuse_stream(ex, layer, "k", lp.r_k),
+                                      self.reuse_stream(ex, layer, "v", lp.r_v))
+        return lambda ex, layer: self.patch(ex, layer, lp.r_h)
+
+    def stream_kv(self, s: str, rank: int) -> LayerKV:
+        if s == "k":
+            return lambda ex, layer: (self.reuse_stream(ex, layer, "k", rank), ex.consumer[layer].values)
+        if s == "v":
+            return lambda ex, layer: (ex.consumer[layer].keys, self.reuse_stream(ex, layer, "v", rank))
+        return lambda ex, layer: self.patch(ex, layer, rank)
+
+    def raw(self, ex: Example, layer: int) -> tuple[Tensor, Tensor]:
+        """The producer's post-RoPE keys and values in fp16, as the consumer stores them."""
+        s = ex.producer[layer]
+        pos = positions_for(s.keys.shape[0]).to(s.keys.device)
+        k_post = rotate_with(self.producer, self.pspec, s.keys.float(), pos).half().float()
+        k_pre = rotate_with(self.consumer, self.cspec, k_post, pos, inverse=True)
+        return k_pre, s.values.half().float()
+
+    def droidspeak(self, ex: Example, layer: int) -> tuple[Tensor, Tensor]:
+        h = ex.producer[layer].attn_input.half().to(_dtype(self.consumer))
+        return self.consumer.recompute_kv(layer, h)
+
+
+def _dtype(consumer: Any) -> torch.dtype:
+    dtype = getattr(consumer, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32

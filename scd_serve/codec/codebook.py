@@ -1,0 +1,178 @@
+"""Codebook: the offline-fitted SCD tensors (safetensors) plus a JSON manifest.
+
+Layout of a codebook directory:
+  manifest.json          codec version, both models' specs and fingerprints, plans, stats,
+                         sha256 and size of the tensor file
+  codebook.safetensors   per layer and stream s in {k, v, h}:
+                         layers.L.s.mu_a [dA], layers.L.s.enc [dA, R]      (producer side)
+                         layers.L.s.mu_b [dB], layers.L.s.dec.rR [R, dB]   (consumer side, k and v)
+                         layers.L.h.g.rR.<param>                           (consumer aligner)
+Loading checks the version, the file's integrity, every tensor's shape against the plans
+and, when models are given, their fingerprints and shapes; each failure is a CodebookError
+that names what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from scd_serve.codec.plan import PATCH, REUSE, Plan
+from scd_serve.codec.spec import CodecSpec, spec_of
+from scd_serve.errors import CodebookError
+
+CODEBOOK_VERSION = "scd-codebook/1"
+MANIFEST, TENSORS = "manifest.json", "codebook.safetensors"
+SPEC_FIELDS = ("num_layers", "hidden_size", "num_kv_heads", "head_dim", "rope_theta")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Codebook:
+    def __init__(self, manifest: dict[str, Any], tensors: dict[str, torch.Tensor]):
+        self.manifest = manifest
+        self.tensors = tensors
+
+    # ---- views ---------------------------------------------------------------------------
+    def side_spec(self, side: str) -> CodecSpec:
+        d = self.manifest[side]
+        return CodecSpec(*(d[f] for f in SPEC_FIELDS), fingerprint=d.get("fingerprint"))
+
+    def plan(self, name: str) -> Plan:
+        plans = self.manifest.get("plans", {})
+        if name not in plans:
+            raise CodebookError(f"codebook has no plan for method '{name}' (it has: {', '.join(plans) or 'none'})")
+        return Plan.from_json(plans[name])
+
+    @property
+    def droidspeak_layers(self) -> list[int] | None:
+        return self.manifest.get("droidspeak_layers")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CodebookError(f"codebook tensor '{name}' is missing")
+        return self.tensors[name]
+
+    # ---- checks --------------------------------------------------------------------------
+    def check_models(self, producer: Any = None, consumer: Any = None) -> None:
+        """Refuse models other than the calibrated ones, naming the differing fields."""
+        for side, model in (("producer", producer), ("consumer", consumer)):
+            if model is None:
+                continue
+            want, got = self.side_spec(side), spec_of(model)
+            if want.fingerprint and got.fingerprint and want.fingerprint != got.fingerprint:
+                raise CodebookError(f"codebook was calibrated for {side} {want.fingerprint}, "
+                                    f"but the {side} is {got.fingerprint}")
+            diffs = [f"{f} {getattr(want, f)} != {getattr(got, f)}" for f in SPEC_FIELDS
+                     if getattr(want, f) != getattr(got, f)]
+            if diffs:
+                raise CodebookError(f"codebook {side} shape differs from the {side} model: {'; '.join(diffs)}")
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes every plan's tensors must have (ranks may be stored wider for nesting)."""
+        a, b = self.side_spec("producer"), self.side_spec("consumer")
+        width = {"k": (a.kv_width, b.kv_width), "v": (a.kv_width, b.kv_width), "h": (a.hidden_size, b.hidden_size)}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in self.manifest.get("plans", {}):
+            plan = self.plan(name)
+            if len(plan.layers) != a.num_layers:
+                raise CodebookError(f"plan '{name}' has {len(plan.layers)} layers, the models have {a.num_layers}")
+            for i, lp in enumerate(plan.layers):
+                streams = [("k", lp.r_k), ("v", lp.r_v)] if lp.mode == REUSE else [("h", lp.r_h)]
+                for s, r in streams:
+                    da, db = width[s]
+                    p = f"layers.{i}.{s}"
+                    shapes[f"{p}.mu_a"] = (da,)
+                    if s == "h":  # the aligner carries its own bias
+                        shapes[f"{p}.g.r{r}.linear.weight"] = (db, r)
+                    else:
+                        shapes[f"{p}.mu_b"], shapes[f"{p}.dec.r{r}"] = (db,), (r, db)
+        return shapes
+
+    def validate(self) -> None:
+        for name, shape in self.expected_shapes().items():
+            got = tuple(self.tensor(name).shape)
+            if got != shape:
+                raise CodebookError(f"codebook tensor '{name}' has shape {list(got)}, expected {list(shape)}")
+        for name, t in self.tensors.items():
+            if name.endswith(".enc"):
+                stem = name[: -len(".enc")]
+                need = max(self._ranks_of(stem), default=0)
+                da = self.tensor(f"{stem}.mu_a").shape[0]
+                if t.dim() != 2 or t.shape[0] != da or t.shape[1] < need:
+                    raise CodebookError(f"codebook tensor '{name}' has shape {list(t.shape)}, "
+                                        f"expected [{da}, >= {need}]")
+
+    def _ranks_of(self, stem: str) -> list[int]:
+        _, layer, s = stem.split(".")
+        ranks = []
+        for name in self.manifest.get("plans", {}):
+            lp = self.plan(name).layers[int(layer)]
+            if lp.mode == PATCH and s == "h":
+                ranks.append(lp.r_h)
+            elif lp.mode == REUSE and s in "kv":
+                ranks.append(lp.r_k if s == "k" else lp.r_v)
+        return ranks
+
+    # ---- I/O -----------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.tensors.items()}
+        save_file(tensors, str(out / TENSORS))
+        manifest = dict(self.manifest, version=CODEBOOK_VERSION,
+                        tensors_sha256=_sha256(out / TENSORS), tensors_bytes=(out / TENSORS).stat().st_size)
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        self.manifest = manifest
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path, producer: Any = None, consumer: Any = None) -> Codebook:
+        root = Path(directory)
+        try:
+            manifest = json.loads((root / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise CodebookError(f"{root}: no {MANIFEST}; not a codebook directory (run scd-serve calibrate)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CodebookError(f"{root / MANIFEST}: not valid JSON ({exc})") from None
+        if not isinstance(manifest, dict) or manifest.get("version") != CODEBOOK_VERSION:
+            got = manifest.get("version") if isinstance(manifest, dict) else None
+            raise CodebookError(f"{root / MANIFEST}: codebook version {got!r}, this build reads {CODEBOOK_VERSION!r}")
+        path = root / TENSORS
+        if not path.exists():
+            raise CodebookError(f"{root}: {TENSORS} is missing")
+        size = path.stat().st_size
+        if size != manifest.get("tensors_bytes"):
+            raise CodebookError(f"{path}: {size} bytes, the manifest says {manifest.get('tensors_bytes')} "
+                                "(truncated or replaced file)")
+        if _sha256(path) != manifest.get("tensors_sha256"):
+            raise CodebookError(f"{path}: checksum does not match the manifest (corrupt or replaced file)")
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:  # safetensors raises several kinds on a damaged header
+            raise CodebookError(f"{path}: unreadable safetensors file ({exc})") from None
+        book = cls(manifest, tensors)
+        book.validate()
+        book.check_models(producer, consumer)
+        return book
+
+
+def as_codebook(codebook: Any, producer: Any = None, consumer: Any = None) -> Codebook:
+    """A loaded Codebook (checked against the models) from a directory or an instance."""
+    if codebook is None:
+        raise CodebookError("this method needs a codebook; run `scd-serve calibrate` and pass its directory")
+    if isinstance(codebook, Codebook):
+        codebook.check_models(producer, consumer)
+        return codebook
+    return Codebook.load(codebook, producer, consumer)

@@ -1,0 +1,73 @@
+"""Paired calibration rows from both models and the per-layer Reuse/Patch fits.
+
+Rows are token positions of the calibration prompts, the same positions for the producer
+(A) and the consumer (B): pre-RoPE keys, values and normalized attention inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from scd_serve.codec.lowrank import Aligner, JointCode, fit_aligner, fit_joint
+
+Tensor = torch.Tensor
+STREAMS = ("k", "v", "h")
+_FIELDS = {"k": "keys", "v": "values", "h": "attn_input"}
+
+
+@dataclass
+class LayerFit:
+    codes: dict[str, JointCode]  # stream -> joint code (k, v: pre-RoPE K and V; h: H_in)
+    aligners: dict[int, Aligner] = field(default_factory=dict)  # r_h -> g
+    aligner_err: dict[int, float] = field(default_factory=dict)  # r_h -> relative L2 error
+
+
+def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_rows: int,
+                 seed: int = 0, progress: Callable[[], None] | None = None) -> list[dict[str, tuple[Tensor, Tensor]]]:
+    """-> per layer {stream: (A rows [N, dA], B rows [N, dB])}, at most max_rows rows, float32."""
+    prompts = [torch.as_tensor(p).long() for p in prompts]
+    per_prompt = max(1, max_rows // max(len(prompts), 1))
+    gen = torch.Generator().manual_seed(seed)
+    parts: list[dict[str, tuple[list, list]]] = []
+    for ids in prompts:
+        t = ids.shape[0]
+        idx = torch.randperm(t, generator=gen)[: min(per_prompt, t)].sort().values
+        states = zip(producer.iter_prefill(ids, compute_logits=False), consumer.iter_prefill(ids, compute_logits=False))
+        for (layer, sa), (_, sb) in states:
+            if len(parts) <= layer:
+                parts.append({s: ([], []) for s in STREAMS})
+            for s in STREAMS:
+                a, b = getattr(sa, _FIELDS[s]), getattr(sb, _FIELDS[s])
+                parts[layer][s][0].append(a.reshape(t, -1)[idx.to(a.device)].float().cpu())
+                parts[layer][s][1].append(b.reshape(t, -1)[idx.to(b.device)].float().cpu())
+        if progress:
+            progress()
+    return [{s: (torch.cat(a), torch.cat(b)) for s, (a, b) in layer.items()} for layer in parts]
+
+
+def code_rows(jc: JointCode, a: Tensor, rank: int) -> Tensor:
+    """The producer's code of rows a [N, dA] at `rank`, rounded to fp16 as it ships. -> [N, rank]."""
+    z = (a.to(jc.enc.dtype) - jc.mu_a) @ jc.enc[:, :rank]
+    return z.to(torch.float16).float()
+
+
+def fit_layer(rows: dict[str, tuple[Tensor, Tensor]], kv_rank: int, h_ranks: Iterable[int],
+              aligner_width: int) -> LayerFit:
+    """Joint codes for k, v (up to kv_rank) and h, and linear aligners for every r_h."""
+    h_ranks = sorted(set(h_ranks))
+    codes = {s: fit_joint(*rows[s], max_rank=kv_rank if s != "h" else max(h_ranks)) for s in STREAMS}
+    fit = LayerFit(codes)
+    for r in h_ranks:
+        train_aligner(fit, rows["h"], r, aligner_width, steps=0)
+    return fit
+
+
+def train_aligner(fit: LayerFit, h_rows: tuple[Tensor, Tensor], rank: int, width: int, steps: int) -> None:
+    """(Re)fit g for rank r_h: steps=0 gives the closed-form linear map only."""
+    a, b = h_rows
+    z = code_rows(fit.codes["h"], a, rank)
+    g, err = fit_aligner(z, b, width, steps=steps)
+    fit.aligners[rank], fit.aligner_err[rank] = g, err

@@ -1,0 +1,122 @@
+"""Offline fitting math of SCD (pure torch, float64): joint low-rank codes and the aligner.
+
+Reuse, per layer and stream: centre producer rows A [N, dA] and consumer rows B [N, dB],
+scale each block to unit RMS so neither dominates (our choice), take the truncated SVD of
+[A | B] (via the eigenvectors of its Gram matrix) as the code Z, fit the producer encoder
+Enc by ridge regression A Enc ~ Z, and fit the consumer decoder on the codes the producer
+will actually send: Dec_B(r) = argmin ||(A Enc_r) Dec - B||^2 (our choice; it is never
+worse than the SVD decoder on calibration data, and exact at full rank in same-model mode).
+Enc columns are nested (rank r uses the first r), Dec_B is refit per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class JointCode:
+    mu_a: Tensor  # [dA] producer mean
+    enc: Tensor  # [dA, R] ridge encoder, columns ordered by joint singular value
+    mu_b: Tensor  # [dB] consumer mean
+    gram: Tensor  # [R, R] Z_hat^T Z_hat on calibration rows (for the per-rank decoder)
+    cross: Tensor  # [R, dB] Z_hat^T (B - mu_b)
+    b_energy: float  # ||B - mu_b||^2, to report relative errors
+
+    @property
+    def max_rank(self) -> int:
+        return self.enc.shape[1]
+
+    def decoder(self, rank: int, ridge: float = 1e-8) -> Tensor:
+        """Dec_B for the first `rank` code channels: [rank, dB] (least squares on Z_hat)."""
+        g = self.gram[:rank, :rank]
+        lam = ridge * float(torch.trace(g)) / max(rank, 1)
+        eye = torch.eye(rank, dtype=g.dtype)
+        return torch.linalg.solve(g + lam * eye, self.cross[:rank])
+
+    def rel_error(self, rank: int) -> float:
+        """||A Enc_r Dec_B(r) - B||^2 / ||B||^2 on the calibration rows (centred)."""
+        dec = self.decoder(rank)
+        # ||Zh D - B||^2 = tr(D^T G D) - 2 tr(D^T C) + ||B||^2
+        g, c = self.gram[:rank, :rank], self.cross[:rank]
+        err = float((dec * (g @ dec)).sum() - 2 * (dec * c).sum()) + self.b_energy
+        return max(err, 0.0) / max(self.b_energy, 1e-30)
+
+
+def _unit_rms(x: Tensor) -> tuple[Tensor, float]:
+    scale = float(x.pow(2).mean().sqrt().clamp_min(1e-12))
+    return x / scale, scale
+
+
+def fit_joint(a: Tensor, b: Tensor, max_rank: int, ridge: float = 1e-6) -> JointCode:
+    """a: [N, dA] producer rows, b: [N, dB] consumer rows (same tokens) -> JointCode up to max_rank."""
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    ac, bc = a - mu_a, b - mu_b
+    an, _ = _unit_rms(ac)
+    bn, _ = _unit_rms(bc)
+    m = torch.cat([an, bn], dim=1)  # [N, dA+dB]
+    evals, evecs = torch.linalg.eigh(m.T @ m)  # ascending
+    rank = min(max_rank, m.shape[1], m.shape[0])
+    v = evecs[:, torch.argsort(evals, descending=True)[:rank]]  # [dA+dB, R]
+    z = m @ v  # [N, R] joint code (U S)
+    gram_a = ac.T @ ac
+    lam = ridge * float(torch.trace(gram_a)) / ac.shape[1]
+    enc = torch.linalg.solve(gram_a + lam * torch.eye(ac.shape[1], dtype=a.dtype), ac.T @ z)  # [dA, R]
+    zh = ac @ enc
+    return JointCode(mu_a, enc, mu_b, zh.T @ zh, zh.T @ bc, float(bc.pow(2).sum()))
+
+
+class Aligner(torch.nn.Module):
+    """g: producer code of H_in [.., r] -> consumer H_in [.., hidden]: linear map plus a small MLP."""
+
+    def __init__(self, rank: int, hidden: int, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(rank, hidden)
+        self.up = torch.nn.Linear(rank, width)
+        self.down = torch.nn.Linear(width, hidden)
+        torch.nn.init.zeros_(self.down.weight)  # starts as the least-squares linear map
+        torch.nn.init.zeros_(self.down.bias)
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.linear(z) + self.down(torch.nn.functional.silu(self.up(z)))
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, Tensor]) -> "Aligner":
+        rank, width, hidden = t["up.weight"].shape[1], t["up.weight"].shape[0], t["linear.weight"].shape[0]
+        module = cls(rank, hidden, width)
+        module.load_state_dict(t)
+        return module.eval()
+
+
+def fit_aligner(z: Tensor, h_b: Tensor, width: int, steps: int = 300, batch: int = 1024,
+                lr: float = 3e-3, seed: int = 0) -> tuple[Aligner, float]:
+    """z: [N, r] producer codes, h_b: [N, hidden] consumer H_in. L2 loss -> (aligner, relative MSE)."""
+    z, h_b = z.float(), h_b.float()
+    torch.manual_seed(seed)
+    g = Aligner(z.shape[1], h_b.shape[1], width)
+    # closed-form start for the linear part, so training only has to learn the residual
+    zc = torch.cat([z, torch.ones(z.shape[0], 1)], dim=1).double()
+    sol = torch.linalg.lstsq(zc, h_b.double(), driver="gelsd").solution  # [r+1, hidden]
+    with torch.no_grad():
+        g.linear.weight.copy_(sol[:-1].T.float())
+        g.linear.bias.copy_(sol[-1].float())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.enable_grad():
+        opt = torch.optim.Adam(g.parameters(), lr=lr)
+        for _ in range(steps):
+            idx = torch.randint(0, z.shape[0], (min(batch, z.shape[0]),), generator=gen)
+            loss = (g(z[idx]) - h_b[idx]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        err = float((g(z) - h_b).pow(2).sum() / (h_b - h_b.mean(0)).pow(2).sum().clamp_min(1e-30))
+    return g.eval(), err

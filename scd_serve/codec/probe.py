@@ -1,0 +1,84 @@
+"""KL probe: how far the consumer's next-token distributions move when some layers' K/V are
+replaced by what a transfer method rebuilds (measured profiling for calibration).
+
+Each example follows the serving handoff: the consumer receives K/V for prompt tokens
+0..T-2 and runs the last prompt token and the teacher-forced answer itself. The probe keeps
+one pool per example filled with the consumer's own (oracle) K/V; a measurement overwrites
+the chosen layers, extends over the answer, and restores them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+Tensor = torch.Tensor
+# (example, layer) -> (k_pre [P, kvh, hd], v [P, kvh, hd]) on the consumer side
+LayerKV = Callable[["Example", int], tuple[Tensor, Tensor]]
+
+
+@dataclass
+class Example:
+    prefix: int  # P = T-1 transferred positions
+    feed: Tensor  # [n] last prompt token + answer[:-1], run by the consumer itself
+    producer: list[Any]  # per layer LayerState of the producer over the prefix
+    consumer: list[Any]  # per layer LayerState of the consumer over the prefix (oracle)
+    oracle_logits: Tensor  # [n, vocab]
+    pool: Any = None
+    blocks: list[int] | None = None
+
+
+def kl_divergence(logits_p: Tensor, logits_q: Tensor) -> Tensor:
+    """Per-position KL(P || Q) in nats (P = method, Q = oracle). [N, V] x2 -> [N]."""
+    logp = torch.log_softmax(logits_p.double(), -1)
+    logq = torch.log_softmax(logits_q.double(), -1)
+    return (logp.exp() * (logp - logq)).sum(-1).clamp_min(0.0)
+
+
+def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Tensor]],
+                  block_size: int = 16) -> list[Example]:
+    """pairs: (prompt_ids [T], answer_ids [n]) -> examples with oracle pools and logits."""
+    out = []
+    for prompt, answer in pairs:
+        prompt, answer = torch.as_tensor(prompt).long(), torch.as_tensor(answer).long()
+        p = prompt.shape[0] - 1
+        full = torch.cat([prompt, answer])
+        feed = full[p:-1]  # [n]
+        states_a = [s for _, s in producer.iter_prefill(prompt[:-1], compute_logits=False)]
+        states_b = [s for _, s in consumer.iter_prefill(prompt[:-1], compute_logits=False)]
+        num_blocks = -(-full.shape[0] // block_size)
+        pool, blocks = consumer.new_kv_pool(num_blocks, block_size), list(range(num_blocks))
+        for layer, s in enumerate(states_b):
+            consumer.write_kv(pool, blocks, layer, s.keys, s.values)
+        logits = consumer.extend(pool, [(blocks, p, feed)])[0]
+        out.append(Example(p, feed, states_a, states_b, logits, pool, blocks))
+    return out
+
+
+class KLProbe:
+    def __init__(self, consumer: Any, examples: list[Example]):
+        self.consumer = consumer
+        self.examples = examples
+        self.num_measurements = 0
+
+    @property
+    def num_positions(self) -> int:
+        return sum(int(e.feed.shape[0]) for e in self.examples)
+
+    def measure(self, replace: dict[int, LayerKV]) -> float:
+        """Mean KL over all answer positions with layers in `replace` rebuilt by their function."""
+        self.num_measurements += 1
+        total, count = 0.0, 0
+        for ex in self.examples:
+            for layer, fn in replace.items():
+                k, v = fn(ex, layer)
+                self.consumer.write_kv(ex.pool, ex.blocks, layer, k, v)
+            logits = self.consumer.extend(ex.pool, [(ex.blocks, ex.prefix, ex.feed)])[0]
+            kl = kl_divergence(logits, ex.oracle_logits)
+            total, count = total + float(kl.sum()), count + kl.numel()
+            for layer in replace:  # back to the oracle state
+                s = ex.consumer[layer]
+                self.consumer.write_kv(ex.pool, ex.blocks, layer, s.keys, s.values)
+        return total / max(count, 1)

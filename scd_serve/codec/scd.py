@@ -1,0 +1,111 @@
+"""SCD codecs: `reuse` (low-rank shared codes), `scd` (reuse + patches), `scd-int8`.
+
+Reuse layer: the producer sends z_k = (k_pre,A - mu_a) Enc_k[:, :r_k] and likewise z_v; the
+consumer rebuilds k_pre,B = z_k Dec_B + mu_b (pre-RoPE; write_kv applies the consumer's RoPE).
+Patch layer: the producer sends z_h = (H_in,A - mu_a) Enc_h; the consumer maps it with its
+aligner g to its own H_in,B and recomputes the layer's K/V with its own weights.
+Codes ship as fp16, or as int8 with one fp16 scale per code channel (absmax over the tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from scd_serve.codec.base import ATTN_INPUT, KEYS, VALUES, check_code, state_field, to_consumer
+from scd_serve.codec.codebook import Codebook
+from scd_serve.codec.lowrank import Aligner
+from scd_serve.codec.plan import REUSE, Plan
+
+
+def quantize_int8(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """z: [T, r] -> int8 codes [T, r] and per-channel fp16 scales [r]."""
+    scale = (z.abs().amax(dim=0) / 127.0).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(z / scale.float()).clamp(-127, 127).to(torch.int8), scale
+
+
+class ScdCodec:
+    """One plan of a codebook, with 16-bit or int8 codes."""
+
+    def __init__(self, name: str, codebook: Codebook, plan: Plan, int8: bool = False,
+                 dtype: torch.dtype = torch.float16):
+        self.name = name
+        self.version = f"{name}/{codebook.manifest.get('version')}/{codebook.manifest.get('tensors_sha256', '')[:12]}"
+        self.codebook, self.plan, self.int8, self.dtype = codebook, plan, int8, dtype
+        self._enc: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dec: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._aligners: dict[int, Aligner] = {}
+
+    def states_needed(self, layer: int) -> frozenset[str]:
+        return frozenset({KEYS, VALUES}) if self.plan.layers[layer].mode == REUSE else frozenset({ATTN_INPUT})
+
+    # ---- producer ------------------------------------------------------------------------
+    def _encoder(self, layer: int, s: str, rank: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer, s)
+        if key not in self._enc:
+            p = f"layers.{layer}.{s}"
+            enc = self.codebook.tensor(f"{p}.enc")[:, :rank]
+            self._enc[key] = (self.codebook.tensor(f"{p}.mu_a").to(like.device, torch.float32),
+                              enc.to(like.device, torch.float32).contiguous())
+        return self._enc[key]
+
+    def _pack(self, name: str, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.int8:
+            return {name: z.to(self.dtype)}
+        q, scale = quantize_int8(z)
+        return {name: q, f"{name}_scale": scale}
+
+    def encode_layer(self, layer: int, state: Any) -> dict[str, torch.Tensor]:
+        lp = self.plan.layers[layer]
+        if lp.mode == REUSE:
+            streams = [("k", KEYS, lp.r_k), ("v", VALUES, lp.r_v)]
+        else:
+            streams = [("h", ATTN_INPUT, lp.r_h)]
+        code: dict[str, torch.Tensor] = {}
+        for s, field, rank in streams:
+            x = state_field(state, field).float()
+            x = x.reshape(x.shape[0], -1)  # [T, d]
+            mu, enc = self._encoder(layer, s, rank, x)
+            code.update(self._pack(f"z{s}", (x - mu) @ enc))  # z: [T, r]
+        return check_code(code)
+
+    # ---- consumer ------------------------------------------------------------------------
+    def _unpack(self, code: Mapping[str, torch.Tensor], name: str, consumer: Any) -> torch.Tensor:
+        z = to_consumer(code[name], consumer)
+        if self.int8:
+            z = z * to_consumer(code[f"{name}_scale"], consumer)
+        return z
+
+    def _decoder(self, layer: int, s: str, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer, s)
+        if key not in self._dec:
+            p = f"layers.{layer}.{s}"
+            self._dec[key] = (self.codebook.tensor(f"{p}.dec.r{rank}").to(device, torch.float32),
+                              self.codebook.tensor(f"{p}.mu_b").to(device, torch.float32))
+        return self._dec[key]
+
+    def _aligner(self, layer: int, rank: int, device) -> Aligner:
+        if layer not in self._aligners:
+            prefix = f"layers.{layer}.h.g.r{rank}."
+            t = {k[len(prefix):]: v for k, v in self.codebook.tensors.items() if k.startswith(prefix)}
+            self._aligners[layer] = Aligner.from_tensors(t).to(device)
+        return self._aligners[layer]
+
+    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor],
+                     consumer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        lp = self.plan.layers[layer]
+        spec = self.codebook.side_spec("consumer")
+        if lp.mode == REUSE:
+            out = []
+            for s, rank in (("k", lp.r_k), ("v", lp.r_v)):
+                z = self._unpack(code, f"z{s}", consumer)  # [T, r]
+                dec, mu = self._decoder(layer, s, rank, z.device)
+                out.append((z @ dec + mu).reshape(z.shape[0], spec.num_kv_heads, spec.head_dim))
+            return out[0], out[1]
+        z = self._unpack(code, "zh", consumer)
+        with torch.no_grad():
+            h = self._aligner(layer, lp.r_h, z.device)(z)  # [T, hidden] consumer's H_in estimate
+        dtype = getattr(consumer, "dtype", torch.float32)
+        return consumer.recompute_kv(layer, h.to(dtype if isinstance(dtype, torch.dtype) else torch.float32))

@@ -1,0 +1,117 @@
+"""Loss-constrained plan search: fewest code numbers per token with measured KL <= budget.
+
+1. Profile: for every layer and stream, the KL when only that stream is rebuilt at each
+   grid rank (everything else oracle). Raising the KL of the whole plan is predicted as the
+   measured KL of the start plan plus these per-stream increments.
+2. For a patch set P: start at the largest ranks, lower ranks greedily by least predicted
+   KL increase per number saved while the prediction stays within budget, then measure the
+   end plan; if it is over budget, bisect back along the move sequence on measured KL.
+3. Patch candidates are ordered by their measured benefit (KL drop when that layer alone
+   is patched in the all-Reuse start plan); the patch count k is the one whose plan ships
+   the fewest numbers within budget (ties: fewer patches). The curve over k is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from scd_serve.codec.plan import PATCH, REUSE, LayerPlan, Plan
+from scd_serve.codec.probe import KLProbe, LayerKV
+
+
+@dataclass
+class SearchPoint:
+    num_patches: int
+    plan: Plan
+    kl: float  # measured KL of `plan`
+    kl_full_rank: float  # measured KL with the same patch set at the largest ranks
+    feasible: bool
+
+
+class PlanSearch:
+    def __init__(self, probe: KLProbe, num_layers: int, kv_grid: list[int], h_grid: list[int],
+                 layer_kv: Callable[[LayerPlan], LayerKV], stream_kv: Callable[[str, int], LayerKV],
+                 progress: Callable[[str], None] | None = None):
+        """layer_kv(lp) rebuilds a layer by its plan; stream_kv(stream, rank) rebuilds one stream
+        ("k" / "v" at rank with the other stream oracle, or "h" at rank)."""
+        self.probe, self.num_layers = probe, num_layers
+        self.grid = {"k": sorted(kv_grid), "v": sorted(kv_grid), "h": sorted(h_grid)}
+        self.layer_kv, self.stream_kv = layer_kv, stream_kv
+        self.progress = progress or (lambda _msg: None)
+        self.profile: dict[tuple[str, int, int], float] = {}  # (stream, layer, rank) -> KL
+
+    def measure(self, plan: Plan) -> float:
+        return self.probe.measure({i: self.layer_kv(lp) for i, lp in enumerate(plan.layers)})
+
+    def full_rank(self, patches: tuple[int, ...] = ()) -> Plan:
+        rk, rh = self.grid["k"][-1], self.grid["h"][-1]
+        return Plan(tuple(LayerPlan(PATCH, r_h=rh) if i in patches else LayerPlan(REUSE, rk, rk)
+                          for i in range(self.num_layers)))
+
+    def run_profile(self) -> None:
+        for layer in range(self.num_layers):
+            for s in ("k", "v", "h"):
+                for r in self.grid[s]:
+                    self.profile[(s, layer, r)] = self.probe.measure({layer: self.stream_kv(s, r)})
+            self.progress(f"profiled layer {layer}")
+
+    def patch_order(self) -> tuple[list[int], dict[int, float]]:
+        """Layers by measured benefit of patching them alone (positive benefit only)."""
+        base = self.measure(self.full_rank())
+        benefit = {i: base - self.measure(self.full_rank((i,))) for i in range(self.num_layers)}
+        self.progress("ranked patch candidates")
+        return [i for i in sorted(benefit, key=benefit.get, reverse=True) if benefit[i] > 0], benefit
+
+    def _moves(self, plan: Plan):
+        for i, lp in enumerate(plan.layers):
+            streams = ("k", "v") if lp.mode == REUSE else ("h",)
+            for s in streams:
+                cur = getattr(lp, f"r_{s}")
+                lower = [r for r in self.grid[s] if r < cur]
+                if lower:
+                    new = lower[-1]
+                    delta = self.profile[(s, i, new)] - self.profile[(s, i, cur)]
+                    yield max(delta, 0.0), cur - new, i, replace(lp, **{f"r_{s}": new})
+
+    def fit_budget(self, patches: tuple[int, ...], budget: float) -> SearchPoint:
+        start = self.full_rank(patches)
+        kl_start = self.measure(start)
+        if kl_start > budget:
+            return SearchPoint(len(patches), start, kl_start, kl_start, False)
+        seq, plan, predicted = [start], start, kl_start
+        while True:
+            moves = [m for m in self._moves(plan) if predicted + m[0] <= budget]
+            if not moves:
+                break
+            delta, _, layer, lp = min(moves, key=lambda m: (m[0] / m[1], -m[1]))
+            plan, predicted = plan.with_layer(layer, lp), predicted + delta
+            seq.append(plan)
+        lo, hi, kl_lo = 0, len(seq) - 1, kl_start  # seq[lo] is known to fit
+        kl_hi = self.measure(seq[hi]) if hi > 0 else kl_start
+        if kl_hi <= budget:
+            lo, kl_lo = hi, kl_hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            kl_mid = self.measure(seq[mid])
+            if kl_mid <= budget:
+                lo, kl_lo = mid, kl_mid
+            else:
+                hi = mid
+        return SearchPoint(len(patches), seq[lo], kl_lo, kl_start, True)
+
+    def run(self, budget: float, max_patches: int) -> tuple[SearchPoint, list[SearchPoint], dict[int, float]]:
+        """-> (chosen point, one point per patch count 0..k_max, benefit per layer)."""
+        if not self.profile:
+            self.run_profile()
+        order, benefit = self.patch_order()
+        curve = []
+        for k in range(min(max_patches, len(order)) + 1):
+            curve.append(self.fit_budget(tuple(sorted(order[:k])), budget))
+            self.progress(f"{k} patches: {curve[-1].plan.code_width()} numbers/token, KL {curve[-1].kl:.4f}")
+        feasible = [p for p in curve if p.feasible]
+        if feasible:
+            best = min(feasible, key=lambda p: (p.plan.code_width(), p.num_patches))
+        else:  # nothing meets the budget: the most faithful plan, flagged infeasible
+            best = min(curve, key=lambda p: p.kl)
+        return best, curve, benefit

@@ -1,0 +1,35 @@
+"""Calibration settings for `scd-serve calibrate` (the SCD codebook fit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scd_serve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    # Expected KL(consumer with the codec || oracle) per answer token, nats, on the probe prompts.
+    kl_budget: float
+    # Prompts whose paired states fit the codes; prompts whose KL steers the plan (disjoint).
+    num_prompts: int = 48
+    num_probe_prompts: int = 16
+    # Token rows per layer used for the joint SVDs and ridge fits (sampled over the prompts).
+    max_rows: int = 8192
+    # Most patch layers tried (None: half the layers).
+    max_patches: int | None = None
+    # Adam steps and hidden width of each patch aligner MLP (0 steps: linear aligner only).
+    aligner_steps: int = 300
+    aligner_width: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kl_budget < 100:
+            raise ConfigError(f"kl_budget must be in (0, 100) nats, got {self.kl_budget}")
+        for name in ("num_prompts", "num_probe_prompts", "max_rows", "aligner_width"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.aligner_steps < 0:
+            raise ConfigError(f"aligner_steps must be >= 0, got {self.aligner_steps}")
+        if self.max_patches is not None and self.max_patches < 0:
+            raise ConfigError(f"max_patches must be >= 0, got {self.max_patches}")

@@ -1,0 +1,101 @@
+"""Codebook save/load and every refusal: other models, wrong shapes, truncated or missing files."""
+
+import json
+
+import pytest
+import torch
+
+from scd_serve import codec
+from scd_serve.codec.calibrate import calibrate
+from scd_serve.codec.codebook import MANIFEST, TENSORS, Codebook
+from scd_serve.config.codec import CalibrateConfig
+from scd_serve.errors import CodebookError, ConfigError
+
+from codec_pair import make_pair, prompts
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cb")
+    producer, consumer = make_pair(root, layers=2)
+    pairs = prompts(10, 32)
+    cfg = CalibrateConfig(kl_budget=0.5, max_rows=1024, aligner_steps=10, max_patches=1)
+    result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
+    result.codebook.save(root / "book")
+    return producer, consumer, result, root / "book"
+
+
+def test_calibration_meets_budget_and_reports(calibrated):
+    producer, consumer, result, path = calibrated
+    stats = result.codebook.manifest["calibration"]
+    assert stats["feasible"]
+    m = result.methods
+    assert set(m) == set(codec.METHODS) - {"identity"}
+    # the plan the search chose was measured within budget, and re-measured through the codec
+    assert m["scd"]["kl"] <= 0.5 * 1.05
+    assert m["scd"]["payload_ratio"] < 1.0
+    assert m["scd-int8"]["payload_ratio"] < 0.6 * m["scd"]["payload_ratio"]
+    assert m["quant4"]["payload_ratio"] == pytest.approx(0.3125, abs=0.01)
+
+
+def test_load_round_trip_and_fingerprints(calibrated):
+    producer, consumer, result, path = calibrated
+    book = Codebook.load(path, producer=producer, consumer=consumer)
+    assert book.manifest["producer"]["fingerprint"] == producer.fingerprint
+    assert book.plan("scd") == result.codebook.plan("scd")
+    c = codec.build("scd", producer=producer, consumer=consumer, codebook=path)
+    state = next(iter(producer.iter_prefill(prompts(1, 20)[0][0], compute_logits=False)))[1]
+    k, v = c.decode_layer(0, c.encode_layer(0, state), consumer)
+    assert k.shape == state.keys.shape and torch.isfinite(k).all()
+
+
+def test_refuses_other_models(calibrated):
+    producer, consumer, _, path = calibrated
+    with pytest.raises(CodebookError, match="calibrated for producer"):
+        Codebook.load(path, producer=consumer, consumer=consumer)
+    with pytest.raises(CodebookError, match="calibrated for consumer"):
+        codec.build("scd", producer=producer, consumer=producer, codebook=path)
+
+
+def test_refuses_wrong_shapes(calibrated, tmp_path):
+    _, _, result, path = calibrated
+    tensors = dict(result.codebook.tensors)
+    name = next(k for k in tensors if ".dec.r" in k)
+    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 1)
+    Codebook(dict(result.codebook.manifest), tensors).save(tmp_path / "bad")
+    with pytest.raises(CodebookError, match=f"'{name}' has shape"):
+        Codebook.load(tmp_path / "bad")
+
+
+def test_refuses_truncated_and_corrupt_files(calibrated, tmp_path):
+    _, _, result, _ = calibrated
+    out = result.codebook.save(tmp_path / "b")
+    data = (out / TENSORS).read_bytes()
+    (out / TENSORS).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CodebookError, match="truncated"):
+        Codebook.load(out)
+    (out / TENSORS).write_bytes(data[:-4] + b"\0\0\0\0")
+    with pytest.raises(CodebookError, match="checksum"):
+        Codebook.load(out)
+
+
+def test_refuses_missing_or_foreign_manifest(calibrated, tmp_path):
+    _, _, result, _ = calibrated
+    with pytest.raises(CodebookError, match="no manifest.json"):
+        Codebook.load(tmp_path)
+    out = result.codebook.save(tmp_path / "c")
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps(manifest | {"version": "scd-codebook/0"}))
+    with pytest.raises(CodebookError, match="codebook version"):
+        Codebook.load(out)
+    (out / MANIFEST).write_text("{not json")
+    with pytest.raises(CodebookError, match="not valid JSON"):
+        Codebook.load(out)
+
+
+def test_methods_without_codebook_and_bad_budget(calibrated):
+    producer, consumer, _, _ = calibrated
+    with pytest.raises(CodebookError, match="needs a codebook"):
+        codec.build("scd", producer=producer, consumer=consumer)
+    with pytest.raises(ConfigError, match="kl_budget"):
+        CalibrateConfig(kl_budget=0)
