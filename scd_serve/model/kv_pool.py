@@ -61,8 +61,13 @@ class KVPool:
 
     def gather(self, layer: int, table: Tensor) -> tuple[Tensor, Tensor]:
         """table: [B, max_blocks] block ids -> k, v: [B, max_blocks*block_size, kv_heads, head_dim]."""
-        k = self.k[layer][table].flatten(1, 2)
-        v = self.v[layer][table].flatten(1, 2)
+        # index_select over whole blocks (rows of one memcpy each) is far faster than
+        # advanced indexing of a 5-D tensor
+        b, width = table.shape
+        flat = table.reshape(-1)
+        shape = (b, width * self.block_size, self.k.shape[3], self.k.shape[4])
+        k = self.k[layer].flatten(1).index_select(0, flat).view(shape)
+        v = self.v[layer].flatten(1).index_select(0, flat).view(shape)
         return k, v
 
 

@@ -42,7 +42,7 @@ class Rotary:
         self.max_positions = max_positions
         self.dtype = dtype
 
-    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [...] long -> cos/sin [..., 1, hd] (broadcast over heads), rounded to
         # the compute dtype exactly where transformers rounds them
         freqs = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq
@@ -53,14 +53,18 @@ class Rotary:
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [..., T, heads, hd], positions: [..., T]
-        cos, sin = self._tables(positions)
-        return x * cos + rotate_half(x) * sin
+        return apply(x, *self.tables(positions))
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # inverse of rotate: R(p)^T / scaling^2 (cos^2 + sin^2 = scaling^2)
-        cos, sin = self._tables(positions)
+        cos, sin = self.tables(positions)
         out = x * cos - rotate_half(x) * sin
         return out if self.scaling == 1.0 else out / (self.scaling**2)
+
+
+def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [..., T, heads, hd]; cos, sin: [..., T, 1, hd] from Rotary.tables (computed once per forward)
+    return x * cos + rotate_half(x) * sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

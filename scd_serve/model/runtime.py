@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from scd_serve.errors import InvalidRequest, PromptTooLong
-from scd_serve.model import loader
+from scd_serve.model import loader, rope
 from scd_serve.model.kv_pool import KVPool, block_table
 from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
 
@@ -95,11 +95,12 @@ class ModelRuntime:
         pos = torch.arange(t, device=self.device)
         h = self.weights.embed[ids]  # [T, hidden]
         masks = self._masks(pos[None], torch.tensor([t], device=self.device), t)
+        cos, sin = rot.tables(pos)  # once per forward, shared by all layers
         for layer, lw in enumerate(self.weights.layers):
             x = rms_norm(h, lw.ln1, spec.rms_norm_eps)  # [T, hidden]
             k_pre, v = project_kv(lw, spec, x)
-            q = rot.rotate(project_q(lw, spec, x), pos)
-            attn = attend(q[None], rot.rotate(k_pre, pos)[None], v[None], masks[spec.window(layer)])
+            q = rope.apply(project_q(lw, spec, x), cos, sin)
+            attn = attend(q[None], rope.apply(k_pre, cos, sin)[None], v[None], masks[spec.window(layer)])
             h = finish_layer(lw, spec, h, attn[0])
             yield layer, LayerState(keys=k_pre, values=v, attn_input=x)
         return self._logits(h) if compute_logits else None
@@ -153,12 +154,13 @@ class ModelRuntime:
         pos = torch.arange(cached, total, device=self.device)
         masks = self._masks(pos[None], torch.tensor([total], device=self.device), table.shape[1] * bs, force=True)
         h = self.weights.embed[ids]  # [n, hidden]
+        cos, sin = rot.tables(pos)
         for layer, lw in enumerate(self.weights.layers):
             x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
             k_pre, v = project_kv(lw, spec, x)
-            pool.write(layer, slots, rot.rotate(k_pre, pos), v)
+            pool.write(layer, slots, rope.apply(k_pre, cos, sin), v)
             kc, vc = pool.gather(layer, table)  # [1, S, kv_heads, hd]
-            q = rot.rotate(project_q(lw, spec, x), pos)
+            q = rope.apply(project_q(lw, spec, x), cos, sin)
             h = finish_layer(lw, spec, h, attend(q[None], kc, vc, masks[spec.window(layer)])[0])
         return self._logits(h)
 
@@ -181,12 +183,13 @@ class ModelRuntime:
         slots = table[rows, pos // bs] * bs + pos % bs  # [B]
         masks = self._masks(pos[:, None], pos + 1, table.shape[1] * bs, force=True)  # [B, 1, 1, S]
         h = self.weights.embed[torch.tensor(tokens, device=self.device)]  # [B, hidden]
+        cos, sin = rot.tables(pos)
         for layer, lw in enumerate(self.weights.layers):
             x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
             k_pre, v = project_kv(lw, spec, x)  # [B, kv_heads, hd]
-            pool.write(layer, slots, rot.rotate(k_pre, pos), v)
+            pool.write(layer, slots, rope.apply(k_pre, cos, sin), v)
             kc, vc = pool.gather(layer, table)  # [B, S, kv_heads, hd]
-            q = rot.rotate(project_q(lw, spec, x), pos)  # [B, heads, hd]
+            q = rope.apply(project_q(lw, spec, x), cos, sin)  # [B, heads, hd]
             h = finish_layer(lw, spec, h, attend(q[:, None], kc, vc, masks[spec.window(layer)])[:, 0])
         return self._logits(h)
 
