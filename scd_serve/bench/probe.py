@@ -9,7 +9,7 @@ Per request it times, on this side: the first and last chunk's arrival, the rebu
 and the first decode step on the last prompt token. TTFT = send -> first token.
 The oracle is this consumer's own prefill of the whole prompt (no transfer).
 
-    python -m scd_serve.bench.probe --consumer DIR --producer-config DIR [--codebook DIR]
+    python -m scd_serve.bench.probe --consumer DIR [--codebook DIR]
 """
 
 from __future__ import annotations
@@ -32,23 +32,14 @@ BLOCK = 16
 
 
 class Probe:
-    def __init__(self, consumer_dir: str, producer_config: dict, codebook: str | None):
+    def __init__(self, consumer_dir: str, codebook: str | None):
+        from scd_serve.decode.codecs import ConsumerCodecs
         from scd_serve.model import ModelRuntime
 
         self.rt = ModelRuntime.load(consumer_dir)
-        self.producer_config = producer_config
-        self.codebook = codebook
-        self.codecs: dict = {}
+        self.codecs = ConsumerCodecs(self.rt, codebook or "")  # what the decode worker builds
         self.clients: dict = {}
         self.num_cold = 0  # cold prompts never repeat within this process (no code-cache hit)
-
-    def codec(self, method: str, producer_fingerprint: str):
-        if method not in self.codecs:
-            from scd_serve import codec
-
-            producer = dict(self.producer_config, fingerprint=producer_fingerprint)
-            self.codecs[method] = codec.build(method, producer=producer, consumer=self.rt, codebook=self.codebook)
-        return self.codecs[method]
 
     async def client(self, address: str):
         if address not in self.clients:
@@ -75,7 +66,7 @@ class Probe:
 
     async def transfer(self, address: str, method: str, ids: list[int]) -> dict:
         client, info = await self.client(address)
-        codec = self.codec(method, info.producer_fingerprint)
+        codec = self.codecs.get(info, method)
         shipped, last = ids[:-1], ids[-1]  # the last prompt token is the first decode step
         spec = self.rt.spec
         pool = self.rt.new_kv_pool(-(-len(ids) // BLOCK) + 1, BLOCK)
@@ -162,14 +153,10 @@ async def serve(probe: Probe) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--consumer", required=True)
-    p.add_argument("--producer-config", required=True, help="producer model directory (config.json is read)")
     p.add_argument("--codebook")
     a = p.parse_args()
     torch.set_num_threads(1)
-    from pathlib import Path
-
-    cfg = json.loads((Path(a.producer_config) / "config.json").read_text())
-    asyncio.run(serve(Probe(a.consumer, cfg, a.codebook)))
+    asyncio.run(serve(Probe(a.consumer, a.codebook)))
 
 
 if __name__ == "__main__":

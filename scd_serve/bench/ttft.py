@@ -98,15 +98,14 @@ def run_ttft(args) -> dict:
     try:
         port = procs.free_port()
         server_cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.cli", "prefill",
-                      "--model", args.producer, "--host", link.producer_bind(), "--port", str(port)]
-        if args.codebook:
-            server_cmd += ["--codebook", args.codebook]
+                      "--model", args.producer, "--host", link.producer_bind(), "--port", str(port),
+                      "--codebook", args.codebook or ""]
         server = procs.spawn(server_cmd, logs / "prefill.log")
         procs.wait_tcp(link.producer_bind(), port, server, args.start_timeout, link.exec_prefix("producer"),
                        logs / "prefill.log")
         address = link.producer_addr(port)
         probe_cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.bench.probe",
-                     "--consumer", args.consumer, "--producer-config", args.producer]
+                     "--consumer", args.consumer]
         if args.codebook:
             probe_cmd += ["--codebook", args.codebook]
         probe = ProbeProcess(probe_cmd, logs / "probe.log", args.start_timeout)
