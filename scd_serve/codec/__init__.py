@@ -36,8 +36,12 @@ NEEDS_CODEBOOK = frozenset({"reuse", "scd", "scd-int8"})
 
 def _droidspeak(producer: Any, consumer: Any, codebook: Any) -> DroidSpeakCodec:
     """Recompute layers chosen by calibration when a codebook is given, else a default set."""
-    layers = as_codebook(codebook, producer, consumer).droidspeak_layers if codebook is not None else None
-    return DroidSpeakCodec(producer, layers)
+    if codebook is None:
+        return DroidSpeakCodec(producer)
+    book = as_codebook(codebook, producer, consumer)
+    ds = DroidSpeakCodec(producer, book.droidspeak_layers)
+    ds.codebook_id = book.manifest.get("tensors_sha256", "")[:16]
+    return ds
 
 
 def _scd(method: str, producer: Any, consumer: Any, codebook: Any) -> ScdCodec:

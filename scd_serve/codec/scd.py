@@ -34,6 +34,10 @@ class ScdCodec:
         self.name = name
         self.version = f"{name}/{codebook.manifest.get('version')}/{codebook.manifest.get('tensors_sha256', '')[:12]}"
         self.codebook, self.plan, self.int8, self.dtype = codebook, plan, int8, dtype
+        # for the serving handshake: which codebook, and which models it was fitted for
+        self.codebook_id = codebook.manifest.get("tensors_sha256", "")[:16]
+        self.producer_fingerprint = codebook.side_spec("producer").fingerprint or ""
+        self.consumer_fingerprint = codebook.side_spec("consumer").fingerprint or ""
         self._enc: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._dec: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._aligners: dict[int, Aligner] = {}
