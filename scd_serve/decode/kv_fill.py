@@ -46,8 +46,9 @@ class TransferStats:
 
 
 class RemoteKVFill:
-    def __init__(self, runtime, peers, codecs, config: DecodeConfig):
+    def __init__(self, runtime, peers, codecs, config: DecodeConfig, metrics=None):
         self.rt = runtime
+        self.metrics = metrics  # api.metrics.Metrics (observe_transfer) or None
         self.peers = peers
         self.codecs = codecs
         self.config = config
@@ -81,6 +82,8 @@ class RemoteKVFill:
                     peer.problem = f"incompatible: {err.message}"  # the health loop re-handshakes it
                 if not is_retryable(err):
                     break
+        if self.metrics is not None:
+            self.metrics.observe_transfer(req.method, payload_bytes=0, outcome="failed")
         raise self._final_error(req, tried, errors)
 
     async def _acquire(self, req, num_tokens: int, tried: list[str]):
@@ -154,8 +157,12 @@ class RemoteKVFill:
         s.raw_kv_bytes += raw
         s.encode_s += encode_us / 1e6
         s.rebuild_s += rebuild_s
-        s.transfer_s += time.monotonic() - start
+        elapsed = time.monotonic() - start
+        s.transfer_s += elapsed
         self.per_peer[peer.address] += 1
+        if self.metrics is not None:
+            self.metrics.observe_transfer(req.method, payload_bytes=payload, raw_bytes=raw, encode_s=encode_us / 1e6,
+                                          rebuild_s=rebuild_s, transfer_s=elapsed)
         return {"prefill": peer.address, "payload_bytes": payload, "raw_kv_bytes": raw,
                 "cache_hit": verifier.header.cache_hit, "rebuild_s": rebuild_s}
 

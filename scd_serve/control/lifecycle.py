@@ -1,0 +1,43 @@
+"""Process lifecycle shared by the worker commands: logging, stop signals, addresses, dtypes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def setup_logging(role: str) -> None:
+    level = os.environ.get("SCD_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+
+
+def stop_event() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM (call inside the running loop)."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, event.set)
+    return event
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def advertised(advertise: str, host: str, port: int) -> str:
+    """The address peers should dial: --advertise, else host:port (0.0.0.0 -> 127.0.0.1)."""
+    if advertise:
+        return advertise
+    return join_host_port("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)

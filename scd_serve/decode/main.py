@@ -1,0 +1,144 @@
+"""`scd-serve decode`: a decode worker (consumer model) serving the OpenAI API over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from scd_serve.config.decode import DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, DecodeConfig, split_peers
+from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
+from scd_serve.control.lifecycle import DTYPES, advertised, setup_logging, stop_event, torch_dtype
+from scd_serve.errors import ConfigError, ScdError
+
+log = logging.getLogger("scd_serve.decode")
+PREFERRED_METHOD, PLAIN_METHOD = "scd", "raw"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_CONSUMER, help="consumer model directory")
+    parser.add_argument("--codebook", default=DEFAULT_CODEBOOK, help="SCD codebook directory (optional)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
+    parser.add_argument("--port", type=int, default=8100, help="HTTP port (0 = any free port)")
+    parser.add_argument("--control-url", default="", help="registry to join, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--advertise", default="", help="HOST:PORT the gateway dials (default host:port)")
+    parser.add_argument("--prefill", default="", help="static prefill peer(s): HOST:PORT[,HOST:PORT]")
+    parser.add_argument("--method", default=None,
+                        help="default transfer method (default: scd when a codebook loads, else raw)")
+    parser.add_argument("--fallback", default="local", choices=FALLBACKS,
+                        help="when a transfer fails: prefill locally, or fail the request (503)")
+    parser.add_argument("--max-attempts", type=int, default=2, help="prefill workers tried per request")
+    parser.add_argument("--allow-incompatible", action="store_true",
+                        help="accept prefill workers whose handshake differs (unsafe)")
+    parser.add_argument("--expect-producer", default="", help="refuse producers with another fingerprint")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--api-key", default=os.environ.get("SCD_API_KEY", ""),
+                        help="bearer token for the HTTP API (default: $SCD_API_KEY)")
+    parser.add_argument("--max-model-len", type=int, default=0, help="0 = min(2048, model's context)")
+    parser.add_argument("--num-blocks", type=int, default=0, help="KV pool blocks (0 = fit max_model_len x 8)")
+    add_transport_arguments(parser)
+
+
+def config_from_args(args) -> DecodeConfig:
+    return DecodeConfig(model=args.model, codebook=args.codebook, device=args.device, dtype=args.dtype,
+                        host=args.host, port=args.port, control_url=args.control_url, advertise=args.advertise,
+                        prefill=split_peers(args.prefill), method=args.method or PREFERRED_METHOD,
+                        fallback=args.fallback, max_attempts=args.max_attempts,
+                        allow_incompatible=args.allow_incompatible, expect_producer=args.expect_producer,
+                        transport=transport_config_from_args(args))
+
+
+def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
+    """The server default method: `scd` needs a codebook; without one an implicit default
+    drops to `raw` with a warning, an explicit --method scd is a configuration error."""
+    from scd_serve import codec as codec_registry
+
+    if method == "local":
+        return method
+    try:
+        codec_registry.build(method, producer=rt, consumer=rt, codebook=codebook)  # same-shape stand-in producer
+        return method
+    except (ScdError, ValueError, OSError) as exc:
+        why = getattr(exc, "message", str(exc))
+        if explicit or method != PREFERRED_METHOD:
+            raise ConfigError(f"--method {method} cannot be used here: {why}") from None
+        log.warning("method %s unavailable (%s); serving %s by default", method, why, PLAIN_METHOD)
+        return PLAIN_METHOD
+
+
+async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_model_len: int,
+                num_blocks: int) -> None:
+    import dataclasses
+
+    import uvicorn
+
+    from scd_serve.api.app import create_app
+    from scd_serve.api.metrics import Metrics
+    from scd_serve.config.api import ApiConfig
+    from scd_serve.config.control import ControlConfig
+    from scd_serve.config.engine import EngineConfig
+    from scd_serve.control.heartbeat import HeartbeatClient
+    from scd_serve.decode.backend import DecodeBackend
+    from scd_serve.decode.codecs import ConsumerCodecs, codebook_arg
+    from scd_serve.decode.kv_fill import RemoteKVFill
+    from scd_serve.decode.peers import PeerSet
+    from scd_serve.engine.engine import Engine
+    from scd_serve.model.runtime import ModelRuntime
+
+    stop = stop_event()
+    rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype))
+    method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)
+    config = dataclasses.replace(config, method=method)
+    max_len = max_model_len or min(2048, rt.spec.max_position_embeddings)
+    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=num_blocks or -(-max_len * 8 // 16),
+                              fallback_to_local=config.fallback == "local")
+    metrics = Metrics()
+    codecs = ConsumerCodecs(rt, config.codebook)
+    peers = PeerSet(rt, codecs, config)
+    await peers.check_all()
+    peers.start()
+    fill = RemoteKVFill(rt, peers, codecs, config, metrics)
+    engine = Engine(rt, engine_cfg)
+    engine.start()
+    model_name = os.path.basename(os.path.normpath(config.model))
+    backend = DecodeBackend(engine, model_name, fill, peers, method)
+    api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, api_key=api_key,
+                        max_model_len=max_len, max_tokens_cap=max_len, default_method=method)
+    app = create_app(api_cfg, backend, metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           timeout_keep_alive=api_cfg.timeout_keep_alive_s,
+                                           timeout_graceful_shutdown=int(config.shutdown_grace_s)))
+    server.install_signal_handlers = lambda: None  # our stop event owns SIGINT/SIGTERM
+    http = asyncio.create_task(server.serve())
+    while not server.started and not http.done():
+        await asyncio.sleep(0.02)
+    if http.done():
+        await http  # raises the bind error
+    port = server.servers[0].sockets[0].getsockname()[1]
+    address = advertised(config.advertise, config.host, port)
+    heartbeat = None
+    if config.control_url:
+        heartbeat = HeartbeatClient(config.control_url, "decode", address, backend.ready, backend.load,
+                                    ControlConfig(), on_peers=peers.update_from_registry)
+        heartbeat.start()
+    print(f"decode worker serving http://{config.host}:{port} (advertised {address}), consumer {rt.fingerprint}, "
+          f"default method {method}, fallback {config.fallback}", flush=True)
+    if not peers.ready() and method != "local":
+        log.warning("not ready yet: %s", peers.why_not_ready())
+    await stop.wait()
+    log.info("shutting down: draining HTTP for up to %.0f s", config.shutdown_grace_s)
+    if heartbeat is not None:
+        await heartbeat.close()
+    server.should_exit = True
+    await engine.stop(grace_s=config.shutdown_grace_s)
+    await http
+    await peers.close()
+
+
+def run(args) -> int:
+    setup_logging("decode")
+    config = config_from_args(args)
+    asyncio.run(serve(config, args.method is not None, args.api_key, args.max_model_len, args.num_blocks))
+    return 0

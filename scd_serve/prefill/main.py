@@ -1,0 +1,90 @@
+"""`scd-serve prefill`: a prefill worker (producer model) serving scd.v1.PrefillService."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from scd_serve.config.prefill import DEFAULT_CODEBOOK, DEFAULT_PRODUCER, PrefillConfig
+from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
+from scd_serve.control.lifecycle import DTYPES, advertised, setup_logging, stop_event, torch_dtype
+
+log = logging.getLogger("scd_serve.prefill")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_PRODUCER, help="producer model directory")
+    parser.add_argument("--codebook", default=DEFAULT_CODEBOOK, help="SCD codebook directory (optional)")
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    parser.add_argument("--control-url", default="", help="registry to join, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--advertise", default="", help="HOST:PORT decode workers dial (default host:port)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--max-concurrent", type=int, default=4, help="transfers at once; more get RESOURCE_EXHAUSTED")
+    parser.add_argument("--cache-mb", type=int, default=256, help="code cache for repeated prompts (MiB, 0 = off)")
+    parser.add_argument("--transfer-lease-s", type=float, default=60.0)
+    add_transport_arguments(parser)
+
+
+def config_from_args(args) -> PrefillConfig:
+    return PrefillConfig(model=args.model, codebook=args.codebook, device=args.device, dtype=args.dtype,
+                         host=args.host, port=args.port, control_url=args.control_url, advertise=args.advertise,
+                         max_concurrent=args.max_concurrent, cache_bytes=args.cache_mb << 20,
+                         transfer_lease_s=args.transfer_lease_s, transport=transport_config_from_args(args))
+
+
+def build_codecs(rt, codebook: str) -> dict:
+    """Every method the registry knows that builds here (scd needs a codebook)."""
+    from scd_serve import codec as codec_registry
+    from scd_serve.decode.codecs import codebook_arg
+    from scd_serve.errors import ScdError
+
+    codecs, book = {}, codebook_arg(codebook)
+    for method in codec_registry.METHODS:
+        try:
+            codecs[method] = codec_registry.build(method, producer=rt, codebook=book)
+        except (ScdError, ValueError, OSError) as exc:
+            log.info("method %s not offered: %s", method, getattr(exc, "message", exc))
+    return codecs
+
+
+async def serve(config: PrefillConfig) -> None:
+    from scd_serve.config.control import ControlConfig
+    from scd_serve.control.heartbeat import HeartbeatClient
+    from scd_serve.model.runtime import ModelRuntime
+    from scd_serve.prefill.service import PrefillServicer
+    from scd_serve.transport.proto import SERVICE_NAME, pb_grpc
+    from scd_serve.transport.server import bind, make_server, set_serving
+
+    stop = stop_event()
+    rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype))
+    codecs = build_codecs(rt, config.codebook)
+    servicer = PrefillServicer(rt, codecs, config)
+    server, health = make_server(config.transport)
+    pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+    port = bind(server, config.host, config.port, config.transport)
+    await server.start()
+    await set_serving(health, SERVICE_NAME, True)
+    address = advertised(config.advertise, config.host, port)
+    heartbeat = None
+    if config.control_url:
+        heartbeat = HeartbeatClient(config.control_url, "prefill", address, lambda: not stop.is_set(),
+                                    servicer.load, ControlConfig())
+        heartbeat.start()
+    print(f"prefill worker serving on {config.host}:{port} (advertised {address}), producer {rt.fingerprint}, "
+          f"methods {', '.join(codecs)}", flush=True)
+    await stop.wait()
+    log.info("shutting down: NOT_SERVING, finishing transfers for up to %.0f s", config.shutdown_grace_s)
+    await set_serving(health, SERVICE_NAME, False)  # probes and decode workers see it before the listener closes
+    if heartbeat is not None:
+        await heartbeat.close()
+    await server.stop(grace=config.shutdown_grace_s)
+    servicer.close()
+
+
+def run(args) -> int:
+    setup_logging("prefill")
+    asyncio.run(serve(config_from_args(args)))
+    return 0
