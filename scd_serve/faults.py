@@ -1,0 +1,183 @@
+"""Fault-injection seams: wrappers composed around real objects in tests and soak runs.
+
+Nothing here is reachable from a production flag. Each wrapper delegates everything it
+does not change to the object it wraps, so the code under test is the real code:
+
+    FaultyRuntime(rt, fail_after_steps=3)        model forward raises (or stalls) after N steps
+    FaultyProducer(rt, layer_delay_s=0.5)        prefill-side runtime: slow / dying per layer
+    FaultyServicer(servicer, corrupt_seq=1)      prefill gRPC servicer: sleep, die, corrupt a
+                                                 byte, drop / duplicate a chunk, refuse calls
+    fail_decode_for(fill, "req-1")               codec decode_layer raises for one request id
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any
+
+import grpc
+
+
+class FaultyRuntime:
+    """Decode-side runtime whose forward (extend / decode_step) raises or stalls after N steps."""
+
+    def __init__(self, rt: Any, fail_after_steps: int | None = None, stall_after_steps: int | None = None,
+                 stall_s: float = 0.0):
+        self._rt = rt
+        self.fail_after_steps = fail_after_steps
+        self.stall_after_steps = stall_after_steps
+        self.stall_s = stall_s
+        self.num_steps = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+    def _step(self) -> None:
+        self.num_steps += 1
+        if self.stall_after_steps is not None and self.num_steps > self.stall_after_steps:
+            time.sleep(self.stall_s)
+        if self.fail_after_steps is not None and self.num_steps > self.fail_after_steps:
+            raise RuntimeError("injected forward failure (faults.FaultyRuntime)")
+
+    def extend(self, pool, items):
+        self._step()
+        return self._rt.extend(pool, items)
+
+    def decode_step(self, pool, items):
+        self._step()
+        return self._rt.decode_step(pool, items)
+
+
+class FaultyProducer:
+    """Prefill-side runtime: sleeps `layer_delay_s` per layer; `exit_at_layer` kills the process
+    with os._exit(1) (a crash, no cleanup) when that layer is reached."""
+
+    def __init__(self, rt: Any, layer_delay_s: float = 0.0, exit_at_layer: int | None = None):
+        self._rt = rt
+        self.layer_delay_s = layer_delay_s
+        self.exit_at_layer = exit_at_layer
+        self.num_layers_run = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+    def iter_prefill(self, ids, compute_logits: bool = True):
+        for layer, state in self._rt.iter_prefill(ids, compute_logits=compute_logits):
+            if self.exit_at_layer is not None and layer >= self.exit_at_layer:
+                os._exit(1)
+            if self.layer_delay_s:
+                time.sleep(self.layer_delay_s)
+            self.num_layers_run += 1
+            yield layer, state
+
+
+class _Context:
+    """A ServicerContext proxy whose write() goes through the servicer wrapper's faults."""
+
+    def __init__(self, ctx: Any, owner: FaultyServicer, request_id: str):
+        self._ctx, self._owner, self._rid = ctx, owner, request_id
+        self.num_chunks = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    async def write(self, msg) -> None:
+        o = self._owner
+        if msg.WhichOneof("body") != "chunk":
+            return await self._ctx.write(msg)
+        seq = msg.chunk.seq
+        self.num_chunks += 1
+        if o.exit_at_chunk is not None and seq >= o.exit_at_chunk:
+            os._exit(1)
+        if o.stall_at_chunk is not None and seq == o.stall_at_chunk:
+            await asyncio.sleep(o.stall_s)
+        if seq == o.drop_seq:
+            return None
+        if seq == o.corrupt_seq and msg.chunk.tensors:
+            data = bytearray(msg.chunk.tensors[0].data)
+            data[len(data) // 2] ^= 0x01  # one bit, after the digest was computed
+            msg.chunk.tensors[0].data = bytes(data)
+            o.num_corrupted += 1
+        await self._ctx.write(msg)
+        if seq == o.duplicate_seq:
+            await self._ctx.write(msg)
+
+
+class FaultyServicer:
+    """Wraps a PrefillServicer. Faults (all off by default):
+    sleep_s            sleep before the stream starts (past the caller's deadline)
+    stall_at_chunk     sleep `stall_s` before writing chunk `seq`
+    exit_at_chunk      os._exit(1) when chunk `seq` would be written (a crash mid-stream)
+    corrupt_seq        flip one bit of chunk `seq` after it was sealed
+    drop_seq           never send chunk `seq`;  duplicate_seq: send chunk `seq` twice
+    fail_first         answer the first N Prefill calls with `fail_code` before any work
+    Records `cancelled` (request ids whose handler saw CancelledError) and `calls`."""
+
+    def __init__(self, servicer: Any, *, sleep_s: float = 0.0, stall_at_chunk: int | None = None,
+                 stall_s: float = 0.0, exit_at_chunk: int | None = None, corrupt_seq: int | None = None,
+                 drop_seq: int | None = None, duplicate_seq: int | None = None, fail_first: int = 0,
+                 fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        self.inner = servicer
+        self.sleep_s, self.stall_at_chunk, self.stall_s = sleep_s, stall_at_chunk, stall_s
+        self.exit_at_chunk, self.corrupt_seq = exit_at_chunk, corrupt_seq
+        self.drop_seq, self.duplicate_seq = drop_seq, duplicate_seq
+        self.fail_first, self.fail_code = fail_first, fail_code
+        self.calls: list[str] = []
+        self.call_times: list[float] = []
+        self.cancelled: list[str] = []
+        self.num_corrupted = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def Info(self, request, context):
+        return await self.inner.Info(request, context)
+
+    async def Abort(self, request, context):
+        return await self.inner.Abort(request, context)
+
+    async def Prefill(self, request, context):
+        rid = request.request_id
+        with self._lock:
+            self.calls.append(rid)
+            self.call_times.append(time.monotonic())
+            n = len(self.calls)
+        try:
+            if n <= self.fail_first:
+                await context.abort(self.fail_code, f"injected {self.fail_code.name} (faults.FaultyServicer)")
+            if self.sleep_s:
+                await asyncio.sleep(self.sleep_s)
+            await self.inner.Prefill(request, _Context(context, self, rid))
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+
+
+def fail_decode_for(fill: Any, request_id: str) -> list[str]:
+    """Make the consumer codec's decode_layer raise for one request id on a RemoteKVFill.
+
+    Wraps the instance's `_rebuild(chunk, codec, sink)` so the codec it passes is a wrapper
+    that raises inside decode_layer; returns the list of request ids that hit the fault."""
+    hits: list[str] = []
+    real = fill._rebuild
+
+    class _Raising:
+        def __init__(self, codec):
+            self._codec = codec
+
+        def __getattr__(self, name):
+            return getattr(self._codec, name)
+
+        def decode_layer(self, layer, code, consumer):
+            hits.append(request_id)
+            raise RuntimeError("injected decode_layer failure (faults.fail_decode_for)")
+
+    def rebuild(chunk, codec, sink):
+        return real(chunk, _Raising(codec) if chunk.request_id == request_id else codec, sink)
+
+    fill._rebuild = rebuild
+    return hits
