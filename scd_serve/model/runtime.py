@@ -109,16 +109,22 @@ class ModelRuntime:
     @torch.no_grad()
     def rotate_keys(self, k_pre: Tensor, positions: Tensor) -> Tensor:
         # k_pre: [T, kv_heads, head_dim], positions: [T] -> post-RoPE keys with this model's rotary
+        self._check_kv_shape("k_pre", k_pre)
+        if positions.shape != k_pre.shape[:1]:
+            raise InvalidRequest(f"positions must have shape [{k_pre.shape[0]}], got {tuple(positions.shape)}")
         return self.rotary.rotate(k_pre.to(self.device, self.dtype), positions)
 
     @torch.no_grad()
     def unrotate_keys(self, k_rot: Tensor, positions: Tensor) -> Tensor:
+        self._check_kv_shape("k_rot", k_rot)
         return self.rotary.unrotate(k_rot.to(self.device, self.dtype), positions)
 
     @torch.no_grad()
     def recompute_kv(self, layer: int, attn_input: Tensor) -> tuple[Tensor, Tensor]:
         # attn_input: [T, hidden] -> (k_pre, v): [T, kv_heads, head_dim]
         self._check_layer(layer)
+        if attn_input.dim() != 2 or attn_input.shape[1] != self.spec.hidden_size:
+            raise InvalidRequest(f"attn_input must be [T, {self.spec.hidden_size}], got {tuple(attn_input.shape)}")
         return project_kv(self.weights.layers[layer], self.spec, attn_input.to(self.device, self.dtype))
 
     # ---- paged KV pool -------------------------------------------------------------------
@@ -130,6 +136,9 @@ class ModelRuntime:
     def write_kv(self, pool: KVPool, block_ids: Sequence[int], layer: int, k_pre: Tensor, v: Tensor, start: int = 0) -> None:
         # k_pre, v: [T, kv_heads, head_dim] for positions start..start+T-1; keys rotated here
         self._check_layer(layer)
+        self._check_kv_shape("k_pre", k_pre)
+        if v.shape != k_pre.shape:
+            raise InvalidRequest(f"v must have the shape of k_pre {tuple(k_pre.shape)}, got {tuple(v.shape)}")
         t = k_pre.shape[0]
         slots = pool.slots(block_ids, start, t)
         pos = torch.arange(start, start + t, device=self.device)
@@ -244,6 +253,11 @@ class ModelRuntime:
                 raise InvalidRequest(f"num_cached {c} + 1 new token does not fit in {nb} blocks of {bs}")
             if c + 1 > limit:
                 raise PromptTooLong(f"position {c} is past the model's context of {limit} (max_position_embeddings)")
+
+    def _check_kv_shape(self, name: str, k: Tensor) -> None:
+        want = (self.spec.num_kv_heads, self.spec.head_dim)
+        if k.dim() != 3 or tuple(k.shape[1:]) != want:
+            raise InvalidRequest(f"{name} must be [T, {want[0]}, {want[1]}], got {tuple(k.shape)}")
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.spec.num_layers:

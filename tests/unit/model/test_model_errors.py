@@ -142,6 +142,12 @@ def test_bad_ids_and_pool_use(rt):
         rt.decode_step(pool, [([5, 0], 1, 3)])
     with pytest.raises(InvalidRequest, match="layer 7"):
         rt.recompute_kv(7, torch.zeros(1, 64))
+    with pytest.raises(InvalidRequest, match=r"attn_input must be \[T, 64\]"):
+        rt.recompute_kv(0, torch.zeros(3, 32))
+    with pytest.raises(InvalidRequest, match=r"k_pre must be \[T, 2, 16\]"):
+        rt.write_kv(pool, [0, 1], 0, torch.zeros(3, 32), torch.zeros(3, 32))
+    with pytest.raises(InvalidRequest, match="shape of k_pre"):
+        rt.write_kv(pool, [0, 1], 0, torch.zeros(3, 2, 16), torch.zeros(4, 2, 16))
 
 
 def test_model_config_validation():
