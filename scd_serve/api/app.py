@@ -33,6 +33,7 @@ log = logging.getLogger("scd_serve.api")
 def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.draining = False
         yield
         app.state.draining = True  # the server stops: refuse what still arrives
 

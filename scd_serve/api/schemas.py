@@ -79,7 +79,8 @@ class ErrorBody(BaseModel):
 
 ERROR_RESPONSES = {
     code: {"model": ErrorBody, "description": text}
-    for code, text in [(400, "invalid request"), (401, "missing or wrong API key"), (413, "body too large"),
+    for code, text in [(400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
+                       (413, "body too large"),
                        (415, "body is not application/json"), (422, "body does not match the schema"),
                        (429, "overloaded, retry after Retry-After seconds"), (500, "internal error"),
                        (502, "transfer from the prefill worker failed"), (503, "not ready or shutting down"),
