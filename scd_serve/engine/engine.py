@@ -26,7 +26,7 @@ from scd_serve.engine.runner import Runner
 from scd_serve.engine.scheduler import Scheduler
 from scd_serve.engine.sequence import Sequence
 from scd_serve.engine.sink import LayerSink
-from scd_serve.errors import (DeadlineExceeded, EngineDead, InvalidRequest, Overloaded, PromptTooLong,
+from scd_serve.errors import (ConfigError, DeadlineExceeded, EngineDead, InvalidRequest, Overloaded, PromptTooLong,
                               ScdError, ShuttingDown)
 
 log = logging.getLogger("scd_serve.engine")
@@ -52,6 +52,10 @@ class _Handle:
 
 class Engine:
     def __init__(self, runtime: Any, config: EngineConfig):
+        limit = getattr(runtime.spec, "max_position_embeddings", None)
+        if limit is not None and config.max_model_len > limit:
+            raise ConfigError(f"engine.max_model_len {config.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {limit}")
         self.config = config
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
