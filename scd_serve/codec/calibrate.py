@@ -84,6 +84,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
                             progress=lambda msg: (bar.update(1) if msg.startswith("profiled") else bar.set_postfix_str(msg)))
         max_patches = num_layers // 2 if cfg.max_patches is None else cfg.max_patches
         best, curve, benefit = search.run(cfg.kl_budget, max_patches)
+        # Reuse-only at SCD's payload: the equal-payload ablation of Patch
+        reuse = search.fit_width((), best.plan.code_width()) if best.plan.patch_layers else best
     plan, kl_linear = best.plan, best.kl
     if cfg.aligner_steps and plan.patch_layers:  # MLP aligners where patches were chosen
         linear = {i: fits[i].aligners[plan.layers[i].r_h] for i in plan.patch_layers}
@@ -106,7 +108,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
                           if lp.mode == "reuse" else {"aligner": fits[i].aligner_err[lp.r_h]}
                           for i, lp in enumerate(plan.layers)],
     }
-    book = build_codebook(fits, {"scd": plan, "reuse": curve[0].plan}, pspec, cspec,
+    stats["reuse_plan"] = {"code_width": reuse.plan.code_width(), "kl": reuse.kl}
+    book = build_codebook(fits, {"scd": plan, "reuse": reuse.plan}, pspec, cspec,
                           extra={"droidspeak_layers": ds_layers, "calibration": stats})
     methods = {}
     for name in [m for m in registry.METHODS if m != "identity"]:

@@ -40,6 +40,7 @@ class PlanSearch:
         self.layer_kv, self.stream_kv = layer_kv, stream_kv
         self.progress = progress or (lambda _msg: None)
         self.profile: dict[tuple[str, int, int], float] = {}  # (stream, layer, rank) -> KL
+        self.budget: float | None = None
 
     def measure(self, plan: Plan) -> float:
         return self.probe.measure({i: self.layer_kv(lp) for i, lp in enumerate(plan.layers)})
@@ -74,24 +75,30 @@ class PlanSearch:
                     delta = self.profile[(s, i, new)] - self.profile[(s, i, cur)]
                     yield max(delta, 0.0), cur - new, i, replace(lp, **{f"r_{s}": new})
 
+    def _descend(self, start: Plan, fits: Callable[[Plan, float, float], bool]) -> list[Plan]:
+        """Greedy rank lowering from `start`: each step takes the move with the least predicted
+        KL increase per number saved among those `fits(new_plan, predicted_kl, delta)` allows."""
+        seq, plan, predicted = [start], start, 0.0
+        while True:
+            moves = [m for m in self._moves(plan) if fits(plan.with_layer(m[2], m[3]), predicted, m[0])]
+            if not moves:
+                return seq
+            delta, _, layer, lp = min(moves, key=lambda m: (m[0] / m[1], -m[1]))
+            plan, predicted = plan.with_layer(layer, lp), predicted + delta
+            seq.append(plan)
+
     def fit_budget(self, patches: tuple[int, ...], budget: float) -> SearchPoint:
+        """Fewest numbers per token with this patch set and measured KL <= budget."""
         start = self.full_rank(patches)
         kl_start = self.measure(start)
         if kl_start > budget:
             return SearchPoint(len(patches), start, kl_start, kl_start, False)
-        seq, plan, predicted = [start], start, kl_start
-        while True:
-            moves = [m for m in self._moves(plan) if predicted + m[0] <= budget]
-            if not moves:
-                break
-            delta, _, layer, lp = min(moves, key=lambda m: (m[0] / m[1], -m[1]))
-            plan, predicted = plan.with_layer(layer, lp), predicted + delta
-            seq.append(plan)
+        seq = self._descend(start, lambda plan, pred, delta: kl_start + pred + delta <= budget)
         lo, hi, kl_lo = 0, len(seq) - 1, kl_start  # seq[lo] is known to fit
         kl_hi = self.measure(seq[hi]) if hi > 0 else kl_start
         if kl_hi <= budget:
             lo, kl_lo = hi, kl_hi
-        while hi - lo > 1:
+        while hi - lo > 1:  # the prediction was optimistic: bisect on measured KL
             mid = (lo + hi) // 2
             kl_mid = self.measure(seq[mid])
             if kl_mid <= budget:
@@ -100,8 +107,19 @@ class PlanSearch:
                 hi = mid
         return SearchPoint(len(patches), seq[lo], kl_lo, kl_start, True)
 
+    def fit_width(self, patches: tuple[int, ...], width: int) -> SearchPoint:
+        """Least predicted KL with this patch set at no more than `width` numbers per token
+        (the equal-payload comparison, e.g. Reuse-only at SCD's payload)."""
+        start = self.full_rank(patches)
+        kl_start = self.measure(start)
+        seq = self._descend(start, lambda plan, pred, delta: True)
+        plan = next((p for p in seq if p.code_width() <= width), seq[-1])
+        kl = self.measure(plan) if plan is not start else kl_start
+        return SearchPoint(len(patches), plan, kl, kl_start, kl <= self.budget if self.budget else True)
+
     def run(self, budget: float, max_patches: int) -> tuple[SearchPoint, list[SearchPoint], dict[int, float]]:
         """-> (chosen point, one point per patch count 0..k_max, benefit per layer)."""
+        self.budget = budget
         if not self.profile:
             self.run_profile()
         order, benefit = self.patch_order()
