@@ -20,7 +20,7 @@ from scd_serve.bench import procs
 from scd_serve.bench.loadgen import closed_loop, open_loop
 from scd_serve.bench.report import machine
 from scd_serve.bench.stats import Slo, summarize
-from scd_serve.errors import ConfigError
+from scd_serve.errors import ConfigError, TransferFailed
 
 CAPACITY_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 
@@ -28,8 +28,9 @@ CAPACITY_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 def make_body_factory(prompt_tokens: int, max_tokens: int, vocab: int, method: str | None, seed: int):
     def body(i: int) -> dict:
         rng = random.Random(seed * 100003 + i)
-        b = {"model": "bench", "prompt": [rng.randrange(3, min(vocab, 30000)) for _ in range(prompt_tokens)],
-             "max_tokens": max_tokens, "temperature": 0.0}
+        b = {"prompt": [rng.randrange(3, min(vocab, 30000)) for _ in range(prompt_tokens)],
+             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+             "stream_options": {"include_usage": True}}  # same length everywhere; count tokens from usage
         if method:
             b["scd_method"] = method
         return b
@@ -40,7 +41,9 @@ def start_target(name: str, args, logs: Path):
     port = procs.free_port()
     if name == "engine":
         cmd = [sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.consumer, "--host", "127.0.0.1",
-               "--port", str(port), *args.engine_args]
+               "--port", str(port), "--method", args.method, *args.engine_args]
+        if args.method == "local" and not any(a.startswith("--codebook") for a in args.engine_args):
+            cmd += ["--codebook", ""]  # no transfer: the engine alone
         ready = "/ready"
     else:
         cmd = [sys.executable, "-m", "scd_serve.bench.baseline", "--model", args.consumer, "--port", str(port),
@@ -69,6 +72,8 @@ def bench_target(name: str, url: str, args, rates: list[float] | None, slo: Slo,
     res, wall = asyncio.run(closed_loop(url, args.concurrency, args.concurrency * args.streams_rounds, body,
                                         timeout_s=args.request_timeout))
     out["concurrent"] = {"streams": args.concurrency, **summarize(res, wall, slo)}
+    if out["concurrent"]["completed"] == 0:
+        raise TransferFailed(f"{name} ({url}) completed no request: {out['concurrent']['errors']}")
     print(f"  {name}: {args.concurrency} streams -> {out['concurrent']['throughput_tokens_per_s']:.1f} tok/s",
           file=sys.stderr)
     return out
