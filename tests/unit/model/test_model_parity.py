@@ -11,7 +11,7 @@ from scd_serve.model.tiny import save_tiny_model
 
 # name -> (family, overrides): together they cover GQA and MHA, q/k/v (+o, mlp) biases,
 # q/k norm, a head_dim that is not hidden/heads, several rope_theta values, tied and
-# untied embeddings, a sliding window, and llama3 rope scaling.
+# untied embeddings, sliding windows (all layers; only some), and llama3 rope scaling.
 VARIANTS = {
     "llama-gqa": ("llama", {}),
     "llama-mha-tied-bias": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True, rope_theta=500000.0,
@@ -21,6 +21,7 @@ VARIANTS = {
                                                        original_max_position_embeddings=32))),
     "mistral-window": ("mistral", dict(rope_theta=1e6, sliding_window=8)),
     "qwen2-bias-tied": ("qwen2", dict(rope_theta=1e6, tie_word_embeddings=True, num_key_value_heads=1)),
+    "qwen2-mixed-window": ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
     "qwen3-qknorm": ("qwen3", dict(rope_theta=1e6, head_dim=32, num_hidden_layers=3)),
 }
 MAX_DIFF = 1e-4
