@@ -26,6 +26,7 @@ from scd_serve.bench.units import fmt_bandwidth, parse_bandwidth
 from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed
 
 RAW_SHARES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)  # raw wire time / oracle TTFT at the reference length
+CEILING_SHARE = 0.6  # a tbf rate above this share of the unshaped throughput is not what limits the wire
 TRANSFER_METHODS = ("raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8")
 
 
@@ -117,10 +118,20 @@ def run_ttft(args) -> dict:
         ref = args.ref_tokens if args.ref_tokens in args.prompt_tokens else max(args.prompt_tokens)
         oracle_ref = _median([s["ttft_s"] for r in calib if r["method"] == "oracle" and r["prompt_tokens"] == ref
                               for s in r["samples"]])
+        ceiling = link.measure_throughput(32 << 20)  # unshaped: what the veth + CPU carry at most
+        notes = []
         if args.bandwidths:
             sweep = [parse_bandwidth(b) for b in args.bandwidths]
         else:
             sweep = choose_sweep(oracle_ref, raw_payload_bytes(args.consumer, ref))
+        if ceiling and any(bw > CEILING_SHARE * ceiling for bw in sweep):
+            notes.append(f"rates above {CEILING_SHARE:.0%} of the unshaped link ({fmt_bandwidth(ceiling)}) are "
+                         f"CPU-bound, not shaped: " + ", ".join(fmt_bandwidth(b) for b in sweep if b > CEILING_SHARE * ceiling)
+                         + (" (replaced by one point at that share)" if not args.bandwidths else " (kept: given explicitly)"))
+            if not args.bandwidths:
+                sweep = [CEILING_SHARE * ceiling] + [b for b in sweep if b <= CEILING_SHARE * ceiling]
+        for note in notes:
+            print(f"bench ttft: {note}", file=sys.stderr)
         print(f"bench ttft: link {link.kind}; oracle TTFT at {ref} tokens {oracle_ref * 1e3:.1f} ms; sweep "
               f"{', '.join(fmt_bandwidth(b) for b in sweep)}", file=sys.stderr)
         points = []
@@ -133,7 +144,7 @@ def run_ttft(args) -> dict:
             points.append({"bandwidth_bytes_per_s": bw, "bandwidth": fmt_bandwidth(bw), "rows": rows,
                            "measured_tcp_bytes_per_s": measured, "elapsed_s": time.monotonic() - t0})
             print(f"  {fmt_bandwidth(bw)} done in {time.monotonic() - t0:.0f}s", file=sys.stderr)
-        link_info = link.describe()
+        link_info = {**link.describe(), "unshaped_tcp_bytes_per_s": ceiling, "notes": notes}
     finally:
         if probe:
             probe.close()
