@@ -22,7 +22,7 @@ def rt(tmp_path_factory):
     return ModelRuntime.load(path)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5), block_size=st.sampled_from([1, 3, 4, 16]),
        seed=st.integers(0, 1000))
 def test_decode_step_equals_prefill_for_any_layout(rt, lengths, block_size, seed):
