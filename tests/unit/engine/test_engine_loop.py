@@ -299,3 +299,60 @@ async def test_stop_drains_then_ends_long_streams_with_shutting_down():
     await stopping
     s = eng.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"] and not eng._thread.is_alive()
+
+
+async def test_abort_storm_leaves_survivors_exact_and_state_clean():
+    """Checklist D3: 50 greedy requests, every 5th cancelled at a random time."""
+    import random
+    rng = random.Random(0)
+    engine = Engine(ToyRuntime(), cfg(max_concurrent=64, num_blocks=256))
+    engine.start()
+    rt = engine.runtime
+    rt.step_delay_s = 0.002
+    ps = [rt.tokenizer.encode(f"storm {i} " + "z" * (i % 7)) for i in range(50)]
+    tasks = [asyncio.ensure_future(collect(engine, req(f"r{i}", p, max_tokens=12))) for i, p in enumerate(ps)]
+    for i in range(0, 50, 5):
+        await asyncio.sleep(rng.uniform(0, 0.01))
+        tasks[i].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for i, (p, res) in enumerate(zip(ps, results)):
+        if i % 5:
+            assert res[0] == rt.greedy(p, 12), i
+    await wait_clean(engine)
+    tokens, _ = await collect(engine, req("r0", ps[0], max_tokens=12))  # a cancelled id is reusable
+    assert tokens == rt.greedy(ps[0], 12)
+    await engine.stop(1)
+
+
+async def test_cancel_around_fill_completion_never_leaks(engine):
+    """Checklist D4: cancel within a few ms of 'transfer done', many times; clean state after each."""
+    import random
+    rng = random.Random(1)
+    rt = engine.runtime
+    fill = fill_from(rt)
+    p = rt.tokenizer.encode("handoff race prompt")
+    for i in range(200):
+        task = asyncio.ensure_future(collect(engine, req(f"h{i}", p, max_tokens=3), fill))
+        await asyncio.sleep(rng.uniform(0, 0.004))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_clean(engine)
+    assert engine.ready()
+
+
+async def test_one_failing_fill_does_not_disturb_the_others():
+    """Checklist H3: only the request whose fill breaks fails; the rest equal their solo runs."""
+    rt = ToyRuntime()
+    eng = Engine(rt, cfg(fallback_to_local=False))
+    eng.start()
+    try:
+        good, bad = fill_from(rt, delay=0.001), fill_from(rt, fail_at_layer=1, delay=0.001)
+        ps = prompts(rt, 8)
+        results = await asyncio.gather(
+            *(collect(eng, req(f"r{i}", p), bad if i == 3 else good) for i, p in enumerate(ps)),
+            return_exceptions=True)
+        assert isinstance(results[3], TransferFailed)
+        assert [r[0] for i, r in enumerate(results) if i != 3] == [rt.greedy(p, 8) for i, p in enumerate(ps) if i != 3]
+        await wait_clean(eng)
+    finally:
+        await eng.stop(1)

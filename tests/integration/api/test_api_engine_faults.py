@@ -1,0 +1,174 @@
+"""Checklist C3, D1, E1, E2, F5, G2, H1 through HTTP on the engine (toy runtime, fault hooks)."""
+
+import asyncio
+import json
+import os
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from api_server import ServerThread, engine_app, stop_engine
+from asgi_lifespan import LifespanManager
+
+from scd_serve.engine.toy import ToyRuntime
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def app_client():
+    started = []
+
+    async def make(engine_kw=None, api_kw=None):
+        app, engine = engine_app(ToyRuntime(), engine_kw, api_kw)
+        manager = LifespanManager(app)
+        await manager.__aenter__()
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url="http://test")
+        started.append((engine, manager, client))
+        return client, engine
+
+    yield make
+    for engine, manager, client in started:
+        await client.aclose()
+        await manager.__aexit__(None, None, None)
+        await engine.stop(0.5)
+
+
+async def clean(engine, within=1.0):
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        s = engine.stats()
+        if s["num_free_blocks"] == s["num_total_blocks"] and s["num_requests"] == 0 \
+                and not engine.scheduler.has_unfinished():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_overload_gives_exactly_m_fast_429s_and_n_successes(app_client):
+    n, m = 4, 3
+    client, engine = await app_client({"max_concurrent": n, "max_num_seqs": n})
+    engine.runtime.step_delay_s = 0.02
+    body = {"prompt": "hello", "max_tokens": 10, "temperature": 0}
+
+    async def one():
+        t0 = time.monotonic()
+        r = await client.post("/v1/completions", json=body)
+        return r, time.monotonic() - t0
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(n)]
+    await asyncio.sleep(0.1)  # the first n hold every slot
+    rejected = await asyncio.gather(*(one() for _ in range(m)))
+    assert all(r.status_code == 429 and r.headers["retry-after"] == "1" and dt < 0.1 for r, dt in rejected)
+    assert all(r.status_code == 200 for r, _ in await asyncio.gather(*tasks))
+    assert await clean(engine)
+
+
+async def test_rejections_stay_cheap(app_client):
+    client, engine = await app_client({"max_concurrent": 1, "max_num_seqs": 1})
+    engine.runtime.step_delay_s = 0.05  # the one slot stays busy for ~6 s
+    hold = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 120,
+                                                                      "ignore_eos": True}))
+    await asyncio.sleep(0.1)
+    rss0 = psutil.Process(os.getpid()).memory_info().rss
+    times = []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        r = await client.post("/v1/completions", json={"prompt": "y"})
+        times.append(time.perf_counter() - t0)
+        assert r.status_code == 429
+    times.sort()
+    print(f"rejection p50={times[150] * 1e3:.1f} ms p99={times[296] * 1e3:.1f} ms")
+    assert psutil.Process(os.getpid()).memory_info().rss - rss0 < 50 << 20  # latency: printed, not asserted
+    hold.cancel()
+    assert await clean(engine)
+
+
+async def test_queue_timeout_is_504_in_time(app_client):
+    # one big request holds the whole pool; the next waits for blocks and times out
+    client, engine = await app_client({"num_blocks": 8, "block_size": 4, "max_model_len": 32, "queue_timeout_s": 1.0},
+                                      {"max_tokens_cap": 32})
+    engine.runtime.step_delay_s = 0.2
+    hog = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a" * 24, "max_tokens": 8}))
+    await asyncio.sleep(0.1)
+    t0 = time.monotonic()
+    r = await client.post("/v1/completions", json={"prompt": "b" * 24, "max_tokens": 8})
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 504 and r.json()["error"]["type"] == "deadline_exceeded"
+    assert 1.0 <= elapsed <= 1.5, elapsed
+    assert (await hog).status_code == 200
+    assert await clean(engine)
+
+
+async def test_engine_death_and_stall_flip_readiness(app_client):
+    client, engine = await app_client({"stall_timeout_s": 0.5})
+    assert (await client.get("/ready")).status_code == 200
+    engine.runtime.step_delay_s = 1.5  # one step stalls
+    slow = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}))
+    t0 = time.monotonic()
+    while (await client.get("/ready")).status_code == 200:
+        assert time.monotonic() - t0 < 2.0, "/ready still 200 while the engine loop is stuck"
+        await asyncio.sleep(0.05)
+    assert (await client.get("/live")).status_code == 200
+    assert (await slow).status_code == 200
+    engine.runtime.step_delay_s = 0
+    engine.runtime.fail_after_steps = engine.runtime.num_steps + 2  # the forward now raises
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead"
+    assert (await client.get("/ready")).status_code == 503
+    t0 = time.monotonic()
+    r = await client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and time.monotonic() - t0 < 0.1
+
+
+def test_client_disconnect_mid_stream_aborts_generation():
+    rt = ToyRuntime()
+    rt.step_delay_s = 0.01
+    app, engine = engine_app(rt)
+    try:
+        with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+            body = {"prompt": "x", "max_tokens": 120, "stream": True, "ignore_eos": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                got = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        got.append(line)
+                    if len(got) == 3:
+                        break
+            t0 = time.monotonic()
+            while engine.stats()["num_free_blocks"] != engine.stats()["num_total_blocks"]:
+                assert time.monotonic() - t0 < 1.0, engine.stats()
+                time.sleep(0.01)
+            generated = engine.stats()["num_generated_tokens"]
+            time.sleep(0.2)
+            assert engine.stats()["num_generated_tokens"] == generated < 120  # it stopped generating
+            assert engine.stats()["num_requests"] == 0 and not engine.scheduler.has_unfinished()
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})  # a fresh request works
+            assert r.status_code == 200
+    finally:
+        stop_engine(engine)
+
+
+def test_shutdown_ends_a_long_stream_with_an_error_event():
+    rt = ToyRuntime()
+    rt.step_delay_s = 0.01
+    app, engine = engine_app(rt)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        body = {"prompt": "x", "max_tokens": 120, "stream": True, "ignore_eos": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            events = []
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    t0 = time.monotonic()
+                    stopper = threading.Thread(target=asyncio.run, args=(engine.stop(grace_s=0.2),))
+                    stopper.start()
+            stopper.join(10)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "shutting_down"
+    assert time.monotonic() - t0 < 2.5
