@@ -39,13 +39,19 @@ class LoadBalancer:
         tied = sorted((c for c in pool if self.score(c) == best), key=lambda c: c.address)
         return tied[next(self._turn) % len(tied)]
 
+    def acquire(self, address: str) -> None:
+        self.inflight[address] += 1
+
+    def release(self, address: str) -> None:
+        self.inflight[address] -= 1
+        if self.inflight[address] <= 0:
+            del self.inflight[address]
+
     @contextmanager
     def track(self, address: str):
-        """Count a request against `address` while it runs (decremented in finally)."""
-        self.inflight[address] += 1
+        """Count a request against `address` while it runs (released in finally)."""
+        self.acquire(address)
         try:
             yield
         finally:
-            self.inflight[address] -= 1
-            if self.inflight[address] <= 0:
-                del self.inflight[address]
+            self.release(address)

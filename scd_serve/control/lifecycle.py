@@ -15,6 +15,7 @@ def setup_logging(role: str) -> None:
     level = os.environ.get("SCD_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is noise
 
 
 def stop_event() -> asyncio.Event:

@@ -114,9 +114,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     http = asyncio.create_task(server.serve())
     while not server.started and not http.done():
         await asyncio.sleep(0.02)
-    if http.done():
-        await http  # raises the bind error
-    port = server.servers[0].sockets[0].getsockname()[1]
+    port = bound_port(server, http)
     address = advertised(config.advertise, config.host, port)
     heartbeat = None
     if config.control_url:
@@ -133,8 +131,19 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
         await heartbeat.close()
     server.should_exit = True
     await engine.stop(grace_s=config.shutdown_grace_s)
+    log.debug("engine stopped")
     await http
+    log.debug("http stopped")
     await peers.close()
+    log.info("stopped")
+
+
+def bound_port(server, http: asyncio.Task) -> int:
+    """The port uvicorn listens on (the OS's pick for port 0)."""
+    if http.done() or not server.servers or not server.servers[0].sockets:
+        raise ConfigError(f"HTTP listener on {server.config.host}:{server.config.port} did not start "
+                          f"(port in use or shutting down)")
+    return server.servers[0].sockets[0].getsockname()[1]
 
 
 def run(args) -> int:

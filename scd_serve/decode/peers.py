@@ -141,7 +141,8 @@ class PeerSet:
 
     def why_not_ready(self) -> str:
         if not self.peers:
-            return "no prefill worker known (give --prefill or --control-url)"
+            return ("no prefill worker known yet (static --prefill peers or the control plane's "
+                    "peer list name them)")
         return "; ".join(f"{a}: {why}" for a, why in self.status().items() if why)
 
     async def close(self) -> None:

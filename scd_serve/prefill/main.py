@@ -41,12 +41,14 @@ def build_codecs(rt, codebook: str) -> dict:
     from scd_serve.decode.codecs import codebook_arg
     from scd_serve.errors import ScdError
 
-    codecs, book = {}, codebook_arg(codebook)
+    codecs, skipped, book = {}, {}, codebook_arg(codebook)
     for method in codec_registry.METHODS:
         try:
             codecs[method] = codec_registry.build(method, producer=rt, codebook=book)
         except (ScdError, ValueError, OSError) as exc:
-            log.info("method %s not offered: %s", method, getattr(exc, "message", exc))
+            skipped.setdefault(str(getattr(exc, "message", exc)), []).append(method)
+    for why, methods in skipped.items():
+        log.info("not offered: %s (%s)", ", ".join(methods), why)
     return codecs
 
 

@@ -1,0 +1,1 @@
+"""`scd-serve up`: a local cluster of real processes (prefill + decode + gateway)."""

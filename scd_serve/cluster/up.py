@@ -1,0 +1,174 @@
+"""`scd-serve up`: start gateway, prefill and decode workers as separate processes.
+
+The gateway starts first (it hosts the control-plane registry on a free port); workers
+listen on free ports and join it. When the gateway reports the decode workers ready, the
+URL is printed. A worker that crashes is restarted (it rejoins the registry); Ctrl-C (or
+SIGTERM) stops everything in order - gateway, decode, prefill - each with SIGTERM and a
+grace period, then SIGKILL for stragglers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from scd_serve.errors import ConfigError, Unavailable
+
+PAIR = "models/demo-pair"
+STOP_GRACE_S = 15.0
+MAX_RESTARTS = 5  # per worker, over the life of the cluster
+_stop = threading.Event()  # set by SIGINT/SIGTERM
+
+
+def _check_stop() -> None:
+    if _stop.is_set():
+        raise KeyboardInterrupt
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+    parser.add_argument("--producer", default=f"{PAIR}/producer", help="producer model (prefill workers)")
+    parser.add_argument("--consumer", default=f"{PAIR}/consumer", help="consumer model (decode workers)")
+    parser.add_argument("--codebook", default=f"{PAIR}/codebook", help="SCD codebook directory")
+    parser.add_argument("--method", default=None, help="default transfer method (default: scd, else raw)")
+    parser.add_argument("--prefill-workers", type=int, default=1)
+    parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--ready-timeout-s", type=float, default=600.0, help="how long to wait for workers")
+
+
+class Child:
+    """One worker process; its stdout is echoed with a prefix and scanned for its URL line."""
+
+    def __init__(self, name: str, argv: list[str]):
+        self.name = name
+        self.argv = argv
+        self.lines: list[str] = []
+        self.restarts = 0
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "scd_serve.cli", *self.argv], stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True, env=os.environ.copy())
+        threading.Thread(target=self._echo, args=(self.proc,), daemon=True).start()
+
+    def _echo(self, proc) -> None:
+        for line in proc.stdout:
+            self.lines.append(line.rstrip())
+            print(f"[{self.name}] {line.rstrip()}", flush=True)
+
+    def wait_line(self, pattern: str, deadline: float) -> re.Match:
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.poll() is not None:
+                raise Unavailable(f"{self.name} exited with code {self.proc.returncode} while starting")
+            _check_stop()
+            time.sleep(0.05)
+        raise Unavailable(f"{self.name} did not start in time")
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_or_kill(self, deadline: float) -> None:
+        try:
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only its processes
+            self.proc.wait(5)
+
+
+def stop_all(tiers: list[list[Child]]) -> None:
+    """SIGTERM tier by tier (each tier in parallel), SIGKILL what outlives the grace period."""
+    for tier in tiers:
+        for child in tier:
+            child.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in tier:
+            child.wait_or_kill(deadline)
+
+
+def _get_json(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, {}
+
+
+def wait_ready(base: str, num_decode: int, children: list[Child], deadline: float) -> None:
+    while time.monotonic() < deadline:
+        status, body = _get_json(f"{base}/ready")
+        if status == 200 and body.get("decode_workers", 0) >= num_decode:
+            return
+        dead = [c.name for c in children if c.proc.poll() is not None]
+        if dead:
+            raise Unavailable(f"{', '.join(dead)} exited during startup (see its log above)")
+        _check_stop()
+        time.sleep(0.2)
+    raise Unavailable(f"workers not ready within the timeout; last /ready status {status}")
+
+
+def check_models(args) -> None:
+    for flag, path in (("--producer", args.producer), ("--consumer", args.consumer)):
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{flag} {path}: no model there; build the embedded pair with "
+                              f"`scd-serve make-demo-pair` or pass model directories")
+
+
+def run(args) -> int:
+    check_models(args)
+    if args.prefill_workers < 1 or args.decode_workers < 1:
+        raise ConfigError("--prefill-workers and --decode-workers must be >= 1")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: _stop.set())
+    deadline = time.monotonic() + args.ready_timeout_s
+    gateway = Child("gateway", ["gateway", "--host", args.host, "--port", str(args.port),
+                                "--control-bind", "tcp://127.0.0.1:0"])
+    children, prefill, decode = [gateway], [], []
+    try:
+        m = gateway.wait_line(r"gateway serving (http://\S+), control plane (tcp://\S+)", deadline)
+        url, control = m.group(1), m.group(2)
+        common = ["--host", "127.0.0.1", "--port", "0", "--control-url", control, "--device", args.device,
+                  "--codebook", args.codebook]
+        for i in range(args.prefill_workers):
+            prefill.append(Child(f"prefill-{i}", ["prefill", "--model", args.producer, *common]))
+        method = ["--method", args.method] if args.method else []
+        for i in range(args.decode_workers):
+            decode.append(Child(f"decode-{i}", ["decode", "--model", args.consumer, *common, *method]))
+        children += prefill + decode
+        wait_ready(url, args.decode_workers, children, deadline)
+        print(f"scd-serve is up: {url}/v1 (OpenAI API; try `curl {url}/v1/models`). Ctrl-C stops it.", flush=True)
+        while not _stop.is_set():
+            if gateway.proc.poll() is not None:
+                print(f"scd-serve up: the gateway exited with code {gateway.proc.returncode}; stopping",
+                      file=sys.stderr)
+                return 1
+            for child in prefill + decode:  # a crashed worker is restarted, like a supervisor would
+                if child.proc.poll() is not None:
+                    if child.restarts >= MAX_RESTARTS:
+                        print(f"scd-serve up: {child.name} keeps exiting; stopping", file=sys.stderr)
+                        return 1
+                    child.restarts += 1
+                    print(f"scd-serve up: {child.name} exited with code {child.proc.returncode}; restarting "
+                          f"({child.restarts}/{MAX_RESTARTS})", file=sys.stderr, flush=True)
+                    child.start()
+            _stop.wait(0.5)
+        return 0
+    finally:
+        stop_all([[gateway], decode, prefill])  # front door first, producers last

@@ -1,0 +1,1 @@
+"""The single HTTP entry point: spreads OpenAI requests over decode workers by load."""

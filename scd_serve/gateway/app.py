@@ -1,0 +1,146 @@
+"""create_gateway_app: proxy OpenAI routes (SSE included) to the least-loaded decode worker.
+
+Decode workers come from the control-plane registry (ready ones only) and from a static
+list. A worker that cannot be reached is skipped for the next one before any byte went
+back to the client; once the response started it streams through unchanged, and a client
+that goes away closes the upstream request (the decode worker then aborts it).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from scd_serve.api.guard import RequestGuard, error_response
+from scd_serve.config.api import ApiConfig
+from scd_serve.config.gateway import GatewayConfig
+from scd_serve.control.choice import Candidate, LoadBalancer
+from scd_serve.control.registry import Registry
+from scd_serve.errors import Unavailable
+
+log = logging.getLogger("scd_serve.gateway")
+FORWARD_HEADERS = ("authorization", "content-type", "accept")
+RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control")
+
+
+class GatewayMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("scd_gateway_requests_total", "requests proxied, by decode worker and status",
+                                ["worker", "status"], registry=r)
+        self.unreachable = Counter("scd_gateway_worker_errors_total", "decode workers that could not be reached",
+                                   ["worker"], registry=r)
+        self.workers = Gauge("scd_gateway_workers", "registered workers by role and readiness",
+                             ["role", "ready"], registry=r)
+        self.load = Gauge("scd_worker_load", "load each worker reported in its last heartbeat",
+                          ["role", "worker", "key"], registry=r)
+
+    def refresh(self, registry: Registry) -> None:
+        self.workers.clear()
+        self.load.clear()
+        for rec in registry.workers():
+            self.workers.labels(rec.role, str(rec.ready).lower()).inc()
+            for key, value in rec.load.items():
+                self.load.labels(rec.role, rec.address, key).set(value)
+
+
+def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks=None) -> FastAPI:
+    balancer = LoadBalancer()
+    metrics = GatewayMetrics()
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+        state["client"] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=512))
+        if lifespan_hooks is not None:
+            async with lifespan_hooks(app):
+                yield
+        else:
+            yield
+        await state["client"].aclose()
+
+    app = FastAPI(title="scd-serve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestGuard, config=ApiConfig(api_key=config.api_key, max_body_bytes=config.max_body_bytes))
+    app.state.metrics = metrics
+    app.state.balancer = balancer
+
+    def candidates() -> list[Candidate]:
+        cands = {r.address: Candidate(r.address, int(r.load.get("running", 0)), int(r.load.get("waiting", 0)),
+                                      int(r.load.get("capacity", 0)))
+                 for r in registry.workers(role="decode", ready_only=True)}
+        for address in config.decode:
+            cands.setdefault(address, Candidate(address))
+        return list(cands.values())
+
+    async def proxy(request: Request, method: str, path: str) -> Response:
+        rid = request.scope.get("state", {}).get("request_id")
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        tried: list[str] = []
+        for _ in range(config.max_attempts):
+            pick = balancer.choose(candidates(), exclude=tried)
+            if pick is None:
+                break
+            tried.append(pick.address)
+            upstream = state["client"].build_request(method, f"http://{pick.address}{path}", content=body,
+                                                     headers=headers)
+            balancer.acquire(pick.address)
+            try:
+                resp = await state["client"].send(upstream, stream=True)
+            except BaseException as exc:
+                balancer.release(pick.address)
+                if not isinstance(exc, httpx.TransportError):
+                    raise
+                metrics.unreachable.labels(pick.address).inc()
+                log.warning("request_id=%s decode worker %s unreachable: %s", rid, pick.address, type(exc).__name__)
+                continue
+            metrics.requests.labels(pick.address, str(resp.status_code)).inc()
+            return StreamingResponse(_relay(resp, lambda a=pick.address: balancer.release(a)), status_code=resp.status_code,
+                                     headers={k: v for k, v in resp.headers.items() if k.lower() in RETURN_HEADERS})
+        why = f"tried {', '.join(tried)}" if tried else "none registered and ready"
+        return error_response(Unavailable(f"no decode worker available ({why})"), rid)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy(request, "POST", "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy(request, "POST", "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy(request, "GET", "/v1/models")
+
+    @app.get("/live")
+    async def live() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        if candidates():
+            return JSONResponse({"status": "ready", "decode_workers": len(candidates())})
+        return error_response(Unavailable("no ready decode worker"), request.scope["state"].get("request_id"))
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        metrics.refresh(registry)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _relay(resp: httpx.Response, release):
+    """Stream the upstream body; closing it (also when the client left) frees the worker slot."""
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    finally:
+        release()
+        await resp.aclose()

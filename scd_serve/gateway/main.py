@@ -1,0 +1,68 @@
+"""`scd-serve gateway`: the HTTP entry point plus the control-plane registry workers join."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from contextlib import asynccontextmanager
+
+from scd_serve.config.control import ControlConfig
+from scd_serve.config.decode import split_peers
+from scd_serve.config.gateway import GatewayConfig
+from scd_serve.control.lifecycle import setup_logging, stop_event
+from scd_serve.decode.main import bound_port
+
+log = logging.getLogger("scd_serve.gateway")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
+    parser.add_argument("--control-bind", default="tcp://127.0.0.1:5555", help="registry bind address for workers")
+    parser.add_argument("--decode", default="", help="static decode worker(s): HOST:PORT[,HOST:PORT]")
+    parser.add_argument("--api-key", default=os.environ.get("SCD_API_KEY", ""),
+                        help="bearer token clients must send (default: $SCD_API_KEY)")
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+
+
+def config_from_args(args) -> GatewayConfig:
+    return GatewayConfig(host=args.host, port=args.port, control_bind=args.control_bind,
+                         decode=split_peers(args.decode), api_key=args.api_key,
+                         request_timeout_s=args.request_timeout_s)
+
+
+async def serve(config: GatewayConfig) -> None:
+    import uvicorn
+
+    from scd_serve.control.server import RegistryServer
+    from scd_serve.gateway.app import create_gateway_app
+
+    stop = stop_event()
+    control = RegistryServer(config.control_bind, ControlConfig())
+
+    @asynccontextmanager
+    async def hooks(app):
+        control.start()
+        yield
+        await control.close()
+
+    app = create_gateway_app(config, control.registry, hooks)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    server.install_signal_handlers = lambda: None
+    http = asyncio.create_task(server.serve())
+    while not server.started and not http.done():
+        await asyncio.sleep(0.02)
+    port = bound_port(server, http)
+    print(f"gateway serving http://{config.host}:{port}, control plane {control.url}", flush=True)
+    await stop.wait()
+    server.should_exit = True
+    await http
+
+
+def run(args) -> int:
+    setup_logging("gateway")
+    asyncio.run(serve(config_from_args(args)))
+    return 0
