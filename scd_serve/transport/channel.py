@@ -10,12 +10,13 @@ from scd_serve.config.transport import TransportConfig
 from scd_serve.transport.security import auth_metadata, channel_credentials
 
 
-class DeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class DeadlineInterceptor:
     """Every outgoing RPC gets a deadline and the worker token.
 
     A call made without a timeout gets `default_s` (strict=True refuses it instead, for
     tests that prove every call site sets its own). `timeouts` keeps the last deadlines
-    seen, so a test can assert none was None.
+    seen, so a test can assert none was None. grpc.aio files an interceptor under one
+    call kind only, so `interceptors()` hands out one adapter per kind sharing this state.
     """
 
     def __init__(self, default_s: float, metadata=(), strict: bool = False):
@@ -24,7 +25,7 @@ class DeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnarySt
         self.strict = strict
         self.timeouts: collections.deque[tuple[str, float | None]] = collections.deque(maxlen=1024)
 
-    def _details(self, d):
+    def details(self, d):
         method = d.method.decode() if isinstance(d.method, bytes) else d.method
         self.timeouts.append((method, d.timeout))
         timeout = d.timeout
@@ -35,11 +36,24 @@ class DeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnarySt
         metadata = grpc.aio.Metadata(*(tuple(d.metadata or ()) + self.metadata))
         return grpc.aio.ClientCallDetails(d.method, timeout, metadata, d.credentials, d.wait_for_ready)
 
+    def interceptors(self) -> list:
+        return [_UnaryUnary(self), _UnaryStream(self)]
+
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, policy: DeadlineInterceptor):
+        self.policy = policy
+
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
+        return await continuation(self.policy.details(client_call_details), request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, policy: DeadlineInterceptor):
+        self.policy = policy
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
+        return await continuation(self.policy.details(client_call_details), request)
 
 
 def channel_options(config: TransportConfig) -> list[tuple[str, int | str]]:
@@ -64,7 +78,8 @@ def make_channel(address: str, config: TransportConfig,
     interceptor = DeadlineInterceptor(config.rpc_timeout_s, auth_metadata(config), strict_deadlines)
     creds = channel_credentials(config)
     if creds is None:
-        ch = grpc.aio.insecure_channel(address, options=channel_options(config), interceptors=[interceptor])
+        ch = grpc.aio.insecure_channel(address, options=channel_options(config), interceptors=interceptor.interceptors())
     else:
-        ch = grpc.aio.secure_channel(address, creds, options=channel_options(config), interceptors=[interceptor])
+        ch = grpc.aio.secure_channel(address, creds, options=channel_options(config),
+                                     interceptors=interceptor.interceptors())
     return ch, interceptor

@@ -161,3 +161,34 @@ async def test_mutual_tls(rt, tmp_path):
         for c in (plain, rogue, good):
             await c.close()
         await node.stop()
+
+
+async def test_decode_transfers_through_a_token_protected_worker(rt):
+    """The token rides on the Prefill stream too, not only on unary calls."""
+    transport = TransportConfig(worker_token="s3cret-token")
+    node = await start_prefill(rt, transport=transport)
+    peers, fill = await make_decode(rt, [node.address], transport=transport)
+    engine = engine_for(rt)
+    try:
+        assert peers.ready(), peers.why_not_ready()
+        assert await greedy(engine, "t", [3, 4, 5, 6], "identity", fill) == await greedy(engine, "l", [3, 4, 5, 6])
+        assert fill.stats.num_transfers == 1
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
+
+
+async def test_strict_deadlines_refuse_a_call_without_timeout(rt):
+    node = await start_prefill(rt)
+    client = PrefillClient(node.address, TransportConfig(), strict_deadlines=True)
+    try:
+        with pytest.raises(ValueError, match="without a deadline"):
+            await client._stub.Info(pb.InfoRequest())
+        with pytest.raises(ValueError, match="without a deadline"):
+            call = client._stub.Prefill(pb.PrefillRequest(request_id="n", token_ids=[1], method="identity"))
+            await call.read()
+        assert (await client.info()).num_layers == 2  # the client's own calls always set one
+    finally:
+        await client.close()
+        await node.stop()

@@ -32,9 +32,10 @@ async def test_identity_transfer_matches_local_alone_and_16_concurrent(rt):
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
         # the repeated prompt came from the producer's code cache, with the same result
         assert node.servicer.cache.stats.hits >= 1 and fill.stats.num_cache_hits >= 1
-        # every RPC the decode side made carried a deadline
-        timeouts = [t for p in peers.peers.values() for _, t in p.client.deadlines.timeouts]
-        assert timeouts and all(t is not None and t > 0 for t in timeouts)
+        # every RPC the decode side made, streams included, carried a deadline
+        calls = [(m, t) for p in peers.peers.values() for m, t in p.client.deadlines.timeouts]
+        assert sum(m.endswith("/Prefill") for m, _ in calls) == 17 and any(m.endswith("/Info") for m, _ in calls)
+        assert all(t is not None and t > 0 for _, t in calls)
     finally:
         await engine.stop(grace_s=1)
         await peers.close()
