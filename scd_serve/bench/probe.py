@@ -123,6 +123,9 @@ class Probe:
                     samples = [self.oracle(self.prompt(n, cmd["seed"] + r)) for r in range(cmd["reps"])]
                     rows.append({"method": method, "prompt_tokens": n, "mode": "local", "samples": samples})
                     continue
+                # one uncounted transfer first: first-call costs (codec tables, allocations) are not TTFT
+                self.num_cold += 1
+                await self.transfer(cmd["prefill"], method, self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold))
                 for mode in cmd["modes"]:
                     samples = []
                     if mode == "warm":  # one uncounted request fills the producer's code cache
