@@ -96,6 +96,14 @@ class _Context:
             await asyncio.sleep(o.stall_s)
         if seq == o.drop_seq:
             return None
+        if o.mutate is not None and seq == o.mutate_seq:
+            from scd_serve.transport.checksum import seal
+
+            o.mutate(msg.chunk)
+            seal(msg.chunk)  # a valid digest: only the semantic checks can catch it
+        if o.swap_first_two and seq == 0:
+            self._held = msg  # sent after chunk 1: out of order
+            return None
         if seq == o.corrupt_seq and msg.chunk.tensors:
             data = bytearray(msg.chunk.tensors[0].data)
             data[len(data) // 2] ^= 0x01  # one bit, after the digest was computed
@@ -104,6 +112,9 @@ class _Context:
         await self._ctx.write(msg)
         if seq == o.duplicate_seq:
             await self._ctx.write(msg)
+        if getattr(self, "_held", None) is not None and seq == 1:
+            held, self._held = self._held, None
+            await self._ctx.write(held)
 
 
 class FaultyServicer:
@@ -114,17 +125,22 @@ class FaultyServicer:
     corrupt_seq        flip one bit of chunk `seq` after it was sealed
     drop_seq           never send chunk `seq`;  duplicate_seq: send chunk `seq` twice
     fail_first         answer the first N Prefill calls with `fail_code` before any work
+    mutate             fn(chunk) edits chunk `mutate_seq` in place; it is resealed (valid digest)
+    swap_first_two     send chunk 1 before chunk 0
     Records `cancelled` (request ids whose handler saw CancelledError) and `calls`."""
 
     def __init__(self, servicer: Any, *, sleep_s: float = 0.0, stall_at_chunk: int | None = None,
                  stall_s: float = 0.0, exit_at_chunk: int | None = None, corrupt_seq: int | None = None,
                  drop_seq: int | None = None, duplicate_seq: int | None = None, fail_first: int = 0,
-                 fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+                 fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE, mutate=None, mutate_seq: int = 0,
+                 swap_first_two: bool = False):
         self.inner = servicer
         self.sleep_s, self.stall_at_chunk, self.stall_s = sleep_s, stall_at_chunk, stall_s
         self.exit_at_chunk, self.corrupt_seq = exit_at_chunk, corrupt_seq
         self.drop_seq, self.duplicate_seq = drop_seq, duplicate_seq
         self.fail_first, self.fail_code = fail_first, fail_code
+        self.mutate, self.mutate_seq, self.swap_first_two = mutate, mutate_seq, swap_first_two
+        self.armed = True  # False: pass every call straight through (warm-up before a test)
         self.calls: list[str] = []
         self.call_times: list[float] = []
         self.cancelled: list[str] = []
@@ -142,6 +158,8 @@ class FaultyServicer:
 
     async def Prefill(self, request, context):
         rid = request.request_id
+        if not self.armed:
+            return await self.inner.Prefill(request, context)
         with self._lock:
             self.calls.append(rid)
             self.call_times.append(time.monotonic())
