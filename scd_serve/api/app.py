@@ -81,8 +81,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ScdError)
     async def scd_error(request: Request, exc: ScdError) -> JSONResponse:
         count(request, exc.http_status)
-        if exc.http_status >= 500:
-            log.warning("request_id=%s failed: %s", rid(request), exc.type)
+        log.log(logging.WARNING if exc.http_status >= 500 else logging.INFO, "request_id=%s route=%s status=%d type=%s",
+                rid(request), request.url.path, exc.http_status, exc.type)
         return error_response(exc, rid(request))
 
     @app.exception_handler(RequestValidationError)

@@ -74,7 +74,8 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     except BaseException:
         await events.aclose()
         raise
-    shape = Shape(rid, state.model_name, chat, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    shape = Shape(rid, state.model_name, chat, include_usage=include_usage)
 
     def on_end(status: int) -> None:
         state.metrics.requests.labels(route, str(status)).inc()
@@ -84,15 +85,8 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     if body.stream:
         return StreamingResponse(sse_stream(shape, first, events, rid, on_end), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    status = 499
-    try:
-        text, last = await _collect_unless_gone(request, first, events)
-        status = 200
-    except ScdError as exc:
-        status = exc.http_status
-        raise
-    finally:
-        on_end(status)
+    text, last = await _collect_unless_gone(request, first, events)  # errors: counted by the app's handler
+    on_end(200 if last is not None else 499)
     if last is None:  # the client left; nobody reads this
         return Response(status_code=499)
     return JSONResponse(shape.whole(text, last.finish_reason, last.usage.to_dict()))

@@ -176,7 +176,7 @@ class Engine:
             try:
                 item = await asyncio.wait_for(h.queue.get(), timeout=min(remaining, _POLL_S))
             except TimeoutError:
-                if self._dead is not None or (self._thread is not None and not self._thread.is_alive()):
+                if not self._loop_alive():  # died, or stopped without hearing of this request
                     raise EngineDead("the engine loop has stopped") from None
                 continue
             if isinstance(item, BaseException):
@@ -185,12 +185,12 @@ class Engine:
 
     # ---------------------------------------------------------------- helpers (any thread)
     def _check_accepting(self) -> None:
-        if self._dead is not None or (self._thread is not None and not self._thread.is_alive()):
+        if self._dead is not None:
             raise EngineDead("the engine loop has stopped")
         if not self._accepting:
             raise ShuttingDown("server is shutting down")
-        if self._thread is None:
-            raise ShuttingDown("engine is not started")
+        if not self._loop_alive():
+            raise EngineDead("the engine loop is not running")
 
     def _loop_alive(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
@@ -304,7 +304,6 @@ class Engine:
         self._dead = exc
         log.error("engine loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
         err = EngineDead(f"the engine failed: {type(exc).__name__}")
-        self._outbox = [(h, item) for h, item in self._outbox if isinstance(item, ScdError)]
         for h in list(self._live.values()):
             if h.sink is not None:
                 h.sink.close()
