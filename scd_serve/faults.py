@@ -144,6 +144,8 @@ class FaultyServicer:
         self.calls: list[str] = []
         self.call_times: list[float] = []
         self.cancelled: list[str] = []
+        self.aborts: list[tuple[str, float]] = []  # (request id, when) of Abort RPCs received
+        self.deadlines: list[tuple[str, float | None]] = []  # (rpc, seconds left when it arrived)
         self.num_corrupted = 0
         self._lock = threading.Lock()
 
@@ -151,13 +153,17 @@ class FaultyServicer:
         return getattr(self.inner, name)
 
     async def Info(self, request, context):
+        self.deadlines.append(("Info", context.time_remaining()))
         return await self.inner.Info(request, context)
 
     async def Abort(self, request, context):
+        self.deadlines.append(("Abort", context.time_remaining()))
+        self.aborts.append((request.request_id, time.monotonic()))
         return await self.inner.Abort(request, context)
 
     async def Prefill(self, request, context):
         rid = request.request_id
+        self.deadlines.append(("Prefill", context.time_remaining()))
         if not self.armed:
             return await self.inner.Prefill(request, context)
         with self._lock:

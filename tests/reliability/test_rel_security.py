@@ -104,7 +104,7 @@ async def test_k3_worker_token_required_before_any_work(make_stack):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await call()
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            # the stream is sent with explicit metadata (the channel interceptor does not stamp streams)
+            # explicit metadata on the stream: the channel's own token is replaced by the bad one
             md = (("authorization", f"Bearer {token}"),) if token else ()
             stream = client._stub.Prefill(pb.PrefillRequest(request_id="k3", token_ids=[1, 2], method="identity"),
                                           timeout=2, metadata=md)
@@ -120,9 +120,6 @@ async def test_k3_worker_token_required_before_any_work(make_stack):
     await assert_clean(stack, base, fresh=False)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: scd_serve/transport/channel.py DeadlineInterceptor subclasses both "
-                   "UnaryUnary and UnaryStream interceptors, but grpc.aio registers it only as unary-unary (elif "
-                   "chain), so Prefill streams carry no worker token -> UNAUTHENTICATED whenever worker_token is set")
 async def test_k3_decode_with_the_right_token_transfers(make_stack):
     transport = TransportConfig(rpc_timeout_s=2, prefill_timeout_s=10, worker_token="worker-secret-123")
     stack, base = await make_stack(warm=False, transport=transport)
