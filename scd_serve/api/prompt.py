@@ -34,7 +34,11 @@ def completion_prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int) -
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
     plain = [{"role": m.role, "content": message_text(m)} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - templates reject roles/orders with raise_exception()
+            raise InvalidRequest(f"messages do not fit the model's chat template: {str(exc)[:200]}",
+                                 field="messages") from None
     else:
         text = "".join(DEFAULT_CHAT_TEMPLATE.format(**m) for m in plain) + DEFAULT_GENERATION_PROMPT
     # the template already holds any BOS it wants
