@@ -31,6 +31,10 @@ def compat_problems(info, consumer_spec, method: str, codecs, expect_producer: s
     ours = codecs.get(info, method)
     if theirs.codec_version != ours.version:
         problems.append(f"codec_version[{method}]: {theirs.codec_version} != {ours.version}")
+    calibrated_for = getattr(ours, "producer_fingerprint", "") or ""
+    if calibrated_for and info.producer_fingerprint != calibrated_for:
+        problems.append(f"producer_fingerprint: {info.producer_fingerprint} != {calibrated_for} "
+                        f"(the codebook of {method!r} was calibrated for it)")
     our_book = getattr(ours, "codebook_id", "") or ""
     if theirs.codebook_id != our_book:
         problems.append(f"codebook_id[{method}]: {theirs.codebook_id or '-'} != {our_book or '-'}")

@@ -42,10 +42,10 @@ class PrefillNode:
 
 
 async def start_prefill(rt, methods=("identity",), transport: TransportConfig | None = None,
-                        servicer_cls=PrefillServicer, port: int = 0, **cfg) -> PrefillNode:
+                        servicer_cls=PrefillServicer, port: int = 0, codebook=None, **cfg) -> PrefillNode:
     transport = transport or TransportConfig()
     config = PrefillConfig(model="unused", port=port, transport=transport, **cfg)
-    codecs = {m: codec_registry.build(m, producer=rt) for m in methods}
+    codecs = {m: codec_registry.build(m, producer=rt, codebook=codebook) for m in methods}
     servicer = servicer_cls(rt, codecs, config)
     server, health = make_server(transport)
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
@@ -55,9 +55,9 @@ async def start_prefill(rt, methods=("identity",), transport: TransportConfig | 
     return PrefillNode(server, servicer, health, f"127.0.0.1:{port}")
 
 
-async def make_decode(rt, addresses, method="identity", client_factory=None, **cfg):
-    config = DecodeConfig(model="unused", codebook="", prefill=tuple(addresses), method=method, **cfg)
-    codecs = ConsumerCodecs(rt)
+async def make_decode(rt, addresses, method="identity", client_factory=None, codebook="", **cfg):
+    config = DecodeConfig(model="unused", codebook=codebook, prefill=tuple(addresses), method=method, **cfg)
+    codecs = ConsumerCodecs(rt, codebook)
     peers = PeerSet(rt, codecs, config, client_factory=client_factory)
     await peers.check_all()
     return peers, RemoteKVFill(rt, peers, codecs, config)

@@ -1,0 +1,60 @@
+"""The `scd` method over gRPC with a real codebook directory: handshake, transfer, refusal."""
+
+import pytest
+
+from scd_serve.codec.assemble import build_codebook
+from scd_serve.codec.fit import collect_rows, fit_layer
+from scd_serve.codec.plan import REUSE, LayerPlan, Plan
+from scd_serve.codec.spec import spec_of
+
+from serving_helpers import engine_for, greedy, make_decode, prompts, start_prefill, tiny_runtime
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def save_codebook(rt, path, rank):
+    rows = collect_rows(rt, rt, [__import__("torch").tensor(p) for p in prompts(6, seed=11)], max_rows=4096)
+    d = spec_of(rt).kv_width
+    fits = [fit_layer(r, d, (8, 32), aligner_width=32) for r in rows]
+    plan = Plan(tuple(LayerPlan(REUSE, rank, rank) for _ in range(spec_of(rt).num_layers)))
+    build_codebook(fits, {"scd": plan, "reuse": plan}, spec_of(rt), spec_of(rt)).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scd")
+    rt = tiny_runtime(root / "model")
+    full = save_codebook(rt, root / "book-full", spec_of(rt).kv_width)
+    low = save_codebook(rt, root / "book-low", 4)
+    return rt, full, low
+
+
+async def test_scd_full_rank_same_model_matches_local_greedy(setup):
+    rt, full, _ = setup
+    node = await start_prefill(rt, methods=("scd",), codebook=full)
+    peers, fill = await make_decode(rt, [node.address], method="scd", codebook=full)
+    engine = engine_for(rt)
+    try:
+        assert peers.ready(), peers.why_not_ready()
+        info = peers.peers[node.address].info
+        assert [c.codec_id for c in info.codecs] == ["scd"] and info.codecs[0].codebook_id
+        for i, p in enumerate(prompts(3, seed=5)):
+            assert await greedy(engine, f"s{i}", p, "scd", fill) == await greedy(engine, f"l{i}", p)
+        assert fill.stats.num_transfers == 3 and fill.stats.payload_bytes > 0
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
+
+
+async def test_decode_with_another_codebook_is_refused(setup):
+    rt, full, low = setup
+    node = await start_prefill(rt, methods=("scd",), codebook=full)
+    peers, _ = await make_decode(rt, [node.address], method="scd", codebook=low)
+    try:
+        assert not peers.ready()
+        assert "codebook_id[scd]" in peers.why_not_ready()
+    finally:
+        await peers.close()
+        await node.stop()
