@@ -192,3 +192,21 @@ async def test_strict_deadlines_refuse_a_call_without_timeout(rt):
     finally:
         await client.close()
         await node.stop()
+
+
+async def test_garbage_bytes_on_the_grpc_port_leave_it_serving(rt):
+    node = await start_prefill(rt)
+    client = PrefillClient(node.address, TransportConfig())
+    try:
+        host, port = node.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 8)
+        await writer.drain()
+        closed = await asyncio.wait_for(reader.read(), 5)  # the server closes the connection
+        assert isinstance(closed, bytes)
+        writer.close()
+        assert await client.serving()
+        assert (await client.info()).num_layers == 2
+    finally:
+        await client.close()
+        await node.stop()
