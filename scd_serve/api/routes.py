@@ -8,6 +8,7 @@ response starts, so admission errors (429, 503, 504) are HTTP statuses, not stre
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -62,6 +63,9 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
         ids = await asyncio.to_thread(chat_prompt_ids, body.messages, backend.tokenizer)
     else:
         ids = await asyncio.to_thread(completion_prompt_ids, body.prompt, backend.tokenizer, backend.vocab_size)
+    room = config.max_model_len - len(ids)
+    if max_tokens is None and 1 <= room < params.max_tokens:  # omitted: the default, or what still fits
+        params = dataclasses.replace(params, max_tokens=room)
     check_length(len(ids), params.max_tokens, config.max_model_len)
     method = body.scd_method or config.default_method
     req = GenerationRequest(rid, ids, params, method, deadline=time.monotonic() + config.request_timeout_s)

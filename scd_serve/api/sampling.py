@@ -14,7 +14,7 @@ def sampling_params(body, config: ApiConfig, max_tokens: int | None) -> Sampling
         if getattr(body, name) != 0:
             raise InvalidRequest(f"{name} is not supported; leave it at 0", field=name)
     if max_tokens is None:
-        max_tokens = config.default_max_tokens
+        max_tokens = min(config.default_max_tokens, config.max_tokens_cap)
     elif max_tokens > config.max_tokens_cap:
         raise InvalidRequest(f"max_tokens must be <= {config.max_tokens_cap}, got {max_tokens}", field="max_tokens")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

@@ -22,9 +22,10 @@ class ApiConfig:
     max_body_bytes: int = 1 << 20
     # Prompt + max_tokens must fit; should equal the engine's max_model_len.
     max_model_len: int = 2048
-    # Upper bound for max_tokens, and the value used when the request omits it.
+    # Upper bound for max_tokens; when a request omits it: default_max_tokens (at most the
+    # cap), or what still fits in max_model_len after the prompt if that is less.
     max_tokens_cap: int = 2048
-    default_max_tokens: int = 16
+    default_max_tokens: int = 256
     # Stop sequences: at most this many, each at most max_stop_chars characters.
     max_stop: int = 4
     max_stop_chars: int = 64
@@ -47,9 +48,6 @@ class ApiConfig:
                 raise ConfigError(f"api.{name} must be an integer >= 1, got {value!r}")
         if self.max_stop < 0:
             raise ConfigError(f"api.max_stop must be >= 0, got {self.max_stop}")
-        if self.default_max_tokens > self.max_tokens_cap:
-            raise ConfigError(f"api.default_max_tokens ({self.default_max_tokens}) exceeds "
-                              f"max_tokens_cap ({self.max_tokens_cap})")
         if not (0 < self.request_timeout_s <= 86400):
             raise ConfigError(f"api.request_timeout_s must be in (0, 86400], got {self.request_timeout_s}")
         if not self.default_method:

@@ -122,3 +122,13 @@ async def test_wrong_model_name_is_404_naming_both(client):
     r = await client.post("/v1/completions", json={"prompt": "hi", "model": "gpt-9"})
     assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
     assert "fake-model" in r.json()["error"]["message"]
+
+
+async def test_omitted_max_tokens_is_the_default_or_what_fits(make_client):
+    backend = FakeBackend()
+    c = await make_client(backend, max_model_len=256, max_tokens_cap=64, default_max_tokens=32)
+    await c.post("/v1/completions", json={"prompt": "a" * 10})
+    await c.post("/v1/completions", json={"prompt": "a" * 250})
+    assert [r.params.max_tokens for r in backend.calls] == [32, 6]
+    r = await c.post("/v1/completions", json={"prompt": "a" * 256})  # nothing fits: still a clear 400
+    assert r.status_code == 400 and r.json()["error"]["type"] == "context_length_exceeded"
