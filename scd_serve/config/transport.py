@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scd_serve.errors import ConfigError
 
@@ -20,7 +20,7 @@ class TransportConfig:
     # Deadline for a whole Prefill stream, seconds (the decode side sets it per call).
     prefill_timeout_s: float = 30.0
     # Shared secret sent as `authorization: Bearer <token>` metadata; empty = no auth.
-    worker_token: str = ""
+    worker_token: str = field(default="", repr=False)
     # mTLS: PEM files. cert+key set = TLS on; ca set = peers must present a cert it signed.
     tls_cert: str = ""
     tls_key: str = ""
@@ -56,8 +56,13 @@ def add_transport_arguments(parser) -> None:
     g.add_argument("--tls-cert", default="", help="PEM certificate for mTLS between workers")
     g.add_argument("--tls-key", default="", help="PEM private key for --tls-cert")
     g.add_argument("--tls-ca", default="", help="PEM CA that signs peer certificates")
+    g.add_argument("--tls-server-name", default="", help="name expected in the prefill worker's certificate")
+    g.add_argument("--rpc-timeout-s", type=float, default=5.0, help="deadline of handshake/abort/health RPCs")
+    g.add_argument("--prefill-timeout-s", type=float, default=30.0, help="deadline of one whole transfer")
 
 
 def transport_config_from_args(args, **overrides) -> TransportConfig:
     return TransportConfig(max_message_bytes=args.max_message_mb * MiB, worker_token=args.worker_token,
-                           tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, **overrides)
+                           tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                           tls_server_name=args.tls_server_name, rpc_timeout_s=args.rpc_timeout_s,
+                           prefill_timeout_s=args.prefill_timeout_s, **overrides)
