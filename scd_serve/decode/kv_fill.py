@@ -30,6 +30,7 @@ from scd_serve.transport.tensors import decode_code
 log = logging.getLogger("scd_serve.decode")
 RETRY_BACKOFF_S = 0.05
 ABORT_TIMEOUT_S = 1.0
+SLOT_POLL_S = 0.25
 
 
 @dataclass
@@ -63,12 +64,12 @@ class RemoteKVFill:
         tried: list[str] = []
         errors: list[ScdError] = []
         for attempt in range(self.config.max_attempts):
+            if attempt:
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
             peer = await self._acquire(req, len(tokens), tried)
             if peer is None:
                 break
-            if attempt:
-                self.stats.num_retries += 1
-                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+            self.stats.num_retries += int(attempt > 0)
             tried.append(peer.address)
             try:
                 with self.peers.balancer.track(peer.address):
@@ -89,17 +90,20 @@ class RemoteKVFill:
     async def _acquire(self, req, num_tokens: int, tried: list[str]):
         """A peer with a free slot, waiting (until the request's deadline) while all are busy;
         None when no usable peer serves the method at all."""
+        deadline = req.deadline or time.monotonic() + self.config.transport.prefill_timeout_s
         while True:
             peer = self.peers.choose(req.method, num_tokens, exclude=tried)
             if peer is not None or not [p for p in self.peers.serving(req.method, num_tokens)
                                         if p.address not in tried]:
                 return peer
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"request {req.request_id} waited its deadline for a prefill slot")
             self._freed.clear()
-            left = (req.deadline or time.monotonic() + self.config.transport.prefill_timeout_s) - time.monotonic()
-            try:
-                await asyncio.wait_for(self._freed.wait(), timeout=max(0.0, left))
+            try:  # woken by a finished transfer; re-checked at least every SLOT_POLL_S for peer changes
+                await asyncio.wait_for(self._freed.wait(), timeout=min(left, SLOT_POLL_S))
             except TimeoutError:
-                raise DeadlineExceeded(f"request {req.request_id} waited its deadline for a prefill slot") from None
+                pass
 
     def _final_error(self, req, tried: list[str], errors: list[ScdError]) -> ScdError:
         if not errors:
