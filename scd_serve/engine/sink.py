@@ -7,6 +7,7 @@ in blocks that were freed and handed to another request.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -36,8 +37,12 @@ class LayerSink:
 
     def write_layer(self, layer: int, k_pre: Any, v: Any) -> None:
         # k_pre, v: [T-1, kv_heads, head_dim]; k before RoPE (the pool rotates it)
-        if not (isinstance(layer, int) and 0 <= layer < self.num_layers):
-            raise TransferCorrupt(f"layer {layer!r} outside 0..{self.num_layers - 1}")
+        try:
+            layer = operator.index(layer)  # int, numpy or 0-d tensor integers; not floats
+        except TypeError:
+            raise TransferCorrupt(f"layer must be an integer, got {type(layer).__name__}") from None
+        if not 0 <= layer < self.num_layers:
+            raise TransferCorrupt(f"layer {layer} outside 0..{self.num_layers - 1}")
         for name, t in (("k", k_pre), ("v", v)):
             if tuple(t.shape) != self.shape:
                 raise TransferCorrupt(f"layer {layer} {name} has shape {tuple(t.shape)}, expected {self.shape}")

@@ -1,0 +1,51 @@
+import threading
+import time
+
+import pytest
+import torch
+
+from scd_serve.engine.sink import LayerSink
+from scd_serve.errors import TransferCorrupt, TransferFailed
+
+
+def make(writes):
+    return LayerSink(lambda layer, k, v: writes.append(layer), request_id="r", num_layers=2, num_tokens=3,
+                     kv_heads=1, head_dim=4)
+
+
+def test_checks_layer_and_shapes_before_writing():
+    writes = []
+    sink = make(writes)
+    good = torch.zeros(3, 1, 4)
+    for layer, k, v in [(2, good, good), (-1, good, good), (0.0, good, good), (0, torch.zeros(4, 1, 4), good),
+                        (1, good, torch.zeros(3, 2, 4))]:
+        with pytest.raises(TransferCorrupt):
+            sink.write_layer(layer, k, v)
+    assert writes == [] and not sink.complete
+    sink.write_layer(torch.tensor(0), good, good)
+    sink.write_layer(1, good, good)
+    assert writes == [0, 1] and sink.complete
+
+
+def test_close_waits_for_a_write_in_flight_and_refuses_later_ones():
+    entered, release = threading.Event(), threading.Event()
+    order = []
+
+    def slow_write(layer, k, v):
+        entered.set()
+        release.wait(5)
+        order.append("write")
+
+    sink = LayerSink(slow_write, request_id="r", num_layers=1, num_tokens=1, kv_heads=1, head_dim=1)
+    t = threading.Thread(target=sink.write_layer, args=(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1)))
+    t.start()
+    entered.wait(5)
+    closer = threading.Thread(target=lambda: (sink.close(), order.append("closed")))
+    closer.start()
+    time.sleep(0.05)  # give close() the chance to (wrongly) finish first
+    release.set()
+    t.join(5)
+    closer.join(5)
+    assert order == ["write", "closed"]  # blocks are freed only after the write finished
+    with pytest.raises(TransferFailed):
+        sink.write_layer(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
