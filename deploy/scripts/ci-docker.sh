@@ -32,7 +32,10 @@ quiet() {
     fi
 }
 
-[ -x "$PYTHON" ] || die "no Python at $PYTHON: run 'make install' first (or set PYTHON=)"
+if [ ! -x "$PYTHON" ]; then
+    log "no venv yet: make install"
+    make install
+fi
 
 install_packages() {
     if command -v dockerd >/dev/null && command -v debootstrap >/dev/null; then
@@ -50,6 +53,8 @@ start_dockerd() {
     fi
     if ! pgrep -x dockerd >/dev/null; then
         log "starting dockerd (log: $DOCKERD_LOG)"
+        # A daemon killed with the previous session leaves its pid file behind.
+        rm -f /var/run/docker.pid
         # No systemd here: run the daemon in the background, detached from this shell.
         nohup setsid dockerd >"$DOCKERD_LOG" 2>&1 </dev/null &
     fi
