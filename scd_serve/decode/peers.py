@@ -47,8 +47,8 @@ class PeerSet:
         self.client_factory = client_factory or (lambda addr: PrefillClient(addr, config.transport))
         self.peers: dict[str, Peer] = {}
         self.balancer = LoadBalancer()
-        self.expect_producer = config.expect_producer
         self._task: asyncio.Task | None = None
+        self._side_tasks: set[asyncio.Task] = set()  # handshakes of new peers, closes of gone ones
         for address in config.prefill:
             self.add(address, static=True)
 
@@ -65,7 +65,7 @@ class PeerSet:
         except grpc.aio.AioRpcError as exc:
             peer.info, peer.problem = None, f"unreachable ({exc.code().name})"
             return
-        problems = compat_problems(info, self.rt.spec, self.config.method, self.codecs, self.expect_producer)
+        problems = compat_problems(info, self.rt.spec, self.config.method, self.codecs, self.config.expect_producer)
         peer.info = info
         if problems and not self.config.allow_incompatible:
             problem = "incompatible: " + "; ".join(problems)
@@ -107,14 +107,22 @@ class PeerSet:
             if w.get("role") != "prefill" or not isinstance(w.get("address"), str):
                 continue
             seen.add(w["address"])
+            known = w["address"] in self.peers
             peer = self.add(w["address"])
+            if not known:  # handshake now rather than at the next health round
+                self._spawn(self.check(peer))
             peer.load = w.get("load") if isinstance(w.get("load"), dict) else {}
             if not w.get("ready", False) and peer.usable:
                 peer.problem = "registry reports not ready"
         for address, peer in list(self.peers.items()):
             if not peer.static and address not in seen:
                 del self.peers[address]
-                asyncio.ensure_future(peer.client.close())
+                self._spawn(peer.client.close())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     # ---- choice --------------------------------------------------------------------------
     def serving(self, method: str, num_tokens: int) -> list[Peer]:
@@ -146,7 +154,8 @@ class PeerSet:
         return "; ".join(f"{a}: {why}" for a, why in self.status().items() if why)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._side_tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(p.client.close() for p in self.peers.values()), return_exceptions=True)
