@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -31,6 +31,8 @@ log = logging.getLogger("scd_serve.decode")
 RETRY_BACKOFF_S = 0.05
 ABORT_TIMEOUT_S = 1.0
 SLOT_POLL_S = 0.25
+MAX_REBUILDS_AHEAD = 2  # chunks being rebuilt while the stream keeps reading
+REBUILD_WAIT_S = 2.0
 
 
 @dataclass
@@ -132,6 +134,7 @@ class RemoteKVFill:
         payload = encode_us = 0
         rebuild_s = 0.0
         ok = server_ended = False
+        rebuilding: deque[asyncio.Future] = deque()  # rebuilds in threads while the next chunk arrives
         try:
             async for msg in call:
                 if msg.WhichOneof("body") == "header":
@@ -140,8 +143,12 @@ class RemoteKVFill:
                 elif verifier.on_chunk(msg.chunk):  # raises before anything is decoded
                     payload += sum(len(t.data) for t in msg.chunk.tensors)
                     encode_us += msg.chunk.encode_us
-                    rebuild_s += await loop.run_in_executor(None, self._rebuild, msg.chunk, codec, sink)
+                    rebuilding.append(loop.run_in_executor(None, self._rebuild, msg.chunk, codec, sink))
+                    while rebuilding and (rebuilding[0].done() or len(rebuilding) > MAX_REBUILDS_AHEAD):
+                        rebuild_s += await rebuilding.popleft()  # raises a rebuild's error here
             verifier.finish()
+            while rebuilding:
+                rebuild_s += await rebuilding.popleft()
             ok = True
         except grpc.aio.AioRpcError as exc:
             server_ended = True
@@ -153,6 +160,8 @@ class RemoteKVFill:
                 call.cancel()
                 if not server_ended:  # we walked away (cancelled, corrupt chunk): tell the producer
                     self._abort_remote(peer, rid)
+                if rebuilding:  # let started layer writes finish before a retry rewrites them
+                    await asyncio.wait(rebuilding, timeout=REBUILD_WAIT_S)
         s = self.stats
         s.num_transfers += 1
         s.num_cache_hits += int(verifier.header.cache_hit)
