@@ -11,7 +11,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,6 +26,7 @@ from scd_serve.errors import InvalidRequest, NotFound, ScdError, ShuttingDown
 
 log = logging.getLogger("scd_serve.api")
 router = APIRouter()
+T = TypeVar("T")
 
 
 @router.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
@@ -71,28 +73,36 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     req = GenerationRequest(rid, ids, params, method, deadline=time.monotonic() + config.request_timeout_s)
     events = _timed(backend.generate(req), state.metrics, method, t0)
     route = request.url.path
-    try:
-        first = await anext(events)
-    except StopAsyncIteration:
-        raise ScdError("the backend ended the request without a result") from None
-    except BaseException:
-        await events.aclose()
-        raise
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    shape = Shape(rid, state.model_name, chat, include_usage=include_usage)
 
     def on_end(status: int) -> None:
         state.metrics.requests.labels(route, str(status)).inc()
         log.info("request_id=%s route=%s status=%d prompt_tokens=%d max_tokens=%d method=%s seconds=%.3f",
                  rid, route, status, len(ids), params.max_tokens, method, time.perf_counter() - t0)
 
+    first = None
+    try:
+        first = await _unless_gone(request, anext(events))  # a transfer may run first: watch the client
+    except StopAsyncIteration:
+        raise ScdError("the backend ended the request without a result") from None
+    finally:
+        if first is None:  # error or client gone: abort now, do not wait for the transfer
+            await events.aclose()
+    if first is None:
+        on_end(499)
+        return Response(status_code=499)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    shape = Shape(rid, state.model_name, chat, include_usage=include_usage)
     if body.stream:
         return StreamingResponse(sse_stream(shape, first, events, rid, on_end), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    text, last = await _collect_unless_gone(request, first, events)  # errors: counted by the app's handler
-    on_end(200 if last is not None else 499)
-    if last is None:  # the client left; nobody reads this
+    try:
+        done = await _unless_gone(request, _collect(first, events))  # errors: counted by the app's handler
+    finally:
+        await events.aclose()
+    on_end(200 if done is not None else 499)
+    if done is None:  # the client left; nobody reads this
         return Response(status_code=499)
+    text, last = done
     return JSONResponse(shape.whole(text, last.finish_reason, last.usage.to_dict()))
 
 
@@ -116,26 +126,26 @@ async def _timed(events: AsyncIterator[TokenEvent], metrics, method: str, t0: fl
         await events.aclose()
 
 
-async def _collect_unless_gone(request: Request, first: TokenEvent, events: AsyncIterator[TokenEvent]):
-    """(text, last event), or ("", None) when the client disconnected first (generation aborted)."""
+async def _collect(first: TokenEvent, events: AsyncIterator[TokenEvent]) -> tuple[str, TokenEvent]:
+    parts, event = [first.text_delta], first
+    while event.finish_reason is None:
+        event = await anext(events)
+        parts.append(event.text_delta)
+    return "".join(parts), event
 
-    async def collect():
-        parts, event = [first.text_delta], first
-        while event.finish_reason is None:
-            event = await anext(events)
-            parts.append(event.text_delta)
-        return "".join(parts), event
 
-    async def gone():
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """The result of `work`, or None when the client disconnects first (work is cancelled)."""
+
+    async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        return work.result() if work.done() else ("", None)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task.done() else None
     finally:
-        for task in (work, watch):
-            task.cancel()
-        await asyncio.gather(work, watch, return_exceptions=True)
-        await events.aclose()
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)

@@ -172,3 +172,38 @@ def test_shutdown_ends_a_long_stream_with_an_error_event():
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["type"] == "shutting_down"
     assert time.monotonic() - t0 < 2.5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_gone_during_a_slow_fill_aborts_it_at_once(stream):
+    """Checklist D2 at the API: the client leaves before the first token; the fill is cancelled."""
+    from scd_serve.api.app import create_app
+    from scd_serve.api.backend import EngineBackend
+    from scd_serve.config.api import ApiConfig
+    from scd_serve.config.engine import EngineConfig
+    from scd_serve.engine.engine import Engine
+
+    cancelled = threading.Event()
+
+    async def slow_fill(req, sink):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    engine = Engine(ToyRuntime(), EngineConfig(num_blocks=64, block_size=4, max_model_len=128, idle_poll_s=0.01))
+    engine.start()
+    app = create_app(ApiConfig(max_model_len=128, max_tokens_cap=64), EngineBackend(engine, "toy", {"slow": slow_fill}))
+    try:
+        with ServerThread(app) as srv:
+            body = {"prompt": "a long enough prompt", "max_tokens": 4, "scd_method": "slow", "stream": stream}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)
+            t0 = time.monotonic()
+            assert cancelled.wait(2.0), "the fill kept running after the client left"
+            while engine.stats()["num_requests"] or engine.stats()["num_free_blocks"] != 64:
+                assert time.monotonic() - t0 < 1.0, engine.stats()
+                time.sleep(0.01)
+    finally:
+        stop_engine(engine)
