@@ -51,14 +51,20 @@ def config_from_args(args) -> DecodeConfig:
 
 
 def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
-    """The server default method: `scd` needs a codebook; without one an implicit default
-    drops to `raw` with a warning, an explicit --method scd is a configuration error."""
+    """The server default method: `scd` needs a codebook calibrated for this consumer;
+    without one an implicit default drops to `raw` with a warning, an explicit --method scd
+    is a configuration error. codebook: a directory or None."""
     from scd_serve import codec as codec_registry
+    from scd_serve.codec.codebook import Codebook
 
     if method == "local":
         return method
     try:
-        codec_registry.build(method, producer=rt, consumer=rt, codebook=codebook)  # same-shape stand-in producer
+        producer = rt  # codebook-free methods: any same-shape producer spec will do for this check
+        if codebook is not None:  # the producer is the one the codebook was calibrated for
+            codebook = Codebook.load(codebook, consumer=rt)
+            producer = codebook.side_spec("producer")
+        codec_registry.build(method, producer=producer, consumer=rt, codebook=codebook)
         return method
     except (ScdError, ValueError, OSError) as exc:
         why = getattr(exc, "message", str(exc))

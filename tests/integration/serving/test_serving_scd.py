@@ -58,3 +58,38 @@ async def test_decode_with_another_codebook_is_refused(setup):
     finally:
         await peers.close()
         await node.stop()
+
+
+async def test_cross_model_pair_scd_default_handshake_and_transfer(tmp_path):
+    """Producer != consumer (the demo pair's shape): scd stays the default, handshake passes."""
+    import torch
+
+    from scd_serve.decode.main import resolve_method
+
+    a = tiny_runtime(tmp_path / "producer", seed=0)
+    b = tiny_runtime(tmp_path / "consumer", seed=1)
+    rows = collect_rows(a, b, [torch.tensor(p) for p in prompts(6, seed=11)], max_rows=4096)
+    d = spec_of(b).kv_width
+    fits = [fit_layer(r, d, (8, 32), aligner_width=32) for r in rows]
+    plan = Plan(tuple(LayerPlan(REUSE, 8, 16) for _ in range(spec_of(b).num_layers)))
+    book = str(build_codebook(fits, {"scd": plan, "reuse": plan}, spec_of(a), spec_of(b)).save(tmp_path / "book"))
+    assert resolve_method(b, book, "scd", explicit=False) == "scd"
+    assert resolve_method(b, None, "scd", explicit=False) == "raw"  # no codebook: raw, with a warning
+    with pytest.raises(Exception, match="cannot be used"):
+        resolve_method(a, book, "scd", explicit=True)  # a codebook for another consumer
+    node = await start_prefill(a, methods=("scd", "identity"), codebook=book)
+    peers, fill = await make_decode(b, [node.address], method="scd", codebook=book)
+    engine = engine_for(b)
+    try:
+        assert peers.ready(), peers.why_not_ready()
+        out = await greedy(engine, "x", prompts(1, seed=9)[0], "scd", fill)
+        assert len(out) == 12 and fill.stats.num_transfers == 1
+        assert fill.stats.payload_bytes < fill.stats.raw_kv_bytes  # rank 8/16 of 32: smaller than 16-bit K/V
+        # a decode worker holding the producer's model instead is refused by the codebook check
+        wrong, _ = await make_decode(a, [node.address], method="scd", codebook=book)
+        await wrong.close()
+        assert not wrong.ready() and "cannot build consumer half of 'scd'" in wrong.why_not_ready()
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
