@@ -15,6 +15,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.background import BackgroundTask
 
 from scd_serve.api.guard import RequestGuard, error_response
 from scd_serve.config.api import ApiConfig
@@ -101,7 +102,9 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
                 log.warning("request_id=%s decode worker %s unreachable: %s", rid, pick.address, type(exc).__name__)
                 continue
             metrics.requests.labels(pick.address, str(resp.status_code)).inc()
-            return StreamingResponse(_relay(resp, lambda a=pick.address: balancer.release(a)), status_code=resp.status_code,
+            done = _Once(resp, lambda a=pick.address: balancer.release(a))
+            # background: also runs when the client left before the body started streaming
+            return StreamingResponse(_relay(resp, done), status_code=resp.status_code, background=BackgroundTask(done),
                                      headers={k: v for k, v in resp.headers.items() if k.lower() in RETURN_HEADERS})
         why = f"tried {', '.join(tried)}" if tried else "none registered and ready"
         return error_response(Unavailable(f"no decode worker available ({why})"), rid)
@@ -136,11 +139,23 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     return app
 
 
-async def _relay(resp: httpx.Response, release):
+class _Once:
+    """Close the upstream response and free the worker slot, exactly once."""
+
+    def __init__(self, resp: httpx.Response, release):
+        self.resp, self.release, self.done = resp, release, False
+
+    async def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.release()
+            await self.resp.aclose()
+
+
+async def _relay(resp: httpx.Response, done: _Once):
     """Stream the upstream body; closing it (also when the client left) frees the worker slot."""
     try:
         async for chunk in resp.aiter_raw():
             yield chunk
     finally:
-        release()
-        await resp.aclose()
+        await done()
