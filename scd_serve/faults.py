@@ -133,7 +133,7 @@ class FaultyServicer:
                  stall_s: float = 0.0, exit_at_chunk: int | None = None, corrupt_seq: int | None = None,
                  drop_seq: int | None = None, duplicate_seq: int | None = None, fail_first: int = 0,
                  fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE, mutate=None, mutate_seq: int = 0,
-                 swap_first_two: bool = False):
+                 swap_first_two: bool = False, shared_calls: list | None = None):
         self.inner = servicer
         self.sleep_s, self.stall_at_chunk, self.stall_s = sleep_s, stall_at_chunk, stall_s
         self.exit_at_chunk, self.corrupt_seq = exit_at_chunk, corrupt_seq
@@ -141,7 +141,8 @@ class FaultyServicer:
         self.fail_first, self.fail_code = fail_first, fail_code
         self.mutate, self.mutate_seq, self.swap_first_two = mutate, mutate_seq, swap_first_two
         self.armed = True  # False: pass every call straight through (warm-up before a test)
-        self.calls: list[str] = []
+        # calls counted for fail_first; pass one list to several servicers to count across workers
+        self.calls: list[str] = shared_calls if shared_calls is not None else []
         self.call_times: list[float] = []
         self.cancelled: list[str] = []
         self.aborts: list[tuple[str, float]] = []  # (request id, when) of Abort RPCs received
