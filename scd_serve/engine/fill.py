@@ -3,7 +3,8 @@
 The fill runs as a task beside a watch on the request's queue: anything arriving there
 during a fill is an error from the engine (abort, deadline, shutdown, engine death), which
 cancels the fill. The sink is closed by the engine before its blocks are freed, so a fill
-that ignores cancellation still cannot write into someone else's blocks.
+that ignores cancellation (or is stuck in a thread) still cannot write into someone else's
+blocks, and nobody waits for it to unwind.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from typing import Any
 from scd_serve.engine.request import GenerationRequest, KVFill
 from scd_serve.engine.sink import LayerSink
 from scd_serve.errors import ScdError, TransferFailed
-
-_CANCEL_WAIT_S = 1.0  # how long we wait for a cancelled fill to unwind
 
 
 async def run_fill(kv_fill: KVFill, req: GenerationRequest, sink: LayerSink,
@@ -38,8 +37,14 @@ async def run_fill(kv_fill: KVFill, req: GenerationRequest, sink: LayerSink,
             return TransferFailed(f"KV fill wrote {sink.num_written} of {sink.num_layers} layers")
         return None
     finally:
-        pending = [t for t in (fill, watcher) if not t.done()]
-        for t in pending:
+        # Not awaited: a fill stuck in a thread cannot be cancelled, and the request's error must
+        # not wait for it. Safe, because the engine closes the sink before freeing the blocks.
+        for t in (fill, watcher):
             t.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=_CANCEL_WAIT_S)
+            t.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Mark an abandoned task's exception as seen (no 'exception was never retrieved' at ERROR)."""
+    if not task.cancelled():
+        task.exception()

@@ -356,3 +356,20 @@ async def test_one_failing_fill_does_not_disturb_the_others():
         await wait_clean(eng)
     finally:
         await eng.stop(1)
+
+
+async def test_deadline_does_not_wait_for_a_fill_stuck_in_a_thread(engine):
+    import threading
+    release = threading.Event()
+
+    async def stuck_fill(r, sink):  # a thread cannot be cancelled; the error must not wait for it
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 5)
+
+    r = req("a", [1, 2, 3, 4])
+    r.deadline = time.monotonic() + 0.3
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        await collect(engine, r, stuck_fill)
+    assert time.monotonic() - t0 < 0.8
+    await wait_clean(engine)
+    release.set()
