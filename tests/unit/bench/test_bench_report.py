@@ -61,3 +61,14 @@ def test_sweep_spans_raw_negligible_to_dominant():
     shares = [4e6 / bw / 0.2 for bw in bws]
     assert min(shares) <= 0.05 + 1e-9 and max(shares) >= 4 - 1e-9
     assert bws == sorted(bws, reverse=True)
+
+
+def test_f1_is_read_from_the_eval_harness_json(tmp_path):
+    import json
+
+    from scd_serve.bench.quality import f1_by_method
+
+    doc = {"methods": [{"method": "oracle", "f1": 0.8}, {"method": "scd", "f1": 0.75},
+                       {"method": "reuse", "skipped": "needs --codebook"}]}
+    (tmp_path / "q.json").write_text(json.dumps(doc))
+    assert f1_by_method(tmp_path / "q.json") == {"oracle": 0.8, "scd": 0.75}
