@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scd_serve.config.transport import TransportConfig
+from scd_serve.control.registry import check_address
 from scd_serve.errors import ConfigError
 
 DEFAULT_CONSUMER = "models/demo-pair/consumer"
@@ -16,9 +17,10 @@ def split_peers(value: str) -> tuple[str, ...]:
     """'h1:p1,h2:p2' -> ('h1:p1', 'h2:p2'), each checked to be HOST:PORT."""
     peers = tuple(p.strip() for p in value.split(",") if p.strip())
     for p in peers:
-        host, sep, port = p.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"prefill peer {p!r} is not HOST:PORT")
+        try:
+            check_address(p)
+        except ValueError:
+            raise ConfigError(f"peer {p!r} is not HOST:PORT") from None
     return peers
 
 

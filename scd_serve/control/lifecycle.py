@@ -38,6 +38,16 @@ def advertised(advertise: str, host: str, port: int) -> str:
     return join_host_port("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port)
 
 
+def bound_port(server, http: asyncio.Task) -> int:
+    """The port a started uvicorn.Server listens on (the OS's pick for port 0)."""
+    from scd_serve.errors import ConfigError
+
+    if http.done() or not server.servers or not server.servers[0].sockets:
+        raise ConfigError(f"HTTP listener on {server.config.host}:{server.config.port} did not start "
+                          f"(port in use or shutting down)")
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
 def torch_dtype(name: str):
     import torch
 

@@ -25,7 +25,8 @@ def encode(msg: dict) -> bytes:
     return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _check_address(address) -> str:
+def check_address(address) -> str:
+    """`address` if it is HOST:PORT with a port in 1..65535, else ValueError."""
     if not isinstance(address, str) or not 0 < len(address) <= MAX_ADDRESS:
         raise ValueError("address must be a HOST:PORT string")
     host, sep, port = address.rpartition(":")
@@ -57,7 +58,7 @@ def parse(raw: bytes, max_bytes: int) -> dict:
             isinstance(k, str) and len(k) <= 64 and isinstance(v, (int, float)) and not isinstance(v, bool)
             and math.isfinite(v) for k, v in load.items()):
         raise ValueError(f"load must be an object of at most {MAX_LOAD_KEYS} finite numbers")
-    return {"type": "heartbeat", "id": wid, "role": msg["role"], "address": _check_address(msg.get("address")),
+    return {"type": "heartbeat", "id": wid, "role": msg["role"], "address": check_address(msg.get("address")),
             "ready": msg["ready"], "load": load}
 
 

@@ -9,7 +9,7 @@ import os
 
 from scd_serve.config.decode import DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, DecodeConfig, split_peers
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import DTYPES, advertised, setup_logging, stop_event, torch_dtype
+from scd_serve.control.lifecycle import DTYPES, advertised, bound_port, setup_logging, stop_event, torch_dtype
 from scd_serve.errors import ConfigError, ScdError
 
 log = logging.getLogger("scd_serve.decode")
@@ -142,14 +142,6 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     log.debug("http stopped")
     await peers.close()
     log.info("stopped")
-
-
-def bound_port(server, http: asyncio.Task) -> int:
-    """The port uvicorn listens on (the OS's pick for port 0)."""
-    if http.done() or not server.servers or not server.servers[0].sockets:
-        raise ConfigError(f"HTTP listener on {server.config.host}:{server.config.port} did not start "
-                          f"(port in use or shutting down)")
-    return server.servers[0].sockets[0].getsockname()[1]
 
 
 def run(args) -> int:

@@ -11,8 +11,7 @@ from contextlib import asynccontextmanager
 from scd_serve.config.control import ControlConfig
 from scd_serve.config.decode import split_peers
 from scd_serve.config.gateway import GatewayConfig
-from scd_serve.control.lifecycle import setup_logging, stop_event
-from scd_serve.decode.main import bound_port
+from scd_serve.control.lifecycle import bound_port, setup_logging, stop_event
 
 log = logging.getLogger("scd_serve.gateway")
 

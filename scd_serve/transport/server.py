@@ -6,6 +6,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from scd_serve.config.transport import TransportConfig
+from scd_serve.control.lifecycle import join_host_port
 from scd_serve.transport.security import TokenAuthInterceptor, server_credentials
 
 
@@ -29,7 +30,7 @@ def make_server(config: TransportConfig, max_concurrent_rpcs: int | None = None
 
 def bind(server: grpc.aio.Server, host: str, port: int, config: TransportConfig) -> int:
     """Listen on host:port (port 0 = OS picks) and return the bound port."""
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = join_host_port(host, port)
     creds = server_credentials(config)
     bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     if bound == 0:
