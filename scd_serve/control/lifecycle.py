@@ -27,6 +27,19 @@ def stop_event() -> asyncio.Event:
     return event
 
 
+def add_worker_arguments(parser, *, model: str, model_help: str, codebook: str, listener: str, port: int,
+                         dialer: str) -> None:
+    """The flags every worker role shares (the compose and k8s files use these names)."""
+    parser.add_argument("--model", default=model, help=model_help)
+    parser.add_argument("--codebook", default=codebook, help="SCD codebook directory (optional)")
+    parser.add_argument("--host", default="127.0.0.1", help=f"{listener} listen address")
+    parser.add_argument("--port", type=int, default=port, help=f"{listener} port (0 = any free port)")
+    parser.add_argument("--control-url", default="", help="registry to join, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--advertise", default="", help=f"HOST:PORT {dialer} dial (default host:port)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+
+
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

@@ -9,7 +9,8 @@ import os
 
 from scd_serve.config.decode import DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, DecodeConfig, split_peers
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import DTYPES, advertised, bound_port, setup_logging, stop_event, torch_dtype
+from scd_serve.control.lifecycle import (add_worker_arguments, advertised, bound_port, setup_logging, stop_event,
+                                         torch_dtype)
 from scd_serve.errors import ConfigError, ScdError
 
 log = logging.getLogger("scd_serve.decode")
@@ -17,12 +18,8 @@ PREFERRED_METHOD, PLAIN_METHOD = "scd", "raw"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_CONSUMER, help="consumer model directory")
-    parser.add_argument("--codebook", default=DEFAULT_CODEBOOK, help="SCD codebook directory (optional)")
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
-    parser.add_argument("--port", type=int, default=8100, help="HTTP port (0 = any free port)")
-    parser.add_argument("--control-url", default="", help="registry to join, e.g. tcp://127.0.0.1:5555")
-    parser.add_argument("--advertise", default="", help="HOST:PORT the gateway dials (default host:port)")
+    add_worker_arguments(parser, model=DEFAULT_CONSUMER, model_help="consumer model directory",
+                         codebook=DEFAULT_CODEBOOK, listener="HTTP", port=8100, dialer="the gateway should")
     parser.add_argument("--prefill", default="", help="static prefill peer(s): HOST:PORT[,HOST:PORT]")
     parser.add_argument("--method", default=None,
                         help="default transfer method (default: scd when a codebook loads, else raw)")
@@ -32,8 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-incompatible", action="store_true",
                         help="accept prefill workers whose handshake differs (unsafe)")
     parser.add_argument("--expect-producer", default="", help="refuse producers with another fingerprint")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--api-key", default=os.environ.get("SCD_API_KEY", ""),
                         help="bearer token for the HTTP API (default: $SCD_API_KEY)")
     parser.add_argument("--max-model-len", type=int, default=0, help="0 = min(2048, model's context)")

@@ -8,20 +8,14 @@ import logging
 
 from scd_serve.config.prefill import DEFAULT_CODEBOOK, DEFAULT_PRODUCER, PrefillConfig
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import DTYPES, advertised, setup_logging, stop_event, torch_dtype
+from scd_serve.control.lifecycle import add_worker_arguments, advertised, setup_logging, stop_event, torch_dtype
 
 log = logging.getLogger("scd_serve.prefill")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_PRODUCER, help="producer model directory")
-    parser.add_argument("--codebook", default=DEFAULT_CODEBOOK, help="SCD codebook directory (optional)")
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
-    parser.add_argument("--control-url", default="", help="registry to join, e.g. tcp://127.0.0.1:5555")
-    parser.add_argument("--advertise", default="", help="HOST:PORT decode workers dial (default host:port)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    add_worker_arguments(parser, model=DEFAULT_PRODUCER, model_help="producer model directory",
+                         codebook=DEFAULT_CODEBOOK, listener="gRPC", port=50051, dialer="decode workers should")
     parser.add_argument("--max-concurrent", type=int, default=4, help="transfers at once; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--cache-mb", type=int, default=256, help="code cache for repeated prompts (MiB, 0 = off)")
     parser.add_argument("--transfer-lease-s", type=float, default=60.0)
