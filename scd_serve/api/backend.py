@@ -18,7 +18,7 @@ LOCAL = "local"  # the method with no transfer: the decode worker prefills the p
 class Backend(Protocol):
     model_name: str
     tokenizer: Any
-    vocab_size: int
+    vocab_size: int  # optional: token-id prompts are checked against it (default len(tokenizer))
 
     def ready(self) -> bool: ...  # engine loop alive and peers reachable
 

@@ -64,7 +64,8 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     if chat:
         ids = await asyncio.to_thread(chat_prompt_ids, body.messages, backend.tokenizer)
     else:
-        ids = await asyncio.to_thread(completion_prompt_ids, body.prompt, backend.tokenizer, backend.vocab_size)
+        vocab = getattr(backend, "vocab_size", None) or len(backend.tokenizer)
+        ids = await asyncio.to_thread(completion_prompt_ids, body.prompt, backend.tokenizer, vocab)
     room = config.max_model_len - len(ids)
     if max_tokens is None and 1 <= room < params.max_tokens:  # omitted: the default, or what still fits
         params = dataclasses.replace(params, max_tokens=room)
