@@ -1,0 +1,1 @@
+"""The embedded producer/consumer pair: synthetic QA language, tokenizer, training."""

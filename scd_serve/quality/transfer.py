@@ -1,0 +1,73 @@
+"""One prompt through a transfer method into the consumer's KV pool, then teacher-forced
+and greedy continuations from there.
+
+The handoff follows the architecture contract: the prompt's K/V for tokens 0..T-2 come
+from the method (or, for the oracle, from the consumer's own prefill, written through
+the same `write_kv`), and the consumer runs the last prompt token itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scd_serve.codec.base import payload_bytes
+
+ORACLE = "oracle"
+BLOCK = 16
+
+
+@dataclass
+class Handoff:
+    pool: object  # the consumer's KVPool holding the transferred prefix
+    blocks: list[int]
+    num_cached: int  # prefix tokens in the pool (positions 0..num_cached-1)
+    payload_bytes: int  # bytes of the codes on the wire (0 for the oracle)
+    rebuild_s: float  # consumer time to turn codes into its KV (oracle: its own prefill)
+
+
+def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens: int) -> Handoff:
+    """Fill a fresh consumer pool with K/V for `prefix` ([T] long) by `method`.
+
+    extra_tokens: room to leave for the tokens that run after the prefix.
+    """
+    total = prefix.shape[0] + extra_tokens
+    num_blocks = -(-total // BLOCK)
+    pool, blocks = rt_b.new_kv_pool(num_blocks, BLOCK), list(range(num_blocks))
+    nbytes, rebuild = 0, 0.0
+    if method == ORACLE:
+        start = time.perf_counter()
+        for layer, state in rt_b.iter_prefill(prefix, compute_logits=False):
+            rt_b.write_kv(pool, blocks, layer, state.keys, state.values)
+        rebuild = time.perf_counter() - start
+    else:
+        for layer, state in rt_a.iter_prefill(prefix, compute_logits=False):
+            code = codec.encode_layer(layer, state)  # producer side, not timed as rebuild
+            nbytes += payload_bytes(code)
+            start = time.perf_counter()
+            k_pre, v = codec.decode_layer(layer, code, rt_b)  # k_pre, v: [T, kv_heads, head_dim]
+            rt_b.write_kv(pool, blocks, layer, k_pre, v)
+            rebuild += time.perf_counter() - start
+    return Handoff(pool, blocks, prefix.shape[0], nbytes, rebuild)
+
+
+def teacher_forced(rt_b, h: Handoff, tokens: torch.Tensor) -> torch.Tensor:
+    """Run `tokens` ([n] long) after the prefix. -> logits [n, vocab]; row i predicts token i+1."""
+    return rt_b.extend(h.pool, [(h.blocks, h.num_cached, tokens)])[0]
+
+
+def greedy_after(rt_b, h: Handoff, first_logits: torch.Tensor, max_new: int, stop_id: int) -> list[int]:
+    """Greedy tokens that follow the last prompt token, whose logits are `first_logits`.
+
+    The prompt's last token must already sit in the pool at position num_cached (as
+    teacher_forced leaves it); later slots are overwritten as decoding goes.
+    """
+    token = int(first_logits.argmax())
+    out = [token]
+    while token != stop_id and len(out) < max_new:
+        pos = h.num_cached + len(out)  # position of `token`
+        token = int(rt_b.decode_step(h.pool, [(h.blocks, pos, token)])[0].argmax())
+        out.append(token)
+    return out[:-1] if out[-1] == stop_id else out
