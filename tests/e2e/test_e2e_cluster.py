@@ -108,6 +108,27 @@ def test_all_four_workers_serve(cluster):
     assert wait_for(served, 5), metric_rows(base, "scd_worker_load")
 
 
+def test_client_leaving_a_stream_stops_generation_behind_the_gateway(cluster):
+    _, base = cluster
+
+    def decode_load(key):
+        return sum(v for lab, v in metric_rows(base, "scd_worker_load") if lab["role"] == "decode" and lab["key"] == key)
+
+    before = decode_load("tokens")
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", f"{base}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 3:
+                break  # leave mid-stream: closing the connection must abort the request upstream
+    assert wait_for(lambda: decode_load("running") == 0, 5), "generation kept running after the client left"
+    time.sleep(1.0)  # a heartbeat later the token count has stopped growing well short of 400
+    assert decode_load("tokens") - before < 400
+
+
 def test_killed_prefill_worker_is_dropped_and_requests_still_succeed(cluster):
     proc, base = cluster
     rows = [lab["worker"] for lab, _ in metric_rows(base, "scd_worker_load")
