@@ -20,6 +20,12 @@ class DecodeBackend(EngineBackend):
         self.fill = fill
         self.peers = peers
 
+    def why_not_ready(self) -> str:
+        """'' when ready; else what is missing, naming a refused peer's differing fields."""
+        if not self.engine.ready():
+            return "engine loop not running"
+        return "" if self.ready() else self.peers.why_not_ready()
+
     def stats(self) -> dict[str, Any]:
         return self.engine.stats() | {"transfer": self.fill.snapshot(), "prefill_peers": self.peers.status()}
 
