@@ -39,7 +39,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.filling: dict[int, Sequence] = {}
         self.running: list[Sequence] = []
-        self._waiting_since: dict[int, float] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -59,7 +58,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        self._waiting_since[seq.seq_id] = seq.arrival
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -130,7 +128,6 @@ class Scheduler:
             del self.filling[seq.seq_id]
         else:
             self.running.remove(seq)
-        self._waiting_since.pop(seq.seq_id, None)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -143,7 +140,7 @@ class Scheduler:
             if deadline is not None and now >= deadline:
                 out.append((seq, "deadline"))
             elif (seq.status is SequenceStatus.WAITING
-                  and now - self._waiting_since[seq.seq_id] >= self.config.queue_timeout_s):
+                  and now - seq.waiting_since >= self.config.queue_timeout_s):
                 out.append((seq, "queue_timeout"))
         return out
 
@@ -153,7 +150,6 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq):
                 break  # FIFO: no overtaking, so a long prompt is not starved by short ones
             self.waiting.popleft()
-            del self._waiting_since[seq.seq_id]
             self.block_manager.allocate(seq)
             if seq.needs_fill:
                 seq.status = SequenceStatus.FILLING
@@ -173,4 +169,4 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self._waiting_since[seq.seq_id] = time.monotonic()
+        seq.waiting_since = time.monotonic()  # the queue timeout counts from the preemption

@@ -27,7 +27,7 @@ class Sequence:
     last token. So the first decode step of a new request yields its first output token.
     """
 
-    def __init__(self, request: GenerationRequest, *, needs_fill: bool = False, now: float | None = None):
+    def __init__(self, request: GenerationRequest, *, needs_fill: bool = False):
         self.seq_id = next(_ids)
         self.request = request
         self.token_ids: list[int] = list(request.prompt_token_ids)
@@ -36,7 +36,7 @@ class Sequence:
         self.num_cached = 0
         self.status = SequenceStatus.WAITING
         self.needs_fill = needs_fill  # cleared after a preemption: recompute is local
-        self.arrival = time.monotonic() if now is None else now
+        self.waiting_since = time.monotonic()  # the queue timeout counts from here; reset on preemption
         self.finish_reason: str | None = None
         self.sampler_state: Any = None  # the sampler's per-sequence RNG; opaque here
         self.num_preemptions = 0

@@ -174,7 +174,7 @@ def test_expired_reports_queue_timeout_and_deadline():
     s.add(a)
     step(s)
     b = seq(13, rid="b")
-    b.arrival = 0.0
+    b.waiting_since = 0.0
     s.add(b)
     c = seq(1, rid="c")
     c.request.deadline = 5.0
