@@ -7,6 +7,7 @@ import pytest
 import trustme
 
 from scd_serve.config.transport import TransportConfig
+from scd_serve.decode.backend import DecodeBackend
 from scd_serve.errors import Unavailable
 from scd_serve.transport.client import PrefillClient
 from scd_serve.transport.proto import pb
@@ -33,6 +34,9 @@ async def test_layer_count_mismatch_is_refused_and_never_called(rt, rt3):
     try:
         assert not peers.ready()
         assert "num_layers: producer 3 != consumer 2" in peers.why_not_ready()
+        backend = DecodeBackend(engine, "tiny", fill, peers, "identity")
+        assert not backend.ready() and "num_layers: producer 3 != consumer 2" in backend.why_not_ready()
+        assert DecodeBackend(engine, "tiny", fill, peers, "local").ready()  # no transfer needed
         with pytest.raises(Unavailable, match="no ready prefill worker"):
             await greedy(engine, "r", [1, 2, 3], "identity", fill)
         assert node.servicer.num_prefills == 0 and node.servicer.num_served == 0
