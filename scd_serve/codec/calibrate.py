@@ -88,13 +88,15 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         reuse = search.fit_width((), best.plan.code_width()) if best.plan.patch_layers else best
     plan, kl_linear = best.plan, best.kl
     if cfg.aligner_steps and plan.patch_layers:  # MLP aligners where patches were chosen
-        linear = {i: fits[i].aligners[plan.layers[i].r_h] for i in plan.patch_layers}
+        linear = {i: (fits[i].aligners[plan.layers[i].r_h], fits[i].aligner_err[plan.layers[i].r_h])
+                  for i in plan.patch_layers}
         for i in tqdm(plan.patch_layers, desc="train aligners", disable=not show_progress):
             train_aligner(fits[i], h_rows[i], plan.layers[i].r_h, cfg.aligner_width, cfg.aligner_steps)
-        if search.measure(plan) > kl_linear:  # measured, not assumed: keep what is better
-            for i, g in linear.items():
-                fits[i].aligners[plan.layers[i].r_h] = g
-            log("MLP aligners did not lower the measured KL; kept the linear ones")
+        kl_mlp = search.measure(plan)
+        if kl_mlp > kl_linear:  # measured, not assumed: keep what is better
+            for i, (g, err) in linear.items():
+                fits[i].aligners[plan.layers[i].r_h], fits[i].aligner_err[plan.layers[i].r_h] = g, err
+            log(f"MLP aligners did not lower the measured KL ({kl_mlp:.4f} > {kl_linear:.4f}); kept the linear ones")
     ds_layers = droidspeak_layers(probe, cands, num_layers, max(1, len(plan.patch_layers)))
     stats = {
         "kl_budget": cfg.kl_budget, "config": asdict(cfg), "feasible": best.feasible,

@@ -38,13 +38,14 @@ class Candidates:
         jc = self.fits[layer].codes[s]
         a = getattr(ex.producer[layer], "keys" if s == "k" else "values")
         z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
-        return self._shape(z @ self.decoder(layer, s, rank) + jc.mu_b.float())
+        out = self._shape(z @ self.decoder(layer, s, rank) + jc.mu_b.float())
+        return out.to(a.device)
 
     def patch(self, ex: Example, layer: int, rank: int) -> tuple[Tensor, Tensor]:
         jc, g = self.fits[layer].codes["h"], self.fits[layer].aligners[rank]
         z = code_rows(jc, ex.producer[layer].attn_input.double(), rank)
         with torch.no_grad():
-            return self.consumer.recompute_kv(layer, g(z).to(_dtype(self.consumer)))
+            return self.consumer.recompute_kv(layer, g(z).to(_dtype(self.consumer)))  # moved by the runtime
 
     # ---- LayerKV factories for the probe ------------------------------------------------
     def layer_kv(self, lp: LayerPlan) -> LayerKV:

@@ -50,7 +50,8 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
 
 def code_rows(jc: JointCode, a: Tensor, rank: int) -> Tensor:
     """The producer's code of rows a [N, dA] at `rank`, rounded to fp16 as it ships. -> [N, rank]."""
-    z = (a.to(jc.enc.dtype) - jc.mu_a) @ jc.enc[:, :rank]
+    a = a.to("cpu", jc.enc.dtype)  # the fits live on the CPU in float64
+    z = (a - jc.mu_a) @ jc.enc[:, :rank]
     return z.to(torch.float16).float()
 
 

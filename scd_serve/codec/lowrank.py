@@ -96,27 +96,44 @@ class Aligner(torch.nn.Module):
         return module.eval()
 
 
+def _rel_err(g: Aligner, z: Tensor, h: Tensor) -> float:
+    with torch.no_grad():
+        return float((g(z) - h).pow(2).sum() / (h - h.mean(0)).pow(2).sum().clamp_min(1e-30))
+
+
 def fit_aligner(z: Tensor, h_b: Tensor, width: int, steps: int = 300, batch: int = 1024,
-                lr: float = 3e-3, seed: int = 0) -> tuple[Aligner, float]:
-    """z: [N, r] producer codes, h_b: [N, hidden] consumer H_in. L2 loss -> (aligner, relative MSE)."""
+                lr: float = 3e-3, seed: int = 0, holdout: float = 0.1) -> tuple[Aligner, float]:
+    """z: [N, r] producer codes, h_b: [N, hidden] consumer H_in. L2 loss.
+
+    The linear part starts at the least-squares solution; the MLP is trained on (1 - holdout)
+    of the rows and the state with the lowest held-out error is kept (never worse than the
+    linear start on held-out rows). -> (aligner, held-out relative squared error)."""
     z, h_b = z.float(), h_b.float()
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(z.shape[0], generator=gen)
+    n_val = max(1, int(holdout * z.shape[0])) if z.shape[0] > 10 else 0
+    val, train = perm[:n_val], perm[n_val:]
+    zt, ht = z[train], h_b[train]
+    zv, hv = (z[val], h_b[val]) if n_val else (zt, ht)
     torch.manual_seed(seed)
     g = Aligner(z.shape[1], h_b.shape[1], width)
-    # closed-form start for the linear part, so training only has to learn the residual
-    zc = torch.cat([z, torch.ones(z.shape[0], 1)], dim=1).double()
-    sol = torch.linalg.lstsq(zc, h_b.double(), driver="gelsd").solution  # [r+1, hidden]
+    zc = torch.cat([zt, torch.ones(zt.shape[0], 1)], dim=1).double()
+    sol = torch.linalg.lstsq(zc, ht.double(), driver="gelsd").solution  # [r+1, hidden]
     with torch.no_grad():
         g.linear.weight.copy_(sol[:-1].T.float())
         g.linear.bias.copy_(sol[-1].float())
-    gen = torch.Generator().manual_seed(seed)
+    best_err, best_state = _rel_err(g, zv, hv), {k: v.clone() for k, v in g.state_dict().items()}
     with torch.enable_grad():
         opt = torch.optim.Adam(g.parameters(), lr=lr)
-        for _ in range(steps):
-            idx = torch.randint(0, z.shape[0], (min(batch, z.shape[0]),), generator=gen)
-            loss = (g(z[idx]) - h_b[idx]).pow(2).mean()
+        for step in range(1, steps + 1):
+            idx = torch.randint(0, zt.shape[0], (min(batch, zt.shape[0]),), generator=gen)
+            loss = (g(zt[idx]) - ht[idx]).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
-    with torch.no_grad():
-        err = float((g(z) - h_b).pow(2).sum() / (h_b - h_b.mean(0)).pow(2).sum().clamp_min(1e-30))
-    return g.eval(), err
+            if step % 50 == 0 or step == steps:
+                err = _rel_err(g, zv, hv)
+                if err < best_err:
+                    best_err, best_state = err, {k: v.clone() for k, v in g.state_dict().items()}
+    g.load_state_dict(best_state)
+    return g.eval(), best_err
