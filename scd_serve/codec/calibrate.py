@@ -30,7 +30,7 @@ from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
 
 KV_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
-H_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2)
+H_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
 
 
 def rank_grid(width: int, fractions: tuple[float, ...]) -> list[int]:
