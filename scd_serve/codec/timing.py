@@ -1,0 +1,72 @@
+"""Rebuild time of each transfer method against the consumer's own prefill, same prompt length.
+
+    python -m scd_serve.codec.timing --producer DIR --consumer DIR --codebook DIR --tokens 1024
+
+Rebuild = decode_layer + write_kv for every layer (what the decode worker does with codes);
+prefill = the consumer's own layer-wise prefill + write_kv (the oracle). Medians of --repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from scd_serve import codec as registry
+
+
+def _median_s(fn, repeat: int) -> float:
+    fn()  # warm-up (caches, allocator)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from scd_serve.model import ModelRuntime
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--producer", required=True)
+    p.add_argument("--consumer", required=True)
+    p.add_argument("--codebook", default=None)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rt_a, rt_b = ModelRuntime.load(args.producer), ModelRuntime.load(args.consumer)
+    ids = torch.randint(4, rt_b.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0))
+    blocks = list(range(-(-args.tokens // 16)))
+    pool = rt_b.new_kv_pool(len(blocks), 16)
+    states = [s for _, s in rt_a.iter_prefill(ids, compute_logits=False)]
+
+    def prefill():
+        for layer, s in rt_b.iter_prefill(ids, compute_logits=False):
+            rt_b.write_kv(pool, blocks, layer, s.keys, s.values)
+
+    base = _median_s(prefill, args.repeat)
+    print(f"consumer prefill of {args.tokens} tokens: {base * 1e3:.1f} ms")
+    print(f"{'method':<12}{'rebuild ms':>12}{'vs prefill':>12}")
+    for method in registry.METHODS:
+        if method in registry.NEEDS_CODEBOOK and args.codebook is None:
+            continue
+        c = registry.build(method, producer=rt_a, consumer=rt_b, codebook=args.codebook)
+        codes = [c.encode_layer(i, s) for i, s in enumerate(states)]
+
+        def rebuild(c=c, codes=codes):
+            for layer, code in enumerate(codes):
+                k, v = c.decode_layer(layer, code, rt_b)
+                rt_b.write_kv(pool, blocks, layer, k, v)
+
+        t = _median_s(rebuild, args.repeat)
+        print(f"{method:<12}{t * 1e3:>12.1f}{t / base:>12.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
