@@ -191,6 +191,7 @@ async def soak(stack: LocalStack, minutes: float, concurrency: int, max_requests
     kinds = ["normal"] * 60 + ["cancelled"] * 15 + ["invalid"] * 15 + ["timed_out"] * 10
     counts: dict[str, int] = {}
     rss: list[tuple[float, float]] = []
+    rss_at: dict[int, float] = {}  # request count -> RSS MiB (at 200 and at the end)
     start, n, stop_at = time.monotonic(), 0, time.monotonic() + minutes * 60
 
     async def worker() -> None:
@@ -198,6 +199,8 @@ async def soak(stack: LocalStack, minutes: float, concurrency: int, max_requests
         async with httpx.AsyncClient(base_url=base, timeout=30.0) as http:
             while time.monotonic() < stop_at and n < max_requests:
                 n += 1
+                if n == 200:
+                    rss_at[200] = proc.memory_info().rss / 2**20
                 kind = rng.choice(kinds)
                 method = rng.choice(stack.methods + ("local",))
                 key = f"{kind}:{await _one(http, kind, rng, method)}"
@@ -209,10 +212,12 @@ async def soak(stack: LocalStack, minutes: float, concurrency: int, max_requests
             await asyncio.sleep(1.0)
 
     await asyncio.gather(sampler(), *(worker() for _ in range(concurrency)))
+    rss_at[n] = proc.memory_info().rss / 2**20
     leaks = await stack.wait_clean(2.0)
     unexpected_5xx = sum(v for k, v in counts.items() if k.split(":")[1].startswith("5") or k.endswith("stream_error"))
     return {"requests": n, "seconds": round(time.monotonic() - start, 1), "counts": counts, "leaks": leaks,
-            "unexpected_5xx": unexpected_5xx, "rss_mb": [(round(t, 1), round(m, 1)) for t, m in rss]}
+            "unexpected_5xx": unexpected_5xx, "rss_at_request_mb": {k: round(v, 1) for k, v in rss_at.items()},
+            "rss_mb": [(round(t, 1), round(m, 1)) for t, m in rss]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
