@@ -23,6 +23,7 @@ def plot_tradeoff(curve: list[SearchPoint], chosen: Plan, raw_width: int, budget
     for p, r in zip(curve, ratio):
         if not p.feasible:
             ax.plot([p.num_patches], [r], "x", color="tab:red", markersize=10)
+    ax.set_xticks(ks)
     ax.set_xlabel("patch layers")
     ax.set_ylabel("payload / raw 16-bit KV", color="tab:blue")
     ax2 = ax.twinx()
