@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from conftest import Baseline, assert_clean
+from rel_checks import Baseline, assert_clean
 from scd_serve.engine.request import GenerationRequest, SamplingParams
 from scd_serve.faults import FaultyProducer, FaultyRuntime, FaultyServicer
 from scd_serve.soak import completion

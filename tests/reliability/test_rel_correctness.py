@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from conftest import assert_clean
+from rel_checks import assert_clean
 from scd_serve import codec as codec_registry
 from scd_serve.soak import completion
 

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from conftest import assert_clean
+from rel_checks import assert_clean
 from scd_serve.config.transport import TransportConfig
 from scd_serve.faults import FaultyRuntime, FaultyServicer
 from scd_serve.soak import completion

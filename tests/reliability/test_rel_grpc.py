@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import assert_clean
+from rel_checks import assert_clean
 from scd_serve import codec as codec_registry
 from scd_serve.config.transport import TransportConfig
 from scd_serve.engine.sink import LayerSink

@@ -5,7 +5,7 @@ import resource
 import httpx
 import pytest
 
-from conftest import assert_clean
+from rel_checks import assert_clean
 from scd_serve.faults import FaultyServicer
 from scd_serve.soak import completion
 

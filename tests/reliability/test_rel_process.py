@@ -17,7 +17,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import Baseline
+from rel_checks import Baseline
 from scd_serve.soak import LocalStack, completion
 from scd_serve.transport.proto import SERVICE_NAME
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import yaml
 
-from conftest import assert_clean
+from rel_checks import assert_clean
 from scd_serve.api import auth
 from scd_serve.config.api import ApiConfig
 from scd_serve.config.decode import DecodeConfig

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import assert_clean
+from rel_checks import assert_clean
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import Baseline, assert_clean
+from rel_checks import Baseline, assert_clean
 from scd_serve.faults import FaultyProducer
 from scd_serve.soak import completion, soak
 

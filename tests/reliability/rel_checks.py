@@ -1,0 +1,39 @@
+"""The clean-state (CS) check every reliability test ends with, and its baseline."""
+
+import asyncio
+import os
+
+from scd_serve.soak import completion
+
+
+def num_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class Baseline:
+    def __init__(self):
+        self.tasks = len(asyncio.all_tasks())
+        self.fds = num_fds()
+
+
+async def fresh_request(stack, method="identity"):
+    r = await stack.client.post("/v1/completions", json=completion("fresh after the fault", 4, scd_method=method))
+    assert r.status_code == 200, r.text
+    return r
+
+
+async def assert_clean(stack, baseline: Baseline, timeout: float = 2.0, fresh: bool = True):
+    """CS: KV blocks all free, no transfer on either side, nothing unfinished, tasks and fds back."""
+    leaks = await stack.wait_clean(timeout)
+    assert leaks == {}, f"not clean after {timeout}s: {leaks}"
+    end = asyncio.get_running_loop().time() + timeout
+    while len(asyncio.all_tasks()) > baseline.tasks and asyncio.get_running_loop().time() < end:
+        await asyncio.sleep(0.02)
+    tasks = asyncio.all_tasks()
+    assert len(tasks) <= baseline.tasks, f"{len(tasks) - baseline.tasks} extra asyncio tasks: " \
+        f"{sorted(t.get_name() + ':' + repr(t.get_coro())[:60] for t in tasks)}"
+    assert num_fds() <= baseline.fds + 5, f"fds {num_fds()} > baseline {baseline.fds} + 5"
+    if fresh:
+        if getattr(stack.served, "armed", None) is not None:
+            stack.served.armed = False  # the fault was the test's; the fresh request is not faulted
+        await fresh_request(stack)
