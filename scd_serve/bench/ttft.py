@@ -98,8 +98,8 @@ def run_ttft(args) -> dict:
     server = probe = None
     try:
         port = procs.free_port()
-        server_cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.cli", "prefill",
-                      "--model", args.producer, "--host", link.producer_bind(), "--port", str(port),
+        server_cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
+                      "--chunk-bytes", str(args.resend_chunk_bytes), "--model", args.producer, "--host", link.producer_bind(), "--port", str(port),
                       "--codebook", args.codebook or ""]
         server = procs.spawn(server_cmd, logs / "prefill.log")
         procs.wait_tcp(link.producer_bind(), port, server, args.start_timeout, link.exec_prefix("producer"),
