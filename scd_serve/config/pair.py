@@ -23,6 +23,9 @@ class StageConfig:
     long_len: int = 0
     warmup: int = 50
     lm_weight: float = 0.1  # loss weight of non-answer tokens (answers weigh 1)
+    fact_prob: float = 0.4  # share of context sentences that are facts (the rest: filler)
+    question_rate: float = 0.05  # questions per document token
+    copy_frac: float = 0.0  # share of documents that are repeated-span copy practice
 
     def __post_init__(self):
         if self.style not in ("base", "expert"):
@@ -37,7 +40,7 @@ class StageConfig:
 
 @dataclass(frozen=True)
 class PairConfig:
-    seed: int = 0
+    seed: int = 0  # the random seed (weights and data order)
     num_layers: int = 8
     hidden_size: int = 64
     num_heads: int = 4
@@ -48,6 +51,12 @@ class PairConfig:
     max_position_embeddings: int = 4096
     tie_embeddings: bool = True  # copying a token is then nearly free: induction forms much sooner
     threads: int = 1  # with OpenMP on a shared 2-core box, 2 threads ran 3-5x slower than 1
+    # progressive stacking (scd_serve/pair/grow.py): a shallow_layers-deep model learns the
+    # lookup first, then grows to num_layers; 0 trains num_layers from scratch
+    shallow_layers: int = 2
+    shallow: StageConfig = field(default_factory=lambda: StageConfig(
+        style="base", steps=800, lr=3e-3, batch_tokens=3072, min_len=32, start_max_len=96,
+        max_len=384, ramp_frac=0.5, warmup=30, lm_weight=0.05, copy_frac=0.5))
     producer: StageConfig = field(default_factory=lambda: StageConfig(
         style="base", steps=1500, lr=2e-3, batch_tokens=6144, min_len=64, start_max_len=160,
         max_len=512, ramp_frac=0.5, long_frac=0.05, long_len=1024))
@@ -62,11 +71,14 @@ class PairConfig:
             raise ConfigError("num_heads must be a multiple of num_kv_heads (GQA)")
         if self.threads < 1:
             raise ConfigError("threads must be >= 1")
+        if self.shallow_layers < 0 or (self.shallow_layers and self.num_layers % self.shallow_layers):
+            raise ConfigError("shallow_layers must be 0 or divide num_layers")
 
     def shrunk(self) -> "PairConfig":
         """A seconds-long version for tests: same code path, tiny model and few steps."""
         small = dict(steps=3, batch_tokens=256, min_len=32, start_max_len=48, max_len=64,
                      long_frac=0.0, long_len=0, warmup=1)
         return replace(self, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                       intermediate_size=64, threads=1,
+                       intermediate_size=64, threads=1, shallow_layers=1,
+                       shallow=replace(self.shallow, **small),
                        producer=replace(self.producer, **small), consumer=replace(self.consumer, **small))

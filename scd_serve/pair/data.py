@@ -95,6 +95,23 @@ def make_document(rng: random.Random, style: Style, target_len: int, num_questio
     return Document(words, mask), facts
 
 
+def make_copy_document(rng: random.Random, style: Style, target_len: int) -> Document:
+    """Random words with a span of them repeated later: pure "copy what followed" practice.
+
+    Mixed into training because a tiny model finds the induction circuit on long repeated
+    spans far sooner than on 2-3 word answers; the QA lookup then reuses that circuit.
+    """
+    keys, values = _pools(style)
+    vocab = keys + values + lx.FILLER_NOUNS + lx.FILLER_VERBS
+    span = rng.randint(8, 16)
+    body = [rng.choice(vocab) for _ in range(max(span + 2, target_len - span - 1))]
+    start = rng.randint(0, len(body) - span)
+    cut = rng.randint(start + span, len(body))  # the repeat starts after the original span
+    words = [style.header] + body[:cut] + body[start : start + span]
+    mask = [False] * (1 + cut + 1) + [True] * (span - 1)
+    return Document(words, mask)
+
+
 # split name -> (style, (min, max) prompt length in tokens including <bos>, questions per text)
 SPLITS = {
     "train-base": ("base", (128, 512), 1),

@@ -1,7 +1,9 @@
 """`scd-serve make-demo-pair`: train the embedded producer ("base") and consumer ("expert").
 
 1. a word-level tokenizer trained on the language's lexicon;
-2. the producer: a Llama (GQA, RoPE theta 1e4) trained from a seed on base-style data;
+2. the producer: a Llama (GQA, RoPE theta 1e4) trained from a seed on base-style data,
+   first as a shallow model that finds the lookup quickly, then grown (grow.py) to its
+   full depth and trained further;
 3. the consumer: a copy of the producer with rope_theta 1e6 (as MistralLite did),
    fine-tuned on expert-style data (other format, domain words only, longer contexts).
 Both are saved as HF directories; `report.json` records the settings, times and probes.
@@ -19,6 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from scd_serve.config.pair import PairConfig
+from scd_serve.pair.grow import grow
 from scd_serve.pair.probe import probe
 from scd_serve.pair.tokenizer import train_tokenizer
 from scd_serve.pair.train import build_model, train_stage
@@ -27,6 +30,7 @@ from scd_serve.pair.train import build_model, train_stage
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="models/demo-pair", help="directory for producer/ and consumer/")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shallow-steps", type=int, default=None, help="override the shallow stage's steps")
     parser.add_argument("--producer-steps", type=int, default=None, help="override the producer's steps")
     parser.add_argument("--consumer-steps", type=int, default=None, help="override the consumer's steps")
     parser.add_argument("--probe", type=int, default=100, help="held-out prompts to probe at the end (0: none)")
@@ -53,12 +57,18 @@ def make_pair(cfg: PairConfig, out: Path, probe_n: int = 100, log=print) -> dict
     start = time.time()
     tokenizer = train_tokenizer()
     torch.manual_seed(cfg.seed)
-    producer = build_model(cfg, len(tokenizer), tokenizer)
-    report: dict = {"config": asdict(cfg), "params": sum(p.numel() for p in producer.parameters())}
-    report["producer_train"] = train_stage(producer, cfg.producer, tokenizer, cfg.seed, log=log)
+    report: dict = {"config": asdict(cfg)}
+    if cfg.shallow_layers:
+        shallow = build_model(replace(cfg, num_layers=cfg.shallow_layers), len(tokenizer), tokenizer)
+        report["shallow_train"] = train_stage(shallow, cfg.shallow, tokenizer, cfg.seed, log=log)
+        producer = grow(shallow, cfg.num_layers)
+    else:
+        producer = build_model(cfg, len(tokenizer), tokenizer)
+    report["params"] = sum(p.numel() for p in producer.parameters())
+    report["producer_train"] = train_stage(producer, cfg.producer, tokenizer, cfg.seed + 1, log=log)
     _save(producer, tokenizer, out / "producer")
     consumer = consumer_from(producer, cfg.consumer_rope_theta)
-    report["consumer_train"] = train_stage(consumer, cfg.consumer, tokenizer, cfg.seed + 1, log=log)
+    report["consumer_train"] = train_stage(consumer, cfg.consumer, tokenizer, cfg.seed + 2, log=log)
     _save(consumer, tokenizer, out / "consumer")
     report["train_seconds"] = round(time.time() - start, 1)
     if probe_n:
@@ -75,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = PairConfig(seed=args.seed)
     if args.shrunk:
         cfg = cfg.shrunk()
+    if args.shallow_steps:
+        cfg = replace(cfg, shallow=replace(cfg.shallow, steps=args.shallow_steps))
     if args.producer_steps:
         cfg = replace(cfg, producer=replace(cfg.producer, steps=args.producer_steps))
     if args.consumer_steps:

@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from scd_serve.config.pair import PairConfig, StageConfig
-from scd_serve.pair.data import STYLES, make_document
+from scd_serve.pair.data import STYLES, make_copy_document, make_document
 from scd_serve.pair.tokenizer import encode_words
 
 
@@ -51,8 +51,11 @@ def batches(stage: StageConfig, tokenizer, rng: random.Random) -> Iterator[tuple
         total = 0
         while total < stage.batch_tokens:
             length = _doc_len(rng, stage, progress)
-            num_q = max(2, length // 20)  # ~25% of tokens are questions: dense retrieval signal
-            doc, _ = make_document(rng, style, length - 1, num_q)
+            if rng.random() < stage.copy_frac:
+                doc = make_copy_document(rng, style, length - 1)
+            else:
+                num_q = max(2, int(length * stage.question_rate))  # dense retrieval signal
+                doc, _ = make_document(rng, style, length - 1, num_q, stage.fact_prob)
             ids = encode_words(tokenizer, doc.words)
             weights = [0.0] + [1.0 if m else stage.lm_weight for m in doc.answer_mask]
             docs.append((ids, weights))

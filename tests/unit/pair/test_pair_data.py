@@ -49,3 +49,16 @@ def test_tokenizer_is_word_level_with_bos_and_knows_every_word(tokenizer):
 def test_unknown_split_is_a_clear_error():
     with pytest.raises(InvalidRequest, match="unknown split"):
         load_split("nope", 1)
+
+
+def test_copy_document_repeats_a_span_and_masks_only_the_predictable_part():
+    import random
+
+    from scd_serve.pair.data import make_copy_document
+
+    doc = make_copy_document(random.Random(5), STYLES["base"], 60)
+    n = sum(doc.answer_mask)
+    assert len(doc.words) == len(doc.answer_mask) and 7 <= n <= 15
+    repeat = doc.words[-(n + 1):]
+    body = doc.words[1 : -(n + 1)]
+    assert any(body[i : i + n + 1] == repeat for i in range(len(body)))
