@@ -9,8 +9,8 @@ import os
 
 from scd_serve.config.decode import DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, DecodeConfig, split_peers
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import (add_worker_arguments, advertised, bound_port, setup_logging, stop_event,
-                                         torch_dtype)
+from scd_serve.control.lifecycle import (add_worker_arguments, advertised, bound_port, exit_now, setup_logging,
+                                         stop_event, torch_dtype)
 from scd_serve.errors import ConfigError, ScdError
 
 log = logging.getLogger("scd_serve.decode")
@@ -143,4 +143,4 @@ def run(args) -> int:
     setup_logging("decode")
     config = config_from_args(args)
     asyncio.run(serve(config, args.method is not None, args.api_key, args.max_model_len, args.num_blocks))
-    return 0
+    exit_now(0)

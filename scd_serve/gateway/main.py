@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from scd_serve.config.control import ControlConfig
 from scd_serve.config.decode import split_peers
 from scd_serve.config.gateway import GatewayConfig
-from scd_serve.control.lifecycle import bound_port, setup_logging, stop_event
+from scd_serve.control.lifecycle import bound_port, exit_now, setup_logging, stop_event
 
 log = logging.getLogger("scd_serve.gateway")
 
@@ -64,4 +64,4 @@ async def serve(config: GatewayConfig) -> None:
 def run(args) -> int:
     setup_logging("gateway")
     asyncio.run(serve(config_from_args(args)))
-    return 0
+    exit_now(0)

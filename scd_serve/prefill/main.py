@@ -8,7 +8,8 @@ import logging
 
 from scd_serve.config.prefill import DEFAULT_CODEBOOK, DEFAULT_PRODUCER, PrefillConfig
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import add_worker_arguments, advertised, setup_logging, stop_event, torch_dtype
+from scd_serve.control.lifecycle import (add_worker_arguments, advertised, exit_now, setup_logging, stop_event,
+                                         torch_dtype)
 
 log = logging.getLogger("scd_serve.prefill")
 
@@ -83,4 +84,4 @@ async def serve(config: PrefillConfig) -> None:
 def run(args) -> int:
     setup_logging("prefill")
     asyncio.run(serve(config_from_args(args)))
-    return 0
+    exit_now(0)
