@@ -32,8 +32,10 @@ class PrefillConfig:
     # Code cache for repeated prompts: bounded by bytes and entries (LRU).
     cache_bytes: int = 256 * MiB
     cache_entries: int = 1024
-    # Cached codes are resent in chunks of up to this many bytes (several layers each).
-    chunk_bytes: int = 4 * MiB
+    # Cached codes are resent in chunks of up to this many bytes; 1 = one layer per chunk,
+    # so the consumer rebuilds layer l while layer l+1 is on the wire (best TTFT on slow
+    # links); larger values pack small layers together (fewer messages).
+    chunk_bytes: int = 1
     # Seconds to finish running transfers after SIGTERM before the listener closes.
     shutdown_grace_s: float = 5.0
     transport: TransportConfig = field(default_factory=TransportConfig)

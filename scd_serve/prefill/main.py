@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent", type=int, default=4, help="transfers at once; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--cache-mb", type=int, default=256, help="code cache for repeated prompts (MiB, 0 = off)")
     parser.add_argument("--transfer-lease-s", type=float, default=60.0)
+    parser.add_argument("--chunk-bytes", type=int, default=1,
+                        help="cached codes resent in chunks up to this size (1 = one layer per chunk)")
     add_transport_arguments(parser)
 
 
@@ -27,7 +29,8 @@ def config_from_args(args) -> PrefillConfig:
     return PrefillConfig(model=args.model, codebook=args.codebook, device=args.device, dtype=args.dtype,
                          host=args.host, port=args.port, control_url=args.control_url, advertise=args.advertise,
                          max_concurrent=args.max_concurrent, cache_bytes=args.cache_mb << 20,
-                         transfer_lease_s=args.transfer_lease_s, transport=transport_config_from_args(args))
+                         transfer_lease_s=args.transfer_lease_s, chunk_bytes=args.chunk_bytes,
+                         transport=transport_config_from_args(args))
 
 
 def build_codecs(rt, codebook: str) -> dict:

@@ -40,3 +40,25 @@ async def test_identity_transfer_matches_local_alone_and_16_concurrent(rt):
         await engine.stop(grace_s=1)
         await peers.close()
         await node.stop()
+
+
+@pytest.mark.parametrize("chunk_bytes,chunks", [(1, 2), (1 << 20, 1)])
+async def test_cache_hit_resends_codes_in_layer_chunks_or_packed(rt, chunk_bytes, chunks):
+    node = await start_prefill(rt, chunk_bytes=chunk_bytes)
+    peers, fill = await make_decode(rt, [node.address])
+    engine = engine_for(rt)
+    headers = []
+    real = fill._check_header
+    fill._check_header = lambda h, peer, codec: (headers.append(h), real(h, peer, codec))[1]
+    try:
+        p = prompts(1, seed=21)[0]
+        want = await greedy(engine, "l", p)
+        assert await greedy(engine, "cold", p, "identity", fill) == want
+        assert await greedy(engine, "warm", p, "identity", fill) == want
+        assert [h.cache_hit for h in headers] == [False, True]
+        assert [h.total_chunks for h in headers] == [rt.spec.num_layers, chunks]
+        assert node.servicer.num_prefills == 1  # the warm request ran no producer
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
