@@ -21,8 +21,8 @@ LayerKV = Callable[["Example", int], tuple[Tensor, Tensor]]
 
 @dataclass
 class Example:
-    prefix: int  # P = T-1 transferred positions
-    feed: Tensor  # [n] last prompt token + answer[:-1], run by the consumer itself
+    prefix: int  # P transferred positions (T-1 in serving)
+    feed: Tensor  # [m] the rest of the prompt + answer[:-1], run by the consumer itself
     producer: list[Any]  # per layer LayerState of the producer over the prefix
     consumer: list[Any]  # per layer LayerState of the consumer over the prefix (oracle)
     oracle_logits: Tensor  # [n, vocab]
@@ -38,16 +38,20 @@ def kl_divergence(logits_p: Tensor, logits_q: Tensor) -> Tensor:
 
 
 def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Tensor]],
-                  block_size: int = 16) -> list[Example]:
-    """pairs: (prompt_ids [T], answer_ids [n]) -> examples with oracle pools and logits."""
+                  block_size: int = 16, tail: int = 1) -> list[Example]:
+    """pairs: (prompt_ids [T], answer_ids [n]) -> examples with oracle pools and logits.
+
+    The consumer runs the last `tail` prompt tokens itself (serving: 1); a longer tail scores
+    more positions per prompt (the question as well as the answer), so the probe's KL is less
+    noisy for the same number of prompts."""
     out = []
     for prompt, answer in pairs:
         prompt, answer = torch.as_tensor(prompt).long(), torch.as_tensor(answer).long()
-        p = prompt.shape[0] - 1
+        p = prompt.shape[0] - min(max(tail, 1), prompt.shape[0] - 1)
         full = torch.cat([prompt, answer])
         feed = full[p:-1]  # [n]
-        states_a = [s for _, s in producer.iter_prefill(prompt[:-1], compute_logits=False)]
-        states_b = [s for _, s in consumer.iter_prefill(prompt[:-1], compute_logits=False)]
+        states_a = [s for _, s in producer.iter_prefill(prompt[:p], compute_logits=False)]
+        states_b = [s for _, s in consumer.iter_prefill(prompt[:p], compute_logits=False)]
         num_blocks = -(-full.shape[0] // block_size)
         pool, blocks = consumer.new_kv_pool(num_blocks, block_size), list(range(num_blocks))
         for layer, s in enumerate(states_b):
