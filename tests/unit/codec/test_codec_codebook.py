@@ -19,7 +19,7 @@ def calibrated(tmp_path_factory):
     root = tmp_path_factory.mktemp("cb")
     producer, consumer = make_pair(root, layers=2)
     pairs = prompts(10, 32)
-    cfg = CalibrateConfig(kl_budget=0.5, max_rows=1024, aligner_steps=10, max_patches=1)
+    cfg = CalibrateConfig(kl_budget=0.5, max_rows=1024, aligner_steps=10, max_patches=1, probe_tail=1)
     result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
     result.codebook.save(root / "book")
     return producer, consumer, result, root / "book"
