@@ -34,7 +34,8 @@ class LocalStack:
     def __init__(self, rt: Any, *, methods=("identity",), api: dict | None = None, engine: dict | None = None,
                  prefill: dict | None = None, decode: dict | None = None, transport: Any = None,
                  producer_wrap: Callable | None = None, servicer_wrap: Callable | None = None,
-                 runtime_wrap: Callable | None = None, max_concurrent_rpcs: int | None = None):
+                 runtime_wrap: Callable | None = None, max_concurrent_rpcs: int | None = None,
+                 health_loop: bool = True):
         from scd_serve.config.transport import TransportConfig
 
         self.rt = rt
@@ -46,6 +47,7 @@ class LocalStack:
         self.transport = transport or TransportConfig(rpc_timeout_s=2.0, prefill_timeout_s=10.0)
         self.producer_wrap, self.servicer_wrap, self.runtime_wrap = producer_wrap, servicer_wrap, runtime_wrap
         self.max_concurrent_rpcs = max_concurrent_rpcs
+        self.health_loop = health_loop  # False: handshake once, no periodic checks (tests of other things)
         self.server = self.servicer = self.served = None
         self.prefill_port = 0
         self.http_server = None
@@ -94,11 +96,12 @@ class LocalStack:
         if prefill_addresses is None:
             prefill_addresses = (await self.start_prefill(),)
         dconf = DecodeConfig(model="unused", codebook="", prefill=tuple(prefill_addresses), method=self.methods[0],
-                             transport=self.transport, **({"health_period_s": 0.25} | self.decode_opts))
+                             transport=self.transport, **self.decode_opts)
         codecs = ConsumerCodecs(self.rt)
         self.peers = PeerSet(self.rt, codecs, dconf)
         await self.peers.check_all()
-        self.peers.start()
+        if self.health_loop:
+            self.peers.start()
         self.fill = RemoteKVFill(self.rt, self.peers, codecs, dconf)
         runtime = self.runtime_wrap(self.rt) if self.runtime_wrap else self.rt
         self.engine = Engine(runtime, EngineConfig(**self.engine_opts))
@@ -241,8 +244,7 @@ async def _main(args) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         save_tiny_model(d, "llama", seed=0)
-        # production health period (1 s): the tests' 0.25 s flaps on a loaded machine
-        stack = await LocalStack(ModelRuntime.load(d), decode={"health_period_s": 1.0}).start()
+        stack = await LocalStack(ModelRuntime.load(d)).start()  # production health period (1 s)
         try:
             report = await soak(stack, args.minutes, args.concurrency, args.max_requests, args.seed)
         finally:

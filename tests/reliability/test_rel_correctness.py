@@ -34,7 +34,7 @@ async def tokens(stack, prompt, method, n=32, **extra):
 
 
 async def test_l1_lossless_transfer_equals_monolithic_greedy(make_stack):
-    stack, base = await make_stack(methods=("identity", "raw"))
+    stack, base = await make_stack(methods=("identity", "raw"), health_loop=False)
     ps = prompts(20, seed=1)
     local = await asyncio.gather(*(tokens(stack, p, "local") for p in ps))
     ident = await asyncio.gather(*(tokens(stack, p, "identity") for p in ps))
@@ -57,7 +57,7 @@ async def test_l2_lossy_codec_within_documented_bounds(rt, make_stack, method):
             for hat, true in ((k_hat, out.keys[layer]), (v_hat, out.values[layer])):
                 worst = max(worst, float((hat.float() - true).norm() / true.norm()))
     assert worst <= max_err, worst
-    stack, base = await make_stack(methods=("identity", method))
+    stack, base = await make_stack(methods=("identity", method), health_loop=False)
     ps = prompts(10, seed=3)
     ids = [await asyncio.gather(*(_ids(stack, p, m) for p in ps)) for m in ("local", method)]
     agree = [sum(a == b for a, b in zip(x, y)) / 32 for x, y in zip(*ids)]
@@ -78,7 +78,7 @@ async def _ids(stack, prompt, method):
 
 
 async def test_l3_isolation_concurrent_equals_solo(make_stack):
-    stack, base = await make_stack(engine={"max_num_seqs": 16})
+    stack, base = await make_stack(engine={"max_num_seqs": 16}, health_loop=False)
     ps = prompts(16, seed=4)
     methods = ["identity" if i % 2 else "local" for i in range(16)]
     solo = [await tokens(stack, p, m, 16) for p, m in zip(ps, methods)]

@@ -33,7 +33,7 @@ async def wait_for(pred, timeout):
 
 async def test_f1_live_at_once_ready_only_after_handshake(rt):
     port = free_port()
-    stack = LocalStack(rt)
+    stack = LocalStack(rt, decode={"health_period_s": 0.25})
     await stack.start(prefill_addresses=(f"127.0.0.1:{port}",))  # nobody listens there yet
     try:
         assert (await stack.client.get("/live")).status_code == 200
@@ -117,7 +117,8 @@ async def test_h3_codec_failure_for_one_request_only(make_stack):
 async def _two_workers(rt, wrap, **decode_opts):
     a, b = LocalStack(rt, servicer_wrap=wrap), LocalStack(rt, servicer_wrap=wrap)
     addrs = (await a.start_prefill(), await b.start_prefill())
-    decode = await LocalStack(rt, engine={"fallback_to_local": False}, decode=decode_opts).start(prefill_addresses=addrs)
+    decode = await LocalStack(rt, engine={"fallback_to_local": False}, decode=decode_opts,
+                              health_loop=False).start(prefill_addresses=addrs)
     return a, b, decode
 
 

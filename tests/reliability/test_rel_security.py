@@ -122,7 +122,7 @@ async def test_k3_worker_token_required_before_any_work(make_stack):
 
 async def test_k3_decode_with_the_right_token_transfers(make_stack):
     transport = TransportConfig(rpc_timeout_s=2, prefill_timeout_s=10, worker_token="worker-secret-123")
-    stack, base = await make_stack(warm=False, transport=transport)
+    stack, base = await make_stack(warm=False, transport=transport, health_loop=False)
     r = await stack.client.post("/v1/completions", json=completion("authorized", 3, scd_method="identity"))
     assert r.status_code == 200
     assert stack.fill.stats.num_transfers == 1 and stack.engine.num_fallbacks == 0
