@@ -42,12 +42,6 @@ async def test_d1_sse_client_closes_after_k_tokens(make_stack):
     await assert_clean(stack, base)
 
 
-D2_BUG = ("BUG: scd_serve/api/routes.py _serve awaits the first token (anext(events)) without watching for "
-          "http.disconnect, so a client gone during the transfer keeps the prefill RPC and KV blocks until the "
-          "transfer completes; it should race the first token against the disconnect and aclose the events")
-
-
-@pytest.mark.xfail(strict=True, reason=D2_BUG)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_d2_disconnect_while_prefill_in_flight(make_stack, stream):
     slow = {}
