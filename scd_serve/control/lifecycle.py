@@ -41,6 +41,13 @@ def add_worker_arguments(parser, *, model: str, model_help: str, codebook: str, 
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
 
 
+def consume_exception(fut: asyncio.Future) -> None:
+    """Done-callback: mark a future's exception as seen. For work whose failure is expected
+    once its request is gone (asyncio would otherwise log it at ERROR when collected)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

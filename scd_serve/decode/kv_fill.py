@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import grpc
 
 from scd_serve.config.decode import DecodeConfig
+from scd_serve.control.lifecycle import consume_exception
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
@@ -133,7 +134,7 @@ class RemoteKVFill:
         self.inflight[rid] = peer.address
         payload = encode_us = 0
         rebuild_s = 0.0
-        ok = server_ended = False
+        ok = server_ended = cancelled = False
         rebuilding: deque[asyncio.Future] = deque()  # rebuilds in threads while the next chunk arrives
         try:
             async for msg in call:
@@ -143,7 +144,9 @@ class RemoteKVFill:
                 elif verifier.on_chunk(msg.chunk):  # raises before anything is decoded
                     payload += sum(len(t.data) for t in msg.chunk.tensors)
                     encode_us += msg.chunk.encode_us
-                    rebuilding.append(loop.run_in_executor(None, self._rebuild, msg.chunk, codec, sink))
+                    fut = loop.run_in_executor(None, self._rebuild, msg.chunk, codec, sink)
+                    fut.add_done_callback(consume_exception)  # a rebuild left behind by a failure must not log
+                    rebuilding.append(fut)
                     while rebuilding and (rebuilding[0].done() or len(rebuilding) > MAX_REBUILDS_AHEAD):
                         rebuild_s += await rebuilding.popleft()  # raises a rebuild's error here
             verifier.finish()
@@ -153,6 +156,9 @@ class RemoteKVFill:
         except grpc.aio.AioRpcError as exc:
             server_ended = True
             raise from_rpc_error(exc, peer.address) from None
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             self.inflight.pop(rid, None)
             self._freed.set()
@@ -160,7 +166,7 @@ class RemoteKVFill:
                 call.cancel()
                 if not server_ended:  # we walked away (cancelled, corrupt chunk): tell the producer
                     self._abort_remote(peer, rid)
-                if rebuilding:  # let started layer writes finish before a retry rewrites them
+                if rebuilding and not cancelled:  # let started layer writes finish before a retry rewrites them
                     await asyncio.wait(rebuilding, timeout=REBUILD_WAIT_S)
         s = self.stats
         s.num_transfers += 1
@@ -210,6 +216,7 @@ class RemoteKVFill:
         task = asyncio.ensure_future(abort())
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+        task.add_done_callback(consume_exception)
 
     def snapshot(self) -> dict:
         return asdict(self.stats) | {"per_prefill": dict(self.per_peer), "inflight": len(self.inflight)}

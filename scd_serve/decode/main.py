@@ -15,6 +15,8 @@ from scd_serve.errors import ConfigError, ScdError
 
 log = logging.getLogger("scd_serve.decode")
 PREFERRED_METHOD, PLAIN_METHOD = "scd", "raw"
+ENGINE_POLL_S = 0.2
+DEATH_LINGER_S = 2.0  # after engine death: keep answering 503 so routers see /ready drop, then exit 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +72,8 @@ def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
 
 
 async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_model_len: int,
-                num_blocks: int) -> None:
+                num_blocks: int) -> bool:
+    """Run until SIGINT/SIGTERM (returns False) or until the engine loop dies (returns True)."""
     import dataclasses
 
     import uvicorn
@@ -126,7 +129,10 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
           f"default method {method}, fallback {config.fallback}", flush=True)
     if not peers.ready() and method != "local":
         log.warning("not ready yet: %s", peers.why_not_ready())
-    await stop.wait()
+    died = await first_of(stop.wait(), engine_death(engine))
+    if died:  # /ready already says 503; answer 503 a moment longer, then exit nonzero for the supervisor
+        log.error("engine loop died; exiting in %.0f s so a supervisor restarts this worker", DEATH_LINGER_S)
+        await asyncio.sleep(DEATH_LINGER_S)
     log.info("shutting down: draining HTTP for up to %.0f s", config.shutdown_grace_s)
     if heartbeat is not None:
         await heartbeat.close()
@@ -137,10 +143,27 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     log.debug("http stopped")
     await peers.close()
     log.info("stopped")
+    return died
+
+
+async def engine_death(engine) -> bool:
+    """Returns True once the engine's step loop has died (it never comes back)."""
+    while engine._loop_alive():  # Engine has no public liveness flag apart from ready(), which also covers stalls
+        await asyncio.sleep(ENGINE_POLL_S)
+    return True
+
+
+async def first_of(stopped, died) -> bool:
+    """Wait for a stop signal or engine death; True if the engine died."""
+    tasks = [asyncio.ensure_future(stopped), asyncio.ensure_future(died)]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        t.cancel()
+    return tasks[1] in done
 
 
 def run(args) -> int:
     setup_logging("decode")
     config = config_from_args(args)
-    asyncio.run(serve(config, args.method is not None, args.api_key, args.max_model_len, args.num_blocks))
-    exit_now(0)
+    died = asyncio.run(serve(config, args.method is not None, args.api_key, args.max_model_len, args.num_blocks))
+    exit_now(1 if died else 0)

@@ -16,6 +16,7 @@ import grpc
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
+from scd_serve.control.lifecycle import consume_exception
 from scd_serve.decode.compat import compat_problems
 from scd_serve.transport.client import PrefillClient
 
@@ -123,6 +124,7 @@ class PeerSet:
         task = asyncio.ensure_future(coro)
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
+        task.add_done_callback(consume_exception)
 
     # ---- choice --------------------------------------------------------------------------
     def serving(self, method: str, num_tokens: int) -> list[Peer]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scd_serve.config.prefill import PrefillConfig
+from scd_serve.control.lifecycle import consume_exception
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, InvalidRequest, Overloaded,
                               PayloadTooLarge, ScdError, TransferFailed)
 from scd_serve.prefill.code_cache import CodeCache, cache_key
@@ -141,6 +142,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """Await `aw` unless the transfer is aborted or its lease/deadline runs out first."""
         task = asyncio.ensure_future(aw)
         stopper = asyncio.ensure_future(t.aborted.wait())
+        for fut in (task, stopper):  # a write failing after the RPC is gone is expected, not an error
+            fut.add_done_callback(consume_exception)
         try:
             done, _ = await asyncio.wait({task, stopper}, timeout=max(0.0, t.expires - time.monotonic()),
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -202,6 +205,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         for t in list(self.transfers.values()):
             t.stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
 
 
 def _produce(rt, codec, tokens: list[int], stop: threading.Event, emit) -> None:
