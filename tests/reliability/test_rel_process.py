@@ -32,8 +32,9 @@ class Proc:
         self.log = tmp_path / f"{command[0]}-{time.monotonic_ns()}.log"
         env = os.environ | {"OMP_NUM_THREADS": "1", "SCD_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
                             "TOKENIZERS_PARALLELISM": "false"}
+        self.err = open(self.log, "w")
         self.p = subprocess.Popen([sys.executable, str(LAUNCH), *faults, "--", *command], stdout=subprocess.PIPE,
-                                  stderr=open(self.log, "w"), text=True, env=env, start_new_session=True)
+                                  stderr=self.err, text=True, env=env, start_new_session=True)
         self.port = None
 
     async def started(self, timeout=90.0) -> int:
@@ -59,6 +60,8 @@ class Proc:
         if self.p.poll() is None:
             self.p.kill()
         self.p.wait(10)
+        self.p.stdout.close()
+        self.err.close()
 
 
 def prefill_cmd(model_dir, port=0, *extra):
