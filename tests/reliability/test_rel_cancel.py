@@ -136,9 +136,6 @@ async def test_d4_handoff_race_leaks_nothing(make_stack, caplog):
     await assert_clean(stack, base)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: scd_serve/prefill/service.py PrefillServicer._guarded cancels the "
-                   "context.write task when the RPC is cancelled but never retrieves its exception, so asyncio logs "
-                   "'Task exception was never retrieved ... ExecuteBatchError' at ERROR during cancellations")
 async def test_d4_handoff_race_logs_no_errors(make_stack, caplog):
     stack, base = await make_stack()
     caplog.set_level(logging.WARNING)
@@ -164,10 +161,6 @@ async def test_d5_rejection_after_prefill_sends_abort(make_stack):
     await assert_clean(stack, base)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: scd_serve/decode/kv_fill.py RemoteKVFill._transfer awaits "
-                   "loop.run_in_executor(self._rebuild) directly; when the request is cancelled mid-rebuild the "
-                   "executor future later fails (closed sink -> TransferFailed) and asyncio logs 'Future exception "
-                   "was never retrieved' at ERROR (seen in the 10-minute soak)")
 async def test_d_cancel_during_rebuild_logs_no_errors(make_stack, caplog):
     import gc
     import threading

@@ -244,9 +244,6 @@ async def test_g1_g2_sigterm_decode_drains_short_streams_and_ends_long_one(model
         proc.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: scd_serve/decode/main.py serve() waits only for the stop signal: when the "
-                   "engine loop dies (Engine._die) the process keeps running with /ready 503 instead of exiting "
-                   "nonzero so a supervisor restarts it")
 async def test_h1_evil_forward_in_a_decode_process(model_dir, tmp_path):
     proc = Proc(tmp_path, ["decode", "--model", str(model_dir), "--codebook", "", "--method", "local",
                            "--port", "0"], ["--decode-fail-after-steps", "4"])
