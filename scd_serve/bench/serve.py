@@ -37,6 +37,11 @@ def make_body_factory(prompt_tokens: int, max_tokens: int, vocab: int, method: s
     return body
 
 
+def requests_for(rate: float, args) -> int:
+    """About --duration-s of arrivals at `rate`, between --min-requests and --requests."""
+    return max(min(args.min_requests, args.requests), min(args.requests, round(rate * args.duration_s)))
+
+
 def start_target(name: str, args, logs: Path):
     port = procs.free_port()
     if name == "engine":
@@ -65,8 +70,8 @@ def bench_target(name: str, url: str, args, rates: list[float] | None, slo: Slo,
     single_sum = summarize(single, wall, slo)
     out = {"single_request": single_sum, "rates": []}
     for rate in rates or []:
-        res, wall = asyncio.run(open_loop(url, rate, args.requests, body, seed=args.seed,
-                                          timeout_s=args.request_timeout))
+        n = requests_for(rate, args)
+        res, wall = asyncio.run(open_loop(url, rate, n, body, seed=args.seed, timeout_s=args.request_timeout))
         out["rates"].append({"rate_rps": rate, **summarize(res, wall, slo)})
         print(f"  {name}: {rate:.3g} req/s -> {out['rates'][-1]['throughput_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     res, wall = asyncio.run(closed_loop(url, args.concurrency, args.concurrency * args.streams_rounds, body,
@@ -107,7 +112,8 @@ def run_serve(args) -> dict:
     base = results["baseline"]["concurrent"]["throughput_tokens_per_s"]
     ratio = eng / base if base else None
     return {"benchmark": "serve", "machine": machine(), "consumer": args.consumer, "method": args.method,
-            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "requests_per_rate": args.requests,
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+            "requests_per_rate": {str(r): requests_for(r, args) for r in rates},
             "slo": {"ttft_s": slo.ttft_s, "mean_itl_s": slo.itl_s}, "rates_rps": rates, "targets": results,
             "concurrent_streams": args.concurrency,
             "batching_speedup_tokens_per_s": ratio,
