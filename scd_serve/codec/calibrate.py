@@ -29,8 +29,8 @@ from scd_serve.codec.spec import spec_of
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
 
-KV_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
-H_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
+KV_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
+H_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
 
 
 def rank_grid(width: int, fractions: tuple[float, ...]) -> list[int]:
@@ -81,7 +81,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     cands = Candidates(fits, producer, consumer)
     with tqdm(total=num_layers, desc="profile + search", disable=not show_progress) as bar:
         search = PlanSearch(probe, num_layers, kv_grid, h_grid, cands.layer_kv, cands.stream_kv,
-                            progress=lambda msg: (bar.update(1) if msg.startswith("profiled") else bar.set_postfix_str(msg)))
+                            progress=lambda msg: (bar.update(1) if msg.startswith("profiled") else bar.set_postfix_str(msg)),
+                            profile_probe=KLProbe(consumer, probe.examples[: cfg.num_profile_prompts]))
         max_patches = num_layers // 2 if cfg.max_patches is None else cfg.max_patches
         best, curve, benefit = search.run(cfg.kl_budget, max_patches)
         # Reuse-only at SCD's payload: the equal-payload ablation of Patch
@@ -156,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--consumer", required=True, help="consumer (decode side) model directory")
     parser.add_argument("--data", default="calibration", help="data split of scd_serve.pair.data")
     parser.add_argument("--num-prompts", type=int, default=48, help="prompts that fit the codes")
-    parser.add_argument("--probe-prompts", type=int, default=24, help="other prompts whose KL steers the plan")
+    parser.add_argument("--probe-prompts", type=int, default=32, help="other prompts whose KL steers the plan")
     parser.add_argument("--kl-budget", type=float, required=True, help="KL budget, nats per answer token")
     parser.add_argument("--max-patches", type=int, default=None, help="most patch layers tried (default L/2)")
     parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")

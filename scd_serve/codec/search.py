@@ -32,10 +32,11 @@ class SearchPoint:
 class PlanSearch:
     def __init__(self, probe: KLProbe, num_layers: int, kv_grid: list[int], h_grid: list[int],
                  layer_kv: Callable[[LayerPlan], LayerKV], stream_kv: Callable[[str, int], LayerKV],
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, profile_probe: KLProbe | None = None):
         """layer_kv(lp) rebuilds a layer by its plan; stream_kv(stream, rank) rebuilds one stream
         ("k" / "v" at rank with the other stream oracle, or "h" at rank)."""
         self.probe, self.num_layers = probe, num_layers
+        self.profile_probe = profile_probe or probe  # may be a cheaper subset: it only predicts
         self.grid = {"k": sorted(kv_grid), "v": sorted(kv_grid), "h": sorted(h_grid)}
         self.layer_kv, self.stream_kv = layer_kv, stream_kv
         self.progress = progress or (lambda _msg: None)
@@ -54,7 +55,7 @@ class PlanSearch:
         for layer in range(self.num_layers):
             for s in ("k", "v", "h"):
                 for r in self.grid[s]:
-                    self.profile[(s, layer, r)] = self.probe.measure({layer: self.stream_kv(s, r)})
+                    self.profile[(s, layer, r)] = self.profile_probe.measure({layer: self.stream_kv(s, r)})
             self.progress(f"profiled layer {layer}")
 
     def patch_order(self) -> tuple[list[int], dict[int, float]]:

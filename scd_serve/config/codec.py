@@ -13,10 +13,12 @@ class CalibrateConfig:
     kl_budget: float
     # Prompts whose paired states fit the codes; prompts whose KL steers the plan (disjoint).
     num_prompts: int = 48
-    num_probe_prompts: int = 24
-    # Prompt tokens the consumer runs itself in the probe (scored with the answer): more
-    # scored positions per prompt, less noise in the measured KL.
-    probe_tail: int = 8
+    num_probe_prompts: int = 32
+    # Of those, how many the per-stream profile uses (it only predicts; plans are measured on all).
+    num_profile_prompts: int = 16
+    # Prompt tokens the consumer runs itself in the probe, scored with the answer. 1 is the
+    # serving handoff and the eval harness's KL (answer tokens only), the budget's units.
+    probe_tail: int = 1
     # Token rows per layer used for the joint SVDs and ridge fits (sampled over the prompts).
     max_rows: int = 8192
     # Most patch layers tried (None: half the layers).
@@ -29,7 +31,8 @@ class CalibrateConfig:
     def __post_init__(self) -> None:
         if not 0 < self.kl_budget < 100:
             raise ConfigError(f"kl_budget must be in (0, 100) nats, got {self.kl_budget}")
-        for name in ("num_prompts", "num_probe_prompts", "max_rows", "aligner_width", "probe_tail"):
+        for name in ("num_prompts", "num_probe_prompts", "max_rows", "aligner_width", "probe_tail",
+                     "num_profile_prompts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.aligner_steps < 0:
