@@ -26,6 +26,7 @@ class StageConfig:
     fact_prob: float = 0.4  # share of context sentences that are facts (the rest: filler)
     question_rate: float = 0.05  # questions per document token
     copy_frac: float = 0.0  # share of documents that are repeated-span copy practice
+    copy_vocab: int = 0  # copy practice draws from this many words (0: all keys and values)
 
     def __post_init__(self):
         if self.style not in ("base", "expert"):
@@ -54,15 +55,17 @@ class PairConfig:
     # progressive stacking (scd_serve/pair/grow.py): a shallow_layers-deep model learns the
     # lookup first, then grows to num_layers; 0 trains num_layers from scratch
     shallow_layers: int = 2
-    shallow: StageConfig = field(default_factory=lambda: StageConfig(
-        style="base", steps=800, lr=3e-3, batch_tokens=3072, min_len=32, start_max_len=96,
-        max_len=384, ramp_frac=0.5, warmup=30, lm_weight=0.05, copy_frac=0.5))
+    shallow: StageConfig = field(default_factory=lambda: StageConfig(  # copy practice only
+        style="base", steps=1000, lr=2e-3, batch_tokens=3072, min_len=40, start_max_len=72,
+        max_len=72, ramp_frac=0.0, warmup=10, lm_weight=0.05, copy_frac=1.0))
     producer: StageConfig = field(default_factory=lambda: StageConfig(
-        style="base", steps=1500, lr=2e-3, batch_tokens=6144, min_len=64, start_max_len=160,
-        max_len=512, ramp_frac=0.5, long_frac=0.05, long_len=1024))
+        style="base", steps=700, lr=2e-3, batch_tokens=3072, min_len=48, start_max_len=128,
+        max_len=512, ramp_frac=0.4, long_frac=0.05, long_len=1024, warmup=20, lm_weight=0.05,
+        copy_frac=0.25))
     consumer: StageConfig = field(default_factory=lambda: StageConfig(
-        style="expert", steps=600, lr=1e-3, batch_tokens=8192, min_len=128, start_max_len=512,
-        max_len=1024, ramp_frac=0.2, long_frac=0.1, long_len=2048, warmup=30))
+        style="expert", steps=300, lr=1e-3, batch_tokens=4096, min_len=128, start_max_len=512,
+        max_len=1024, ramp_frac=0.2, long_frac=0.1, long_len=2048, warmup=20, lm_weight=0.05,
+        copy_frac=0.1))
 
     def __post_init__(self):
         if self.num_layers < 1 or self.hidden_size % self.num_heads:

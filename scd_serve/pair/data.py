@@ -95,14 +95,19 @@ def make_document(rng: random.Random, style: Style, target_len: int, num_questio
     return Document(words, mask), facts
 
 
-def make_copy_document(rng: random.Random, style: Style, target_len: int) -> Document:
+def make_copy_document(rng: random.Random, style: Style, target_len: int, vocab_size: int = 0) -> Document:
     """Random words with a span of them repeated later: pure "copy what followed" practice.
 
     Mixed into training because a tiny model finds the induction circuit on long repeated
     spans far sooner than on 2-3 word answers; the QA lookup then reuses that circuit.
+    vocab_size > 0 draws the words from that many (keys and values alternately): a small
+    vocabulary shortens the plateau before the circuit appears.
     """
     keys, values = _pools(style)
-    vocab = keys + values + lx.FILLER_NOUNS + lx.FILLER_VERBS
+    if vocab_size:
+        vocab = ([w for pair in zip(keys, values) for w in pair] + values[len(keys):])[:vocab_size]
+    else:
+        vocab = keys + values + lx.FILLER_NOUNS + lx.FILLER_VERBS
     span = rng.randint(8, 16)
     body = [rng.choice(vocab) for _ in range(max(span + 2, target_len - span - 1))]
     start = rng.randint(0, len(body) - span)

@@ -52,7 +52,7 @@ def batches(stage: StageConfig, tokenizer, rng: random.Random) -> Iterator[tuple
         while total < stage.batch_tokens:
             length = _doc_len(rng, stage, progress)
             if rng.random() < stage.copy_frac:
-                doc = make_copy_document(rng, style, length - 1)
+                doc = make_copy_document(rng, style, length - 1, stage.copy_vocab)
             else:
                 num_q = max(2, int(length * stage.question_rate))  # dense retrieval signal
                 doc, _ = make_document(rng, style, length - 1, num_q, stage.fact_prob)
