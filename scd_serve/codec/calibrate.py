@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
