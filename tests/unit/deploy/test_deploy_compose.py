@@ -32,6 +32,11 @@ def worker_argv(service: str, env: dict[str, str]) -> list[str]:
     with the container-address substitution replaced by an example IP."""
     (script,) = SERVICES[service]["command"]
     script = interpolate(script, env)
+    inside = {k: interpolate(str(v), env) for k, v in SERVICES[service].get("environment", {}).items()}
+    # sh's ${VAR:+WORD}: WORD (with $VAR expanded) when the container has VAR set and non-empty
+    script = re.sub(r"\$\{(\w+):\+([^}]*)\}",
+                    lambda m: m.group(2).replace("$" + m.group(1), inside[m.group(1)]) if inside.get(m.group(1)) else "",
+                    script)
     script = script.replace("$(hostname -i | cut -d' ' -f1)", "172.18.0.5")
     argv = shlex.split(script)
     assert argv[:2] == ["exec", "scd-serve"], script
@@ -87,6 +92,7 @@ def test_models_and_method_are_overridable():
     assert decode[decode.index("--model") + 1] == "/models/user/c"
     assert decode[decode.index("--codebook") + 1] == "/models/user/cb"
     assert decode[decode.index("--method") + 1] == "raw"
+    assert "--method" not in worker_argv("decode", {}), "unset: the worker picks scd or raw itself"
     mounts = [interpolate(v, {"SCD_MODELS_DIR": "/srv/m"}) for v in SERVICES["decode"]["volumes"]]
     assert "/srv/m:/models/user:ro" in mounts
     text = (ROOT / "docker-compose.yml").read_text()
