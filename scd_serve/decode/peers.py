@@ -21,6 +21,7 @@ from scd_serve.decode.compat import compat_problems
 from scd_serve.transport.client import PrefillClient
 
 log = logging.getLogger("scd_serve.decode")
+MISSES_BEFORE_DOWN = 2
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Peer:
     info: object | None = None  # pb.InfoReply once the handshake succeeded
     problem: str = "not connected yet"  # "" = usable
     load: dict = field(default_factory=dict)
+    missed_checks: int = 0  # consecutive failed health checks
 
     @property
     def usable(self) -> bool:
@@ -85,7 +87,12 @@ class PeerSet:
         if not peer.usable:  # incompatible ones too: the operator may have restarted them fixed
             await self.handshake(peer)
             return
-        if not await peer.client.serving(timeout=self.config.health_period_s):
+        if await peer.client.serving(timeout=self.config.health_period_s):
+            peer.missed_checks = 0
+            return
+        # one slow answer on a loaded machine is not a dead peer; two in a row are
+        peer.missed_checks += 1
+        if peer.missed_checks >= MISSES_BEFORE_DOWN:
             peer.problem = "health check failed"
             log.warning("prefill %s stopped answering health checks", peer.address)
 

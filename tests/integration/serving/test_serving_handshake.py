@@ -77,6 +77,8 @@ async def test_reconnect_after_restart_makes_peer_ready_again(rt):
         assert peers.ready()
         await node.stop()
         await peers.check_all()
+        assert peers.ready()  # one missed check is tolerated (a slow answer under load)
+        await peers.check_all()
         assert not peers.ready() and "health check failed" in peers.why_not_ready()
         await peers.check_all()
         assert "unreachable" in peers.why_not_ready()

@@ -54,7 +54,9 @@ async def test_registry_peer_list_adds_handshakes_and_drops(rt):
         await peers.check_all()
         assert list(peers.peers) == ["10.0.0.1:1"] and peers.ready()
         assert peers.choose("identity", 4).load == {"running": 3}
-        fakes["10.0.0.1:1"].up = False  # it dies: the health round notices
+        fakes["10.0.0.1:1"].up = False  # it dies: one missed check is tolerated, two mark it down
+        await peers.check_all()
+        assert peers.ready()
         await peers.check_all()
         assert not peers.ready() and "health check failed" in peers.why_not_ready()
         peers.update_from_registry([])  # the registry dropped it
