@@ -63,7 +63,7 @@ class PairConfig:
         max_len=512, ramp_frac=0.4, long_frac=0.05, long_len=1024, warmup=20, lm_weight=0.05,
         copy_frac=0.25))
     consumer: StageConfig = field(default_factory=lambda: StageConfig(
-        style="expert", steps=150, lr=2e-3, batch_tokens=4096, min_len=128, start_max_len=512,
+        style="expert", steps=120, lr=5e-4, batch_tokens=4096, min_len=128, start_max_len=512,
         max_len=1024, ramp_frac=0.2, long_frac=0.1, long_len=2048, warmup=20, lm_weight=0.05,
         copy_frac=0.1))
 
