@@ -1,7 +1,8 @@
 """The few model facts a codec needs, read from a runtime, a ModelSpec, an HF config or a dict.
 
-The producer builds its half of a codec from specs alone (no consumer weights), so the codec
-carries its own rotary math for whichever side has no runtime at hand.
+The producer builds its half of a codec from specs alone (no consumer weights), so for
+whichever side has no runtime at hand the codec rotates with `model.rope.Rotary` built
+from the spec's rope_theta.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from scd_serve.errors import CodebookError
+from scd_serve.model.rope import Rotary
 
 
 @dataclass(frozen=True)
@@ -72,28 +74,13 @@ def spec_of(model: Any) -> CodecSpec:
                      fingerprint if isinstance(fingerprint, str) else None)
 
 
-def _cos_sin(spec: CodecSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Llama convention: inv_freq over even dims, duplicated halves (rotate_half layout).
-    half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** half)
-    freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, hd]
-    return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
 def rotate(spec: CodecSpec, k: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Apply (or undo) this spec's RoPE. k: [T, kvh, hd]; positions: [T] -> [T, kvh, hd]."""
-    cos, sin = _cos_sin(spec, positions)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over kv heads
-    if inverse:
-        sin = -sin
-    x = k.to(torch.float64)
-    return (x * cos + _rotate_half(x) * sin).to(k.dtype)
+    """Apply (or undo) this spec's default RoPE with the runtime's own rotary code.
+    k: [T, kvh, hd]; positions: [T] -> [T, kvh, hd]."""
+    half = torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim
+    rotary = Rotary(1.0 / spec.rope_theta**half, 1.0, k.device, torch.float32)
+    x = k.float()
+    return (rotary.unrotate(x, positions) if inverse else rotary.rotate(x, positions)).to(k.dtype)
 
 
 def rotate_with(model: Any, spec: CodecSpec, k: torch.Tensor, positions: torch.Tensor,

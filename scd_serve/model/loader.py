@@ -93,6 +93,6 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     weights = group(found, spec, dev, dtype)
     del found
     inv_freq, scaling = inv_freq_and_scaling(spec, cfg)
-    rotary = Rotary(inv_freq, scaling, spec.max_position_embeddings, dev, dtype)
+    rotary = Rotary(inv_freq, scaling, dev, dtype)
     fingerprint = f"{spec.family}-{digest[:16]}"
     return Loaded(root, spec, weights, rotary, fingerprint, load_tokenizer(root), cfg)

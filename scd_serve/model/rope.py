@@ -36,10 +36,9 @@ def inv_freq_and_scaling(spec: ModelSpec, cfg: dict[str, Any]) -> tuple[torch.Te
 class Rotary:
     """cos/sin computed per call from positions, as transformers does (no table to size)."""
 
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, device, dtype):
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, device, dtype):
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)  # [hd/2]
         self.scaling = scaling
-        self.max_positions = max_positions
         self.dtype = dtype
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
