@@ -2,7 +2,7 @@
 
     codec = build("raw", producer=rt_a, consumer=rt_b)      # runtimes or their specs
     code = codec.encode_layer(layer, state)                 # producer: dict[str, Tensor]
-    k_pre, v = codec.decode_layer(layer, code, rt_b)        # consumer, then rt_b.write_kv(...)
+    k_pre, v = codec.decode_layer(layer, code, rt_b, tokens=ids)  # consumer; then rt_b.write_kv
 
 `METHODS` lists the names `build` accepts. The producer can build its half with specs only
 (the codebook carries the producer encoders); the consumer passes its runtime to decode.

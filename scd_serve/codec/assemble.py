@@ -15,8 +15,9 @@ from scd_serve.codec.spec import CodecSpec
 def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: CodecSpec, consumer: CodecSpec,
                    extra: dict[str, Any] | None = None) -> Codebook:
     """Encoders are stored at the widest rank any plan uses (their columns nest); decoders and
-    aligners per rank used."""
+    aligners per rank used; token priors (fp16 tables) for the streams any plan uses."""
     tensors: dict[str, torch.Tensor] = {}
+    prior: dict[str, int] | None = None
     for plan in plans.values():
         for i, lp in enumerate(plan.layers):
             streams = [("k", lp.r_k), ("v", lp.r_v)] if lp.mode == REUSE else [("h", lp.r_h)]
@@ -25,6 +26,12 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
                 width = max(r, tensors[f"{p}.enc"].shape[1] if f"{p}.enc" in tensors else 0)
                 tensors[f"{p}.enc"] = jc.enc[:, :width].float().contiguous()
                 tensors[f"{p}.mu_a"] = jc.mu_a.float()
+                if s in fits[i].priors:
+                    tables, bias = fits[i].priors[s]
+                    tensors[f"{p}.prior"] = tables.to(torch.float16).contiguous()
+                    tensors[f"{p}.prior_bias"] = bias.float()
+                    vocab = fits[i].prior_vocab
+                    prior = {"taps": tables.shape[0] // (vocab + 1), "vocab": vocab}
                 if s == "h":
                     for name, t in fits[i].aligners[r].tensors().items():
                         tensors[f"{p}.g.r{r}.{name}"] = t
@@ -36,6 +43,6 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
         "consumer": consumer.to_dict(),
         "plans": {name: plan.to_json() for name, plan in plans.items()},
         "code_dtypes": {"reuse": "float16", "scd": "float16", "scd-int8": "int8+float16 scales"},
-    } | (extra or {})
+    } | ({"prior": prior} if prior else {}) | (extra or {})
     book = Codebook(manifest, tensors)
     return book

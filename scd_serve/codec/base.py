@@ -3,7 +3,8 @@
 A codec has two halves. The producer calls `encode_layer(layer, state)` on each layer's
 state as soon as the layer is done and ships the returned dict of tensors; the consumer
 calls `decode_layer(layer, code, consumer)` and writes the returned (k_pre, v) with
-`consumer.write_kv`, which applies the consumer's own RoPE. Keys cross the codec in
+`consumer.write_kv`, which applies the consumer's own RoPE. The consumer passes the
+transferred prompt's token ids as `tokens=` (it holds them; SCD's token priors read them). Keys cross the codec in
 pre-RoPE form at the consumer's side: decode returns keys that, rotated by the consumer,
 give what the method intends the consumer to attend to.
 
@@ -34,9 +35,12 @@ class TransferCodec(Protocol):
     def encode_layer(self, layer: int, state: Any) -> dict[str, torch.Tensor]:
         """Producer side. state: keys [T,kvh,hd] pre-RoPE, values [T,kvh,hd], attn_input [T,hidden]."""
 
-    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor],
-                     consumer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Consumer side -> (k_pre [T,kvh,hd], v [T,kvh,hd]) for consumer.write_kv."""
+    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
+                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consumer side -> (k_pre [T,kvh,hd], v [T,kvh,hd]) for consumer.write_kv.
+
+        tokens: the transferred prompt's token ids [T]; the decode side always holds them,
+        and codecs whose decoders use them (SCD with token priors) need them."""
 
 
 def state_field(state: Any, name: str) -> torch.Tensor:

@@ -33,8 +33,8 @@ class IdentityCodec:
         v = state_field(state, VALUES).float()
         return check_code({"k": k, "v": v})
 
-    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor],
-                     consumer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
+                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return to_consumer(code["k"], consumer), to_consumer(code["v"], consumer)
 
 
@@ -58,8 +58,8 @@ class RawCodec:
         k_post = rotate_with(self.producer, self.producer_spec, k_pre.float(), pos)
         return check_code({"k": k_post.to(self.dtype), "v": state_field(state, VALUES).to(self.dtype)})
 
-    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor],
-                     consumer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
+                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         k_post = to_consumer(code["k"], consumer)
         pos = positions_for(k_post.shape[0]).to(k_post.device)
         k_pre = unrotate_for_consumer(consumer, k_post, pos)

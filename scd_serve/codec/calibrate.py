@@ -21,7 +21,8 @@ from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.candidates import Candidates
 from scd_serve.codec.curve import plot_tradeoff
-from scd_serve.codec.fit import collect_rows, fit_layer, train_aligner
+from scd_serve.codec.fit import collect_rows, fit_layer, subtract_priors, train_aligner
+from scd_serve.codec.prior import PriorFit
 from scd_serve.codec.probe import KLProbe, make_examples
 from scd_serve.codec.search import PlanSearch, SearchPoint
 from scd_serve.codec.spec import spec_of
@@ -50,7 +51,7 @@ def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]
     def rebuild(ex, layer):
         code = codec.encode_layer(layer, ex.producer[layer])
         nbytes["n"] += payload_bytes(code)
-        return codec.decode_layer(layer, code, consumer)
+        return codec.decode_layer(layer, code, consumer, tokens=ex.tokens)
 
     layers = range(spec_of(consumer).num_layers)
     kl = probe.measure({i: rebuild for i in layers})
@@ -70,10 +71,17 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     started, num_layers = time.time(), cspec.num_layers
     kv_grid = rank_grid(cspec.kv_width, KV_FRACTIONS)
     h_grid = rank_grid(cspec.hidden_size, H_FRACTIONS)
+    vocab = consumer.spec.vocab_size if cfg.prior_taps else 0
+    prior_fit = PriorFit(vocab, cfg.prior_taps) if cfg.prior_taps else None
     with tqdm(total=len(fit_prompts), desc="collect states", disable=not show_progress) as bar:
-        rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update)
-    fits = [fit_layer(r, cspec.kv_width, h_grid, cfg.aligner_width)
-            for r in tqdm(rows, desc="fit layers", disable=not show_progress)]
+        rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update, prior=prior_fit)
+    priors = prior_fit.solve(cfg.prior_ridge) if prior_fit else {}
+    fits = []
+    for layer, r in enumerate(tqdm(rows, desc="fit layers", disable=not show_progress)):
+        mine = {s: priors[(layer, s)] for s in "kvh" if (layer, s) in priors}
+        rows[layer] = r = subtract_priors(r, mine) if mine else r
+        fits.append(fit_layer(r, cspec.kv_width, h_grid, cfg.aligner_width))
+        fits[-1].priors, fits[-1].prior_vocab = mine, vocab
     h_rows = [r["h"] for r in rows]
     del rows
     probe = KLProbe(consumer, make_examples(producer, consumer, probe_pairs, tail=cfg.probe_tail))
@@ -103,10 +111,12 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         else:
             stats_kl = kl_mlp
     ds_layers = droidspeak_layers(probe, cands, num_layers, max(1, len(plan.patch_layers)))
+    # zero payload: what the consumer's token priors alone rebuild (how much the codes add)
+    prior_only_kl = probe.measure({i: cands.prior_only for i in range(num_layers)}) if priors else None
     stats = {
         "kl_budget": cfg.kl_budget, "config": asdict(cfg), "feasible": best.feasible, "plan_kl": stats_kl,
         "probe_positions": probe.num_positions, "fit_prompts": len(fit_prompts),
-        "kv_rank_grid": kv_grid, "h_rank_grid": h_grid,
+        "kv_rank_grid": kv_grid, "h_rank_grid": h_grid, "prior_only_kl": prior_only_kl,
         "patch_benefit": {str(k): v for k, v in benefit.items()},
         "curve": [{"patches": p.num_patches, "patch_layers": list(p.plan.patch_layers),
                    "code_width": p.plan.code_width(), "kl": p.kl, "kl_full_rank": p.kl_full_rank,
@@ -161,6 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-patches", type=int, default=None, help="most patch layers tried (default L/2)")
     parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")
     parser.add_argument("--aligner-steps", type=int, default=300)
+    parser.add_argument("--prior-taps", type=int, default=3,
+                        help="prompt tokens (current and previous) the consumer's token prior reads; 0: codes only")
+    parser.add_argument("--prior-ridge", type=float, default=0.1, help="ridge of the token prior, in token counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", required=True, help="codebook directory to write")
@@ -171,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = CalibrateConfig(kl_budget=args.kl_budget, num_prompts=args.num_prompts,
                           num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
-                          max_patches=args.max_patches, aligner_steps=args.aligner_steps, seed=args.seed)
+                          max_patches=args.max_patches, aligner_steps=args.aligner_steps, seed=args.seed,
+                          prior_taps=args.prior_taps, prior_ridge=args.prior_ridge)
     torch.manual_seed(cfg.seed)
     producer = ModelRuntime.load(args.producer, device=args.device)
     consumer = ModelRuntime.load(args.consumer, device=args.device)

@@ -11,6 +11,7 @@ import torch
 from scd_serve.codec.base import positions_for
 from scd_serve.codec.fit import LayerFit, code_rows
 from scd_serve.codec.plan import REUSE, LayerPlan
+from scd_serve.codec.prior import apply_prior, context_ids
 from scd_serve.codec.probe import Example, LayerKV
 from scd_serve.codec.spec import CodecSpec, rotate_with, spec_of
 
@@ -23,6 +24,7 @@ class Candidates:
         self.pspec: CodecSpec = spec_of(producer)
         self.cspec: CodecSpec = spec_of(consumer)
         self._decoders: dict[tuple[int, str, int], Tensor] = {}
+        self._ctx: dict[int, Tensor] = {}  # id(example) -> token contexts [P, taps]
 
     def _shape(self, x: Tensor) -> Tensor:
         return x.reshape(x.shape[0], self.cspec.num_kv_heads, self.cspec.head_dim)
@@ -33,19 +35,30 @@ class Candidates:
             self._decoders[key] = self.fits[layer].codes[s].decoder(rank).float()
         return self._decoders[key]
 
+    def prior(self, ex: Example, layer: int, s: str) -> Tensor | float:
+        """The token prior of stream s on this example's prefix: [P, dB], or 0 without one."""
+        if s not in self.fits[layer].priors:
+            return 0.0
+        tables, bias = self.fits[layer].priors[s]
+        if id(ex) not in self._ctx:
+            taps = tables.shape[0] // (self.fits[layer].prior_vocab + 1)
+            self._ctx[id(ex)] = context_ids(ex.tokens.cpu(), taps, self.fits[layer].prior_vocab)
+        return apply_prior(tables, bias, self._ctx[id(ex)]).float()
+
     def reuse_stream(self, ex: Example, layer: int, s: str, rank: int) -> Tensor:
         """Consumer-side pre-RoPE keys (s='k') or values (s='v') rebuilt from a rank-r code."""
         jc = self.fits[layer].codes[s]
         a = getattr(ex.producer[layer], "keys" if s == "k" else "values")
         z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
-        out = self._shape(z @ self.decoder(layer, s, rank) + jc.mu_b.float())
+        out = self._shape(z @ self.decoder(layer, s, rank) + jc.mu_b.float() + self.prior(ex, layer, s))
         return out.to(a.device)
 
     def patch(self, ex: Example, layer: int, rank: int) -> tuple[Tensor, Tensor]:
         jc, g = self.fits[layer].codes["h"], self.fits[layer].aligners[rank]
         z = code_rows(jc, ex.producer[layer].attn_input.double(), rank)
         with torch.no_grad():
-            return self.consumer.recompute_kv(layer, g(z).to(_dtype(self.consumer)))  # moved by the runtime
+            h = g(z) + self.prior(ex, layer, "h")  # [P, hidden] consumer H_in estimate
+            return self.consumer.recompute_kv(layer, h.to(_dtype(self.consumer)))  # moved by the runtime
 
     # ---- LayerKV factories for the probe ------------------------------------------------
     def layer_kv(self, lp: LayerPlan) -> LayerKV:
@@ -60,6 +73,11 @@ class Candidates:
         if s == "v":
             return lambda ex, layer: (ex.consumer[layer].keys, self.reuse_stream(ex, layer, "v", rank))
         return lambda ex, layer: self.patch(ex, layer, rank)
+
+    def prior_only(self, ex: Example, layer: int) -> tuple[Tensor, Tensor]:
+        """K/V from the consumer's token priors and means alone (no code: zero payload)."""
+        k, v = (self._shape(self.fits[layer].codes[s].mu_b.float() + self.prior(ex, layer, s)) for s in "kv")
+        return k.to(ex.consumer[layer].keys.device), v.to(ex.consumer[layer].keys.device)
 
     def raw(self, ex: Example, layer: int) -> tuple[Tensor, Tensor]:
         """The producer's post-RoPE keys and values in fp16, as the consumer stores them."""

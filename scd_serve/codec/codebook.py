@@ -7,6 +7,8 @@ Layout of a codebook directory:
                          layers.L.s.mu_a [dA], layers.L.s.enc [dA, R]      (producer side)
                          layers.L.s.mu_b [dB], layers.L.s.dec.rR [R, dB]   (consumer side, k and v)
                          layers.L.h.g.rR.<param>                           (consumer aligner)
+                         layers.L.s.prior [taps * (vocab + 1), dB], .prior_bias [dB]
+                                                                   (consumer token prior, optional)
 Loading checks the version, the file's integrity, every tensor's shape against the plans
 and, when models are given, their fingerprints and shapes; each failure is a CodebookError
 that names what differs.
@@ -56,6 +58,15 @@ class Codebook:
         return Plan.from_json(plans[name])
 
     @property
+    def prior(self) -> dict[str, int] | None:
+        """{"taps", "vocab"} when the decoders add token priors (codec/prior.py), else None."""
+        return self.manifest.get("prior")
+
+    def prior_tensors(self, layer: int, stream: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        name = f"layers.{layer}.{stream}.prior"
+        return (self.tensors[name], self.tensor(f"{name}_bias")) if name in self.tensors else None
+
+    @property
     def droidspeak_layers(self) -> list[int] | None:
         return self.manifest.get("droidspeak_layers")
 
@@ -98,6 +109,9 @@ class Codebook:
                         shapes[f"{p}.g.r{r}.linear.weight"] = (db, r)
                     else:
                         shapes[f"{p}.mu_b"], shapes[f"{p}.dec.r{r}"] = (db,), (r, db)
+                    if self.prior and f"{p}.prior" in self.tensors:
+                        rows = self.prior["taps"] * (self.prior["vocab"] + 1)
+                        shapes[f"{p}.prior"], shapes[f"{p}.prior_bias"] = (rows, db), (db,)
         return shapes
 
     def validate(self) -> None:

@@ -42,10 +42,10 @@ class DroidSpeakCodec:
             return self.raw.encode_layer(layer, state)
         return check_code({"h": state_field(state, ATTN_INPUT).to(self.dtype)})  # h: [T, hidden]
 
-    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor],
-                     consumer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
+                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if "h" not in code:
-            return self.raw.decode_layer(layer, code, consumer)
+            return self.raw.decode_layer(layer, code, consumer, tokens)
         return consumer.recompute_kv(layer, to_consumer(code["h"], consumer, _compute_dtype(consumer)))
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from scd_serve.codec.lowrank import Aligner, JointCode, fit_aligner, fit_joint
+from scd_serve.codec.prior import PriorFit, apply_prior
 
 Tensor = torch.Tensor
 STREAMS = ("k", "v", "h")
@@ -23,18 +24,30 @@ class LayerFit:
     codes: dict[str, JointCode]  # stream -> joint code (k, v: pre-RoPE K and V; h: H_in)
     aligners: dict[int, Aligner] = field(default_factory=dict)  # r_h -> g
     aligner_err: dict[int, float] = field(default_factory=dict)  # r_h -> relative L2 error
+    # stream -> token prior (tables [taps * (vocab + 1), dB], bias [dB]); codes carry B - prior
+    priors: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    prior_vocab: int = 0  # token ids below this have their own table rows (the pad is vocab)
 
 
 def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_rows: int,
-                 seed: int = 0, progress: Callable[[], None] | None = None) -> list[dict[str, tuple[Tensor, Tensor]]]:
-    """-> per layer {stream: (A rows [N, dA], B rows [N, dB])}, at most max_rows rows, float32."""
+                 seed: int = 0, progress: Callable[[], None] | None = None,
+                 prior: PriorFit | None = None) -> list[dict[str, Any]]:
+    """-> per layer {stream: (A rows [N, dA], B rows [N, dB])}, at most max_rows rows, float32.
+
+    With `prior`, every position (not only the sampled rows) is counted into its normal
+    equations for targets (layer, stream), and each layer's dict also holds "ctx": the
+    sampled rows' token contexts [N, taps]."""
     prompts = [torch.as_tensor(p).long() for p in prompts]
     per_prompt = max(1, max_rows // max(len(prompts), 1))
     gen = torch.Generator().manual_seed(seed)
     parts: list[dict[str, tuple[list, list]]] = []
+    ctx_parts: list[Tensor] = []
     for ids in prompts:
         t = ids.shape[0]
         idx = torch.randperm(t, generator=gen)[: min(per_prompt, t)].sort().values
+        if prior is not None:
+            ctx = prior.add_tokens(ids)
+            ctx_parts.append(ctx[idx])
         states = zip(producer.iter_prefill(ids, compute_logits=False), consumer.iter_prefill(ids, compute_logits=False))
         for (layer, sa), (_, sb) in states:
             if len(parts) <= layer:
@@ -43,9 +56,25 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
                 a, b = getattr(sa, _FIELDS[s]), getattr(sb, _FIELDS[s])
                 parts[layer][s][0].append(a.reshape(t, -1)[idx.to(a.device)].float().cpu())
                 parts[layer][s][1].append(b.reshape(t, -1)[idx.to(b.device)].float().cpu())
+                if prior is not None:
+                    prior.add_target((layer, s), ctx, b.reshape(t, -1))
         if progress:
             progress()
-    return [{s: (torch.cat(a), torch.cat(b)) for s, (a, b) in layer.items()} for layer in parts]
+    rows = [{s: (torch.cat(a), torch.cat(b)) for s, (a, b) in layer.items()} for layer in parts]
+    if prior is not None:
+        ctx_rows = torch.cat(ctx_parts)
+        for layer in rows:
+            layer["ctx"] = ctx_rows
+    return rows
+
+
+def subtract_priors(rows: dict[str, Any], priors: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Any]:
+    """One layer's rows with each consumer block B replaced by B - prior (what codes carry)."""
+    out = dict(rows)
+    for s, (tables, bias) in priors.items():
+        a, b = rows[s]
+        out[s] = (a, b - apply_prior(tables, bias, rows["ctx"]).to(b.dtype))
+    return out
 
 
 def code_rows(jc: JointCode, a: Tensor, rank: int) -> Tensor:

@@ -26,6 +26,7 @@ class Example:
     producer: list[Any]  # per layer LayerState of the producer over the prefix
     consumer: list[Any]  # per layer LayerState of the consumer over the prefix (oracle)
     oracle_logits: Tensor  # [n, vocab]
+    tokens: Tensor | None = None  # [P] the transferred prompt tokens (for token priors)
     pool: Any = None
     blocks: list[int] | None = None
 
@@ -57,7 +58,7 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
         for layer, s in enumerate(states_b):
             consumer.write_kv(pool, blocks, layer, s.keys, s.values)
         logits = consumer.extend(pool, [(blocks, p, feed)])[0]
-        out.append(Example(p, feed, states_a, states_b, logits, pool, blocks))
+        out.append(Example(p, feed, states_a, states_b, logits, prompt[:p], pool, blocks))
     return out
 
 

@@ -86,8 +86,8 @@ class QuantCodec:
             "vq": pack(vq, self.bits), "vs": vs[:, 0], "vm": vm[:, 0],
         })
 
-    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor],
-                     consumer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
+                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.group
         vq = unpack(to_consumer(code["vq"], consumer, torch.uint8), self.bits).float()  # [T, d]
         t, d = vq.shape

@@ -5,6 +5,8 @@ consumer rebuilds k_pre,B = z_k Dec_B + mu_b (pre-RoPE; write_kv applies the con
 Patch layer: the producer sends z_h = (H_in,A - mu_a) Enc_h; the consumer maps it with its
 aligner g to its own H_in,B and recomputes the layer's K/V with its own weights.
 Codes ship as fp16, or as int8 with one fp16 scale per code channel (absmax over the tokens).
+Where the codebook has token priors (prior.py), the consumer adds prior(prompt tokens) to
+each rebuilt stream; the codes carry only the rest.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from scd_serve.codec.base import ATTN_INPUT, KEYS, VALUES, check_code, state_fie
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.plan import REUSE, Plan
+from scd_serve.codec.prior import apply_prior, context_ids
+from scd_serve.errors import CodebookError
 
 
 def quantize_int8(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +45,7 @@ class ScdCodec:
         self._enc: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._dec: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._aligners: dict[int, Aligner] = {}
+        self._priors: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def states_needed(self, layer: int) -> frozenset[str]:
         return frozenset({KEYS, VALUES}) if self.plan.layers[layer].mode == REUSE else frozenset({ATTN_INPUT})
@@ -97,8 +102,26 @@ class ScdCodec:
             self._aligners[layer] = Aligner.from_tensors(t).to(device)
         return self._aligners[layer]
 
-    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor],
-                     consumer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prior(self, layer: int, s: str, tokens: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | float:
+        """The token prior of stream s for the prompt tokens: [T, dB], or 0 without one."""
+        key = (layer, s, like.device)
+        if key not in self._priors:
+            found = self.codebook.prior_tensors(layer, s)
+            self._priors[key] = found and tuple(t.to(like.device, torch.float32) for t in found)
+        if self._priors[key] is None:
+            return 0.0
+        if tokens is None:
+            raise CodebookError(f"codebook '{self.codebook_id}' decodes with token priors: "
+                                "decode_layer needs the prompt's token ids (tokens=)")
+        tokens = torch.as_tensor(tokens).reshape(-1)
+        if tokens.shape[0] != like.shape[0]:
+            raise CodebookError(f"decode_layer got {tokens.shape[0]} token ids for a code of {like.shape[0]} tokens")
+        ctx = context_ids(tokens.to(like.device), self.codebook.prior["taps"], self.codebook.prior["vocab"])
+        return apply_prior(*self._priors[key], ctx)
+
+    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
+                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens: the prompt's token ids [T] (needed when the codebook has token priors)."""
         lp = self.plan.layers[layer]
         spec = self.codebook.side_spec("consumer")
         if lp.mode == REUSE:
@@ -106,10 +129,11 @@ class ScdCodec:
             for s, rank in (("k", lp.r_k), ("v", lp.r_v)):
                 z = self._unpack(code, f"z{s}", consumer)  # [T, r]
                 dec, mu = self._decoder(layer, s, rank, z.device)
-                out.append((z @ dec + mu).reshape(z.shape[0], spec.num_kv_heads, spec.head_dim))
+                b = z @ dec + mu + self._prior(layer, s, tokens, z)  # [T, dB]
+                out.append(b.reshape(z.shape[0], spec.num_kv_heads, spec.head_dim))
             return out[0], out[1]
         z = self._unpack(code, "zh", consumer)
         with torch.no_grad():
-            h = self._aligner(layer, lp.r_h, z.device)(z)  # [T, hidden] consumer's H_in estimate
+            h = self._aligner(layer, lp.r_h, z.device)(z) + self._prior(layer, "h", tokens, z)  # [T, hidden] H_in,B
         dtype = getattr(consumer, "dtype", torch.float32)
         return consumer.recompute_kv(layer, h.to(dtype if isinstance(dtype, torch.dtype) else torch.float32))

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def rebuild(c=c, codes=codes):
             for layer, code in enumerate(codes):
-                k, v = c.decode_layer(layer, code, rt_b)
+                k, v = c.decode_layer(layer, code, rt_b, tokens=ids)
                 rt_b.write_kv(pool, blocks, layer, k, v)
 
         t = _median_s(rebuild, args.repeat)

@@ -26,6 +26,10 @@ class CalibrateConfig:
     # Adam steps and hidden width of each patch aligner MLP (0 steps: linear aligner only).
     aligner_steps: int = 300
     aligner_width: int = 128
+    # Token prior (codec/prior.py): how many recent prompt tokens it reads (0: none), and its
+    # ridge in token counts.
+    prior_taps: int = 3
+    prior_ridge: float = 0.1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -35,6 +39,10 @@ class CalibrateConfig:
                      "num_profile_prompts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.prior_taps <= 8:
+            raise ConfigError(f"prior_taps must be in [0, 8], got {self.prior_taps}")
+        if self.prior_ridge <= 0:
+            raise ConfigError(f"prior_ridge must be > 0, got {self.prior_ridge}")
         if self.aligner_steps < 0:
             raise ConfigError(f"aligner_steps must be >= 0, got {self.aligner_steps}")
         if self.max_patches is not None and self.max_patches < 0:

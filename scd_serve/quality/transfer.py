@@ -47,7 +47,7 @@ def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens:
             code = codec.encode_layer(layer, state)  # producer side, not timed as rebuild
             nbytes += payload_bytes(code)
             start = time.perf_counter()
-            k_pre, v = codec.decode_layer(layer, code, rt_b)  # k_pre, v: [T, kv_heads, head_dim]
+            k_pre, v = codec.decode_layer(layer, code, rt_b, tokens=prefix)  # k_pre, v: [T, kv_heads, head_dim]
             rt_b.write_kv(pool, blocks, layer, k_pre, v)
             rebuild += time.perf_counter() - start
     return Handoff(pool, blocks, prefix.shape[0], nbytes, rebuild)

@@ -44,9 +44,16 @@ def test_load_round_trip_and_fingerprints(calibrated):
     assert book.manifest["producer"]["fingerprint"] == producer.fingerprint
     assert book.plan("scd") == result.codebook.plan("scd")
     c = codec.build("scd", producer=producer, consumer=consumer, codebook=path)
-    state = next(iter(producer.iter_prefill(prompts(1, 20)[0][0], compute_logits=False)))[1]
-    k, v = c.decode_layer(0, c.encode_layer(0, state), consumer)
+    ids = prompts(1, 20)[0][0]
+    state = next(iter(producer.iter_prefill(ids, compute_logits=False)))[1]
+    assert book.prior is not None  # calibration fits token priors by default
+    k, v = c.decode_layer(0, c.encode_layer(0, state), consumer, tokens=ids)
     assert k.shape == state.keys.shape and torch.isfinite(k).all()
+    # the decoder reads the prompt's tokens: without them, or with the wrong count, a clear error
+    with pytest.raises(CodebookError, match="token ids"):
+        c.decode_layer(0, c.encode_layer(0, state), consumer)
+    with pytest.raises(CodebookError, match="token ids for a code of"):
+        c.decode_layer(0, c.encode_layer(0, state), consumer, tokens=ids[:-1])
 
 
 def test_refuses_other_models(calibrated):
