@@ -29,9 +29,10 @@ _FACTORIES = {
     "reuse": lambda producer, consumer, codebook: _scd("reuse", producer, consumer, codebook),
     "scd": lambda producer, consumer, codebook: _scd("scd", producer, consumer, codebook),
     "scd-int8": lambda producer, consumer, codebook: _scd("scd-int8", producer, consumer, codebook),
+    "prior-only": lambda producer, consumer, codebook: _scd("prior-only", producer, consumer, codebook),
 }
 # methods that cannot work without a calibrated codebook
-NEEDS_CODEBOOK = frozenset({"reuse", "scd", "scd-int8"})
+NEEDS_CODEBOOK = frozenset({"reuse", "scd", "scd-int8", "prior-only"})
 
 
 def _droidspeak(producer: Any, consumer: Any, codebook: Any) -> DroidSpeakCodec:
@@ -46,10 +47,14 @@ def _droidspeak(producer: Any, consumer: Any, codebook: Any) -> DroidSpeakCodec:
 
 def _scd(method: str, producer: Any, consumer: Any, codebook: Any) -> ScdCodec:
     book = as_codebook(codebook, producer, consumer)
+    if method == "prior-only":
+        return ScdCodec(method, book, book.plan("reuse"), codes=False)
     plan_name = method if method in book.manifest.get("plans", {}) or method != "scd-int8" else "scd"
     return ScdCodec(method, book, book.plan(plan_name), int8=method.endswith("int8"))
 
-METHODS: list[str] = list(_FACTORIES)
+# What serving offers; ABLATIONS are built by name for the eval table only.
+ABLATIONS: list[str] = ["prior-only"]
+METHODS: list[str] = [m for m in _FACTORIES if m not in ABLATIONS]
 
 
 def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any = None) -> TransferCodec:
@@ -62,5 +67,5 @@ def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any
     return factory(producer, consumer, codebook)
 
 
-__all__ = ["METHODS", "NEEDS_CODEBOOK", "build", "payload_bytes", "Codebook", "TransferCodec",
+__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "payload_bytes", "Codebook", "TransferCodec",
            "KEYS", "VALUES", "ATTN_INPUT"]

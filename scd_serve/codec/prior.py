@@ -89,5 +89,5 @@ class PriorFit:
 
 
 def apply_prior(tables: Tensor, bias: Tensor, ctx: Tensor) -> Tensor:
-    """tables [taps * (vocab + 1), d], ctx [T, taps] -> prior rows [T, d]."""
-    return tables[ctx].sum(dim=1) + bias
+    """tables [taps * (vocab + 1), d], ctx [T, taps] -> prior rows [T, d] (one fused gather-sum)."""
+    return torch.nn.functional.embedding_bag(ctx, tables, mode="sum") + bias

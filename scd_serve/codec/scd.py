@@ -31,13 +31,18 @@ def quantize_int8(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ScdCodec:
-    """One plan of a codebook, with 16-bit or int8 codes."""
+    """One plan of a codebook, with 16-bit or int8 codes.
+
+    codes=False is the zero-payload ablation `prior-only`: every layer rebuilt from the
+    consumer's means and token priors alone (the Reuse plan's tensors), nothing shipped."""
 
     def __init__(self, name: str, codebook: Codebook, plan: Plan, int8: bool = False,
-                 dtype: torch.dtype = torch.float16):
+                 dtype: torch.dtype = torch.float16, codes: bool = True):
         self.name = name
         self.version = f"{name}/{codebook.manifest.get('version')}/{codebook.manifest.get('tensors_sha256', '')[:12]}"
-        self.codebook, self.plan, self.int8, self.dtype = codebook, plan, int8, dtype
+        self.codebook, self.plan, self.int8, self.dtype, self.codes = codebook, plan, int8, dtype, codes
+        if not codes and codebook.prior is None:
+            raise CodebookError("prior-only needs a codebook with token priors (calibrate with --prior-taps > 0)")
         # for the serving handshake: which codebook, and which models it was fitted for
         self.codebook_id = codebook.manifest.get("tensors_sha256", "")[:16]
         self.producer_fingerprint = codebook.side_spec("producer").fingerprint or ""
@@ -68,6 +73,8 @@ class ScdCodec:
 
     def encode_layer(self, layer: int, state: Any) -> dict[str, torch.Tensor]:
         lp = self.plan.layers[layer]
+        if not self.codes:
+            return {}
         if lp.mode == REUSE:
             streams = [("k", KEYS, lp.r_k), ("v", VALUES, lp.r_v)]
         else:
@@ -124,6 +131,13 @@ class ScdCodec:
         """tokens: the prompt's token ids [T] (needed when the codebook has token priors)."""
         lp = self.plan.layers[layer]
         spec = self.codebook.side_spec("consumer")
+        if not self.codes:
+            if tokens is None:
+                raise CodebookError("prior-only rebuilds from the prompt's token ids: pass tokens=")
+            like = to_consumer(torch.empty(len(tokens), 0), consumer)  # [T, 0]: the length and device
+            return tuple(  # type: ignore[return-value]
+                (self.codebook.tensor(f"layers.{layer}.{s}.mu_b").to(like.device) + self._prior(layer, s, tokens, like))
+                .reshape(like.shape[0], spec.num_kv_heads, spec.head_dim) for s in "kv")
         if lp.mode == REUSE:
             out = []
             for s, rank in (("k", lp.r_k), ("v", lp.r_v)):

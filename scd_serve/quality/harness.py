@@ -136,8 +136,11 @@ def table_methods(codebook) -> list[tuple[str, str | None]]:
     from scd_serve import codec as codecs
 
     needs = getattr(codecs, "NEEDS_CODEBOOK", frozenset())
-    return [(ORACLE, None)] + [(m, "needs --codebook" if m in needs and codebook is None else None)
+    rows = [(ORACLE, None)] + [(m, "needs --codebook" if m in needs and codebook is None else None)
                                for m in codecs.METHODS]
+    if codebook is not None and codecs.Codebook.load(codebook).prior:  # zero-payload ablation
+        rows += [(m, None) for m in codecs.ABLATIONS]
+    return rows
 
 
 def format_table(rows: list[dict]) -> str:

@@ -106,3 +106,15 @@ def test_methods_without_codebook_and_bad_budget(calibrated):
         codec.build("scd", producer=producer, consumer=consumer)
     with pytest.raises(ConfigError, match="kl_budget"):
         CalibrateConfig(kl_budget=0)
+
+
+def test_prior_only_ablation_ships_nothing_and_is_not_served(calibrated):
+    producer, consumer, _, path = calibrated
+    assert "prior-only" not in codec.METHODS and "prior-only" in codec.ABLATIONS
+    c = codec.build("prior-only", producer=producer, consumer=consumer, codebook=path)
+    ids = prompts(1, 20)[0][0]
+    state = next(iter(producer.iter_prefill(ids, compute_logits=False)))[1]
+    code = c.encode_layer(0, state)
+    assert codec.payload_bytes(code) == 0
+    k, v = c.decode_layer(0, code, consumer, tokens=ids)
+    assert k.shape == state.keys.shape and v.shape == state.values.shape
