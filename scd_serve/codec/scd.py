@@ -51,6 +51,7 @@ class ScdCodec:
         self._dec: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._aligners: dict[int, Aligner] = {}
         self._priors: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._last_context: tuple[Any, torch.device, torch.Tensor] | None = None
 
     def states_needed(self, layer: int) -> frozenset[str]:
         return frozenset({KEYS, VALUES}) if self.plan.layers[layer].mode == REUSE else frozenset({ATTN_INPUT})
@@ -120,11 +121,20 @@ class ScdCodec:
         if tokens is None:
             raise CodebookError(f"codebook '{self.codebook_id}' decodes with token priors: "
                                 "decode_layer needs the prompt's token ids (tokens=)")
-        tokens = torch.as_tensor(tokens).reshape(-1)
-        if tokens.shape[0] != like.shape[0]:
-            raise CodebookError(f"decode_layer got {tokens.shape[0]} token ids for a code of {like.shape[0]} tokens")
-        ctx = context_ids(tokens.to(like.device), self.codebook.prior["taps"], self.codebook.prior["vocab"])
-        return apply_prior(*self._priors[key], ctx)
+        return apply_prior(*self._priors[key], self._context(tokens, like))
+
+    def _context(self, tokens: Any, like: torch.Tensor) -> torch.Tensor:
+        """Token contexts [T, taps], computed once per prompt: every layer of a request passes
+        the same tokens object, so a one-slot cache keyed by identity serves them all."""
+        last = self._last_context  # read once: rebuild threads may replace it concurrently
+        if last is not None and last[0] is tokens and last[1] == like.device:
+            return last[2]
+        ids = torch.as_tensor(tokens).reshape(-1)
+        if ids.shape[0] != like.shape[0]:
+            raise CodebookError(f"decode_layer got {ids.shape[0]} token ids for a code of {like.shape[0]} tokens")
+        ctx = context_ids(ids.to(like.device), self.codebook.prior["taps"], self.codebook.prior["vocab"])
+        self._last_context = (tokens, like.device, ctx)
+        return ctx
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
                      tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
