@@ -97,7 +97,7 @@ class Probe:
                 payload += sum(len(t.data) for t in chunk.tensors)
                 r0 = time.perf_counter()
                 for layer in range(chunk.layer_start, chunk.layer_end):
-                    k_pre, v = codec.decode_layer(layer, decode_code(chunk.tensors, layer), self.rt)
+                    k_pre, v = codec.decode_layer(layer, decode_code(chunk.tensors, layer), self.rt, tokens=shipped)
                     self.rt.write_kv(pool, blocks, layer, k_pre, v)  # k_pre: [T-1, kvh, hd]
                 rebuild += time.perf_counter() - r0
             verifier.finish()

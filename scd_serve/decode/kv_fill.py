@@ -144,7 +144,7 @@ class RemoteKVFill:
                 elif verifier.on_chunk(msg.chunk):  # raises before anything is decoded
                     payload += sum(len(t.data) for t in msg.chunk.tensors)
                     encode_us += msg.chunk.encode_us
-                    fut = loop.run_in_executor(None, self._rebuild, msg.chunk, codec, sink)
+                    fut = loop.run_in_executor(None, self._rebuild, msg.chunk, codec, sink, tokens)
                     fut.add_done_callback(consume_exception)  # a rebuild left behind by a failure must not log
                     rebuilding.append(fut)
                     while rebuilding and (rebuilding[0].done() or len(rebuilding) > MAX_REBUILDS_AHEAD):
@@ -193,13 +193,13 @@ class RemoteKVFill:
             raise IncompatiblePeer(f"prefill {peer.address} sent codec_version {header.codec_version}, "
                                    f"this worker decodes {codec.version}")
 
-    def _rebuild(self, chunk, codec, sink) -> float:
+    def _rebuild(self, chunk, codec, sink, tokens: list[int]) -> float:
         """Worker thread: decode and write every layer of one verified chunk. -> seconds spent."""
         t0 = time.perf_counter()
         for layer in range(chunk.layer_start, chunk.layer_end):
             try:
                 code = decode_code(chunk.tensors, layer)
-                k_pre, v = codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd] each
+                k_pre, v = codec.decode_layer(layer, code, self.rt, tokens=tokens)  # [T-1, kvh, hd] each
             except ScdError:
                 raise
             except Exception as exc:  # malformed code: refuse it, never write garbage
