@@ -71,8 +71,11 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     started, num_layers = time.time(), cspec.num_layers
     kv_grid = rank_grid(cspec.kv_width, KV_FRACTIONS)
     h_grid = rank_grid(cspec.hidden_size, H_FRACTIONS)
-    vocab = consumer.spec.vocab_size if cfg.prior_taps else 0
-    prior_fit = PriorFit(vocab, cfg.prior_taps) if cfg.prior_taps else None
+    # Token priors absorb how differently two models mix nearby tokens; for one model the
+    # codes alone are exact at full rank (same-model mode stays lossless), so none are fitted.
+    use_prior = cfg.prior_taps > 0 and not (pspec.fingerprint and pspec.fingerprint == cspec.fingerprint)
+    vocab = consumer.spec.vocab_size if use_prior else 0
+    prior_fit = PriorFit(vocab, cfg.prior_taps) if use_prior else None
     with tqdm(total=len(fit_prompts), desc="collect states", disable=not show_progress) as bar:
         rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update, prior=prior_fit)
     priors = prior_fit.solve(cfg.prior_ridge) if prior_fit else {}
@@ -165,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--producer", required=True, help="producer (prefill side) model directory")
     parser.add_argument("--consumer", required=True, help="consumer (decode side) model directory")
     parser.add_argument("--data", default="calibration", help="data split of scd_serve.pair.data")
-    parser.add_argument("--num-prompts", type=int, default=48, help="prompts that fit the codes")
+    parser.add_argument("--num-prompts", type=int, default=192, help="prompts that fit the codes and token priors")
     parser.add_argument("--probe-prompts", type=int, default=32, help="other prompts whose KL steers the plan")
     parser.add_argument("--kl-budget", type=float, required=True, help="KL budget, nats per answer token")
     parser.add_argument("--max-patches", type=int, default=None, help="most patch layers tried (default L/2)")

@@ -12,7 +12,7 @@ class CalibrateConfig:
     # Expected KL(consumer with the codec || oracle) per answer token, nats, on the probe prompts.
     kl_budget: float
     # Prompts whose paired states fit the codes; prompts whose KL steers the plan (disjoint).
-    num_prompts: int = 48
+    num_prompts: int = 192
     num_probe_prompts: int = 32
     # Of those, how many the per-stream profile uses (it only predicts; plans are measured on all).
     num_profile_prompts: int = 16

@@ -118,3 +118,12 @@ def test_prior_only_ablation_ships_nothing_and_is_not_served(calibrated):
     assert codec.payload_bytes(code) == 0
     k, v = c.decode_layer(0, code, consumer, tokens=ids)
     assert k.shape == state.keys.shape and v.shape == state.values.shape
+
+
+def test_same_model_calibration_fits_no_token_priors(tmp_path):
+    """One model on both sides: codes alone are exact at full rank, so no priors are fitted."""
+    producer, _ = make_pair(tmp_path, layers=2)
+    pairs = prompts(6, 24)
+    cfg = CalibrateConfig(kl_budget=0.5, max_rows=512, aligner_steps=0, max_patches=0)
+    book = calibrate(producer, producer, [p for p, _ in pairs[:4]], pairs[4:], cfg, show_progress=False).codebook
+    assert book.prior is None and not any(name.endswith(".prior") for name in book.tensors)
