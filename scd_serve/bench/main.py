@@ -33,9 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--consumer", default=f"{DEMO}/consumer")
     t.add_argument("--codebook", default=f"{DEMO}/codebook", help="'' for codebook-free methods only")
     t.add_argument("--quality", help="JSON of `scd-serve eval --table --json` (F1 per method) for the Pareto plot")
-    t.add_argument("--resend-chunk-bytes", type=int, default=1,
-                   help="prefill worker's chunk_bytes for cached (warm) codes: 1 = one layer per chunk, "
-                        "so rebuild overlaps the wire; 0 = the worker's default (4 MiB)")
+    t.add_argument("--resend-chunk-bytes", type=int, default=0,
+                   help="prefill worker's chunk_bytes for cached (warm) codes: 0 = the worker's default "
+                        "(first and last layer alone, the layers between packed up to 32 KiB per message), "
+                        "1 = one layer per chunk")
     t.add_argument("--no-netns", action="store_true", help="use the userspace token-bucket proxy")
     t.add_argument("--quick", action="store_true", help="tiny setting: one length, one rep, two bandwidths")
     t.add_argument("--seed", type=int, default=0)

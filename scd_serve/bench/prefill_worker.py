@@ -1,13 +1,13 @@
-"""The prefill worker as `bench ttft` runs it: `scd-serve prefill` with one setting changed.
+"""The prefill worker as `bench ttft` runs it: `scd-serve prefill`, optionally with another chunk size.
 
-The worker resends cached codes (warm requests) in chunks of up to `chunk_bytes`
-(4 MiB by default, `scd_serve/config/prefill.py`), which for a small model is the whole
-request in one message, so the consumer cannot rebuild layer l while layer l+1 is on the
-wire. The cold path streams one layer per chunk. `--chunk-bytes 1` makes warm resends
-one layer per chunk too; everything else is the unchanged worker
-(`scd_serve.prefill.main.serve`).
+The worker resends cached codes (warm requests) with the first and the last layer alone and
+the layers between packed into chunks of up to `chunk_bytes` (32 KiB by default,
+`scd_serve/config/prefill.py`); the cold path streams one layer per chunk as the producer
+finishes it. `--chunk-bytes N` overrides the resend size (1 = one
+layer per chunk, to compare); 0 keeps the worker default. Everything else is the unchanged
+worker (`scd_serve.prefill.main.serve`).
 
-    python -m scd_serve.bench.prefill_worker --chunk-bytes 1 -- <scd-serve prefill arguments>
+    python -m scd_serve.bench.prefill_worker --chunk-bytes 0 -- <scd-serve prefill arguments>
 """
 
 from __future__ import annotations

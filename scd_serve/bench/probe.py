@@ -72,24 +72,18 @@ class Probe:
         pool = self.rt.new_kv_pool(-(-len(ids) // BLOCK) + 1, BLOCK)
         blocks = list(range(pool.num_blocks))
         rid = uuid.uuid4().hex[:16]
-        verifier = StreamVerifier(rid, method, len(shipped), spec.num_layers)
+        verifier = StreamVerifier(rid, method, len(shipped), spec.num_layers,
+                                  check_header=lambda h: _check_version(h, method, codec))
         req = pb.PrefillRequest(request_id=rid, token_ids=shipped, method=method,
                                 consumer_fingerprint=self.rt.fingerprint)
         rebuild = producer_us = payload = 0.0
         t_first_chunk = t_last_chunk = None
-        cache_hit = False
         t0 = time.perf_counter()
         with torch.inference_mode():
             async for msg in client.prefill(req, timeout=600.0):
                 now = time.perf_counter()
-                if msg.HasField("header"):
-                    verifier.on_header(msg.header)
-                    cache_hit = msg.header.cache_hit
-                    if msg.header.codec_version != codec.version:
-                        raise RuntimeError(f"{method}: producer codec {msg.header.codec_version} != {codec.version}")
-                    continue
-                chunk = msg.chunk
-                if not verifier.on_chunk(chunk):
+                chunk = verifier.on_message(msg)
+                if chunk is None:
                     continue
                 t_first_chunk = t_first_chunk or now
                 t_last_chunk = now
@@ -101,6 +95,7 @@ class Probe:
                     self.rt.write_kv(pool, blocks, layer, k_pre, v)  # k_pre: [T-1, kvh, hd]
                 rebuild += time.perf_counter() - r0
             verifier.finish()
+            cache_hit = verifier.header.cache_hit
             t_rebuilt = time.perf_counter()
             logits = self.rt.decode_step(pool, [(blocks, len(shipped), last)])  # [1, vocab]
             int(logits[0].argmax())
@@ -137,6 +132,11 @@ class Probe:
                         samples.append(await self.transfer(cmd["prefill"], method, ids))
                     rows.append({"method": method, "prompt_tokens": n, "mode": mode, "samples": samples})
         return {"rows": rows}
+
+
+def _check_version(header, method: str, codec) -> None:
+    if header.codec_version != codec.version:
+        raise RuntimeError(f"{method}: producer codec {header.codec_version} != {codec.version}")
 
 
 async def serve(probe: Probe) -> None:

@@ -6,6 +6,7 @@ import os
 import platform
 
 from scd_serve.bench.stats import median
+from scd_serve.config.prefill import PrefillConfig
 
 BREAKDOWN = ("producer_s", "first_chunk_s", "wire_s", "rebuild_s", "rebuild_tail_s",
              "first_step_s")
@@ -59,7 +60,7 @@ def summarize_rows(calib: list[dict], points: list[dict], link: dict, ref_tokens
                       "elapsed_s": p["elapsed_s"]})
     return {"benchmark": "ttft", "machine": machine(), "link": link, "reference_prompt_tokens": ref_tokens,
             "oracle_ttft_s": oracle, "producer_prefill_s": prefill, "reps": args.reps,
-            "prefill_resend_chunk_bytes": getattr(args, "resend_chunk_bytes", 0),
+            "prefill_resend_chunk_bytes": getattr(args, "resend_chunk_bytes", 0) or PrefillConfig.chunk_bytes,
             "models": {"producer": args.producer, "consumer": args.consumer, "codebook": args.codebook},
             "lower_bound": "max(payload / bandwidth, rebuild) + first step",
             "sweep": sweep}

@@ -32,10 +32,13 @@ class PrefillConfig:
     # Code cache for repeated prompts: bounded by bytes and entries (LRU).
     cache_bytes: int = 256 * MiB
     cache_entries: int = 1024
-    # Cached codes are resent in chunks of up to this many bytes; 1 = one layer per chunk,
-    # so the consumer rebuilds layer l while layer l+1 is on the wire (best TTFT on slow
-    # links); larger values pack small layers together (fewer messages).
-    chunk_bytes: int = 1
+    # Cached codes are resent in chunks of up to this many bytes; 1 = one layer per chunk.
+    # The first and the last layer always go alone (the receiver starts rebuilding after one
+    # layer's bytes and has one layer left after the last byte); the layers between are
+    # packed. 32 KiB: a message costs ~0.2-0.4 ms of fixed work on each side in Python gRPC,
+    # the wire time of ~32 KB at 1 Gbit/s, so smaller layers gain more from fewer messages
+    # than they lose from coarser overlap (transport.chunking.group_layers).
+    chunk_bytes: int = 32 * 1024
     # Seconds to finish running transfers after SIGTERM before the listener closes.
     shutdown_grace_s: float = 5.0
     transport: TransportConfig = field(default_factory=TransportConfig)

@@ -49,3 +49,18 @@ class ConsumerCodecs:
             return ""
         except (ScdError, ValueError, KeyError, OSError) as exc:
             return f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"
+
+
+class PromptCodec:
+    """A consumer codec bound to one prompt's token ids (decode_layer's `tokens`), so the
+    rebuild seam stays decode_layer(layer, code, consumer) for every caller and wrapper."""
+
+    def __init__(self, codec, tokens: list[int]):
+        self._codec = codec
+        self._tokens = tokens
+
+    def __getattr__(self, name):
+        return getattr(self._codec, name)
+
+    def decode_layer(self, layer: int, code: dict, consumer):
+        return self._codec.decode_layer(layer, code, consumer, tokens=self._tokens)

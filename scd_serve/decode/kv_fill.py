@@ -21,6 +21,7 @@ import grpc
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import consume_exception
+from scd_serve.decode.codecs import PromptCodec
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
@@ -129,7 +130,9 @@ class RemoteKVFill:
         call = peer.client.prefill(pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
                                                      consumer_fingerprint=self.rt.fingerprint),
                                    timeout=deadline - start)
-        verifier = StreamVerifier(rid, req.method, len(tokens), self.rt.spec.num_layers)
+        prompt_codec = PromptCodec(codec, tokens)  # decode_layer sees the prompt's token ids
+        verifier = StreamVerifier(rid, req.method, len(tokens), self.rt.spec.num_layers,
+                                  check_header=lambda h: self._check_header(h, peer, codec))
         loop = asyncio.get_running_loop()
         self.inflight[rid] = peer.address
         payload = encode_us = 0
@@ -138,13 +141,11 @@ class RemoteKVFill:
         rebuilding: deque[asyncio.Future] = deque()  # rebuilds in threads while the next chunk arrives
         try:
             async for msg in call:
-                if msg.WhichOneof("body") == "header":
-                    verifier.on_header(msg.header)
-                    self._check_header(msg.header, peer, codec)
-                elif verifier.on_chunk(msg.chunk):  # raises before anything is decoded
-                    payload += sum(len(t.data) for t in msg.chunk.tensors)
-                    encode_us += msg.chunk.encode_us
-                    fut = loop.run_in_executor(None, self._rebuild, msg.chunk, codec, sink, tokens)
+                chunk = verifier.on_message(msg)  # raises before anything is decoded
+                if chunk is not None:
+                    payload += sum(len(t.data) for t in chunk.tensors)
+                    encode_us += chunk.encode_us
+                    fut = loop.run_in_executor(None, self._rebuild, chunk, prompt_codec, sink)
                     fut.add_done_callback(consume_exception)  # a rebuild left behind by a failure must not log
                     rebuilding.append(fut)
                     while rebuilding and (rebuilding[0].done() or len(rebuilding) > MAX_REBUILDS_AHEAD):
@@ -193,13 +194,13 @@ class RemoteKVFill:
             raise IncompatiblePeer(f"prefill {peer.address} sent codec_version {header.codec_version}, "
                                    f"this worker decodes {codec.version}")
 
-    def _rebuild(self, chunk, codec, sink, tokens: list[int]) -> float:
+    def _rebuild(self, chunk, codec, sink) -> float:
         """Worker thread: decode and write every layer of one verified chunk. -> seconds spent."""
         t0 = time.perf_counter()
         for layer in range(chunk.layer_start, chunk.layer_end):
             try:
                 code = decode_code(chunk.tensors, layer)
-                k_pre, v = codec.decode_layer(layer, code, self.rt, tokens=tokens)  # [T-1, kvh, hd] each
+                k_pre, v = codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd] each
             except ScdError:
                 raise
             except Exception as exc:  # malformed code: refuse it, never write garbage

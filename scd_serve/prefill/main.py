@@ -20,8 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent", type=int, default=4, help="transfers at once; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--cache-mb", type=int, default=256, help="code cache for repeated prompts (MiB, 0 = off)")
     parser.add_argument("--transfer-lease-s", type=float, default=60.0)
-    parser.add_argument("--chunk-bytes", type=int, default=1,
-                        help="cached codes resent in chunks up to this size (1 = one layer per chunk)")
+    parser.add_argument("--chunk-bytes", type=int, default=PrefillConfig.chunk_bytes,
+                        help="cached codes resent in chunks of up to this size, the first and the last "
+                             "layer alone (1 = one layer per chunk)")
     add_transport_arguments(parser)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from scd_serve.errors import DeadlineExceeded, TransferCorrupt, Unavailable
 from scd_serve.prefill import service as prefill_service
-from scd_serve.transport.chunking import make_chunk
+from scd_serve.transport.chunking import chunk_message
 from scd_serve.transport.client import PrefillClient
 from scd_serve.config.transport import TransportConfig
 from scd_serve.transport.proto import pb
@@ -91,13 +91,13 @@ async def test_only_worker_dying_falls_back_or_fails_503(rt, fallback):
 
 async def test_corrupt_chunk_is_refused_before_decoding(rt, monkeypatch):
     def corrupting(*args, **kw):
-        chunk = make_chunk(*args, **kw)
-        if chunk.seq == 1:
-            data = bytearray(chunk.tensors[0].data)
+        msg = chunk_message(*args, **kw)
+        if msg.chunk.seq == 1:
+            data = bytearray(msg.chunk.tensors[0].data)
             data[0] ^= 0xFF
-            chunk.tensors[0].data = bytes(data)
-        return chunk
-    monkeypatch.setattr(prefill_service, "make_chunk", corrupting)
+            msg.chunk.tensors[0].data = bytes(data)
+        return msg
+    monkeypatch.setattr(prefill_service, "chunk_message", corrupting)
     node = await start_prefill(rt)
     peers, fill = await make_decode(rt, [node.address])
     decoded = []

@@ -62,3 +62,27 @@ async def test_cache_hit_resends_codes_in_layer_chunks_or_packed(rt, chunk_bytes
         await engine.stop(grace_s=1)
         await peers.close()
         await node.stop()
+
+
+async def test_cache_hit_sends_the_header_inside_chunk_zero(rt):
+    from scd_serve.config.transport import TransportConfig
+    from scd_serve.transport.client import PrefillClient
+    from scd_serve.transport.proto import pb
+
+    node = await start_prefill(rt, chunk_bytes=1)
+    client = PrefillClient(node.address, TransportConfig())
+    try:
+        async def stream(rid):
+            req = pb.PrefillRequest(request_id=rid, token_ids=prompts(1, seed=5)[0][:-1], method="identity")
+            return [msg async for msg in client.prefill(req, timeout=10)]
+        cold, warm = await stream("cold"), await stream("warm")
+        n = rt.spec.num_layers
+        # cold: the header at once, alone (the producer takes a while), then one chunk per layer
+        assert cold[0].WhichOneof("body") == "header" and len(cold) == n + 1
+        assert not any(m.chunk.HasField("header") for m in cold[1:])
+        # warm: one message less; the header rides with chunk 0 and says it was a cache hit
+        assert len(warm) == n and warm[0].chunk.seq == 0 and warm[0].chunk.header.cache_hit
+        assert not any(m.chunk.HasField("header") for m in warm[1:])
+    finally:
+        await client.close()
+        await node.stop()

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from scd_serve.errors import TransferCorrupt, TransferFailed
 from scd_serve.transport.checksum import chunk_digest
-from scd_serve.transport.chunking import StreamVerifier, group_layers, make_chunk
+from scd_serve.transport.chunking import StreamVerifier, chunk_message, group_layers, make_chunk
 from scd_serve.transport.proto import pb
 from scd_serve.transport.tensors import DTYPES, decode_code, encode_code, from_proto
 
@@ -116,6 +116,63 @@ def test_group_layers_bounds_chunk_bytes():
     layers = [encode_code(i, {"k": torch.zeros(n, dtype=torch.uint8)}) for i, n in enumerate([10, 10, 30, 5, 5])]
     assert group_layers(layers, 20) == [(0, 2), (2, 3), (3, 5)]
     assert group_layers(layers, 1) == [(i, i + 1) for i in range(5)]
+
+
+def test_group_layers_keep_ends_packs_only_the_layers_between():
+    sizes = [8, 8, 8, 8, 64, 8, 12, 8]  # the demo pair's scd code per layer, in KB
+    layers = [encode_code(i, {"k": torch.zeros(n, dtype=torch.uint8)}) for i, n in enumerate(sizes)]
+    assert group_layers(layers, 32, keep_ends=True) == [(0, 1), (1, 4), (4, 5), (5, 7), (7, 8)]
+    assert group_layers(layers, 1 << 20, keep_ends=True) == [(0, 1), (1, 7), (7, 8)]
+    assert group_layers(layers, 1, keep_ends=True) == [(i, i + 1) for i in range(8)]
+    assert group_layers(layers[:2], 1 << 20, keep_ends=True) == [(0, 2)]  # nothing between to pack
+    assert group_layers(layers[:1], 1 << 20, keep_ends=True) == [(0, 1)]
+
+
+def _with_header(rid="r1", layers=3, total=3, seq=0):
+    tensors = encode_code(seq, {"k": torch.full((4, 2, 2), float(seq))})
+    h = pb.TransferHeader(request_id=rid, codec_id="identity", num_tokens=4, num_layers=layers, total_chunks=total)
+    return h, chunk_message(rid, seq, total, seq, seq + 1, tensors, header=h)
+
+
+def test_header_inside_chunk_zero_is_checked_first_and_resends_are_ignored():
+    seen = []
+    v = StreamVerifier("r1", "identity", 4, 3, check_header=seen.append)
+    h, first = _with_header()
+    assert first.WhichOneof("body") == "chunk" and first.chunk.HasField("header")
+    chunk = v.on_message(first)
+    assert chunk is not None and chunk.seq == 0 and v.header == h and seen == [h]
+    assert v.on_message(first) is None  # an identical resend of chunk 0 (header and all)
+    c = _chunks()
+    assert v.on_message(pb.PrefillChunk(chunk=c[1])).seq == 1
+    assert v.on_message(pb.PrefillChunk(chunk=c[2])).seq == 2
+    v.finish()
+
+
+@pytest.mark.parametrize("case", ["header_on_seq_1", "second_different_header", "bad_header", "refused_by_caller"])
+def test_header_inside_a_chunk_violations(case):
+    v = StreamVerifier("r1", "identity", 4, 3)
+    if case == "header_on_seq_1":
+        v.on_message(_with_header()[1])
+        with pytest.raises(TransferCorrupt, match="carries a header"):
+            v.on_message(_with_header(seq=1)[1])
+    elif case == "second_different_header":
+        v.on_message(pb.PrefillChunk(header=pb.TransferHeader(request_id="r1", codec_id="identity", num_tokens=4,
+                                                              num_layers=3, total_chunks=2)))
+        with pytest.raises(TransferCorrupt, match="second, different header"):
+            v.on_message(_with_header()[1])
+    elif case == "bad_header":
+        msg = _with_header()[1]
+        msg.chunk.header.num_tokens = 5
+        with pytest.raises(TransferCorrupt, match="num_tokens"):
+            v.on_message(msg)
+    else:
+        def refuse(header):
+            raise TransferCorrupt("caller says no")
+        v = StreamVerifier("r1", "identity", 4, 3, check_header=refuse)
+        with pytest.raises(TransferCorrupt, match="caller says no"):
+            v.on_message(_with_header()[1])
+        assert v.header is None and v.next_seq == 0  # nothing accepted
+
 
 
 @settings(max_examples=300, deadline=None)
