@@ -4,9 +4,9 @@ A codec has two halves. The producer calls `encode_layer(layer, state)` on each 
 state as soon as the layer is done and ships the returned dict of tensors; the consumer
 calls `decode_layer(layer, code, consumer)` and writes the returned (k_pre, v) with
 `consumer.write_kv`, which applies the consumer's own RoPE. The consumer passes the
-transferred prompt's token ids as `tokens=` (it holds them; SCD's token priors read them). Keys cross the codec in
-pre-RoPE form at the consumer's side: decode returns keys that, rotated by the consumer,
-give what the method intends the consumer to attend to.
+transferred prompt's token ids as `tokens=` (it holds them; SCD's token priors read them).
+Keys cross the codec in pre-RoPE form at the consumer's side: decode returns keys that,
+rotated by the consumer, give what the method intends the consumer to attend to.
 
 Prompt positions are 0..T-1 (the whole prompt is transferred from position 0).
 """
