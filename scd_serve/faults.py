@@ -162,6 +162,11 @@ class FaultyServicer:
         self.aborts.append((request.request_id, time.monotonic()))
         return await self.inner.Abort(request, context)
 
+    async def PrefillSession(self, request_iterator, context):
+        from scd_serve.prefill.service import serve_session
+
+        await serve_session(self.inner, self.Prefill, context)
+
     async def Prefill(self, request, context):
         rid = request.request_id
         self.deadlines.append(("Prefill", context.time_remaining()))

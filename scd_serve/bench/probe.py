@@ -64,7 +64,7 @@ class Probe:
             int(out.logits[-1].argmax())
         return {"ttft_s": time.perf_counter() - t0, "payload_bytes": 0}
 
-    async def transfer(self, address: str, method: str, ids: list[int]) -> dict:
+    async def transfer(self, address: str, method: str, ids: list[int], rpc: str = "session") -> dict:
         client, info = await self.client(address)
         codec = self.codecs.get(info, method)
         shipped, last = ids[:-1], ids[-1]  # the last prompt token is the first decode step
@@ -75,25 +75,31 @@ class Probe:
         verifier = StreamVerifier(rid, method, len(shipped), spec.num_layers,
                                   check_header=lambda h: _check_version(h, method, codec))
         req = pb.PrefillRequest(request_id=rid, token_ids=shipped, method=method,
-                                consumer_fingerprint=self.rt.fingerprint)
+                                consumer_fingerprint=self.rt.fingerprint, timeout_ms=600_000)
         rebuild = producer_us = payload = 0.0
         t_first_chunk = t_last_chunk = None
         t0 = time.perf_counter()
+        # a pooled session, as the decode worker uses; "call": one Prefill RPC (to compare)
+        call = (client.transfer if rpc == "session" else client.prefill)(req, timeout=600.0)
         with torch.inference_mode():
-            async for msg in client.prefill(req, timeout=600.0):
-                now = time.perf_counter()
-                chunk = verifier.on_message(msg)
-                if chunk is None:
-                    continue
-                t_first_chunk = t_first_chunk or now
-                t_last_chunk = now
-                producer_us += chunk.encode_us
-                payload += sum(len(t.data) for t in chunk.tensors)
-                r0 = time.perf_counter()
-                for layer in range(chunk.layer_start, chunk.layer_end):
-                    k_pre, v = codec.decode_layer(layer, decode_code(chunk.tensors, layer), self.rt, tokens=shipped)
-                    self.rt.write_kv(pool, blocks, layer, k_pre, v)  # k_pre: [T-1, kvh, hd]
-                rebuild += time.perf_counter() - r0
+            try:
+                async for msg in call:
+                    now = time.perf_counter()
+                    chunk = verifier.on_message(msg)
+                    if chunk is None:
+                        continue
+                    t_first_chunk = t_first_chunk or now
+                    t_last_chunk = now
+                    producer_us += chunk.encode_us
+                    payload += sum(len(t.data) for t in chunk.tensors)
+                    r0 = time.perf_counter()
+                    for layer in range(chunk.layer_start, chunk.layer_end):
+                        k_pre, v = codec.decode_layer(layer, decode_code(chunk.tensors, layer), self.rt, tokens=shipped)
+                        self.rt.write_kv(pool, blocks, layer, k_pre, v)  # k_pre: [T-1, kvh, hd]
+                    rebuild += time.perf_counter() - r0
+            except BaseException:
+                call.cancel()  # the session is not reused
+                raise
             verifier.finish()
             cache_hit = verifier.header.cache_hit
             t_rebuilt = time.perf_counter()
@@ -109,7 +115,7 @@ class Probe:
                 "first_step_s": t_first - t_rebuilt}
 
     async def run(self, cmd: dict) -> dict:
-        rows = []
+        rows, rpc = [], cmd.get("rpc", "session")
         for n in cmd["prompt_tokens"]:
             for method in cmd["methods"]:
                 if method == "oracle":
@@ -120,16 +126,16 @@ class Probe:
                     continue
                 # one uncounted transfer first: first-call costs (codec tables, allocations) are not TTFT
                 self.num_cold += 1
-                await self.transfer(cmd["prefill"], method, self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold))
+                await self.transfer(cmd["prefill"], method, self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold), rpc)
                 for mode in cmd["modes"]:
                     samples = []
                     if mode == "warm":  # one uncounted request fills the producer's code cache
                         warm_ids = self.prompt(n, cmd["seed"])
-                        await self.transfer(cmd["prefill"], method, warm_ids)
+                        await self.transfer(cmd["prefill"], method, warm_ids, rpc)
                     for r in range(cmd["reps"]):
                         self.num_cold += mode == "cold"
                         ids = warm_ids if mode == "warm" else self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold)
-                        samples.append(await self.transfer(cmd["prefill"], method, ids))
+                        samples.append(await self.transfer(cmd["prefill"], method, ids, rpc))
                     rows.append({"method": method, "prompt_tokens": n, "mode": mode, "samples": samples})
         return {"rows": rows}
 

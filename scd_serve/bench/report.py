@@ -61,6 +61,7 @@ def summarize_rows(calib: list[dict], points: list[dict], link: dict, ref_tokens
     return {"benchmark": "ttft", "machine": machine(), "link": link, "reference_prompt_tokens": ref_tokens,
             "oracle_ttft_s": oracle, "producer_prefill_s": prefill, "reps": args.reps,
             "prefill_resend_chunk_bytes": getattr(args, "resend_chunk_bytes", 0) or PrefillConfig.chunk_bytes,
+            "rpc": getattr(args, "rpc", "session"),
             "models": {"producer": args.producer, "consumer": args.consumer, "codebook": args.codebook},
             "lower_bound": "max(payload / bandwidth, rebuild) + first step",
             "sweep": sweep}

@@ -110,7 +110,7 @@ def run_ttft(args) -> dict:
         if args.codebook:
             probe_cmd += ["--codebook", args.codebook]
         probe = ProbeProcess(probe_cmd, logs / "probe.log", args.start_timeout)
-        base = {"prefill": address, "reps": args.reps, "seed": args.seed}
+        base = {"prefill": address, "reps": args.reps, "seed": args.seed, "rpc": getattr(args, "rpc", "session")}
         # unshaped calibration: the oracle (local prefill) and the producer's prefill alone (identity, cold)
         link.set_rate(None)
         calib = probe.ask({**base, "prompt_tokens": args.prompt_tokens, "methods": ["oracle", "identity"],

@@ -1,9 +1,9 @@
 """RemoteKVFill: the engine's KVFill over gRPC. Pull codes, verify, rebuild layer by layer.
 
-For one request: choose a prefill worker by load, call Prefill with a deadline, check the
-header and every chunk (seq, total, layer range, xxh64) BEFORE decoding it, and rebuild
-each layer into the request's blocks as its chunk arrives, in a worker thread so the
-event loop keeps serving. On a retryable failure another worker is tried (up to
+For one request: choose a prefill worker by load, run the transfer with a deadline on one
+of its pooled sessions (transport/session.py), check the header and every chunk (seq,
+total, layer range, xxh64) BEFORE decoding it, and rebuild each layer into the request's
+blocks as its chunk arrives, in a worker thread so the event loop keeps serving. On a retryable failure another worker is tried (up to
 max_attempts); then the error is raised and the engine falls back to a local prefill
 when configured. Cancellation (client gone, engine abort) cancels the stream and sends
 Abort to the prefill worker.
@@ -127,9 +127,11 @@ class RemoteKVFill:
             deadline = min(deadline, req.deadline)
         if deadline <= start:
             raise DeadlineExceeded(f"request {rid} has no time left for a transfer")
-        call = peer.client.prefill(pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
-                                                     consumer_fingerprint=self.rt.fingerprint),
-                                   timeout=deadline - start)
+        timeout = deadline - start
+        call = peer.client.transfer(pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
+                                                      consumer_fingerprint=self.rt.fingerprint,
+                                                      timeout_ms=max(1, int(timeout * 1e3))),
+                                    timeout=timeout)
         prompt_codec = PromptCodec(codec, tokens)  # decode_layer sees the prompt's token ids
         verifier = StreamVerifier(rid, req.method, len(tokens), self.rt.spec.num_layers,
                                   check_header=lambda h: self._check_header(h, peer, codec))

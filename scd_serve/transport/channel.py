@@ -37,7 +37,7 @@ class DeadlineInterceptor:
         return grpc.aio.ClientCallDetails(d.method, timeout, metadata, d.credentials, d.wait_for_ready)
 
     def interceptors(self) -> list:
-        return [_UnaryUnary(self), _UnaryStream(self)]
+        return [_UnaryUnary(self), _UnaryStream(self), _StreamStream(self)]
 
 
 class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
@@ -54,6 +54,14 @@ class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self.policy.details(client_call_details), request)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, policy: DeadlineInterceptor):
+        self.policy = policy
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self.policy.details(client_call_details), request_iterator)
 
 
 def channel_options(config: TransportConfig) -> list[tuple[str, int | str]]:

@@ -98,9 +98,12 @@ class StreamVerifier:
     def on_message(self, msg: pb.PrefillChunk) -> pb.KVChunk | None:
         """One stream message -> its chunk if new and verified; None for a header alone or an
         identical duplicate. The header inside chunk 0 is checked before the chunk."""
-        if msg.WhichOneof("body") == "header":
+        body = msg.WhichOneof("body")
+        if body == "header":
             self.on_header(msg.header)
             return None
+        if body != "chunk":  # a TransferEnd is the session's business (transport/session.py)
+            raise TransferCorrupt(f"request {self.request_id}: unexpected {body or 'empty'} message in the stream")
         chunk = msg.chunk
         if chunk.HasField("header"):
             if chunk.seq != 0:

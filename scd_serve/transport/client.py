@@ -1,4 +1,5 @@
-"""Client for one prefill worker: handshake, streaming Prefill, Abort, health."""
+"""Client for one prefill worker: handshake, transfers (over sessions, or one Prefill call),
+Abort, health."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scd_serve.config.transport import TransportConfig
 from scd_serve.transport.channel import make_channel
 from scd_serve.transport.proto import SERVICE_NAME, pb, pb_grpc
+from scd_serve.transport.session import SessionPool, SessionTransfer
 
 
 class PrefillClient:
@@ -19,13 +21,20 @@ class PrefillClient:
         self.channel, self.deadlines = make_channel(address, config, strict_deadlines)
         self._stub = pb_grpc.PrefillServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.sessions = SessionPool(lambda timeout: self._stub.PrefillSession(timeout=timeout),
+                                    config.session_lifetime_s, config.max_idle_sessions)
 
     async def info(self, timeout: float | None = None) -> pb.InfoReply:
         return await self._stub.Info(pb.InfoRequest(), timeout=timeout or self.config.rpc_timeout_s)
 
     def prefill(self, request: pb.PrefillRequest, timeout: float):
-        """The server stream: an async iterator of PrefillChunk (call .cancel() to stop)."""
+        """One Prefill call: an async iterator of PrefillChunk (call .cancel() to stop)."""
         return self._stub.Prefill(request, timeout=timeout)
+
+    def transfer(self, request: pb.PrefillRequest, timeout: float) -> SessionTransfer:
+        """The same transfer over a pooled session (no per-call setup): an async iterator of
+        PrefillChunk that ends after the last chunk; .cancel() stops it."""
+        return self.sessions.transfer(request, timeout)
 
     async def abort(self, request_id: str, reason: str, timeout: float | None = None) -> bool:
         reply = await self._stub.Abort(pb.AbortRequest(request_id=request_id, reason=reason),
@@ -42,4 +51,5 @@ class PrefillClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
+        self.sessions.close()
         await self.channel.close(grace=None)

@@ -107,6 +107,8 @@ class FakePrefillClient:
         self.timeouts.append(timeout)
         return FakeCall(self.servicer, request, timeout)
 
+    transfer = prefill  # the in-process call already has no setup to save
+
     async def abort(self, request_id: str, reason: str, timeout: float | None = None) -> bool:
         self._check_up()
         reply = await self.servicer.Abort(pb.AbortRequest(request_id=request_id, reason=reason), FakeContext(timeout))
