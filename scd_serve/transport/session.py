@@ -1,7 +1,7 @@
 """Transfer sessions: long-lived PrefillSession streams to one prefill worker, reused.
 
 A new RPC per transfer pays call setup on both sides before the first byte of code moves
-(about 0.7 ms of TTFT on a 2-core machine, measured in docs/benchmarks.md). A session is
+(~0.6 ms of TTFT on a 2-core machine, measured in docs/benchmarks.md). A session is
 one stream that carries one transfer at a time: `SessionPool.transfer()` takes an idle
 session (or opens one), writes the request and yields that transfer's messages up to its
 TransferEnd, then puts the session back for the next transfer.
@@ -91,8 +91,8 @@ class SessionPool:
 class SessionTransfer:
     """Yields the header and chunk messages of one transfer; ends at its TransferEnd.
 
-    One timer per transfer enforces its deadline by cancelling the session (a timeout
-    context around every read would cost more than the read on this path)."""
+    One timer per transfer (not one per read) enforces its deadline by cancelling the
+    session."""
 
     def __init__(self, pool: SessionPool, request: pb.PrefillRequest, timeout: float):
         self._pool = pool
@@ -102,6 +102,7 @@ class SessionTransfer:
         self._timer: asyncio.TimerHandle | None = None  # set on the first read
         self._expired = False
         self._sent = False
+        self._reused = False  # the session had carried a transfer before this one
         self._retried = False
         self._got_message = False
         self._finished = False
