@@ -9,6 +9,7 @@ import torch
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.fit import LayerFit
 from scd_serve.codec.plan import REUSE, Plan
+from scd_serve.codec.prior import num_taps
 from scd_serve.codec.spec import CodecSpec
 
 
@@ -31,7 +32,7 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
                     tensors[f"{p}.prior"] = tables.to(torch.float16).contiguous()
                     tensors[f"{p}.prior_bias"] = bias.float()
                     vocab = fits[i].prior_vocab
-                    prior = {"taps": tables.shape[0] // (vocab + 1), "vocab": vocab}
+                    prior = {"taps": num_taps(tables, vocab), "vocab": vocab}
                 if s == "h":
                     for name, t in fits[i].aligners[r].tensors().items():
                         tensors[f"{p}.g.r{r}.{name}"] = t

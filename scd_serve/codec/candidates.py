@@ -11,7 +11,7 @@ import torch
 from scd_serve.codec.base import positions_for
 from scd_serve.codec.fit import LayerFit, code_rows
 from scd_serve.codec.plan import REUSE, LayerPlan
-from scd_serve.codec.prior import apply_prior, context_ids
+from scd_serve.codec.prior import apply_prior, context_ids, num_taps
 from scd_serve.codec.probe import Example, LayerKV
 from scd_serve.codec.spec import CodecSpec, rotate_with, spec_of
 
@@ -41,8 +41,8 @@ class Candidates:
             return 0.0
         tables, bias = self.fits[layer].priors[s]
         if id(ex) not in self._ctx:
-            taps = tables.shape[0] // (self.fits[layer].prior_vocab + 1)
-            self._ctx[id(ex)] = context_ids(ex.tokens.cpu(), taps, self.fits[layer].prior_vocab)
+            vocab = self.fits[layer].prior_vocab
+            self._ctx[id(ex)] = context_ids(ex.tokens.cpu(), num_taps(tables, vocab), vocab)
         return apply_prior(tables, bias, self._ctx[id(ex)]).float()
 
     def reuse_stream(self, ex: Example, layer: int, s: str, rank: int) -> Tensor:

@@ -88,6 +88,11 @@ class PriorFit:
         return out
 
 
+def num_taps(tables: Tensor, vocab: int) -> int:
+    """How many token positions a prior's stacked tables [taps * (vocab + 1), d] read."""
+    return tables.shape[0] // (vocab + 1)
+
+
 def apply_prior(tables: Tensor, bias: Tensor, ctx: Tensor) -> Tensor:
     """tables [taps * (vocab + 1), d], ctx [T, taps] -> prior rows [T, d] (one fused gather-sum)."""
     return torch.nn.functional.embedding_bag(ctx, tables, mode="sum") + bias
