@@ -162,3 +162,13 @@ async def test_cancel_mid_transfer_drops_the_session():
     assert (await t.__anext__()).WhichOneof("body") == "header"
     assert t.cancel() and call.cancelled and not t.cancel()
     assert [m async for m in t] == [] and pool.num_idle == 0
+
+
+@pytest.mark.parametrize("field,value", [("session_lifetime_s", 0), ("session_lifetime_s", 7200),
+                                         ("max_idle_sessions", -1)])
+def test_session_settings_are_validated_with_the_field_named(field, value):
+    from scd_serve.config.transport import TransportConfig
+    from scd_serve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        TransportConfig(**{field: value})
