@@ -3,8 +3,11 @@
 A new RPC per transfer pays call setup on both sides before the first byte of code moves
 (~0.6 ms of TTFT on a 2-core machine, measured in docs/benchmarks.md). A session is
 one stream that carries one transfer at a time: `SessionPool.transfer()` takes an idle
-session (or opens one), writes the request and yields that transfer's messages up to its
-TransferEnd, then puts the session back for the next transfer.
+session (or opens one), writes the request and yields that transfer's messages, then puts
+the session back for the next transfer. The iteration ends with the transfer's last chunk
+(seq = total - 1): its TransferEnd, already on its way, is read by the session's next
+transfer while that one waits for its first chunk, so no read sits between the last
+chunk and the first decode step.
 
 Whatever goes wrong (an error status, the transfer's deadline, the caller walking away)
 ends that session only: it is cancelled and never reused. Errors surface as
@@ -45,6 +48,7 @@ class _Session:
         self.expires = time.monotonic() + lifetime_s
         self.call = open_stream(lifetime_s)  # a grpc.aio StreamStreamCall
         self.used = False  # has carried a transfer before
+        self.owed_end = ""  # request id whose TransferEnd is still to be read
 
 
 class SessionPool:
@@ -105,6 +109,8 @@ class SessionTransfer:
         self._reused = False  # the session had carried a transfer before this one
         self._retried = False
         self._got_message = False
+        self._total = 0  # chunks in this transfer, from its header
+        self._last_seen = False  # the chunk with seq = total - 1 was yielded
         self._finished = False
 
     def cancel(self) -> bool:
@@ -132,6 +138,11 @@ class SessionTransfer:
     async def __anext__(self) -> pb.PrefillChunk:
         if self._finished:
             raise StopAsyncIteration
+        if self._last_seen:  # done: the TransferEnd is read later (module docstring)
+            self._finish()
+            self._session.owed_end = self._request.request_id
+            self._pool.give_back(self._session)
+            raise StopAsyncIteration
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._timeout, self._expire)
         try:
@@ -142,8 +153,13 @@ class SessionTransfer:
                 raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"transfer {self._request.request_id} took over {self._timeout:.1f}s") from None
             raise
-        if msg.WhichOneof("body") != "end":
+        body = msg.WhichOneof("body")
+        if body != "end":
             self._got_message = True
+            header = msg.header if body == "header" else msg.chunk.header if msg.chunk.HasField("header") else None
+            if header is not None:
+                self._total = header.total_chunks
+            self._last_seen = body == "chunk" and msg.chunk.seq + 1 == self._total
             return msg
         self._finish()
         if msg.end.request_id != self._request.request_id:
@@ -165,6 +181,8 @@ class SessionTransfer:
                 if not self._sent:
                     await self._session.call.write(self._request)
                     self._sent = True
+                if self._session.owed_end:
+                    await self._read_owed_end()
                 msg = await self._session.call.read()
                 if msg is grpc.aio.EOF:
                     raise await _ended(self._session.call)
@@ -177,3 +195,19 @@ class SessionTransfer:
                 raise exc
             self._session.call.cancel()  # a dead pooled session: once more on a fresh one
             self._session, self._sent, self._retried = None, False, True
+
+    async def _read_owed_end(self) -> None:
+        """The previous transfer's TransferEnd (and any resend of its chunks before it)."""
+        call, owed = self._session.call, self._session.owed_end
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                raise await _ended(call)
+            body = msg.WhichOneof("body")
+            rid = msg.end.request_id if body == "end" else msg.chunk.request_id if body == "chunk" else ""
+            if rid != owed:
+                raise rpc_error(grpc.StatusCode.DATA_LOSS, f"session sent {body} of {rid!r} while the end of "
+                                                           f"transfer {owed!r} was due")
+            if body == "end":
+                self._session.owed_end = ""
+                return

@@ -41,6 +41,17 @@ class PrefillNode:
         await self.server.stop(grace=None)
 
 
+async def settled(node: PrefillNode, served: int, timeout: float = 2.0) -> bool:
+    """Wait until the worker counts `served` transfers and holds none: it may still be
+    writing a transfer's TransferEnd after the decode side has stopped reading it."""
+    end = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < end:
+        if node.servicer.num_served == served and not node.servicer.transfers:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 async def start_prefill(rt, methods=("identity",), transport: TransportConfig | None = None,
                         servicer_cls=PrefillServicer, port: int = 0, codebook=None, **cfg) -> PrefillNode:
     transport = transport or TransportConfig()

@@ -7,7 +7,7 @@ import time
 
 import grpc
 import pytest
-from serving_helpers import SlowRuntime, start_prefill, tiny_runtime
+from serving_helpers import SlowRuntime, settled, start_prefill, tiny_runtime
 
 from scd_serve.config.transport import TransportConfig
 from scd_serve.transport.chunking import StreamVerifier
@@ -41,7 +41,7 @@ async def test_sessions_carry_the_same_codes_as_prefill_calls_and_are_reused(rt)
         for i in range(3):
             assert await verified(rt, f"s{i}", client.transfer(request(f"s{i}"), timeout=10)) == plain
         assert client.sessions.num_opened == 1 and client.sessions.num_idle == 1
-        assert node.servicer.num_served == 4 and node.servicer.transfers == {}
+        assert await settled(node, 4)
     finally:
         await client.close()
         await node.stop()
@@ -57,7 +57,7 @@ async def test_an_error_ends_its_session_only(rt):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocab" in e.value.details()
         assert client.sessions.num_idle == 0
         await verified(rt, "b", client.transfer(request("b"), timeout=10))
-        assert client.sessions.num_opened == 2 and node.servicer.transfers == {}
+        assert client.sessions.num_opened == 2 and await settled(node, 2)
     finally:
         await client.close()
         await node.stop()
@@ -115,7 +115,11 @@ async def test_shutdown_ends_idle_sessions_at_once_and_a_restarted_worker_gets_n
         node.servicer.end_idle_sessions()
         await node.server.stop(grace=5)  # nothing in flight: does not wait out the grace
         assert time.monotonic() - t0 < 1.0
-        assert (await idle.code()) == grpc.StatusCode.UNAVAILABLE and "shutting down" in await idle.details()
+        # the idle session still holds transfer a's TransferEnd (read lazily), then its status
+        assert (await idle.read()).end.request_id == "a"
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await idle.read()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
         port = int(node.address.rsplit(":", 1)[1])
         node = await start_prefill(rt, port=port)
         await verified(rt, "b", client.transfer(request("b"), timeout=10))

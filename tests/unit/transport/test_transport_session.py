@@ -37,7 +37,7 @@ class ScriptedCall:
         if self.dead is not None:
             raise rpc_error(self.dead, "socket closed")
         self.written.append(request.request_id)
-        self.queue = list(self.script[request.request_id])
+        self.queue += self.script[request.request_id]  # after anything still unread, as on a stream
 
     async def read(self):
         item = self.queue.pop(0)
@@ -50,8 +50,8 @@ class ScriptedCall:
         return item
 
 
-def header(rid):
-    return pb.PrefillChunk(header=pb.TransferHeader(request_id=rid, total_chunks=1))
+def header(rid, total=1):
+    return pb.PrefillChunk(header=pb.TransferHeader(request_id=rid, total_chunks=total))
 
 
 def end(rid):
@@ -60,6 +60,10 @@ def end(rid):
 
 def ok(rid):
     return [header(rid), end(rid)]
+
+
+def chunk(rid, seq, total):
+    return pb.PrefillChunk(chunk=pb.KVChunk(request_id=rid, seq=seq, total=total))
 
 
 class Opener:
@@ -172,3 +176,18 @@ def test_session_settings_are_validated_with_the_field_named(field, value):
 
     with pytest.raises(ConfigError, match=field):
         TransportConfig(**{field: value})
+
+
+async def test_iteration_ends_at_the_last_chunk_and_the_next_transfer_reads_the_end():
+    two = lambda rid, last: [header(rid, 2), chunk(rid, 0, 2), chunk(rid, 1, 2), last]  # noqa: E731
+    stray = chunk("zz", 0, 1)  # where b's end is due
+    call = ScriptedCall({"a": two("a", end("a")), "b": two("b", stray), "c": ok("c")})
+    pool = SessionPool(Opener(call), lifetime_s=600, max_idle=4)
+    assert await run(pool, "a") == ["header", "chunk", "chunk"]
+    assert [m.WhichOneof("body") for m in call.queue] == ["end"]  # not read yet: off the critical path
+    assert pool.num_idle == 1 and pool._idle[0].owed_end == "a"
+    assert await run(pool, "b") == ["header", "chunk", "chunk"]  # a's end was read first
+    assert call.written == ["a", "b"] and pool.num_opened == 1
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await run(pool, "c")
+    assert e.value.code() == grpc.StatusCode.DATA_LOSS and "'b'" in e.value.details() and call.cancelled
