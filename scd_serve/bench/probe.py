@@ -5,8 +5,9 @@ commands as JSON lines on stdin, answering one JSON line each on stdout, so the 
 loads once while the driver re-shapes the link between sweep points.
 
 Per request it times, on this side: the first and last chunk's arrival, the rebuild
-(decode_layer + write_kv, summed over layers, overlapping the wire as chunks stream in),
-and the first decode step on the last prompt token. TTFT = send -> first token.
+(its prompt-only preparation, done while the first chunk is on its way, plus decode_layer
+and the KV write of every layer as its chunk arrives; all of it counts in the bound), and
+the first decode step on the last prompt token. TTFT = send -> first token.
 The oracle is this consumer's own prefill of the whole prompt (no transfer).
 
     python -m scd_serve.bench.probe --consumer DIR [--codebook DIR]
@@ -24,6 +25,7 @@ import uuid
 
 import torch
 
+from scd_serve.decode.codecs import PromptCodec
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
 from scd_serve.transport.tensors import decode_code
@@ -81,8 +83,15 @@ class Probe:
         t0 = time.perf_counter()
         # a pooled session, as the decode worker uses; "call": one Prefill RPC (to compare)
         call = (client.transfer if rpc == "session" else client.prefill)(req, timeout=600.0)
+        prompt_codec = PromptCodec(codec, shipped)
         with torch.inference_mode():
             try:
+                if rpc == "session":  # the request is out: prompt-only work overlaps the answer
+                    await call.send()
+                p0 = time.perf_counter()  # as the decode worker's RemoteKVFill._prepare
+                writer = self.rt.kv_writer(pool, blocks, len(shipped))
+                prompt_codec.prepare(self.rt)
+                rebuild += time.perf_counter() - p0
                 async for msg in call:
                     now = time.perf_counter()
                     chunk = verifier.on_message(msg)
@@ -94,8 +103,8 @@ class Probe:
                     payload += sum(len(t.data) for t in chunk.tensors)
                     r0 = time.perf_counter()
                     for layer in range(chunk.layer_start, chunk.layer_end):
-                        k_pre, v = codec.decode_layer(layer, decode_code(chunk.tensors, layer), self.rt, tokens=shipped)
-                        self.rt.write_kv(pool, blocks, layer, k_pre, v)  # k_pre: [T-1, kvh, hd]
+                        k_pre, v = prompt_codec.decode_layer(layer, decode_code(chunk.tensors, layer), self.rt)
+                        writer.write(layer, k_pre, v)  # k_pre: [T-1, kvh, hd]
                     rebuild += time.perf_counter() - r0
             except BaseException:
                 call.cancel()  # the session is not reused

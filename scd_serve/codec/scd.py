@@ -136,6 +136,12 @@ class ScdCodec:
         self._last_context = (tokens, like.device, ctx)
         return ctx
 
+    def prepare(self, tokens: Any, consumer: Any) -> None:
+        """Prompt-only work, done while the codes are on their way: the token contexts every
+        layer's prior reads (decode_layer then finds them for the same tokens object)."""
+        if self.codebook.prior:
+            self._context(tokens, to_consumer(torch.empty(len(tokens), 0), consumer))
+
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
                      tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens: the prompt's token ids [T] (needed when the codebook has token priors)."""

@@ -62,5 +62,10 @@ class PromptCodec:
     def __getattr__(self, name):
         return getattr(self._codec, name)
 
+    def prepare(self, consumer) -> None:
+        prepare = getattr(self._codec, "prepare", None)  # optional in the codec contract
+        if prepare is not None:
+            prepare(self._tokens, consumer)
+
     def decode_layer(self, layer: int, code: dict, consumer):
         return self._codec.decode_layer(layer, code, consumer, tokens=self._tokens)

@@ -142,6 +142,8 @@ class RemoteKVFill:
         ok = server_ended = cancelled = False
         rebuilding: deque[asyncio.Future] = deque()  # rebuilds in threads while the next chunk arrives
         try:
+            await call.send()  # the request is out: prompt-only work overlaps the worker's answer
+            rebuilding.append(loop.run_in_executor(None, self._prepare, prompt_codec, sink))
             async for msg in call:
                 chunk = verifier.on_message(msg)  # raises before anything is decoded
                 if chunk is not None:
@@ -195,6 +197,19 @@ class RemoteKVFill:
         if header.codec_version != codec.version:
             raise IncompatiblePeer(f"prefill {peer.address} sent codec_version {header.codec_version}, "
                                    f"this worker decodes {codec.version}")
+
+    def _prepare(self, codec, sink) -> float:
+        """Worker thread: the rebuild's prompt-only work (token contexts, the request's slots
+        and rotary tables) while the first chunk is on its way. -> seconds spent."""
+        t0 = time.perf_counter()
+        try:
+            sink.prepare()
+            codec.prepare(self.rt)
+        except ScdError:
+            raise
+        except Exception as exc:  # a local fault, not the peer's: this transfer fails, the worker lives
+            raise TransferFailed(f"preparing the rebuild failed: {type(exc).__name__}: {exc}") from None
+        return time.perf_counter() - t0
 
     def _rebuild(self, chunk, codec, sink) -> float:
         """Worker thread: decode and write every layer of one verified chunk. -> seconds spent."""

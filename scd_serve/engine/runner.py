@@ -33,11 +33,19 @@ class Runner:
 
     def sink_for(self, seq: Sequence) -> LayerSink:
         spec = self.runtime.spec
-        block_ids = list(seq.block_ids)
+        block_ids, num_tokens = list(seq.block_ids), seq.num_tokens - 1
+        writer = []  # the request's KVWriter (slots, rotary tables), made once; LayerSink serializes
+
+        def prepare() -> None:
+            if not writer:
+                with torch.inference_mode():
+                    writer.append(self.runtime.kv_writer(self.pool, block_ids, num_tokens))
 
         def write(layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
+            prepare()
             with torch.inference_mode():
-                self.runtime.write_kv(self.pool, block_ids, layer, k_pre, v, start=0)
+                writer[0].write(layer, k_pre, v)
 
         return LayerSink(write, request_id=seq.request.request_id, num_layers=spec.num_layers,
-                         num_tokens=seq.num_tokens - 1, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+                         num_tokens=num_tokens, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                         prepare=prepare)

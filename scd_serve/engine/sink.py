@@ -17,8 +17,9 @@ from scd_serve.errors import TransferCorrupt, TransferFailed
 
 class LayerSink:
     def __init__(self, write: Callable[[int, Any, Any], None], *, request_id: str, num_layers: int,
-                 num_tokens: int, kv_heads: int, head_dim: int):
+                 num_tokens: int, kv_heads: int, head_dim: int, prepare: Callable[[], None] | None = None):
         self._write = write  # (layer, k_pre, v) -> stores into this request's blocks
+        self._prepare = prepare  # per-request work before the first write (idempotent)
         self.request_id = request_id
         self.num_layers = num_layers
         self.num_tokens = num_tokens  # T-1: every prompt token but the last
@@ -51,6 +52,13 @@ class LayerSink:
                 raise TransferFailed(f"request {self.request_id} no longer accepts K/V (aborted or timed out)")
             self._write(layer, k_pre, v)
             self._written.add(layer)
+
+    def prepare(self) -> None:
+        """Do the per-request setup now (e.g. while the codes are on their way) rather than
+        in the first write; a closed sink skips it."""
+        with self._lock:
+            if not self._closed and self._prepare is not None:
+                self._prepare()
 
     def close(self) -> None:
         with self._lock:

@@ -97,6 +97,9 @@ class ToyRuntime:
             pool.k[layer, block_ids[b], o] = k_pre[i]
             pool.v[layer, block_ids[b], o] = v[i]
 
+    def kv_writer(self, pool: ToyPool, block_ids, num_tokens: int, start: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(write=lambda layer, k_pre, v: self.write_kv(pool, block_ids, layer, k_pre, v, start))
+
     def _read_v(self, pool: ToyPool, block_ids, n: int) -> torch.Tensor:
         bs = pool.block_size
         rows = [pool.v[:, block_ids[p // bs], p % bs] for p in range(n)]

@@ -135,14 +135,15 @@ class ModelRuntime:
     @torch.no_grad()
     def write_kv(self, pool: KVPool, block_ids: Sequence[int], layer: int, k_pre: Tensor, v: Tensor, start: int = 0) -> None:
         # k_pre, v: [T, kv_heads, head_dim] for positions start..start+T-1; keys rotated here
-        self._check_layer(layer)
         self._check_kv_shape("k_pre", k_pre)
-        if v.shape != k_pre.shape:
-            raise InvalidRequest(f"v must have the shape of k_pre {tuple(k_pre.shape)}, got {tuple(v.shape)}")
-        t = k_pre.shape[0]
-        slots = pool.slots(block_ids, start, t)
-        pos = torch.arange(start, start + t, device=self.device)
-        pool.write(layer, slots, self.rotate_keys(k_pre, pos), v.to(self.device))
+        self.kv_writer(pool, block_ids, k_pre.shape[0], start).write(layer, k_pre, v)
+
+    @torch.no_grad()
+    def kv_writer(self, pool: KVPool, block_ids: Sequence[int], num_tokens: int, start: int = 0) -> "KVWriter":
+        """write_kv for every layer of one request: its slots and rotary tables are computed
+        here once, not per layer (a rebuild writes each of the request's layers in turn)."""
+        return KVWriter(self, pool, pool.slots(block_ids, start, num_tokens),
+                        self.rotary.tables(torch.arange(start, start + num_tokens, device=self.device)))
 
     @torch.no_grad()
     def extend(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, Tensor]]) -> list[Tensor]:
@@ -262,3 +263,25 @@ class ModelRuntime:
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.spec.num_layers:
             raise InvalidRequest(f"layer {layer} out of range 0..{self.spec.num_layers - 1}")
+
+
+class KVWriter:
+    """Writes one request's K/V for positions start..start+T-1, a layer at a time."""
+
+    def __init__(self, runtime: ModelRuntime, pool: KVPool, slots: Tensor, cos_sin: tuple[Tensor, Tensor]):
+        self.rt, self.pool = runtime, pool
+        self.slots = slots  # [T] flat pool slots
+        self.cos, self.sin = cos_sin  # [T, 1, head_dim] each
+
+    @torch.no_grad()
+    def write(self, layer: int, k_pre: Tensor, v: Tensor) -> None:
+        # k_pre, v: [T, kv_heads, head_dim]; keys pre-RoPE, rotated here with the consumer's tables
+        rt = self.rt
+        rt._check_layer(layer)
+        rt._check_kv_shape("k_pre", k_pre)
+        if v.shape != k_pre.shape:
+            raise InvalidRequest(f"v must have the shape of k_pre {tuple(k_pre.shape)}, got {tuple(v.shape)}")
+        if k_pre.shape[0] != self.slots.shape[0]:
+            raise InvalidRequest(f"k_pre has {k_pre.shape[0]} positions; this writer covers {self.slots.shape[0]}")
+        k_rot = rope.apply(k_pre.to(rt.device, rt.dtype), self.cos, self.sin)
+        self.pool.write(layer, self.slots, k_rot, v.to(rt.device))

@@ -56,6 +56,9 @@ class FakeCall:
     def cancel(self) -> bool:
         return self._task.cancel()
 
+    async def send(self) -> None:
+        """The servicer task already has the request (SessionTransfer.send's twin)."""
+
     def __aiter__(self):
         return self
 

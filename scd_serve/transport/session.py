@@ -132,6 +132,27 @@ class SessionTransfer:
         if self._session is not None:
             self._session.call.cancel()
 
+    async def send(self) -> None:
+        """Write the request now, so that the caller can prepare while the worker answers.
+        A failure here surfaces on the first read (which may retry on a fresh session)."""
+        self._start()
+        if self._session is None:
+            self._take_session()
+        try:
+            await self._session.call.write(self._request)
+            self._sent = True
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+
+    def _start(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._timeout, self._expire)
+
+    def _take_session(self) -> None:
+        left = self._timer.when() - asyncio.get_running_loop().time()
+        self._session = self._pool.take(left, fresh=self._retried)
+        self._reused, self._session.used = self._session.used, True
+
     def __aiter__(self):
         return self
 
@@ -143,8 +164,7 @@ class SessionTransfer:
             self._session.owed_end = self._request.request_id
             self._pool.give_back(self._session)
             raise StopAsyncIteration
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._timeout, self._expire)
+        self._start()
         try:
             msg = await self._read()
         except BaseException:
@@ -172,9 +192,7 @@ class SessionTransfer:
     async def _read(self) -> pb.PrefillChunk:
         while True:
             if self._session is None:
-                left = self._timer.when() - asyncio.get_running_loop().time()
-                self._session = self._pool.take(left, fresh=self._retried)
-                self._reused, self._session.used = self._session.used, True
+                self._take_session()
                 if self._expired:  # the timer fired while no session was held
                     raise asyncio.CancelledError()
             try:

@@ -48,6 +48,18 @@ def test_targets_use_the_raw_dominant_bandwidth_and_f1():
     assert check_targets(_doc(), worse, 1024)["scd_pareto_dominates_quant4_droidspeak"]["met"] is False
 
 
+def test_the_sweep_point_at_half_the_oracle_counts_as_raw_dominant_despite_rounding():
+    raw_bytes, oracle = 1047552.0, 0.05963465199602069  # a run where the rounding dropped it
+    bws = choose_sweep(oracle, raw_bytes)
+    calib = [{"method": "oracle", "prompt_tokens": 1024, "mode": "local", "samples": [{"ttft_s": oracle}]}]
+    points = [{"bandwidth_bytes_per_s": bw, "bandwidth": f"p{i}", "elapsed_s": 1,
+               "rows": [{"method": m, "prompt_tokens": 1024, "mode": "warm",
+                         "samples": [_sample(p / bw + 0.006, p)]} for m, p in (("raw", raw_bytes), ("scd", 3e5))]}
+              for i, bw in enumerate(bws)]
+    doc = summarize_rows(calib, points, {"kind": "test"}, 1024, ARGS)
+    assert check_targets(doc, None, 1024)["scd_vs_oracle_and_raw"]["bandwidth"] == "p2"  # shares .05, .25, .5
+
+
 def test_plots_are_pngs(tmp_path):
     doc = _doc()
     a = plot.ttft_vs_bandwidth(doc, tmp_path / "t.png", 1024)

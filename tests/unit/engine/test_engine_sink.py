@@ -49,3 +49,15 @@ def test_close_waits_for_a_write_in_flight_and_refuses_later_ones():
     assert order == ["write", "closed"]  # blocks are freed only after the write finished
     with pytest.raises(TransferFailed):
         sink.write_layer(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+
+
+def test_prepare_runs_the_setup_under_the_lock_and_not_once_closed():
+    calls = []
+    sink = LayerSink(lambda *a: None, request_id="r", num_layers=1, num_tokens=1, kv_heads=1, head_dim=1,
+                     prepare=lambda: calls.append(sink._lock.locked()))
+    sink.prepare()
+    assert calls == [True]  # serialized with writes and close()
+    sink.close()
+    sink.prepare()
+    assert calls == [True]
+    LayerSink(lambda *a: None, request_id="r", num_layers=1, num_tokens=1, kv_heads=1, head_dim=1).prepare()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scd_serve.errors import InvalidRequest
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 
@@ -59,6 +60,21 @@ def test_write_kv_stores_what_extend_stores(rt):
         rt.write_kv(b, [2, 0, 3, 1], layer, out.keys[layer], out.values[layer])
     assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
     assert a.k.abs().sum() > 0  # something was written
+
+
+def test_kv_writer_stores_exactly_what_write_kv_stores_and_checks_its_length(rt):
+    ids = prompt(13, 4)
+    a, b = rt.new_kv_pool(5, 4), rt.new_kv_pool(5, 4)
+    out = rt.prefill(ids)
+    writer = rt.kv_writer(b, [4, 2, 0, 3], 13, start=2)  # one request: slots and tables made once
+    for layer in range(rt.spec.num_layers):
+        rt.write_kv(a, [4, 2, 0, 3], layer, out.keys[layer], out.values[layer], start=2)
+        writer.write(layer, out.keys[layer], out.values[layer])
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.k.abs().sum() > 0
+    with pytest.raises(InvalidRequest, match="12 positions; this writer covers 13"):
+        writer.write(0, out.keys[0][:12], out.values[0][:12])
+    with pytest.raises(InvalidRequest, match="layer"):
+        writer.write(rt.spec.num_layers, out.keys[0], out.values[0])
 
 
 def test_recompute_kv_reproduces_layer_exactly(rt):
