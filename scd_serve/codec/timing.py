@@ -2,7 +2,8 @@
 
     python -m scd_serve.codec.timing --producer DIR --consumer DIR --codebook DIR --tokens 1024
 
-Rebuild = decode_layer + write_kv for every layer (what the decode worker does with codes);
+Rebuild = the codec's prompt-only prepare + decode_layer and the KV write of every layer
+(what the decode worker does with codes);
 prefill = the consumer's own layer-wise prefill + write_kv (the oracle). Medians of --repeat.
 """
 
@@ -58,10 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         c = registry.build(method, producer=rt_a, consumer=rt_b, codebook=args.codebook)
         codes = [c.encode_layer(i, s) for i, s in enumerate(states)]
 
-        def rebuild(c=c, codes=codes):
+        def rebuild(c=c, codes=codes):  # as the decode worker: prepare once, then every layer
+            tokens = ids.tolist()
+            writer = rt_b.kv_writer(pool, blocks, args.tokens)
+            if hasattr(c, "prepare"):
+                c.prepare(tokens, rt_b)
             for layer, code in enumerate(codes):
-                k, v = c.decode_layer(layer, code, rt_b, tokens=ids)
-                rt_b.write_kv(pool, blocks, layer, k, v)
+                k, v = c.decode_layer(layer, code, rt_b, tokens=tokens)
+                writer.write(layer, k, v)
 
         t = _median_s(rebuild, args.repeat)
         print(f"{method:<12}{t * 1e3:>12.1f}{t / base:>12.3f}")
