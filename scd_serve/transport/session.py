@@ -143,6 +143,21 @@ class SessionTransfer:
             self._sent = True
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass
+        except asyncio.CancelledError:
+            if self._timed_out():
+                raise self._deadline_error() from None
+            raise
+
+    def _timed_out(self) -> bool:
+        """The timer, not our caller, cancelled what we were waiting on."""
+        if self._expired and not asyncio.current_task().cancelling():
+            self.cancel()
+            return True
+        return False
+
+    def _deadline_error(self) -> grpc.aio.AioRpcError:
+        return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"transfer {self._request.request_id} took over {self._timeout:.1f}s")
 
     def _start(self) -> None:
         if self._timer is None:
@@ -168,10 +183,9 @@ class SessionTransfer:
         try:
             msg = await self._read()
         except BaseException:
+            if self._timed_out():
+                raise self._deadline_error() from None
             self.cancel()
-            if self._expired and not asyncio.current_task().cancelling():  # the timer cancelled it, not our caller
-                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"transfer {self._request.request_id} took over {self._timeout:.1f}s") from None
             raise
         body = msg.WhichOneof("body")
         if body != "end":

@@ -191,3 +191,23 @@ async def test_iteration_ends_at_the_last_chunk_and_the_next_transfer_reads_the_
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await run(pool, "c")
     assert e.value.code() == grpc.StatusCode.DATA_LOSS and "'b'" in e.value.details() and call.cancelled
+
+
+async def test_send_writes_at_once_and_its_deadline_is_the_transfers():
+    call = ScriptedCall({"a": ok("a")})
+    pool = SessionPool(Opener(call), lifetime_s=600, max_idle=4)
+    t = pool.transfer(pb.PrefillRequest(request_id="a"), 5)
+    await t.send()
+    assert call.written == ["a"]  # before any read: the caller prepares while the worker answers
+    assert [m.WhichOneof("body") async for m in t] == ["header"] and call.written == ["a"]
+
+    class StuckWrite(ScriptedCall):
+        async def write(self, request):
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+
+    stuck = StuckWrite({})
+    t = SessionPool(Opener(stuck), lifetime_s=600, max_idle=4).transfer(pb.PrefillRequest(request_id="b"), 0.2)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await t.send()
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and stuck.cancelled
