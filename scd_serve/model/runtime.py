@@ -135,7 +135,6 @@ class ModelRuntime:
     @torch.no_grad()
     def write_kv(self, pool: KVPool, block_ids: Sequence[int], layer: int, k_pre: Tensor, v: Tensor, start: int = 0) -> None:
         # k_pre, v: [T, kv_heads, head_dim] for positions start..start+T-1; keys rotated here
-        self._check_kv_shape("k_pre", k_pre)
         self.kv_writer(pool, block_ids, k_pre.shape[0], start).write(layer, k_pre, v)
 
     @torch.no_grad()

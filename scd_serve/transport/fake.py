@@ -14,16 +14,13 @@ import grpc
 
 from scd_serve.config.transport import TransportConfig
 from scd_serve.transport.proto import pb
+from scd_serve.transport.status import rpc_error
 
 
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
         self.code, self.details = code, details
-
-
-def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 class FakeContext:
@@ -74,14 +71,14 @@ class FakeCall:
             return getter.result()
         if not self._task.done():  # the deadline passed: what the real channel would raise
             self._task.cancel()
-            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if self._task.cancelled():
-            raise _rpc_error(grpc.StatusCode.CANCELLED, "cancelled")
+            raise rpc_error(grpc.StatusCode.CANCELLED, "cancelled")
         exc = self._task.exception()
         if isinstance(exc, _Abort):
-            raise _rpc_error(exc.code, exc.details)
+            raise rpc_error(exc.code, exc.details)
         if exc is not None:
-            raise _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
+            raise rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
         raise StopAsyncIteration
 
 
@@ -98,7 +95,7 @@ class FakePrefillClient:
 
     def _check_up(self) -> None:
         if not self.up:
-            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address} is down")
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address} is down")
 
     async def info(self, timeout: float | None = None) -> pb.InfoReply:
         self._check_up()

@@ -24,14 +24,11 @@ import time
 import grpc
 
 from scd_serve.transport.proto import pb
+from scd_serve.transport.status import rpc_error
 
 # A reused session that fails like this before the transfer's first message was already
 # dead (worker restarted or draining): the transfer is retried once on a fresh session.
 _STALE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-
-
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 async def _ended(call) -> grpc.aio.AioRpcError:
@@ -93,7 +90,7 @@ class SessionPool:
 
 
 class SessionTransfer:
-    """Yields the header and chunk messages of one transfer; ends at its TransferEnd.
+    """Yields the header and chunk messages of one transfer; ends after its last chunk.
 
     One timer per transfer (not one per read) enforces its deadline by cancelling the
     session."""
@@ -103,7 +100,7 @@ class SessionTransfer:
         self._request = request
         self._timeout = timeout
         self._session: _Session | None = None
-        self._timer: asyncio.TimerHandle | None = None  # set on the first read
+        self._timer: asyncio.TimerHandle | None = None  # set on send() or the first read
         self._expired = False
         self._sent = False
         self._reused = False  # the session had carried a transfer before this one

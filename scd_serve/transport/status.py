@@ -33,6 +33,12 @@ async def abort_with(context: grpc.aio.ServicerContext, err: errors.ScdError) ->
     await context.abort(grpc_code(err), err.message)
 
 
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """A client-side RPC error made locally (a fake transport, a session's own deadline),
+    shaped like one from a real channel so callers map every failure the same way."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
 def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str) -> errors.ScdError:
     """An RPC failure seen by the decode side -> the ScdError to raise."""
     code = exc.code()

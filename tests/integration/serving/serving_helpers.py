@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import torch
@@ -20,6 +21,7 @@ from scd_serve.engine.request import GenerationRequest, SamplingParams
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from scd_serve.prefill.service import PrefillServicer
+from scd_serve.transport.client import PrefillClient
 from scd_serve.transport.proto import SERVICE_NAME, pb_grpc
 from scd_serve.transport.server import bind, make_server, set_serving
 
@@ -64,6 +66,18 @@ async def start_prefill(rt, methods=("identity",), transport: TransportConfig | 
     await server.start()
     await set_serving(health, SERVICE_NAME, True)
     return PrefillNode(server, servicer, health, f"127.0.0.1:{port}")
+
+
+@contextlib.asynccontextmanager
+async def worker_and_client(rt, **cfg):
+    """A real prefill worker and a PrefillClient to it, both closed afterwards."""
+    node = await start_prefill(rt, **cfg)
+    client = PrefillClient(node.address, TransportConfig())
+    try:
+        yield node, client
+    finally:
+        await client.close()
+        await node.stop()
 
 
 async def make_decode(rt, addresses, method="identity", client_factory=None, codebook="", **cfg):

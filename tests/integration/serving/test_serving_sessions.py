@@ -2,16 +2,13 @@
 stream reused across transfers, per-transfer limits on both sides, and sessions that end
 cleanly on errors, aborts and shutdown."""
 
-import asyncio
 import time
 
 import grpc
 import pytest
-from serving_helpers import SlowRuntime, settled, start_prefill, tiny_runtime
+from serving_helpers import SlowRuntime, settled, start_prefill, tiny_runtime, worker_and_client
 
-from scd_serve.config.transport import TransportConfig
 from scd_serve.transport.chunking import StreamVerifier
-from scd_serve.transport.client import PrefillClient
 from scd_serve.transport.proto import pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,23 +31,16 @@ async def verified(rt, rid, stream, tokens=(5, 6, 7, 8)):
 
 
 async def test_sessions_carry_the_same_codes_as_prefill_calls_and_are_reused(rt):
-    node = await start_prefill(rt, cache_bytes=0)
-    client = PrefillClient(node.address, TransportConfig())
-    try:
+    async with worker_and_client(rt, cache_bytes=0) as (node, client):
         plain = await verified(rt, "p", client.prefill(request("p"), timeout=10))
         for i in range(3):
             assert await verified(rt, f"s{i}", client.transfer(request(f"s{i}"), timeout=10)) == plain
         assert client.sessions.num_opened == 1 and client.sessions.num_idle == 1
         assert await settled(node, 4)
-    finally:
-        await client.close()
-        await node.stop()
 
 
 async def test_an_error_ends_its_session_only(rt):
-    node = await start_prefill(rt)
-    client = PrefillClient(node.address, TransportConfig())
-    try:
+    async with worker_and_client(rt) as (node, client):
         await verified(rt, "a", client.transfer(request("a"), timeout=10))
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await verified(rt, "bad", client.transfer(request("bad", tokens=[10**6]), timeout=10))
@@ -58,15 +48,10 @@ async def test_an_error_ends_its_session_only(rt):
         assert client.sessions.num_idle == 0
         await verified(rt, "b", client.transfer(request("b"), timeout=10))
         assert client.sessions.num_opened == 2 and await settled(node, 2)
-    finally:
-        await client.close()
-        await node.stop()
 
 
 async def test_each_transfer_has_its_own_deadline_on_both_sides(rt):
-    node = await start_prefill(SlowRuntime(rt, delay=0.3))
-    client = PrefillClient(node.address, TransportConfig())
-    try:
+    async with worker_and_client(SlowRuntime(rt, delay=0.3)) as (node, client):
         t0 = time.monotonic()  # the client gives up: its session is cancelled, the worker stops
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await verified(rt, "c", client.transfer(request("c"), timeout=0.4))
@@ -76,21 +61,12 @@ async def test_each_transfer_has_its_own_deadline_on_both_sides(rt):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await verified(rt, "w", client.transfer(request("w", timeout_ms=400), timeout=10))
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 1.5
-        for _ in range(100):
-            if not node.servicer.transfers:
-                break
-            await asyncio.sleep(0.02)
-        assert node.servicer.transfers == {} and client.sessions.num_idle == 0
-    finally:
-        await client.close()
-        await node.stop()
+        assert await settled(node, 0) and client.sessions.num_idle == 0  # neither counts as served
 
 
 async def test_abort_ends_a_session_transfer_and_the_next_one_runs(rt):
     slow = SlowRuntime(rt, delay=0.3)
-    node = await start_prefill(slow)
-    client = PrefillClient(node.address, TransportConfig())
-    try:
+    async with worker_and_client(slow) as (node, client):
         stream = client.transfer(request("x"), timeout=10)
         assert (await stream.__anext__()).WhichOneof("body") == "header"
         assert await client.abort("x", "test") is True
@@ -100,15 +76,10 @@ async def test_abort_ends_a_session_transfer_and_the_next_one_runs(rt):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "aborted" in e.value.details()
         slow.delay = 0.0
         await verified(rt, "y", client.transfer(request("y"), timeout=10))
-    finally:
-        await client.close()
-        await node.stop()
 
 
 async def test_shutdown_ends_idle_sessions_at_once_and_a_restarted_worker_gets_new_ones(rt):
-    node = await start_prefill(rt)
-    client = PrefillClient(node.address, TransportConfig())
-    try:
+    async with worker_and_client(rt) as (node, client):
         await verified(rt, "a", client.transfer(request("a"), timeout=10))
         idle = client.sessions._idle[0].call
         t0 = time.monotonic()
@@ -121,9 +92,9 @@ async def test_shutdown_ends_idle_sessions_at_once_and_a_restarted_worker_gets_n
             await idle.read()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
         port = int(node.address.rsplit(":", 1)[1])
-        node = await start_prefill(rt, port=port)
-        await verified(rt, "b", client.transfer(request("b"), timeout=10))
-        assert client.sessions.num_opened == 2
-    finally:
-        await client.close()
-        await node.stop()
+        restarted = await start_prefill(rt, port=port)
+        try:
+            await verified(rt, "b", client.transfer(request("b"), timeout=10))
+            assert client.sessions.num_opened == 2
+        finally:
+            await restarted.stop()

@@ -7,7 +7,8 @@ import grpc
 import pytest
 
 from scd_serve.transport.proto import pb
-from scd_serve.transport.session import SessionPool, rpc_error
+from scd_serve.transport.session import SessionPool
+from scd_serve.transport.status import rpc_error
 
 pytestmark = pytest.mark.timeout(10)
 
