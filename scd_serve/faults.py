@@ -162,11 +162,6 @@ class FaultyServicer:
         self.aborts.append((request.request_id, time.monotonic()))
         return await self.inner.Abort(request, context)
 
-    async def PrefillSession(self, request_iterator, context):
-        from scd_serve.prefill.service import serve_session
-
-        await serve_session(self.inner, self.Prefill, context)
-
     async def Prefill(self, request, context):
         rid = request.request_id
         self.deadlines.append(("Prefill", context.time_remaining()))
@@ -190,10 +185,10 @@ class FaultyServicer:
 def fail_decode_for(fill: Any, request_id: str) -> list[str]:
     """Make the consumer codec's decode_layer raise for one request id on a RemoteKVFill.
 
-    Wraps the instance's `_rebuild(chunk, codec, sink)` so the codec it passes is a wrapper
-    that raises inside decode_layer; returns the list of request ids that hit the fault."""
+    Wraps the instance's `_rebuild_layer(layer, code, codec, sink)` so the codec it passes is
+    a wrapper that raises inside decode_layer; returns the list of request ids that hit the fault."""
     hits: list[str] = []
-    real = fill._rebuild
+    real = fill._rebuild_layer
 
     class _Raising:
         def __init__(self, codec):
@@ -206,8 +201,8 @@ def fail_decode_for(fill: Any, request_id: str) -> list[str]:
             hits.append(request_id)
             raise RuntimeError("injected decode_layer failure (faults.fail_decode_for)")
 
-    def rebuild(chunk, codec, sink):
-        return real(chunk, _Raising(codec) if chunk.request_id == request_id else codec, sink)
+    def rebuild_layer(layer, code, codec, sink):
+        return real(layer, code, _Raising(codec) if sink.request_id == request_id else codec, sink)
 
-    fill._rebuild = rebuild
+    fill._rebuild_layer = rebuild_layer
     return hits

@@ -135,6 +135,7 @@ class LocalStack:
         await self.client.aclose()
         await self.lifespan.__aexit__(None, None, None)
         await self.engine.stop(grace_s=1.0)
+        self.fill.close()
         await self.peers.close()
         await self.stop_prefill()
 

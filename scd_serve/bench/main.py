@@ -37,9 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill worker's chunk_bytes for cached (warm) codes: 0 = the worker's default "
                         "(first and last layer alone, the layers between packed up to 32 KiB per message), "
                         "1 = one layer per chunk")
-    t.add_argument("--rpc", choices=["session", "call"], default="session",
-                   help="how the probe pulls each transfer: over a pooled PrefillSession stream, as the "
-                        "decode worker does, or one Prefill call per transfer (to compare)")
+    t.add_argument("--worker", action="store_true",
+                   help="also time the real decode worker (`scd-serve decode`, HTTP, max_tokens=1) at every rate, "
+                        "warm, reference length, per method and its own local prefill")
     t.add_argument("--no-netns", action="store_true", help="use the userspace token-bucket proxy")
     t.add_argument("--quick", action="store_true", help="tiny setting: one length, one rep, two bandwidths")
     t.add_argument("--seed", type=int, default=0)

@@ -4,11 +4,16 @@ Runs as its own process (inside the consumer namespace when there is one) and ta
 commands as JSON lines on stdin, answering one JSON line each on stdout, so the model
 loads once while the driver re-shapes the link between sweep points.
 
-Per request it times, on this side: the first and last chunk's arrival, the rebuild
-(its prompt-only preparation, done while the first chunk is on its way, plus decode_layer
-and the KV write of every layer as its chunk arrives; all of it counts in the bound), and
-the first decode step on the last prompt token. TTFT = send -> first token.
+Per request it runs the decode worker's own receive loop (decode/receive.py, in a transfer
+thread, as decode/kv_fill.py does) and times, on this side: the first and last chunk's
+arrival, the rebuild (its prompt-only preparation, done while the first chunk is on its
+way, plus decode_layer and the KV write of every layer as its chunk arrives; all of it
+counts in the bound), and the first decode step on the last prompt token.
+TTFT = hand-off to the transfer thread -> first token.
 The oracle is this consumer's own prefill of the whole prompt (no transfer).
+With a `worker` URL (a real `scd-serve decode` in this namespace, see `bench ttft
+--worker`) it times what a user sees instead: streamed /v1/completions with max_tokens=1,
+send -> first token event, for the same warm prompt.
 
     python -m scd_serve.bench.probe --consumer DIR [--codebook DIR]
 """
@@ -22,13 +27,16 @@ import random
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import torch
 
 from scd_serve.decode.codecs import PromptCodec
+from scd_serve.decode.receive import receive
+from scd_serve.errors import TransferFailed
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
-from scd_serve.transport.tensors import decode_code
 
 BLOCK = 16
 
@@ -41,6 +49,7 @@ class Probe:
         self.rt = ModelRuntime.load(consumer_dir)
         self.codecs = ConsumerCodecs(self.rt, codebook or "")  # what the decode worker builds
         self.clients: dict = {}
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="probe-transfer")
         self.num_cold = 0  # cold prompts never repeat within this process (no code-cache hit)
 
     async def client(self, address: str):
@@ -66,65 +75,80 @@ class Probe:
             int(out.logits[-1].argmax())
         return {"ttft_s": time.perf_counter() - t0, "payload_bytes": 0}
 
-    async def transfer(self, address: str, method: str, ids: list[int], rpc: str = "session") -> dict:
+    async def transfer(self, address: str, method: str, ids: list[int]) -> dict:
         client, info = await self.client(address)
-        codec = self.codecs.get(info, method)
+        t0 = time.perf_counter()  # the decode worker also hands each transfer to a thread
+        return await asyncio.get_running_loop().run_in_executor(
+            self.thread, self._transfer, client, self.codecs.get(info, method), method, ids, t0)
+
+    def _transfer(self, client, codec, method: str, ids: list[int], t0: float) -> dict:
+        """Transfer thread: the decode worker's receive loop (decode/receive.py), then the
+        first decode step on the last prompt token."""
         shipped, last = ids[:-1], ids[-1]  # the last prompt token is the first decode step
-        spec = self.rt.spec
         pool = self.rt.new_kv_pool(-(-len(ids) // BLOCK) + 1, BLOCK)
         blocks = list(range(pool.num_blocks))
         rid = uuid.uuid4().hex[:16]
-        verifier = StreamVerifier(rid, method, len(shipped), spec.num_layers,
+        verifier = StreamVerifier(rid, method, len(shipped), self.rt.spec.num_layers,
                                   check_header=lambda h: _check_version(h, method, codec))
         req = pb.PrefillRequest(request_id=rid, token_ids=shipped, method=method,
                                 consumer_fingerprint=self.rt.fingerprint, timeout_ms=600_000)
-        rebuild = producer_us = payload = 0.0
-        t_first_chunk = t_last_chunk = None
-        t0 = time.perf_counter()
-        # a pooled session, as the decode worker uses; "call": one Prefill RPC (to compare)
-        call = (client.transfer if rpc == "session" else client.prefill)(req, timeout=600.0)
         prompt_codec = PromptCodec(codec, shipped)
+        writer = []
+
+        def prepare() -> None:  # as the worker's sink.prepare + codec.prepare
+            writer.append(self.rt.kv_writer(pool, blocks, len(shipped)))
+            prompt_codec.prepare(self.rt)
+
+        def rebuild_layer(layer: int, code: dict) -> None:
+            k_pre, v = prompt_codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd]
+            writer[0].write(layer, k_pre, v)
+
         with torch.inference_mode():
+            call = client.stream(req, timeout=600.0)
             try:
-                if rpc == "session":  # the request is out: prompt-only work overlaps the answer
-                    await call.send()
-                p0 = time.perf_counter()  # as the decode worker's RemoteKVFill._prepare
-                writer = self.rt.kv_writer(pool, blocks, len(shipped))
-                prompt_codec.prepare(self.rt)
-                rebuild += time.perf_counter() - p0
-                async for msg in call:
-                    now = time.perf_counter()
-                    chunk = verifier.on_message(msg)
-                    if chunk is None:
-                        continue
-                    t_first_chunk = t_first_chunk or now
-                    t_last_chunk = now
-                    producer_us += chunk.encode_us
-                    payload += sum(len(t.data) for t in chunk.tensors)
-                    r0 = time.perf_counter()
-                    for layer in range(chunk.layer_start, chunk.layer_end):
-                        k_pre, v = prompt_codec.decode_layer(layer, decode_code(chunk.tensors, layer), self.rt)
-                        writer.write(layer, k_pre, v)  # k_pre: [T-1, kvh, hd]
-                    rebuild += time.perf_counter() - r0
+                got = receive(call, verifier, prepare, rebuild_layer)
             except BaseException:
-                call.cancel()  # the session is not reused
+                call.cancel()
                 raise
-            verifier.finish()
-            cache_hit = verifier.header.cache_hit
             t_rebuilt = time.perf_counter()
             logits = self.rt.decode_step(pool, [(blocks, len(shipped), last)])  # [1, vocab]
             int(logits[0].argmax())
         t_first = time.perf_counter()
-        return {"ttft_s": t_first - t0, "payload_bytes": payload, "cache_hit": cache_hit,
-                "producer_s": producer_us / 1e6, "first_chunk_s": t_first_chunk - t0,
-                "recv_s": t_last_chunk - t0,
+        return {"ttft_s": t_first - t0, "payload_bytes": got.payload_bytes, "cache_hit": got.cache_hit,
+                "producer_s": got.encode_us / 1e6, "first_chunk_s": got.first_chunk_at - t0,
+                "recv_s": got.last_chunk_at - t0,
                 # time to all bytes not explained by producer compute (request, queueing, the link)
-                "wire_s": max(0.0, t_last_chunk - t0 - producer_us / 1e6),
-                "rebuild_s": rebuild, "rebuild_tail_s": t_rebuilt - t_last_chunk,
+                "wire_s": max(0.0, got.last_chunk_at - t0 - got.encode_us / 1e6),
+                "rebuild_s": got.rebuild_s, "rebuild_tail_s": got.rebuilt_at - got.last_chunk_at,
                 "first_step_s": t_first - t_rebuilt}
 
+    async def through_worker(self, cmd: dict) -> dict:
+        """Warm TTFT of the decode worker at cmd["worker"] over HTTP, per method and length;
+        one uncounted request per (method, length) first fills the producer's code cache."""
+        from scd_serve.bench.loadgen import stream_completion
+
+        url, timeout = cmd["worker"], cmd.get("request_timeout_s", 120.0)
+        rows = []
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:
+            await _wait_ready(client, url, cmd.get("ready_timeout_s", 120.0))
+            for n in cmd["prompt_tokens"]:
+                for method in cmd["methods"]:
+                    body = {"prompt": self.prompt(n, cmd["seed"]), "max_tokens": 1, "temperature": 0.0,
+                            "ignore_eos": True, "scd_method": method}
+                    samples = []
+                    for r in range(cmd["reps"] + 1):
+                        res = await stream_completion(client, url, body, timeout)
+                        if not res.ok:
+                            raise TransferFailed(f"decode worker, method {method}: {res.error or 'no token'}")
+                        if r:
+                            samples.append({"ttft_s": res.ttft})
+                    rows.append({"method": method, "prompt_tokens": n, "mode": "warm", "samples": samples})
+        return {"rows": rows}
+
     async def run(self, cmd: dict) -> dict:
-        rows, rpc = [], cmd.get("rpc", "session")
+        if "worker" in cmd:
+            return await self.through_worker(cmd)
+        rows = []
         for n in cmd["prompt_tokens"]:
             for method in cmd["methods"]:
                 if method == "oracle":
@@ -135,18 +159,30 @@ class Probe:
                     continue
                 # one uncounted transfer first: first-call costs (codec tables, allocations) are not TTFT
                 self.num_cold += 1
-                await self.transfer(cmd["prefill"], method, self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold), rpc)
+                await self.transfer(cmd["prefill"], method, self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold))
                 for mode in cmd["modes"]:
                     samples = []
                     if mode == "warm":  # one uncounted request fills the producer's code cache
                         warm_ids = self.prompt(n, cmd["seed"])
-                        await self.transfer(cmd["prefill"], method, warm_ids, rpc)
+                        await self.transfer(cmd["prefill"], method, warm_ids)
                     for r in range(cmd["reps"]):
                         self.num_cold += mode == "cold"
                         ids = warm_ids if mode == "warm" else self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold)
-                        samples.append(await self.transfer(cmd["prefill"], method, ids, rpc))
+                        samples.append(await self.transfer(cmd["prefill"], method, ids))
                     rows.append({"method": method, "prompt_tokens": n, "mode": mode, "samples": samples})
         return {"rows": rows}
+
+
+async def _wait_ready(client, url: str, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
+                return
+        except httpx.HTTPError:  # not listening yet
+            pass
+        await asyncio.sleep(0.3)
+    raise TransferFailed(f"decode worker at {url} not ready within {deadline_s:.0f}s")
 
 
 def _check_version(header, method: str, codec) -> None:

@@ -55,16 +55,38 @@ def summarize_rows(calib: list[dict], points: list[dict], link: dict, ref_tokens
             row["oracle_ttft_s"] = oracle.get(r["prompt_tokens"])
             row["speedup_vs_oracle"] = (row["oracle_ttft_s"] / row["ttft_s"]) if row["oracle_ttft_s"] else None
             rows.append(row)
-        sweep.append({"bandwidth_bytes_per_s": bw, "bandwidth": p["bandwidth"], "rows": rows,
-                      "measured_tcp_bytes_per_s": p.get("measured_tcp_bytes_per_s"),
-                      "elapsed_s": p["elapsed_s"]})
+        point = {"bandwidth_bytes_per_s": bw, "bandwidth": p["bandwidth"], "rows": rows,
+                 "measured_tcp_bytes_per_s": p.get("measured_tcp_bytes_per_s"), "elapsed_s": p["elapsed_s"]}
+        if "worker_rows" in p:
+            point["worker_rows"] = worker_rows(p["worker_rows"], rows)
+        sweep.append(point)
     return {"benchmark": "ttft", "machine": machine(), "link": link, "reference_prompt_tokens": ref_tokens,
             "oracle_ttft_s": oracle, "producer_prefill_s": prefill, "reps": args.reps,
             "prefill_resend_chunk_bytes": getattr(args, "resend_chunk_bytes", 0) or PrefillConfig.chunk_bytes,
-            "rpc": getattr(args, "rpc", "session"),
             "models": {"producer": args.producer, "consumer": args.consumer, "codebook": args.codebook},
             "lower_bound": "max(payload / bandwidth, rebuild) + first step",
             "sweep": sweep}
+
+
+def worker_rows(samples: list[dict], probe_rows: list[dict]) -> list[dict]:
+    """The decode worker's HTTP TTFT per method, beside the probe's row for the same method,
+    length and mode (its lower bound: the worker has no cheaper way to the first token) and
+    the worker's own local prefill ('local')."""
+    out = []
+    local = next((_med(r["samples"], "ttft_s") for r in samples if r["method"] == "local"), None)
+    for r in samples:
+        row = {"method": r["method"], "prompt_tokens": r["prompt_tokens"], "mode": r["mode"],
+               "ttft_s": _med(r["samples"], "ttft_s"), "ttft_samples_s": [x["ttft_s"] for x in r["samples"]]}
+        probe = next((x for x in probe_rows if x["method"] == r["method"] and x["prompt_tokens"] == r["prompt_tokens"]
+                      and x["mode"] == r["mode"]), None)
+        if probe is not None:
+            row["probe_ttft_s"] = probe["ttft_s"]
+            row["lower_bound_s"] = probe["lower_bound_s"]
+            row["ratio_to_lower_bound"] = row["ttft_s"] / probe["lower_bound_s"]
+        if r["method"] != "local" and local:
+            row["speedup_vs_worker_local"] = local / row["ttft_s"]
+        out.append(row)
+    return out
 
 
 def pick(doc: dict, bw_index: int, method: str, tokens: int, mode: str) -> dict | None:

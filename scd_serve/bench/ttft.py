@@ -85,6 +85,18 @@ def choose_sweep(oracle_s: float, raw_bytes: float, shares=RAW_SHARES) -> list[f
     return sorted((raw_bytes / (share * oracle_s) for share in shares), reverse=True)
 
 
+def start_worker(args, link, address: str, logs: Path) -> tuple[subprocess.Popen, str]:
+    """The real `scd-serve decode` beside the probe, listening -> (process, URL); the probe
+    then waits for /ready (peers handshaken)."""
+    port = procs.free_port()
+    cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.consumer,
+           "--codebook", args.codebook or "", "--host", "127.0.0.1", "--port", str(port), "--prefill", address,
+           "--fallback", "none"]  # a failed transfer is an error here, never a silent local prefill
+    proc = procs.spawn(cmd, logs / "decode.log")
+    procs.wait_tcp("127.0.0.1", port, proc, args.start_timeout, link.exec_prefix("consumer"), logs / "decode.log")
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def run_ttft(args) -> dict:
     out_dir = Path(args.json).resolve().parent
     logs = out_dir / "bench-ttft-logs"
@@ -95,7 +107,7 @@ def run_ttft(args) -> dict:
                               f"--producer/--consumer", field="model")
     methods = [m for m in args.methods if m != "oracle"]
     link = open_link(force_fallback=args.no_netns)
-    server = probe = None
+    server = probe = worker_proc = None
     try:
         port = procs.free_port()
         server_cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
@@ -110,7 +122,7 @@ def run_ttft(args) -> dict:
         if args.codebook:
             probe_cmd += ["--codebook", args.codebook]
         probe = ProbeProcess(probe_cmd, logs / "probe.log", args.start_timeout)
-        base = {"prefill": address, "reps": args.reps, "seed": args.seed, "rpc": getattr(args, "rpc", "session")}
+        base = {"prefill": address, "reps": args.reps, "seed": args.seed}
         # unshaped calibration: the oracle (local prefill) and the producer's prefill alone (identity, cold)
         link.set_rate(None)
         calib = probe.ask({**base, "prompt_tokens": args.prompt_tokens, "methods": ["oracle", "identity"],
@@ -144,10 +156,19 @@ def run_ttft(args) -> dict:
             points.append({"bandwidth_bytes_per_s": bw, "bandwidth": fmt_bandwidth(bw), "rows": rows,
                            "measured_tcp_bytes_per_s": measured, "elapsed_s": time.monotonic() - t0})
             print(f"  {fmt_bandwidth(bw)} done in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+        if args.worker:  # after the probe's points, so that an idle worker never shares the CPU with them
+            worker_proc, worker = start_worker(args, link, address, logs)
+            for point in points:
+                link.set_rate(point["bandwidth_bytes_per_s"])
+                point["worker_rows"] = probe.ask({**base, "worker": worker, "prompt_tokens": [ref],
+                                                  "methods": [*methods, "local"], "ready_timeout_s": args.start_timeout},
+                                                 args.point_timeout)["rows"]
+                print(f"  {point['bandwidth']}: decode worker done", file=sys.stderr)
         link_info = {**link.describe(), "unshaped_tcp_bytes_per_s": ceiling, "notes": notes}
     finally:
         if probe:
             probe.close()
+        procs.stop(worker_proc)
         procs.stop(server)
         link.down()
     return summarize_rows(calib, points, link_info, ref, args)

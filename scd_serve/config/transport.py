@@ -19,10 +19,6 @@ class TransportConfig:
     rpc_timeout_s: float = 5.0
     # Deadline for a whole Prefill stream, seconds (the decode side sets it per call).
     prefill_timeout_s: float = 30.0
-    # Transfers reuse long-lived PrefillSession streams (transport/session.py): each is
-    # opened with this deadline, seconds, and at most max_idle_sessions wait per worker.
-    session_lifetime_s: float = 600.0
-    max_idle_sessions: int = 8
     # Shared secret sent as `authorization: Bearer <token>` metadata; empty = no auth.
     worker_token: str = field(default="", repr=False)
     # mTLS: PEM files. cert+key set = TLS on; ca set = peers must present a cert it signed.
@@ -35,12 +31,10 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if not (1024 <= self.max_message_bytes <= 1 << 31):
             raise ConfigError(f"max_message_bytes must be in [1024, 2^31], got {self.max_message_bytes}")
-        for name in ("rpc_timeout_s", "prefill_timeout_s", "session_lifetime_s"):
+        for name in ("rpc_timeout_s", "prefill_timeout_s"):
             value = getattr(self, name)
             if not (0 < value <= 3600):
                 raise ConfigError(f"{name} must be in (0, 3600] seconds, got {value}")
-        if not (0 <= self.max_idle_sessions <= 1024):
-            raise ConfigError(f"max_idle_sessions must be in [0, 1024], got {self.max_idle_sessions}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key must be given together")
         for name in ("tls_cert", "tls_key", "tls_ca"):

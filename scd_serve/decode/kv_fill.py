@@ -1,40 +1,43 @@
 """RemoteKVFill: the engine's KVFill over gRPC. Pull codes, verify, rebuild layer by layer.
 
-For one request: choose a prefill worker by load, run the transfer with a deadline on one
-of its pooled sessions (transport/session.py), check the header and every chunk (seq,
-total, layer range, xxh64) BEFORE decoding it, and rebuild each layer into the request's
-blocks as its chunk arrives, in a worker thread so the event loop keeps serving. On a retryable failure another worker is tried (up to
-max_attempts); then the error is raised and the engine falls back to a local prefill
-when configured. Cancellation (client gone, engine abort) cancels the stream and sends
-Abort to the prefill worker.
+For one request: choose a prefill worker by load, then run the transfer in a transfer
+thread (receive.py): one Prefill stream with a deadline, read in that thread, every chunk
+checked (header, seq, layer range, xxh64) BEFORE it is decoded, each layer rebuilt into
+the request's blocks as its chunk arrives. The event loop only waits for the thread, so
+it keeps serving, and no message or chunk crosses threads on the way. On a retryable
+failure another worker is tried (up to max_attempts); then the error is raised and the
+engine falls back to a local prefill when configured. Cancellation (client gone, engine
+abort) cancels the stream and sends Abort to the prefill worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections import Counter, deque
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import grpc
+import torch
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import consume_exception
 from scd_serve.decode.codecs import PromptCodec
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               Unavailable)
+from scd_serve.decode.receive import Received, receive
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
 from scd_serve.transport.status import from_rpc_error, is_retryable
-from scd_serve.transport.tensors import decode_code
 
 log = logging.getLogger("scd_serve.decode")
 RETRY_BACKOFF_S = 0.05
 ABORT_TIMEOUT_S = 1.0
 SLOT_POLL_S = 0.25
-MAX_REBUILDS_AHEAD = 2  # chunks being rebuilt while the stream keeps reading
-REBUILD_WAIT_S = 2.0
+TRANSFER_THREADS = 16  # transfers in flight at once; more wait for a thread (within their deadline)
 
 
 @dataclass
@@ -62,6 +65,8 @@ class RemoteKVFill:
         self.inflight: dict[str, str] = {}  # request_id -> prefill address (empty when idle)
         self._aborts: set[asyncio.Task] = set()
         self._freed = asyncio.Event()  # set whenever a transfer ends and frees a peer slot
+        self._threads = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="scd-transfer")
+        self._jobs: set[_Job] = set()
 
     async def __call__(self, req, sink) -> dict:
         tokens = list(req.prompt_token_ids[:-1])  # the last prompt token is our first decode step
@@ -127,68 +132,47 @@ class RemoteKVFill:
             deadline = min(deadline, req.deadline)
         if deadline <= start:
             raise DeadlineExceeded(f"request {rid} has no time left for a transfer")
-        timeout = deadline - start
-        call = peer.client.transfer(pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
-                                                      consumer_fingerprint=self.rt.fingerprint,
-                                                      timeout_ms=max(1, int(timeout * 1e3))),
-                                    timeout=timeout)
+        request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
+                                    consumer_fingerprint=self.rt.fingerprint)
         prompt_codec = PromptCodec(codec, tokens)  # decode_layer sees the prompt's token ids
         verifier = StreamVerifier(rid, req.method, len(tokens), self.rt.spec.num_layers,
                                   check_header=lambda h: self._check_header(h, peer, codec))
-        loop = asyncio.get_running_loop()
+        job = _Job(peer, request, deadline)
+        self._jobs.add(job)
         self.inflight[rid] = peer.address
-        payload = encode_us = 0
-        rebuild_s = 0.0
-        ok = server_ended = cancelled = False
-        rebuilding: deque[asyncio.Future] = deque()  # rebuilds in threads while the next chunk arrives
+        ok = server_ended = False
         try:
-            await call.send()  # the request is out: prompt-only work overlaps the worker's answer
-            rebuilding.append(loop.run_in_executor(None, self._prepare, prompt_codec, sink))
-            async for msg in call:
-                chunk = verifier.on_message(msg)  # raises before anything is decoded
-                if chunk is not None:
-                    payload += sum(len(t.data) for t in chunk.tensors)
-                    encode_us += chunk.encode_us
-                    fut = loop.run_in_executor(None, self._rebuild, chunk, prompt_codec, sink)
-                    fut.add_done_callback(consume_exception)  # a rebuild left behind by a failure must not log
-                    rebuilding.append(fut)
-                    while rebuilding and (rebuilding[0].done() or len(rebuilding) > MAX_REBUILDS_AHEAD):
-                        rebuild_s += await rebuilding.popleft()  # raises a rebuild's error here
-            verifier.finish()
-            while rebuilding:
-                rebuild_s += await rebuilding.popleft()
+            got = await asyncio.get_running_loop().run_in_executor(
+                self._threads, job.run, verifier, lambda: self._prepare(prompt_codec, sink),
+                lambda layer, code: self._rebuild_layer(layer, code, prompt_codec, sink))
             ok = True
-        except grpc.aio.AioRpcError as exc:
+        except grpc.RpcError as exc:
             server_ended = True
             raise from_rpc_error(exc, peer.address) from None
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
         finally:
+            self._jobs.discard(job)
             self.inflight.pop(rid, None)
             self._freed.set()
             if not ok:
-                call.cancel()
+                job.cancel()  # a cancelled wait leaves the thread reading: stop its stream
                 if not server_ended:  # we walked away (cancelled, corrupt chunk): tell the producer
                     self._abort_remote(peer, rid)
-                if rebuilding and not cancelled:  # let started layer writes finish before a retry rewrites them
-                    await asyncio.wait(rebuilding, timeout=REBUILD_WAIT_S)
         s = self.stats
         s.num_transfers += 1
-        s.num_cache_hits += int(verifier.header.cache_hit)
-        s.payload_bytes += payload
+        s.num_cache_hits += int(got.cache_hit)
+        s.payload_bytes += got.payload_bytes
         raw = 2 * 2 * len(tokens) * self.rt.spec.num_layers * self.rt.spec.num_kv_heads * self.rt.spec.head_dim
         s.raw_kv_bytes += raw
-        s.encode_s += encode_us / 1e6
-        s.rebuild_s += rebuild_s
+        s.encode_s += got.encode_us / 1e6
+        s.rebuild_s += got.rebuild_s
         elapsed = time.monotonic() - start
         s.transfer_s += elapsed
         self.per_peer[peer.address] += 1
         if self.metrics is not None:
-            self.metrics.observe_transfer(req.method, payload_bytes=payload, raw_bytes=raw, encode_s=encode_us / 1e6,
-                                          rebuild_s=rebuild_s, transfer_s=elapsed)
-        return {"prefill": peer.address, "payload_bytes": payload, "raw_kv_bytes": raw,
-                "cache_hit": verifier.header.cache_hit, "rebuild_s": rebuild_s}
+            self.metrics.observe_transfer(req.method, payload_bytes=got.payload_bytes, raw_bytes=raw,
+                                          encode_s=got.encode_us / 1e6, rebuild_s=got.rebuild_s, transfer_s=elapsed)
+        return {"prefill": peer.address, "payload_bytes": got.payload_bytes, "raw_kv_bytes": raw,
+                "cache_hit": got.cache_hit, "rebuild_s": got.rebuild_s}
 
     def _check_header(self, header, peer, codec) -> None:
         if header.producer_fingerprint != peer.info.producer_fingerprint:
@@ -198,10 +182,9 @@ class RemoteKVFill:
             raise IncompatiblePeer(f"prefill {peer.address} sent codec_version {header.codec_version}, "
                                    f"this worker decodes {codec.version}")
 
-    def _prepare(self, codec, sink) -> float:
-        """Worker thread: the rebuild's prompt-only work (token contexts, the request's slots
-        and rotary tables) while the first chunk is on its way. -> seconds spent."""
-        t0 = time.perf_counter()
+    def _prepare(self, codec, sink) -> None:
+        """The rebuild's prompt-only work (token contexts, the request's slots and rotary
+        tables) while the first chunk is on its way."""
         try:
             sink.prepare()
             codec.prepare(self.rt)
@@ -209,21 +192,15 @@ class RemoteKVFill:
             raise
         except Exception as exc:  # a local fault, not the peer's: this transfer fails, the worker lives
             raise TransferFailed(f"preparing the rebuild failed: {type(exc).__name__}: {exc}") from None
-        return time.perf_counter() - t0
 
-    def _rebuild(self, chunk, codec, sink) -> float:
-        """Worker thread: decode and write every layer of one verified chunk. -> seconds spent."""
-        t0 = time.perf_counter()
-        for layer in range(chunk.layer_start, chunk.layer_end):
-            try:
-                code = decode_code(chunk.tensors, layer)
-                k_pre, v = codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd] each
-            except ScdError:
-                raise
-            except Exception as exc:  # malformed code: refuse it, never write garbage
-                raise TransferCorrupt(f"layer {layer} code could not be decoded: {type(exc).__name__}: {exc}") from None
-            sink.write_layer(layer, k_pre, v)
-        return time.perf_counter() - t0
+    def _rebuild_layer(self, layer: int, code: dict, codec, sink) -> None:
+        try:
+            k_pre, v = codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd] each
+        except ScdError:
+            raise
+        except Exception as exc:  # malformed code: refuse it, never write garbage
+            raise TransferCorrupt(f"layer {layer} code could not be decoded: {type(exc).__name__}: {exc}") from None
+        sink.write_layer(layer, k_pre, v)
 
     def _abort_remote(self, peer, rid: str) -> None:
         async def abort():
@@ -236,5 +213,39 @@ class RemoteKVFill:
         task.add_done_callback(self._aborts.discard)
         task.add_done_callback(consume_exception)
 
+    def close(self) -> None:
+        """Shutdown: cancel the transfers' streams so that no thread waits on them."""
+        for job in list(self._jobs):
+            job.cancel()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
     def snapshot(self) -> dict:
         return asdict(self.stats) | {"per_prefill": dict(self.per_peer), "inflight": len(self.inflight)}
+
+
+class _Job:
+    """One transfer's stream, run in a transfer thread; cancel() from the event loop."""
+
+    def __init__(self, peer, request: pb.PrefillRequest, deadline: float):
+        self.peer, self.request, self.deadline = peer, request, deadline
+        self._lock = threading.Lock()
+        self._call = None
+        self._cancelled = False
+
+    def run(self, verifier: StreamVerifier, prepare, rebuild_layer) -> Received:
+        timeout = self.deadline - time.monotonic()  # it may have waited for a free thread
+        if timeout <= 0:
+            raise DeadlineExceeded(f"request {self.request.request_id} waited its deadline for a transfer thread")
+        self.request.timeout_ms = max(1, int(timeout * 1e3))  # the worker bounds its side too
+        with self._lock:
+            if self._cancelled:
+                raise TransferFailed(f"request {self.request.request_id}: transfer cancelled before it started")
+            self._call = self.peer.client.stream(self.request, timeout=timeout)
+        with torch.inference_mode():
+            return receive(self._call, verifier, prepare, rebuild_layer)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._call is not None:
+                self._call.cancel()

@@ -141,6 +141,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     log.debug("engine stopped")
     await http
     log.debug("http stopped")
+    fill.close()
     await peers.close()
     log.info("stopped")
     return died

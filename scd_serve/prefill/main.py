@@ -79,7 +79,6 @@ async def serve(config: PrefillConfig) -> None:
     await stop.wait()
     log.info("shutting down: NOT_SERVING, finishing transfers for up to %.0f s", config.shutdown_grace_s)
     await set_serving(health, SERVICE_NAME, False)  # probes and decode workers see it before the listener closes
-    servicer.end_idle_sessions()  # decode workers reconnect elsewhere; transfers in flight finish
     if heartbeat is not None:
         await heartbeat.close()
     await server.stop(grace=config.shutdown_grace_s)

@@ -5,8 +5,6 @@ registered in `transfers` until it ends, bounded by min(RPC deadline, transfer l
 request's timeout_ms).
 The producer runs in a worker thread and hands each encoded layer to the event loop as
 soon as it is done, so the first chunk leaves while later layers still compute.
-PrefillSession carries the same transfers one after another over one stream
-(`serve_session`), each closed by a TransferEnd.
 """
 
 from __future__ import annotations
@@ -18,12 +16,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, InvalidRequest, Overloaded,
-                              PayloadTooLarge, ScdError, TransferFailed, Unavailable)
+                              PayloadTooLarge, ScdError, TransferFailed)
 from scd_serve.prefill.code_cache import CodeCache, cache_key
 from scd_serve.transport.chunking import chunk_message, group_layers
 from scd_serve.transport.proto import PROTOCOL_VERSION, pb, pb_grpc
@@ -67,8 +64,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.num_served = 0  # completed transfers
         self.num_prefills = 0  # producer runs (cache misses that started)
         self.num_failed = 0
-        self.idle_sessions: set[asyncio.Task] = set()  # session handlers waiting for a request
-        self.draining = False
 
     # ---- handshake -----------------------------------------------------------------------
     async def Info(self, request, context):
@@ -126,9 +121,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         finally:
             t.stop.set()
             self.transfers.pop(rid, None)
-
-    async def PrefillSession(self, request_iterator, context):
-        await serve_session(self, self.Prefill, context)
 
     async def _bounded(self, request, tokens: list[int], codec, t: Transfer, context) -> None:
         """The whole stream under one deadline (lease or RPC deadline) and one abort switch.
@@ -220,41 +212,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.write(msg)
             layers.append(tensors)
 
-    def end_idle_sessions(self) -> None:
-        """Shutdown: sessions waiting for a request end now (UNAVAILABLE: the client goes to
-        another worker), so that server.stop(grace) waits only for transfers in flight."""
-        self.draining = True
-        for task in list(self.idle_sessions):
-            task.cancel()
-
     def close(self) -> None:
-        self.end_idle_sessions()
         for t in list(self.transfers.values()):
             t.stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-async def serve_session(servicer: PrefillServicer, prefill, context) -> None:
-    """One PrefillSession: each request runs through `prefill` (the servicer's Prefill, or a
-    wrapper of it) on this stream, then a TransferEnd. An error aborts the whole stream."""
-    task = asyncio.current_task()
-    while True:
-        if servicer.draining:  # a status the client acts on: it goes to another worker
-            await abort_with(context, Unavailable("prefill worker is shutting down"))
-        servicer.idle_sessions.add(task)
-        try:
-            request = await context.read()
-        except asyncio.CancelledError:
-            if not servicer.draining:
-                raise
-            task.uncancel()  # end_idle_sessions woke us
-            continue
-        finally:
-            servicer.idle_sessions.discard(task)
-        if request is grpc.aio.EOF:
-            return
-        await prefill(request, context)
-        await context.write(pb.PrefillChunk(end=pb.TransferEnd(request_id=request.request_id)))
 
 
 def _produce(rt, codec, tokens: list[int], stop: threading.Event, emit) -> None:

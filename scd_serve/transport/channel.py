@@ -1,10 +1,14 @@
-"""Client channels to prefill workers: size caps, auth, TLS, and a deadline on every call."""
+"""Client channels to prefill workers: size caps, auth, TLS, and a deadline on every call.
+
+Two channels per worker: an aio one (handshake, health, Abort) and a sync one for
+transfers, read in the caller's own thread (see `make_stream_channel`)."""
 
 from __future__ import annotations
 
 import collections
 
 import grpc
+import grpc.experimental
 
 from scd_serve.config.transport import TransportConfig
 from scd_serve.transport.security import auth_metadata, channel_credentials
@@ -91,3 +95,16 @@ def make_channel(address: str, config: TransportConfig,
         ch = grpc.aio.secure_channel(address, creds, options=channel_options(config),
                                      interceptors=interceptor.interceptors())
     return ch, interceptor
+
+
+def make_stream_channel(address: str, config: TransportConfig) -> grpc.Channel:
+    """A sync channel for Prefill streams, in gRPC's single-threaded unary-stream mode: the
+    thread that iterates a call polls that call's completion queue itself. A grpc.aio stream
+    hands each message from gRPC's poller thread to the event loop (and a threaded sync one
+    from the channel's spin thread to the reader): a thread wake-up per message, ~0.2 ms on
+    a 2-core VM, more than a small layer's rebuild (docs/benchmarks.md)."""
+    options = channel_options(config) + [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+    creds = channel_credentials(config)
+    if creds is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, creds, options=options)

@@ -102,7 +102,7 @@ class StreamVerifier:
         if body == "header":
             self.on_header(msg.header)
             return None
-        if body != "chunk":  # a TransferEnd is the session's business (transport/session.py)
+        if body != "chunk":
             raise TransferCorrupt(f"request {self.request_id}: unexpected {body or 'empty'} message in the stream")
         chunk = msg.chunk
         if chunk.HasField("header"):

@@ -1,5 +1,5 @@
-"""Client for one prefill worker: handshake, transfers (over sessions, or one Prefill call),
-Abort, health."""
+"""Client for one prefill worker: handshake, transfers (a blocking stream read in the
+caller's thread, or an aio Prefill call), Abort, health."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scd_serve.config.transport import TransportConfig
-from scd_serve.transport.channel import make_channel
+from scd_serve.transport.channel import make_channel, make_stream_channel
 from scd_serve.transport.proto import SERVICE_NAME, pb, pb_grpc
-from scd_serve.transport.session import SessionPool, SessionTransfer
+
+
+_PREFILL = f"/{SERVICE_NAME}/Prefill"
 
 
 class PrefillClient:
@@ -20,9 +22,9 @@ class PrefillClient:
         self.config = config
         self.channel, self.deadlines = make_channel(address, config, strict_deadlines)
         self._stub = pb_grpc.PrefillServiceStub(self.channel)
+        self._stream_channel = make_stream_channel(address, config)
+        self._stream_stub = pb_grpc.PrefillServiceStub(self._stream_channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
-        self.sessions = SessionPool(lambda timeout: self._stub.PrefillSession(timeout=timeout),
-                                    config.session_lifetime_s, config.max_idle_sessions)
 
     async def info(self, timeout: float | None = None) -> pb.InfoReply:
         return await self._stub.Info(pb.InfoRequest(), timeout=timeout or self.config.rpc_timeout_s)
@@ -31,10 +33,14 @@ class PrefillClient:
         """One Prefill call: an async iterator of PrefillChunk (call .cancel() to stop)."""
         return self._stub.Prefill(request, timeout=timeout)
 
-    def transfer(self, request: pb.PrefillRequest, timeout: float) -> SessionTransfer:
-        """The same transfer over a pooled session (no per-call setup): an async iterator of
-        PrefillChunk that ends after the last chunk; .cancel() stops it."""
-        return self.sessions.transfer(request, timeout)
+    def stream(self, request: pb.PrefillRequest, timeout: float):
+        """One Prefill call as a blocking iterator of PrefillChunk, for a worker thread: the
+        request leaves now; iterate in ONE thread; .cancel() from any thread. Errors are
+        grpc.RpcError with .code() and .details(), like the aio calls'."""
+        if timeout is None:  # the aio calls' interceptor enforces the same rule
+            raise ValueError("Prefill stream made without a deadline")
+        self.deadlines.timeouts.append((_PREFILL, timeout))
+        return self._stream_stub.Prefill(request, timeout=timeout, metadata=self.deadlines.metadata)
 
     async def abort(self, request_id: str, reason: str, timeout: float | None = None) -> bool:
         reply = await self._stub.Abort(pb.AbortRequest(request_id=request_id, reason=reason),
@@ -51,5 +57,5 @@ class PrefillClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
-        self.sessions.close()
+        self._stream_channel.close()
         await self.channel.close(grace=None)

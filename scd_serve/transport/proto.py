@@ -10,6 +10,6 @@ from scd_serve._proto.scd.v1 import scd_pb2 as pb  # noqa: E402
 from scd_serve._proto.scd.v1 import scd_pb2_grpc as pb_grpc  # noqa: E402
 
 SERVICE_NAME = "scd.v1.PrefillService"  # the name grpc.health.v1 reports on
-PROTOCOL_VERSION = 2  # 2: PrefillSession, TransferEnd, PrefillRequest.timeout_ms
+PROTOCOL_VERSION = 3  # 2: PrefillSession, PrefillRequest.timeout_ms; 3: without PrefillSession
 
 __all__ = ["pb", "pb_grpc", "SERVICE_NAME", "PROTOCOL_VERSION"]

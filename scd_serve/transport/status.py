@@ -34,7 +34,7 @@ async def abort_with(context: grpc.aio.ServicerContext, err: errors.ScdError) ->
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """A client-side RPC error made locally (a fake transport, a session's own deadline),
+    """A client-side RPC error made locally (a fake transport),
     shaped like one from a real channel so callers map every failure the same way."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 

@@ -22,21 +22,10 @@ async def fresh_request(stack, method="identity"):
     return r
 
 
-def close_idle_sessions(stack) -> None:
-    """Idle pooled sessions (and their tasks) are kept on purpose, up to a bound: close them
-    before counting tasks, so that what still runs is a leak."""
-    for peer in stack.peers.peers.values():
-        sessions = getattr(peer.client, "sessions", None)  # the in-process fake has none
-        if sessions is not None:
-            assert sessions.num_idle <= sessions.max_idle
-            sessions.close()
-
-
 async def assert_clean(stack, baseline: Baseline, timeout: float = 2.0, fresh: bool = True):
     """CS: KV blocks all free, no transfer on either side, nothing unfinished, tasks and fds back."""
     leaks = await stack.wait_clean(timeout)
     assert leaks == {}, f"not clean after {timeout}s: {leaks}"
-    close_idle_sessions(stack)
     end = asyncio.get_running_loop().time() + timeout
     while len(asyncio.all_tasks()) > baseline.tasks and asyncio.get_running_loop().time() < end:
         await asyncio.sleep(0.02)

@@ -167,20 +167,20 @@ async def test_d_cancel_during_rebuild_logs_no_errors(make_stack, caplog):
     stack, base = await make_stack(api={"request_timeout_s": 1.0})
     caplog.set_level(logging.WARNING)
     release, entered = threading.Event(), threading.Event()
-    real = stack.fill._rebuild
+    real = stack.fill._rebuild_layer
 
-    def slow(chunk, codec, sink):  # the rebuild of the first chunk is still running when the request ends
+    def slow(layer, *args):  # the rebuild of the first layer is still running when the request ends
         entered.set()
         release.wait(5)
-        return real(chunk, codec, sink)
+        return real(layer, *args)
 
-    stack.fill._rebuild = slow
+    stack.fill._rebuild_layer = slow
     r = await stack.client.post("/v1/completions", json=completion("cut during rebuild", 3, scd_method="identity"))
     assert r.status_code in (200, 504), r.text  # fell back locally, or ran out of time
     assert entered.is_set()
     release.set()
     await asyncio.sleep(0.3)
-    stack.fill._rebuild = real
+    stack.fill._rebuild_layer = real
     gc.collect()
     await asyncio.sleep(0.1)
     errors = [r.getMessage()[:200] for r in caplog.records if r.levelno >= logging.ERROR]

@@ -109,13 +109,13 @@ async def test_c4_decode_side_reader_stall_ends_on_both_sides(make_stack):
     stack, base = await make_stack(engine=NO_FALLBACK, api={"request_timeout_s": 1.5},
                                    prefill={"transfer_lease_s": 2.0})
     release = threading.Event()
-    real = stack.fill._rebuild
+    real = stack.fill._rebuild_layer
 
-    def stalled(chunk, codec, sink):  # the receiver stops consuming after the first chunk
+    def stalled(layer, *args):  # the receiver stops consuming at the first layer
         release.wait(10)
-        return real(chunk, codec, sink)
+        return real(layer, *args)
 
-    stack.fill._rebuild = stalled
+    stack.fill._rebuild_layer = stalled
     t0 = time.monotonic()
     r = await stack.client.post("/v1/completions", json=completion("x" * 200, 3, scd_method="identity"))
     assert r.status_code == 504, r.text
@@ -124,5 +124,5 @@ async def test_c4_decode_side_reader_stall_ends_on_both_sides(make_stack):
         await asyncio.sleep(0.02)
     assert not stack.servicer.transfers, "prefill still holds the transfer after its lease"
     release.set()
-    stack.fill._rebuild = real
+    stack.fill._rebuild_layer = real
     await assert_clean(stack, base)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from rel_checks import assert_clean
 from scd_serve import codec as codec_registry
 from scd_serve.config.transport import TransportConfig
+from scd_serve.decode.receive import rebuild_chunk
 from scd_serve.engine.sink import LayerSink
 from scd_serve.errors import ScdError
 from scd_serve.faults import FaultyServicer
@@ -32,8 +33,9 @@ NO_FALLBACK = {"fallback_to_local": False}
 
 
 def record_decoded(stack) -> list[int]:
-    seen, real = [], stack.fill._rebuild
-    stack.fill._rebuild = lambda chunk, codec, sink: (seen.append(chunk.seq), real(chunk, codec, sink))[1]
+    """Layers that reached decode_layer (a cold identity transfer: layer i = chunk i)."""
+    seen, real = [], stack.fill._rebuild_layer
+    stack.fill._rebuild_layer = lambda layer, *a: (seen.append(layer), real(layer, *a))[1]
     return seen
 
 
@@ -229,7 +231,7 @@ def _parse_and_decode(data: bytes, rt, codec, fill_like) -> None:
             code = decode_code(chunk.tensors, layer)
             del code
     chunk.layer_start, chunk.layer_end = 0, min(max(chunk.layer_end, 1), rt.spec.num_layers)
-    fill_like._rebuild(chunk, codec, sink)  # the decode side's own decode + write path
+    rebuild_chunk(chunk, lambda layer, code: fill_like._rebuild_layer(layer, code, codec, sink))  # the decode path
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ class PrefillNode:
 
 async def settled(node: PrefillNode, served: int, timeout: float = 2.0) -> bool:
     """Wait until the worker counts `served` transfers and holds none: it may still be
-    writing a transfer's TransferEnd after the decode side has stopped reading it."""
+    finishing a stream (its status) after the decode side has read the last chunk."""
     end = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < end:
         if node.servicer.num_served == served and not node.servicer.transfers:

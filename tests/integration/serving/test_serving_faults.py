@@ -101,14 +101,14 @@ async def test_corrupt_chunk_is_refused_before_decoding(rt, monkeypatch):
     node = await start_prefill(rt)
     peers, fill = await make_decode(rt, [node.address])
     decoded = []
-    real = fill._rebuild
-    fill._rebuild = lambda chunk, codec, sink: (decoded.append(chunk.seq), real(chunk, codec, sink))[1]
+    real = fill._rebuild_layer
+    fill._rebuild_layer = lambda layer, *a: (decoded.append(layer), real(layer, *a))[1]
     engine = engine_for(rt)
     try:
         with pytest.raises(TransferCorrupt, match="xxh64") as info:
             await greedy(engine, "r", prompts(1)[0], "identity", fill)
         assert info.value.http_status == 502 and info.value.grpc_code == "DATA_LOSS"
-        assert decoded == [0]  # chunk 1 never reached decode_layer
+        assert decoded == [0]  # chunk 1 (layer 1, a cold transfer) never reached decode_layer
         await _clean(engine, fill, node)
     finally:
         await engine.stop(grace_s=1)

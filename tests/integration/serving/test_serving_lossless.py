@@ -34,11 +34,8 @@ async def test_identity_transfer_matches_local_alone_and_16_concurrent(rt):
         assert node.servicer.cache.stats.hits >= 1 and fill.stats.num_cache_hits >= 1
         # every RPC the decode side made, streams included, carried a deadline
         calls = [(m, t) for p in peers.peers.values() for m, t in p.client.deadlines.timeouts]
-        sessions = sum(m.endswith("/PrefillSession") for m, _ in calls)
-        opened = sum(p.client.sessions.num_opened for p in peers.peers.values())
-        # 17 transfers over reused sessions: one for the first, at most 16 for the concurrent ones
-        assert sessions == opened and 1 <= sessions <= 17, (sessions, opened)
-        assert any(m.endswith("/Info") for m, _ in calls) and not any(m.endswith("/Prefill") for m, _ in calls)
+        assert sum(m.endswith("/Prefill") for m, _ in calls) == 17  # one stream per transfer
+        assert any(m.endswith("/Info") for m, _ in calls)
         assert all(t is not None and t > 0 for _, t in calls)
     finally:
         await engine.stop(grace_s=1)

@@ -1,0 +1,67 @@
+"""One transfer's receive loop, run in a thread: read, verify and rebuild each chunk in turn.
+
+The decode worker (kv_fill.py) and the bench probe both run this, so `bench ttft` times
+the worker's own path. It reads a blocking Prefill stream (PrefillClient.stream) in the
+calling thread, with no thread hand-off per message, and rebuilds each chunk's layers as
+soon as the chunk is verified, while later chunks are still on the wire. The request has
+already left when this starts, so the prompt-only preparation overlaps the worker's answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from scd_serve.errors import TransferCorrupt
+from scd_serve.transport.chunking import StreamVerifier
+from scd_serve.transport.tensors import decode_code
+
+
+@dataclass
+class Received:
+    payload_bytes: int = 0  # code bytes received
+    encode_us: int = 0  # producer time the chunks report
+    rebuild_s: float = 0.0  # prepare + decode + write, summed
+    first_chunk_at: float | None = None  # time.perf_counter() at each chunk's arrival
+    last_chunk_at: float | None = None
+    rebuilt_at: float | None = None  # the last layer written
+    cache_hit: bool = False  # the producer served its code cache
+
+
+def rebuild_chunk(chunk, rebuild_layer: Callable[[int, dict], None]) -> None:
+    """Every layer of one verified KVChunk: its tensors -> a code dict -> rebuild_layer."""
+    for layer in range(chunk.layer_start, chunk.layer_end):
+        try:
+            code = decode_code(chunk.tensors, layer)
+        except Exception as exc:  # malformed tensors (digest-true but ill-formed): refuse them
+            raise TransferCorrupt(f"layer {layer} code could not be read: {type(exc).__name__}: {exc}") from None
+        rebuild_layer(layer, code)
+
+
+def receive(call: Iterable, verifier: StreamVerifier, prepare: Callable[[], None],
+            rebuild_layer: Callable[[int, dict], None]) -> Received:
+    """Drain `call` (an iterator of PrefillChunk); -> what arrived and how long the rebuild took.
+
+    Each message passes the verifier (header, seq, layer range, digest) before anything of
+    it is decoded; rebuild_layer(layer, code) decodes one layer and writes it. Errors
+    propagate: grpc.RpcError from the stream, ScdError from the checks or the rebuild."""
+    got = Received()
+    t0 = time.perf_counter()
+    prepare()
+    got.rebuild_s += time.perf_counter() - t0
+    for msg in call:
+        now = time.perf_counter()
+        chunk = verifier.on_message(msg)
+        if chunk is None:
+            continue
+        got.first_chunk_at = got.first_chunk_at or now
+        got.last_chunk_at = now
+        got.payload_bytes += sum(len(t.data) for t in chunk.tensors)
+        got.encode_us += chunk.encode_us
+        rebuild_chunk(chunk, rebuild_layer)
+        got.rebuilt_at = time.perf_counter()
+        got.rebuild_s += got.rebuilt_at - now
+    verifier.finish()  # the stream ended: every chunk must be in
+    got.cache_hit = verifier.header.cache_hit
+    return got
