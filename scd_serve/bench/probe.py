@@ -33,7 +33,7 @@ import httpx
 import torch
 
 from scd_serve.decode.codecs import PromptCodec
-from scd_serve.decode.receive import receive
+from scd_serve.decode.receive import drain, receive
 from scd_serve.errors import TransferFailed
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
@@ -114,6 +114,8 @@ class Probe:
             logits = self.rt.decode_step(pool, [(blocks, len(shipped), last)])  # [1, vocab]
             int(logits[0].argmax())
         t_first = time.perf_counter()
+        if why := drain(call):  # the stream's end, after the first token as in the worker
+            raise TransferFailed(f"{method}: after its last chunk: {why}")
         return {"ttft_s": t_first - t0, "payload_bytes": got.payload_bytes, "cache_hit": got.cache_hit,
                 "producer_s": got.encode_us / 1e6, "first_chunk_s": got.first_chunk_at - t0,
                 "recv_s": got.last_chunk_at - t0,

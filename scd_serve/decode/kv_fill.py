@@ -28,7 +28,7 @@ from scd_serve.control.lifecycle import consume_exception
 from scd_serve.decode.codecs import PromptCodec
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               Unavailable)
-from scd_serve.decode.receive import Received, receive
+from scd_serve.decode.receive import Received, drain, receive
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
 from scd_serve.transport.status import from_rpc_error, is_retryable
@@ -141,10 +141,12 @@ class RemoteKVFill:
         self._jobs.add(job)
         self.inflight[rid] = peer.address
         ok = server_ended = False
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
         try:
-            got = await asyncio.get_running_loop().run_in_executor(
-                self._threads, job.run, verifier, lambda: self._prepare(prompt_codec, sink),
-                lambda layer, code: self._rebuild_layer(layer, code, prompt_codec, sink))
+            self._threads.submit(job.run, loop, done, verifier, lambda: self._prepare(prompt_codec, sink),
+                                 lambda layer, code: self._rebuild_layer(layer, code, prompt_codec, sink))
+            got = await done
             ok = True
         except grpc.RpcError as exc:
             server_ended = True
@@ -232,7 +234,20 @@ class _Job:
         self._call = None
         self._cancelled = False
 
-    def run(self, verifier: StreamVerifier, prepare, rebuild_layer) -> Received:
+    def run(self, loop, done: asyncio.Future, verifier: StreamVerifier, prepare, rebuild_layer) -> None:
+        """Transfer thread: the transfer, its outcome handed to `done` at once, then the
+        stream's end (drain), which nobody waits for."""
+        try:
+            got = self._receive(verifier, prepare, rebuild_layer)
+        except BaseException as exc:  # noqa: BLE001 - the event loop re-raises it
+            _settle(loop, done, exc=exc)
+            return
+        _settle(loop, done, result=got)
+        why = drain(self._call)
+        if why:
+            log.debug("request_id=%s: after its last chunk: %s", self.request.request_id, why)
+
+    def _receive(self, verifier: StreamVerifier, prepare, rebuild_layer) -> Received:
         timeout = self.deadline - time.monotonic()  # it may have waited for a free thread
         if timeout <= 0:
             raise DeadlineExceeded(f"request {self.request.request_id} waited its deadline for a transfer thread")
@@ -249,3 +264,18 @@ class _Job:
             self._cancelled = True
             if self._call is not None:
                 self._call.cancel()
+
+
+def _settle(loop, fut: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
+    """From a thread: complete `fut` on its loop, unless it was cancelled (or the loop closed)."""
+    def settle() -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the event loop is closed: nobody is waiting
+        pass

@@ -5,6 +5,8 @@ the worker's own path. It reads a blocking Prefill stream (PrefillClient.stream)
 calling thread, with no thread hand-off per message, and rebuilds each chunk's layers as
 soon as the chunk is verified, while later chunks are still on the wire. The request has
 already left when this starts, so the prompt-only preparation overlaps the worker's answer.
+It returns as soon as the last chunk is rebuilt: the stream's end (its status) is read
+afterwards by `drain`, off the path to the first token.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import grpc
 
 from scd_serve.errors import TransferCorrupt
 from scd_serve.transport.chunking import StreamVerifier
@@ -41,7 +45,8 @@ def rebuild_chunk(chunk, rebuild_layer: Callable[[int, dict], None]) -> None:
 
 def receive(call: Iterable, verifier: StreamVerifier, prepare: Callable[[], None],
             rebuild_layer: Callable[[int, dict], None]) -> Received:
-    """Drain `call` (an iterator of PrefillChunk); -> what arrived and how long the rebuild took.
+    """Read `call` (an iterator of PrefillChunk) up to its last chunk; -> what arrived and how
+    long the rebuild took.
 
     Each message passes the verifier (header, seq, layer range, digest) before anything of
     it is decoded; rebuild_layer(layer, code) decodes one layer and writes it. Errors
@@ -62,6 +67,20 @@ def receive(call: Iterable, verifier: StreamVerifier, prepare: Callable[[], None
         rebuild_chunk(chunk, rebuild_layer)
         got.rebuilt_at = time.perf_counter()
         got.rebuild_s += got.rebuilt_at - now
-    verifier.finish()  # the stream ended: every chunk must be in
+        if verifier.complete:
+            break
+    verifier.finish()  # every chunk must be in (else the stream ended early)
     got.cache_hit = verifier.header.cache_hit
     return got
+
+
+def drain(call: Iterable) -> str:
+    """Read the end of a stream whose transfer is complete: "" for a clean end, else what
+    came instead (an extra message or an error status). Nothing more is needed from the
+    worker, so the caller logs this at most; it never fails a transfer."""
+    try:
+        for msg in call:
+            return f"unexpected {msg.WhichOneof('body') or 'empty'} message after the last chunk"
+    except grpc.RpcError as exc:
+        return f"{exc.code().name}: {exc.details()}"
+    return ""

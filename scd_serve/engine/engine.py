@@ -148,18 +148,19 @@ class Engine:
                   req.request_id, n, max_tokens, req.method)
         try:
             self._send(("add", h))
+            early: list = []  # events the engine sent while the fill was finishing
             if seq.needs_fill:
                 ready = await self._next(h, deadline)
-                failure = await run_fill(kv_fill, req, ready.sink, lambda: self._next(h, deadline))
+                failure, early = await run_fill(kv_fill, req, ready.sink, lambda: self._next(h, deadline))
                 if failure is None:
-                    self._send(("filled", h))
+                    self._send(("filled", h))  # a no-op when the sink already said so
                 elif self.config.fallback_to_local and not isinstance(failure, DeadlineExceeded):
                     log.warning("request_id=%s KV fill failed (%s); prefilling locally", req.request_id, failure.type)
                     self._send(("fallback", h))
                 else:
                     raise failure
             while True:
-                event = await self._next(h, deadline)
+                event = early.pop(0) if early else await self._next(h, deadline)
                 yield event
                 if event.finish_reason is not None:
                     return
@@ -213,7 +214,8 @@ class Engine:
                 batch = self.scheduler.schedule()
                 for seq in batch.filling:
                     h = self._live[seq.seq_id]
-                    h.sink = self.runner.sink_for(seq)
+                    # "filled" straight from the writing thread; the fill's own report repeats it (a no-op)
+                    h.sink = self.runner.sink_for(seq, on_complete=lambda h=h: self._send(("filled", h)))
                     self._outbox.append((h, BlocksReady(h.sink)))
                 if batch.is_empty:
                     self._flush()

@@ -2,7 +2,7 @@
 
 The fill runs as a task beside a watch on the request's queue: anything arriving there
 during a fill is an error from the engine (abort, deadline, shutdown, engine death), which
-cancels the fill. The sink is closed by the engine before its blocks are freed, so a fill
+cancels the fill, or, once the sink holds every layer, the first token. The sink is closed by the engine before its blocks are freed, so a fill
 that ignores cancellation (or is stuck in a thread) still cannot write into someone else's
 blocks, and nobody waits for it to unwind.
 """
@@ -10,6 +10,7 @@ blocks, and nobody waits for it to unwind.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,23 +20,37 @@ from scd_serve.errors import ScdError, TransferFailed
 
 
 async def run_fill(kv_fill: KVFill, req: GenerationRequest, sink: LayerSink,
-                   watch: Callable[[], Awaitable[Any]]) -> ScdError | None:
-    """None when every layer was written; the fill's error otherwise. Errors from the watch raise."""
+                   watch: Callable[[], Awaitable[Any]]) -> tuple[ScdError | None, list]:
+    """-> (None when every layer was written, else the fill's error; events the engine sent
+    meanwhile). Errors from the watch raise.
+
+    The engine starts decoding as soon as the sink holds every layer (LayerSink.on_complete),
+    which can be before the fill returns: a token seen by the watch then is the first one
+    (handed back, to be yielded first), and the fill, which has nothing left to write, is
+    let finish rather than cancelled (that would abort a transfer that succeeded)."""
     fill = asyncio.ensure_future(kv_fill(req, sink))
     watcher = asyncio.ensure_future(watch())
+    early: list = []
     try:
-        done, _ = await asyncio.wait({fill, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if watcher in done:
-            item = watcher.result()  # raises the engine's error
-            raise RuntimeError(f"unexpected engine message during a KV fill: {type(item).__name__}")
+        await asyncio.wait({fill, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not watcher.done():
+            watcher.cancel()
+            await asyncio.wait({watcher})  # it may have taken an event already: never drop one
+        if not watcher.cancelled():
+            early.append(watcher.result())  # raises the engine's error
+            if not sink.complete:
+                raise RuntimeError(f"unexpected engine message during a KV fill: {type(early[0]).__name__}")
+        if sink.complete:  # every layer is in (the engine may be decoding already): let the fill finish
+            if not fill.done():
+                left = (req.deadline - time.monotonic()) if req.deadline is not None else None
+                await asyncio.wait({fill}, timeout=max(0.0, left) if left is not None else None)
+            return None, early
         exc = fill.exception()
         if isinstance(exc, ScdError):
-            return exc
+            return exc, early
         if exc is not None:
-            return TransferFailed(f"KV fill failed: {type(exc).__name__}")
-        if not sink.complete:
-            return TransferFailed(f"KV fill wrote {sink.num_written} of {sink.num_layers} layers")
-        return None
+            return TransferFailed(f"KV fill failed: {type(exc).__name__}"), early
+        return TransferFailed(f"KV fill wrote {sink.num_written} of {sink.num_layers} layers"), early
     finally:
         # Not awaited: a fill stuck in a thread cannot be cancelled, and the request's error must
         # not wait for it. Safe, because the engine closes the sink before freeing the blocks.

@@ -31,7 +31,7 @@ class Runner:
         logits = self.runtime.decode_step(self.pool, items)  # [B, vocab]
         return sample(logits, batch.decodes)
 
-    def sink_for(self, seq: Sequence) -> LayerSink:
+    def sink_for(self, seq: Sequence, on_complete=None) -> LayerSink:
         spec = self.runtime.spec
         block_ids, num_tokens = list(seq.block_ids), seq.num_tokens - 1
         writer = []  # the request's KVWriter (slots, rotary tables), made once; LayerSink serializes
@@ -48,4 +48,4 @@ class Runner:
 
         return LayerSink(write, request_id=seq.request.request_id, num_layers=spec.num_layers,
                          num_tokens=num_tokens, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                         prepare=prepare)
+                         prepare=prepare, on_complete=on_complete)

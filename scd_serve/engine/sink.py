@@ -17,9 +17,13 @@ from scd_serve.errors import TransferCorrupt, TransferFailed
 
 class LayerSink:
     def __init__(self, write: Callable[[int, Any, Any], None], *, request_id: str, num_layers: int,
-                 num_tokens: int, kv_heads: int, head_dim: int, prepare: Callable[[], None] | None = None):
+                 num_tokens: int, kv_heads: int, head_dim: int, prepare: Callable[[], None] | None = None,
+                 on_complete: Callable[[], None] | None = None):
         self._write = write  # (layer, k_pre, v) -> stores into this request's blocks
         self._prepare = prepare  # per-request work before the first write (idempotent)
+        # Called once, in the writing thread, as the last layer lands: the engine can start
+        # decoding without waiting for the fill to report back through the event loop.
+        self._on_complete = on_complete
         self.request_id = request_id
         self.num_layers = num_layers
         self.num_tokens = num_tokens  # T-1: every prompt token but the last
@@ -52,6 +56,11 @@ class LayerSink:
                 raise TransferFailed(f"request {self.request_id} no longer accepts K/V (aborted or timed out)")
             self._write(layer, k_pre, v)
             self._written.add(layer)
+            done_now = self.complete and self._on_complete is not None
+            if done_now:
+                callback, self._on_complete = self._on_complete, None
+        if done_now:
+            callback()
 
     def prepare(self) -> None:
         """Do the per-request setup now (e.g. while the codes are on their way) rather than

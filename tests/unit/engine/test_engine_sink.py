@@ -61,3 +61,28 @@ def test_prepare_runs_the_setup_under_the_lock_and_not_once_closed():
     sink.prepare()
     assert calls == [True]
     LayerSink(lambda *a: None, request_id="r", num_layers=1, num_tokens=1, kv_heads=1, head_dim=1).prepare()
+
+
+def test_on_complete_fires_once_in_the_writing_thread_after_the_last_layer():
+    fired = []
+    sink = LayerSink(lambda *a: None, request_id="r", num_layers=2, num_tokens=3, kv_heads=1, head_dim=4,
+                     on_complete=lambda: fired.append((threading.current_thread().name, sink._lock.locked())))
+    good = torch.zeros(3, 1, 4)
+    sink.write_layer(1, good, good)
+    assert fired == []
+    writer = threading.Thread(target=sink.write_layer, args=(0, good, good), name="writer")
+    writer.start()
+    writer.join(5)
+    assert fired == [("writer", False)]  # outside the lock: the callback may take its time
+    sink.write_layer(0, good, good)  # a rewrite (a retry) does not fire it again
+    assert fired == [("writer", False)]
+
+
+def test_on_complete_never_fires_for_a_closed_sink():
+    fired = []
+    sink = LayerSink(lambda *a: None, request_id="r", num_layers=1, num_tokens=1, kv_heads=1, head_dim=1,
+                     on_complete=lambda: fired.append(1))
+    sink.close()
+    with pytest.raises(TransferFailed):
+        sink.write_layer(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+    assert fired == []
