@@ -77,21 +77,21 @@ class Probe:
 
     async def transfer(self, address: str, method: str, ids: list[int]) -> dict:
         client, info = await self.client(address)
-        t0 = time.perf_counter()  # the decode worker also hands each transfer to a thread
+        t0 = time.perf_counter()
+        req = pb.PrefillRequest(request_id=uuid.uuid4().hex[:16], token_ids=ids[:-1], method=method,
+                                consumer_fingerprint=self.rt.fingerprint, timeout_ms=600_000)
+        call = client.stream(req, timeout=600.0)  # as the decode worker: the request leaves, then a thread reads
         return await asyncio.get_running_loop().run_in_executor(
-            self.thread, self._transfer, client, self.codecs.get(info, method), method, ids, t0)
+            self.thread, self._transfer, call, self.codecs.get(info, method), method, ids, t0, req.request_id)
 
-    def _transfer(self, client, codec, method: str, ids: list[int], t0: float) -> dict:
+    def _transfer(self, call, codec, method: str, ids: list[int], t0: float, rid: str) -> dict:
         """Transfer thread: the decode worker's receive loop (decode/receive.py), then the
         first decode step on the last prompt token."""
         shipped, last = ids[:-1], ids[-1]  # the last prompt token is the first decode step
         pool = self.rt.new_kv_pool(-(-len(ids) // BLOCK) + 1, BLOCK)
         blocks = list(range(pool.num_blocks))
-        rid = uuid.uuid4().hex[:16]
         verifier = StreamVerifier(rid, method, len(shipped), self.rt.spec.num_layers,
                                   check_header=lambda h: _check_version(h, method, codec))
-        req = pb.PrefillRequest(request_id=rid, token_ids=shipped, method=method,
-                                consumer_fingerprint=self.rt.fingerprint, timeout_ms=600_000)
         prompt_codec = PromptCodec(codec, shipped)
         writer = []
 
@@ -104,7 +104,6 @@ class Probe:
             writer[0].write(layer, k_pre, v)
 
         with torch.inference_mode():
-            call = client.stream(req, timeout=600.0)
             try:
                 got = receive(call, verifier, prepare, rebuild_layer)
             except BaseException:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from scd_serve.control.lifecycle import consume_exception
 from scd_serve.decode.codecs import PromptCodec
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               Unavailable)
-from scd_serve.decode.receive import Received, drain, receive
+from scd_serve.decode.receive import drain, receive
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
 from scd_serve.transport.status import from_rpc_error, is_retryable
@@ -144,6 +143,7 @@ class RemoteKVFill:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         try:
+            job.start()  # the request leaves now, while a transfer thread wakes up to read the answer
             self._threads.submit(job.run, loop, done, verifier, lambda: self._prepare(prompt_codec, sink),
                                  lambda layer, code: self._rebuild_layer(layer, code, prompt_codec, sink))
             got = await done
@@ -226,19 +226,27 @@ class RemoteKVFill:
 
 
 class _Job:
-    """One transfer's stream, run in a transfer thread; cancel() from the event loop."""
+    """One transfer: its stream is opened on the event loop (start, cancel) and read in a
+    transfer thread (run)."""
 
     def __init__(self, peer, request: pb.PrefillRequest, deadline: float):
         self.peer, self.request, self.deadline = peer, request, deadline
-        self._lock = threading.Lock()
         self._call = None
-        self._cancelled = False
+
+    def start(self) -> None:
+        """Open the stream (non-blocking): the request leaves while a thread wakes up to read
+        the answer. A transfer that waits for a free thread past its deadline fails on its
+        first read with DEADLINE_EXCEEDED."""
+        timeout = max(0.001, self.deadline - time.monotonic())
+        self.request.timeout_ms = max(1, int(timeout * 1e3))  # the worker bounds its side too
+        self._call = self.peer.client.stream(self.request, timeout=timeout)
 
     def run(self, loop, done: asyncio.Future, verifier: StreamVerifier, prepare, rebuild_layer) -> None:
         """Transfer thread: the transfer, its outcome handed to `done` at once, then the
         stream's end (drain), which nobody waits for."""
         try:
-            got = self._receive(verifier, prepare, rebuild_layer)
+            with torch.inference_mode():
+                got = receive(self._call, verifier, prepare, rebuild_layer)
         except BaseException as exc:  # noqa: BLE001 - the event loop re-raises it
             _settle(loop, done, exc=exc)
             return
@@ -247,23 +255,9 @@ class _Job:
         if why:
             log.debug("request_id=%s: after its last chunk: %s", self.request.request_id, why)
 
-    def _receive(self, verifier: StreamVerifier, prepare, rebuild_layer) -> Received:
-        timeout = self.deadline - time.monotonic()  # it may have waited for a free thread
-        if timeout <= 0:
-            raise DeadlineExceeded(f"request {self.request.request_id} waited its deadline for a transfer thread")
-        self.request.timeout_ms = max(1, int(timeout * 1e3))  # the worker bounds its side too
-        with self._lock:
-            if self._cancelled:
-                raise TransferFailed(f"request {self.request.request_id}: transfer cancelled before it started")
-            self._call = self.peer.client.stream(self.request, timeout=timeout)
-        with torch.inference_mode():
-            return receive(self._call, verifier, prepare, rebuild_layer)
-
     def cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            if self._call is not None:
-                self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
 
 
 def _settle(loop, fut: asyncio.Future, result=None, exc: BaseException | None = None) -> None:

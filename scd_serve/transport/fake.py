@@ -88,7 +88,12 @@ class BlockingFakeCall:
             return FakeCall(servicer, request, timeout)
 
         self._loop = loop
-        self._call = asyncio.run_coroutine_threadsafe(start(), loop).result()
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        self._call = FakeCall(servicer, request, timeout) if on_loop else \
+            asyncio.run_coroutine_threadsafe(start(), loop).result()
 
     def cancel(self) -> None:
         self._loop.call_soon_threadsafe(self._call.cancel)
