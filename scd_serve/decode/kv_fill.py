@@ -25,9 +25,9 @@ import torch
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import consume_exception
 from scd_serve.decode.codecs import PromptCodec
+from scd_serve.decode.receive import drain, receive
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               Unavailable)
-from scd_serve.decode.receive import drain, receive
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
 from scd_serve.transport.status import from_rpc_error, is_retryable

@@ -26,7 +26,7 @@ def test_bench_ttft_quick_writes_results_and_plot(pair, tmp_path):
     out, png = tmp_path / "ttft.json", tmp_path / "ttft.png"
     rc = main(["bench", "ttft", "--quick", "--json", str(out), "--plot", str(png), "--producer", pair[0],
                "--consumer", pair[1], "--codebook", "", "--prompt-tokens", "32",
-               "--methods", "oracle", "raw", "quant4", "--bandwidths", "1gbit"])
+               "--methods", "oracle", "raw", "quant4", "--bandwidths", "1gbit", "--worker"])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["link"]["kind"] in ("netns+veth+tc-tbf", "userspace-token-bucket (fallback)")
@@ -38,6 +38,11 @@ def test_bench_ttft_quick_writes_results_and_plot(pair, tmp_path):
     for key in ("ttft_s", "rebuild_s", "first_step_s", "lower_bound_s", "ratio_to_lower_bound"):
         assert raw[key] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # --worker: the real decode worker over HTTP, each transfer method beside its own local prefill
+    worker = {r["method"]: r for r in doc["sweep"][0]["worker_rows"]}
+    assert set(worker) == {"raw", "quant4", "local"}
+    assert all(r["ttft_s"] > 0 and len(r["ttft_samples_s"]) == 1 for r in worker.values())
+    assert worker["raw"]["lower_bound_s"] == raw["lower_bound_s"] and worker["raw"]["speedup_vs_worker_local"] > 0
 
 
 def test_bench_serve_quick_compares_engine_and_baseline(pair, tmp_path):
