@@ -81,8 +81,12 @@ class Probe:
         req = pb.PrefillRequest(request_id=uuid.uuid4().hex[:16], token_ids=ids[:-1], method=method,
                                 consumer_fingerprint=self.rt.fingerprint, timeout_ms=600_000)
         call = client.stream(req, timeout=600.0)  # as the decode worker: the request leaves, then a thread reads
-        return await asyncio.get_running_loop().run_in_executor(
-            self.thread, self._transfer, call, self.codecs.get(info, method), method, ids, t0, req.request_id)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.thread, self._transfer, call, self.codecs.get(info, method), method, ids, t0, req.request_id)
+        except BaseException:
+            call.cancel()  # the prefill worker stops now, not at the deadline
+            raise
 
     def _transfer(self, call, codec, method: str, ids: list[int], t0: float, rid: str) -> dict:
         """Transfer thread: the decode worker's receive loop (decode/receive.py), then the
@@ -104,11 +108,7 @@ class Probe:
             writer[0].write(layer, k_pre, v)
 
         with torch.inference_mode():
-            try:
-                got = receive(call, verifier, prepare, rebuild_layer)
-            except BaseException:
-                call.cancel()
-                raise
+            got = receive(call, verifier, prepare, rebuild_layer)
             t_rebuilt = time.perf_counter()
             logits = self.rt.decode_step(pool, [(blocks, len(shipped), last)])  # [1, vocab]
             int(logits[0].argmax())

@@ -2,9 +2,10 @@
 
 The fill runs as a task beside a watch on the request's queue: anything arriving there
 during a fill is an error from the engine (abort, deadline, shutdown, engine death), which
-cancels the fill, or, once the sink holds every layer, the first token. The sink is closed by the engine before its blocks are freed, so a fill
-that ignores cancellation (or is stuck in a thread) still cannot write into someone else's
-blocks, and nobody waits for it to unwind.
+cancels the fill, or, once the sink holds every layer, the first token. The sink is closed
+by the engine before its blocks are freed, so a fill that ignores cancellation (or is
+stuck in a thread) still cannot write into someone else's blocks, and nobody waits for it
+to unwind.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from rel_checks import Baseline, assert_clean
+from rel_checks import assert_clean
 from scd_serve.engine.request import GenerationRequest, SamplingParams
 from scd_serve.errors import ScdError
 from scd_serve.faults import FaultyRuntime, FaultyServicer, fail_decode_for

@@ -7,7 +7,6 @@ import socket
 import time
 import warnings
 
-import grpc
 import psutil
 import pytest
 

@@ -4,7 +4,6 @@ defaults, log and error-body hygiene, CORS off."""
 import ast
 import logging
 import pathlib
-import ssl
 
 import grpc
 import pytest
