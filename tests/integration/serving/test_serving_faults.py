@@ -205,3 +205,23 @@ async def test_full_worker_says_resource_exhausted_and_stays_serving(rt):
     finally:
         await client.close()
         await node.stop()
+
+
+async def test_closing_the_decode_side_ends_transfers_in_flight_at_once(rt):
+    # a shutting-down decode worker must not leave a transfer thread blocked on its stream
+    node = await start_prefill(SlowRuntime(rt, delay=3.0))
+    peers, fill = await make_decode(rt, [node.address])
+    engine = engine_for(rt)
+    try:
+        task = asyncio.ensure_future(greedy(engine, "closing", prompts(1)[0], "identity", fill))
+        assert await wait_until(lambda: node.servicer.transfers and fill.inflight, 3.0)
+        t0 = time.monotonic()
+        fill.close()
+        with pytest.raises(Unavailable, match="CANCELLED"):  # the stream's end, well before its 30 s deadline
+            await asyncio.wait_for(task, 5.0)
+        assert time.monotonic() - t0 < 1.0
+        assert await wait_until(lambda: not node.servicer.transfers, 3.0)  # the worker saw the stream go
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
