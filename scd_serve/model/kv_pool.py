@@ -71,6 +71,15 @@ class KVPool:
         return k, v
 
 
+    def span(self, layer: int, first_block: int, n: int) -> tuple[Tensor, Tensor]:
+        """The first n token slots of consecutive blocks first_block, first_block+1, ... as
+        views, no copy: k, v [1, n, kv_heads, head_dim]."""
+        blocks = -(-n // self.block_size)
+        k = self.k[layer, first_block:first_block + blocks].flatten(0, 1)[:n]
+        v = self.v[layer, first_block:first_block + blocks].flatten(0, 1)[:n]
+        return k[None], v[None]
+
+
 def block_table(items_blocks: Sequence[Sequence[int]], num_blocks: int, device) -> Tensor:
     """[B, max_blocks] long, each row padded with block 0 (the mask hides those slots)."""
     width = max(len(b) for b in items_blocks)

@@ -16,7 +16,7 @@ import torch
 from scd_serve.errors import InvalidRequest, PromptTooLong
 from scd_serve.model import loader, rope
 from scd_serve.model.kv_pool import KVPool, block_table
-from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model.layers import attend, attend_all, causal_mask, finish_layer, project_kv, project_q, rms_norm
 
 Tensor = torch.Tensor
 
@@ -190,17 +190,31 @@ class ModelRuntime:
         pos = torch.tensor(cached, device=self.device)  # [B]
         rows = torch.arange(len(items), device=self.device)
         slots = table[rows, pos // bs] * bs + pos % bs  # [B]
-        masks = self._masks(pos[:, None], pos + 1, table.shape[1] * bs, force=True)  # [B, 1, 1, S]
+        # One sequence on consecutive blocks without a sliding window (the usual first step of
+        # a request): attend over views of its own slots, no gather and no mask. Same values.
+        first = self._consecutive(items[0][0], width) if len(items) == 1 and not spec.sliding_layers else None
+        masks = None if first is not None else self._masks(pos[:, None], pos + 1, width * bs, force=True)  # [B, 1, 1, S]
         h = self.weights.embed[torch.tensor(tokens, device=self.device)]  # [B, hidden]
         cos, sin = rot.tables(pos)
         for layer, lw in enumerate(self.weights.layers):
             x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
             k_pre, v = project_kv(lw, spec, x)  # [B, kv_heads, hd]
             pool.write(layer, slots, rope.apply(k_pre, cos, sin), v)
-            kc, vc = pool.gather(layer, table)  # [B, S, kv_heads, hd]
             q = rope.apply(project_q(lw, spec, x), cos, sin)  # [B, heads, hd]
-            h = finish_layer(lw, spec, h, attend(q[:, None], kc, vc, masks[spec.window(layer)])[:, 0])
+            if first is not None:
+                kc, vc = pool.span(layer, first, cached[0] + 1)  # [1, T, kv_heads, hd]
+                attn = attend_all(q[:, None], kc, vc)
+            else:
+                kc, vc = pool.gather(layer, table)  # [B, S, kv_heads, hd]
+                attn = attend(q[:, None], kc, vc, masks[spec.window(layer)])
+            h = finish_layer(lw, spec, h, attn[:, 0])
         return self._logits(h)
+
+    @staticmethod
+    def _consecutive(block_ids: Sequence[int], width: int) -> int | None:
+        """The first block id if the first `width` blocks are consecutive, else None."""
+        ids = list(block_ids)[:width]
+        return ids[0] if ids == list(range(ids[0], ids[0] + width)) else None
 
     # ---- convenience ---------------------------------------------------------------------
     def generate_greedy(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None, block_size: int = 16) -> list[int]:

@@ -53,3 +53,27 @@ def test_cuda_matches_cpu(rt):
     out = gpu.prefill(ids)
     k, v = gpu.recompute_kv(1, out.attn_inputs[1])
     assert torch.equal(k, out.keys[1]) and k.device.type == "cuda"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return ModelRuntime.load(save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tokenizer=False))
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "scattered"])
+@pytest.mark.parametrize("n", [5, 16, 17, 30])
+def test_one_sequence_on_consecutive_blocks_skips_the_gather_and_matches_prefill(llama, layout, n, monkeypatch):
+    bs, need = 4, -(-n // 4)
+    blocks = list(range(3, 3 + need))
+    if layout == "scattered":
+        blocks[0], blocks[1] = blocks[1], blocks[0]
+    pool = llama.new_kv_pool(need + 5, bs)
+    prompt = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
+    llama.extend(pool, [(blocks, 0, prompt[:-1])])
+    gathered = []
+    real = type(pool).gather
+    monkeypatch.setattr(type(pool), "gather", lambda self, *a: (gathered.append(1), real(self, *a))[1])
+    got = llama.decode_step(pool, [(blocks, n - 1, int(prompt[-1]))])
+    want = llama.prefill(prompt, capture=False).logits[-1]
+    assert (got[0] - want).abs().max() <= 1e-4
+    assert bool(gathered) == (layout == "scattered")  # the view path only where the slots are contiguous
