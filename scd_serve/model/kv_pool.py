@@ -70,7 +70,6 @@ class KVPool:
         v = self.v[layer].flatten(1).index_select(0, flat).view(shape)
         return k, v
 
-
     def span(self, layer: int, first_block: int, n: int) -> tuple[Tensor, Tensor]:
         """The first n token slots of consecutive blocks first_block, first_block+1, ... as
         views, no copy: k, v [1, n, kv_heads, head_dim]."""

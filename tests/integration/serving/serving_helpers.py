@@ -96,6 +96,21 @@ def engine_for(rt, **cfg) -> Engine:
     return engine
 
 
+@contextlib.asynccontextmanager
+async def decode_stack(rt, producer=None):
+    """One real prefill worker (running `producer`, default `rt`), a decode side for it
+    (PeerSet + RemoteKVFill) and an engine: yields (node, fill, engine), all stopped after."""
+    node = await start_prefill(rt if producer is None else producer)
+    peers, fill = await make_decode(rt, [node.address])
+    engine = engine_for(rt)
+    try:
+        yield node, fill, engine
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
+
+
 def prompts(n: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()

@@ -13,7 +13,8 @@ from scd_serve.transport.client import PrefillClient
 from scd_serve.config.transport import TransportConfig
 from scd_serve.transport.proto import pb
 
-from serving_helpers import SlowRuntime, engine_for, greedy, make_decode, prompts, start_prefill, tiny_runtime, wait_until
+from serving_helpers import (SlowRuntime, decode_stack, engine_for, greedy, make_decode, prompts, start_prefill,
+                             tiny_runtime, wait_until)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,29 +99,19 @@ async def test_corrupt_chunk_is_refused_before_decoding(rt, monkeypatch):
             msg.chunk.tensors[0].data = bytes(data)
         return msg
     monkeypatch.setattr(prefill_service, "chunk_message", corrupting)
-    node = await start_prefill(rt)
-    peers, fill = await make_decode(rt, [node.address])
-    decoded = []
-    real = fill._rebuild_layer
-    fill._rebuild_layer = lambda layer, *a: (decoded.append(layer), real(layer, *a))[1]
-    engine = engine_for(rt)
-    try:
+    async with decode_stack(rt) as (node, fill, engine):
+        decoded = []
+        real = fill._rebuild_layer
+        fill._rebuild_layer = lambda layer, *a: (decoded.append(layer), real(layer, *a))[1]
         with pytest.raises(TransferCorrupt, match="xxh64") as info:
             await greedy(engine, "r", prompts(1)[0], "identity", fill)
         assert info.value.http_status == 502 and info.value.grpc_code == "DATA_LOSS"
         assert decoded == [0]  # chunk 1 (layer 1, a cold transfer) never reached decode_layer
         await _clean(engine, fill, node)
-    finally:
-        await engine.stop(grace_s=1)
-        await peers.close()
-        await node.stop()
 
 
 async def test_deadline_ends_a_stalled_transfer_on_both_sides(rt):
-    node = await start_prefill(SlowRuntime(rt, delay=3.0))
-    peers, fill = await make_decode(rt, [node.address])
-    engine = engine_for(rt)
-    try:
+    async with decode_stack(rt, SlowRuntime(rt, delay=3.0)) as (node, fill, engine):
         from scd_serve.engine.request import GenerationRequest, SamplingParams
         req = GenerationRequest("slow", prompts(1)[0], SamplingParams(temperature=0, max_tokens=4),
                                 method="identity", deadline=time.monotonic() + 1.0)
@@ -131,17 +122,10 @@ async def test_deadline_ends_a_stalled_transfer_on_both_sides(rt):
         assert time.monotonic() - t0 < 1.5
         await _clean(engine, fill, node)
         assert fill.stats.num_retries == 0  # DEADLINE_EXCEEDED is never retried
-    finally:
-        await engine.stop(grace_s=1)
-        await peers.close()
-        await node.stop()
 
 
 async def test_client_going_away_cancels_the_remote_prefill(rt):
-    node = await start_prefill(SlowRuntime(rt, delay=1.0))
-    peers, fill = await make_decode(rt, [node.address])
-    engine = engine_for(rt)
-    try:
+    async with decode_stack(rt, SlowRuntime(rt, delay=1.0)) as (node, fill, engine):
         task = asyncio.ensure_future(greedy(engine, "gone", prompts(1)[0], "identity", fill))
         assert await wait_until(lambda: node.servicer.transfers, 3.0)
         task.cancel()
@@ -149,10 +133,6 @@ async def test_client_going_away_cancels_the_remote_prefill(rt):
         await _clean(engine, fill, node)
         assert time.monotonic() - t0 < 1.0
         assert node.servicer.num_served == 0
-    finally:
-        await engine.stop(grace_s=1)
-        await peers.close()
-        await node.stop()
 
 
 async def test_abort_rpc_and_transfer_lease_free_the_prefill_side(rt):
@@ -209,10 +189,7 @@ async def test_full_worker_says_resource_exhausted_and_stays_serving(rt):
 
 async def test_closing_the_decode_side_ends_transfers_in_flight_at_once(rt):
     # a shutting-down decode worker must not leave a transfer thread blocked on its stream
-    node = await start_prefill(SlowRuntime(rt, delay=3.0))
-    peers, fill = await make_decode(rt, [node.address])
-    engine = engine_for(rt)
-    try:
+    async with decode_stack(rt, SlowRuntime(rt, delay=3.0)) as (node, fill, engine):
         task = asyncio.ensure_future(greedy(engine, "closing", prompts(1)[0], "identity", fill))
         assert await wait_until(lambda: node.servicer.transfers and fill.inflight, 3.0)
         t0 = time.monotonic()
@@ -221,7 +198,3 @@ async def test_closing_the_decode_side_ends_transfers_in_flight_at_once(rt):
             await asyncio.wait_for(task, 5.0)
         assert time.monotonic() - t0 < 1.0
         assert await wait_until(lambda: not node.servicer.transfers, 3.0)  # the worker saw the stream go
-    finally:
-        await engine.stop(grace_s=1)
-        await peers.close()
-        await node.stop()
