@@ -22,7 +22,7 @@ import grpc
 
 
 class FaultyRuntime:
-    """Decode-side runtime whose forward (extend / decode_step) raises or stalls after N steps."""
+    """Decode-side runtime whose forward (extend / decode_step / begin_decode_step) raises or stalls after N steps."""
 
     def __init__(self, rt: Any, fail_after_steps: int | None = None, stall_after_steps: int | None = None,
                  stall_s: float = 0.0):
@@ -49,6 +49,10 @@ class FaultyRuntime:
     def decode_step(self, pool, items):
         self._step()
         return self._rt.decode_step(pool, items)
+
+    def begin_decode_step(self, pool, items):
+        self._step()  # the first step of a filled request, run ahead by the engine's runner
+        return self._rt.begin_decode_step(pool, items)
 
 
 class FaultyProducer:

@@ -132,14 +132,15 @@ def _load_f1(path: str) -> dict[str, float]:
 def _print_table(doc: dict, tokens: int) -> None:
     print(f"link: {doc['link']['kind']}; prompt {tokens} tokens; medians of {doc['reps']} (ms)")
     print(f"{'bandwidth':>10} {'method':<11}{'mode':<6}{'TTFT':>9}{'pf+enc':>9}{'wire':>8}"
-          f"{'rebuild':>9}{'first':>7}{'payload':>11}{'bound':>8}{'ratio':>7}")
+          f"{'rebuild':>9}{'first':>7}{'payload':>11}{'bound':>8}{'ratio':>7}{'floor':>7}")
     for p in doc["sweep"]:
         for r in p["rows"]:
             if r["prompt_tokens"] != tokens:
                 continue
             ms = lambda k: f"{r[k] * 1e3:.1f}" if r.get(k) is not None else "-"  # noqa: E731
             ratio = f"{r['ratio_to_lower_bound']:.2f}" if r.get("ratio_to_lower_bound") else "-"
+            floor = f"{r['ratio_to_pipelined_floor']:.2f}" if r.get("ratio_to_pipelined_floor") else "-"
             print(f"{p['bandwidth']:>10} {r['method']:<11}{r['mode']:<6}{ms('ttft_s'):>9}{ms('producer_s'):>9}"
                   f"{ms('wire_s'):>8}{ms('rebuild_s'):>9}{ms('first_step_s'):>7}"
-                  f"{r['payload_bytes'] / 1e6:>10.3f}M{ms('lower_bound_s'):>8}{ratio:>7}")
+                  f"{r['payload_bytes'] / 1e6:>10.3f}M{ms('lower_bound_s'):>8}{ratio:>7}{floor:>7}")
     print(json.dumps(doc["targets"], indent=1))

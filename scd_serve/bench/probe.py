@@ -5,10 +5,12 @@ commands as JSON lines on stdin, answering one JSON line each on stdout, so the 
 loads once while the driver re-shapes the link between sweep points.
 
 Per request it runs the decode worker's own receive loop (decode/receive.py, in a transfer
-thread, as decode/kv_fill.py does) and times, on this side: the first and last chunk's
-arrival, the rebuild (its prompt-only preparation, done while the first chunk is on its
-way, plus decode_layer and the KV write of every layer as its chunk arrives; all of it
-counts in the bound), and the first decode step on the last prompt token.
+thread, as decode/kv_fill.py does) with the first decode step run a layer at a time as the
+K/V lands (engine/runner.py, StepAhead, as the worker's engine does), and times, on this
+side: the first and last chunk's arrival, the rebuild (its prompt-only preparation, done
+while the first chunk is on its way, plus decode_layer and the KV write of every layer as
+its chunk arrives; all of it counts in the bound), all of the first decode step's compute
+wherever it ran, and what was left after the last byte.
 TTFT = hand-off to the transfer thread -> first token.
 The oracle is this consumer's own prefill of the whole prompt (no transfer).
 With a `worker` URL (a real `scd-serve decode` in this namespace, see `bench ttft
@@ -34,6 +36,7 @@ import torch
 
 from scd_serve.decode.codecs import PromptCodec
 from scd_serve.decode.receive import drain, receive
+from scd_serve.engine.runner import StepAhead
 from scd_serve.errors import TransferFailed
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
@@ -89,28 +92,33 @@ class Probe:
             raise
 
     def _transfer(self, call, codec, method: str, ids: list[int], t0: float, rid: str) -> dict:
-        """Transfer thread: the decode worker's receive loop (decode/receive.py), then the
-        first decode step on the last prompt token."""
+        """Transfer thread: the decode worker's receive loop (decode/receive.py), with the
+        first decode step on the last prompt token run ahead as each layer lands, as the
+        engine's runner does (engine/runner.py, StepAhead)."""
         shipped, last = ids[:-1], ids[-1]  # the last prompt token is the first decode step
         pool = self.rt.new_kv_pool(-(-len(ids) // BLOCK) + 1, BLOCK)
         blocks = list(range(pool.num_blocks))
         verifier = StreamVerifier(rid, method, len(shipped), self.rt.spec.num_layers,
                                   check_header=lambda h: _check_version(h, method, codec))
         prompt_codec = PromptCodec(codec, shipped)
-        writer = []
+        writer, logits = [], []
+        ahead = StepAhead(lambda: self.rt.begin_decode_step(pool, [(blocks, len(shipped), last)]),
+                          self.rt.spec.num_layers, logits.append, request_id=rid)
 
         def prepare() -> None:  # as the worker's sink.prepare + codec.prepare
             writer.append(self.rt.kv_writer(pool, blocks, len(shipped)))
+            ahead.start()
             prompt_codec.prepare(self.rt)
 
         def rebuild_layer(layer: int, code: dict) -> None:
             k_pre, v = prompt_codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd]
             writer[0].write(layer, k_pre, v)
+            ahead.landed(layer)
 
         with torch.inference_mode():
             got = receive(call, verifier, prepare, rebuild_layer)
-            t_rebuilt = time.perf_counter()
-            logits = self.rt.decode_step(pool, [(blocks, len(shipped), last)])  # [1, vocab]
+            if not logits:
+                raise TransferFailed(f"{method}: the first step made ahead of the fill failed (see the log)")
             int(logits[0].argmax())
         t_first = time.perf_counter()
         if why := drain(call):  # the stream's end, after the first token as in the worker
@@ -120,8 +128,10 @@ class Probe:
                 "recv_s": got.last_chunk_at - t0,
                 # time to all bytes not explained by producer compute (request, queueing, the link)
                 "wire_s": max(0.0, got.last_chunk_at - t0 - got.encode_us / 1e6),
-                "rebuild_s": got.rebuild_s, "rebuild_tail_s": got.rebuilt_at - got.last_chunk_at,
-                "first_step_s": t_first - t_rebuilt}
+                "rebuild_s": got.rebuild_s - ahead.elapsed_s,  # the K/V alone: the step ran inside it
+                "rebuild_tail_s": t_first - got.last_chunk_at,  # all that was left after the last byte
+                # the whole step (setup, layers, head) wherever it ran, and the argmax
+                "first_step_s": ahead.elapsed_s + (t_first - got.rebuilt_at)}
 
     async def through_worker(self, cmd: dict) -> dict:
         """Warm TTFT of the decode worker at cmd["worker"] over HTTP, per method and length;

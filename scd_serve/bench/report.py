@@ -52,6 +52,11 @@ def summarize_rows(calib: list[dict], points: list[dict], link: dict, ref_tokens
             row["wire_nominal_s"] = row["payload_bytes"] / bw
             row["lower_bound_s"] = max(row["wire_nominal_s"], row["rebuild_s"]) + row["first_step_s"]
             row["ratio_to_lower_bound"] = row["ttft_s"] / row["lower_bound_s"]
+            # The bound puts the first step after the rebuild; the receiver runs it a layer
+            # at a time as the K/V lands, so where the link dominates TTFT can beat that bound.
+            # This floor holds for what it does: all bytes in, and rebuild + step in one thread.
+            row["pipelined_floor_s"] = max(row["wire_nominal_s"], row["rebuild_s"] + row["first_step_s"])
+            row["ratio_to_pipelined_floor"] = row["ttft_s"] / row["pipelined_floor_s"]
             row["oracle_ttft_s"] = oracle.get(r["prompt_tokens"])
             row["speedup_vs_oracle"] = (row["oracle_ttft_s"] / row["ttft_s"]) if row["oracle_ttft_s"] else None
             rows.append(row)
@@ -65,6 +70,7 @@ def summarize_rows(calib: list[dict], points: list[dict], link: dict, ref_tokens
             "prefill_resend_chunk_bytes": getattr(args, "resend_chunk_bytes", 0) or PrefillConfig.chunk_bytes,
             "models": {"producer": args.producer, "consumer": args.consumer, "codebook": args.codebook},
             "lower_bound": "max(payload / bandwidth, rebuild) + first step",
+            "pipelined_floor": "max(payload / bandwidth, rebuild + first step)",
             "sweep": sweep}
 
 
@@ -123,8 +129,11 @@ def check_targets(doc: dict, f1: dict[str, float] | None, tokens: int = 1024) ->
     ratios = {p["bandwidth"]: r["ratio_to_lower_bound"] for i, p in enumerate(doc["sweep"])
               if (r := pick(doc, i, "scd", tokens, "warm"))}
     if ratios:
+        floors = {p["bandwidth"]: r["ratio_to_pipelined_floor"] for i, p in enumerate(doc["sweep"])
+                  if (r := pick(doc, i, "scd", tokens, "warm"))}
         out["scd_lower_bound_ratio"] = {"per_bandwidth": ratios, "met_at": [b for b, x in ratios.items() if x <= 1.2],
-                                        "met": all(x <= 1.2 for x in ratios.values())}
+                                        "met": all(x <= 1.2 for x in ratios.values()),
+                                        "ratio_to_pipelined_floor": floors}
     # 3. Pareto: scd at least as fast and as accurate as quant4 and droidspeak, better in one
     if f1 and "scd" in f1:
         dom = []

@@ -247,6 +247,7 @@ class Engine:
             elif kind == "fallback":
                 if h.sink is not None:
                     h.sink.close()  # no late writes over the local prefill
+                self.runner.forget(h.seq)
                 if self.scheduler.fill_failed(h.seq):
                     self.num_fallbacks += 1
             elif kind == "abort":
@@ -266,6 +267,7 @@ class Engine:
         """Finish a sequence early (abort, deadline, shutdown) and free its blocks."""
         if h.sink is not None:
             h.sink.close()  # waits for a write in flight; later writes are refused
+        self.runner.forget(h.seq)
         if self._live.pop(h.seq.seq_id, None) is None:
             return  # already finished, or never reached the loop
         self.scheduler.finish(h.seq, reason)

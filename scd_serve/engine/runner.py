@@ -1,7 +1,16 @@
-"""Runner: the torch side of an engine step, over one preallocated KV pool."""
+"""Runner: the torch side of an engine step, over one preallocated KV pool.
+
+A request filled over the wire gets its first decode step run a layer at a time as its
+K/V lands (StepAhead, in the writing thread): when the last layer arrives, only that
+layer and the LM head are left, and the engine samples the first token from the logits
+that are ready instead of decoding that sequence again.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,11 +21,16 @@ from scd_serve.engine.scheduler import ScheduledBatch
 from scd_serve.engine.sequence import Sequence
 from scd_serve.engine.sink import LayerSink
 
+log = logging.getLogger("scd_serve.engine")
+
 
 class Runner:
     def __init__(self, runtime: Any, config: EngineConfig):
         self.runtime = runtime
         self.pool = runtime.new_kv_pool(config.num_blocks, config.block_size)  # allocated once, here
+        # seq_id -> first-step logits [vocab] from StepAhead; set by a writing thread before the
+        # sink reports complete, taken (or forgotten) by the engine thread
+        self._ready: dict[int, torch.Tensor] = {}
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
@@ -27,25 +41,97 @@ class Runner:
             self.runtime.extend(self.pool, items)  # logits unused: the last prompt token is a decode step
         if not batch.decodes:
             return []
-        items = [(seq.block_ids, seq.num_cached, seq.last_token) for seq in batch.decodes]
-        logits = self.runtime.decode_step(self.pool, items)  # [B, vocab]
-        return sample(logits, batch.decodes)
+        rows = [self._take_ready(seq) for seq in batch.decodes]
+        todo = [i for i, row in enumerate(rows) if row is None]
+        if todo:
+            seqs = [batch.decodes[i] for i in todo]
+            items = [(seq.block_ids, seq.num_cached, seq.last_token) for seq in seqs]
+            for i, row in zip(todo, self.runtime.decode_step(self.pool, items)):  # [len(todo), vocab]
+                rows[i] = row
+        return sample(torch.stack(rows), batch.decodes)
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop a first step made ahead for a sequence that ended or fell back to local prefill."""
+        self._ready.pop(seq.seq_id, None)
+
+    def _take_ready(self, seq: Sequence) -> torch.Tensor | None:
+        row = self._ready.pop(seq.seq_id, None)
+        # only the step it was made for: the first one, on the filled K/V (not after a preemption)
+        fresh = seq.num_output_tokens == 0 and seq.num_preemptions == 0 and seq.num_cached == seq.num_tokens - 1
+        return row if fresh else None
 
     def sink_for(self, seq: Sequence, on_complete=None) -> LayerSink:
         spec = self.runtime.spec
         block_ids, num_tokens = list(seq.block_ids), seq.num_tokens - 1
         writer = []  # the request's KVWriter (slots, rotary tables), made once; LayerSink serializes
+        ahead = None
+        if hasattr(self.runtime, "begin_decode_step"):
+            item = (block_ids, num_tokens, seq.last_token)
+            ahead = StepAhead(lambda: self.runtime.begin_decode_step(self.pool, [item]), spec.num_layers,
+                              lambda logits: self._ready.__setitem__(seq.seq_id, logits[0]),
+                              request_id=seq.request.request_id)
 
         def prepare() -> None:
             if not writer:
                 with torch.inference_mode():
                     writer.append(self.runtime.kv_writer(self.pool, block_ids, num_tokens))
+                    if ahead is not None:
+                        ahead.start()
 
         def write(layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
             prepare()
             with torch.inference_mode():
                 writer[0].write(layer, k_pre, v)
+                if ahead is not None:
+                    ahead.landed(layer)
 
         return LayerSink(write, request_id=seq.request.request_id, num_layers=spec.num_layers,
                          num_tokens=num_tokens, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                          prepare=prepare, on_complete=on_complete)
+
+
+class StepAhead:
+    """The first decode step of a request whose K/V is being written a layer at a time: it
+    runs each layer of the step as soon as that layer and all before it have landed, and
+    hands the logits to `on_logits` when the last one has. A failure here only gives up the
+    head start (logged): the K/V is intact and the engine decodes the sequence as usual."""
+
+    def __init__(self, begin: Callable[[], Any], num_layers: int, on_logits: Callable[[Any], None],
+                 request_id: str = ""):
+        self._begin = begin  # -> a DecodeStep (runtime.begin_decode_step); its setup runs in start()
+        self._landed = [False] * num_layers
+        self._on_logits = on_logits
+        self._step: Any = None
+        self._failed = False
+        self.request_id = request_id
+        self.elapsed_s = 0.0  # time spent in the step (setup, layers, head): what it costs the writer
+
+    def start(self) -> None:
+        """Set the step up now (while the K/V is still on its way), not at the first layer."""
+        if self._step is None and not self._failed:
+            self._guard(lambda: setattr(self, "_step", self._begin()))
+
+    def landed(self, layer: int) -> None:
+        self._landed[layer] = True
+        self.start()
+        if self._step is not None:
+            self._guard(self._advance)
+
+    def _advance(self) -> None:
+        step = self._step
+        while not step.done and self._landed[step.layer]:
+            step.run_layer()
+        if step.done:
+            self._step = None
+            self._on_logits(step.logits())  # [1, vocab]
+
+    def _guard(self, work: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - a lost head start, never a lost request
+            self._step, self._failed = None, True
+            log.warning("request_id=%s first step ahead of the fill failed (%s: %s); decoding it as usual",
+                        self.request_id, type(exc).__name__, exc)
+        finally:
+            self.elapsed_s += time.perf_counter() - t0

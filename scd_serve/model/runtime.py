@@ -1,5 +1,5 @@
 """ModelRuntime: layer-wise prefill with K/V capture, rotary helpers, recompute, paged KV pool,
-extend (prefix-attending chunks) and one batched decode step. See docs/architecture.md.
+extend (prefix-attending chunks) and one batched decode step (model/step.py). See docs/architecture.md.
 
 All compute runs under torch.no_grad (not inference_mode) so captured tensors can feed
 training code, e.g. the codec's aligner, without a clone.
@@ -16,7 +16,8 @@ import torch
 from scd_serve.errors import InvalidRequest, PromptTooLong
 from scd_serve.model import loader, rope
 from scd_serve.model.kv_pool import KVPool, block_table
-from scd_serve.model.layers import attend, attend_all, causal_mask, finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model.step import DecodeStep
 
 Tensor = torch.Tensor
 
@@ -173,48 +174,14 @@ class ModelRuntime:
             h = finish_layer(lw, spec, h, attend(q[None], kc, vc, masks[spec.window(layer)])[0])
         return self._logits(h)
 
-    @torch.no_grad()
     def decode_step(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, int]]) -> Tensor:
         """One token for each of B sequences in ONE batched forward.
         items: (block_ids, num_cached, token_id) -> logits [B, vocab] float32."""
-        if not items:
-            raise InvalidRequest("decode_step needs at least one item")
-        spec, rot, bs = self.spec, self.rotary, pool.block_size
-        cached = [int(c) for _, c, _ in items]
-        tokens = [int(t) for _, _, t in items]
-        self._check_positions(cached, [len(b) for b, _, _ in items], bs)
-        if min(tokens) < 0 or max(tokens) >= spec.vocab_size:
-            raise InvalidRequest(f"token ids must lie in 0..{spec.vocab_size - 1}")
-        width = -(-(max(cached) + 1) // bs)  # blocks the longest sequence needs
-        table = block_table([list(b)[:width] for b, _, _ in items], pool.num_blocks, self.device)  # [B, width]
-        pos = torch.tensor(cached, device=self.device)  # [B]
-        rows = torch.arange(len(items), device=self.device)
-        slots = table[rows, pos // bs] * bs + pos % bs  # [B]
-        # One sequence on consecutive blocks without a sliding window (the usual first step of
-        # a request): attend over views of its own slots, no gather and no mask. Same values.
-        first = self._consecutive(items[0][0], width) if len(items) == 1 and not spec.sliding_layers else None
-        masks = None if first is not None else self._masks(pos[:, None], pos + 1, width * bs, force=True)  # [B, 1, 1, S]
-        h = self.weights.embed[torch.tensor(tokens, device=self.device)]  # [B, hidden]
-        cos, sin = rot.tables(pos)
-        for layer, lw in enumerate(self.weights.layers):
-            x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
-            k_pre, v = project_kv(lw, spec, x)  # [B, kv_heads, hd]
-            pool.write(layer, slots, rope.apply(k_pre, cos, sin), v)
-            q = rope.apply(project_q(lw, spec, x), cos, sin)  # [B, heads, hd]
-            if first is not None:
-                kc, vc = pool.span(layer, first, cached[0] + 1)  # [1, T, kv_heads, hd]
-                attn = attend_all(q[:, None], kc, vc)
-            else:
-                kc, vc = pool.gather(layer, table)  # [B, S, kv_heads, hd]
-                attn = attend(q[:, None], kc, vc, masks[spec.window(layer)])
-            h = finish_layer(lw, spec, h, attn[:, 0])
-        return self._logits(h)
+        return DecodeStep(self, pool, items).logits()
 
-    @staticmethod
-    def _consecutive(block_ids: Sequence[int], width: int) -> int | None:
-        """The first block id if the first `width` blocks are consecutive, else None."""
-        ids = list(block_ids)[:width]
-        return ids[0] if ids == list(range(ids[0], ids[0] + width)) else None
+    def begin_decode_step(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, int]]) -> DecodeStep:
+        """decode_step, to be run a layer at a time (DecodeStep.run_layer, then .logits())."""
+        return DecodeStep(self, pool, items)
 
     # ---- convenience ---------------------------------------------------------------------
     def generate_greedy(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None, block_size: int = 16) -> list[int]:

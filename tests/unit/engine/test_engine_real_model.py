@@ -82,3 +82,48 @@ async def test_abort_frees_blocks(engine):
             break
         await asyncio.sleep(0.01)
     assert s["num_free_blocks"] == s["num_total_blocks"] and not engine.scheduler.has_unfinished()
+
+
+def count_decodes(monkeypatch, runtime):
+    """Record the positions every decode_step is asked to feed."""
+    fed, real = [], runtime.decode_step
+    monkeypatch.setattr(runtime, "decode_step", lambda pool, items: (fed.extend(c for _, c, _ in items),
+                                                                    real(pool, items))[1])
+    return fed
+
+
+def layer_fill(runtime, order=None, delay_s=0.0):
+    async def fill(r, sink):  # lossless K/V, a layer at a time, in `order`
+        out = runtime.prefill(r.prompt_token_ids[:-1])
+        for layer in order or range(sink.num_layers):
+            await asyncio.sleep(delay_s)
+            sink.write_layer(layer, out.keys[layer], out.values[layer])
+    return fill
+
+
+@pytest.mark.parametrize("order", [None, [1, 0]])
+async def test_first_step_runs_ahead_of_a_fill_and_gives_the_local_tokens(engine, runtime, monkeypatch, order):
+    ps = prompts(runtime, 4)
+    local = await asyncio.gather(*(run(engine, req(f"l{i}", p, 6, temperature=0.7, seed=i)) for i, p in enumerate(ps)))
+    fed = count_decodes(monkeypatch, runtime)
+    fill = layer_fill(runtime, order, delay_s=0.01)
+    filled = await asyncio.gather(*(run(engine, req(f"f{i}", p, 6, temperature=0.7, seed=i), fill)
+                                    for i, p in enumerate(ps)))
+    assert filled == local  # same sampled tokens: the logits made ahead are the decode step's
+    # the engine decoded every token but the first ones: those came from the steps made ahead
+    assert len(fed) == sum(len(t) - 1 for t in filled)
+    assert not engine.runner._ready  # nothing left behind
+
+
+async def test_a_failing_step_ahead_costs_only_the_head_start(engine, runtime, monkeypatch, caplog):
+    ids = prompts(runtime, 1)[0]
+    local = await run(engine, req("l", ids, 5))
+
+    def broken(pool, items):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runtime, "begin_decode_step", broken)
+    fed = count_decodes(monkeypatch, runtime)
+    assert await run(engine, req("f", ids, 5), layer_fill(runtime)) == local
+    assert fed[0] == len(ids) - 1  # the engine decoded the first token itself
+    assert "decoding it as usual" in caplog.text

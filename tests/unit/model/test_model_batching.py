@@ -77,3 +77,28 @@ def test_one_sequence_on_consecutive_blocks_skips_the_gather_and_matches_prefill
     want = llama.prefill(prompt, capture=False).logits[-1]
     assert (got[0] - want).abs().max() <= 1e-4
     assert bool(gathered) == (layout == "scattered")  # the view path only where the slots are contiguous
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "scattered"])
+def test_a_step_layer_reads_only_its_own_layer_of_the_cache(llama, layout):
+    """What running the first step ahead of a fill relies on: layer l of a DecodeStep reads
+    only layer l of the pool, so it may run before later layers have landed."""
+    n, bs = 21, 4
+    blocks = list(range(2, 2 + -(-n // bs)))
+    if layout == "scattered":
+        blocks[0], blocks[2] = blocks[2], blocks[0]
+    prompt = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(3))
+    full = llama.new_kv_pool(len(blocks) + 3, bs)
+    llama.extend(full, [(blocks, 0, prompt[:-1])])
+    item = (blocks, n - 1, int(prompt[-1]))
+    want = llama.decode_step(full, [item])
+
+    landing = llama.new_kv_pool(len(blocks) + 3, bs)  # layers arrive one by one
+    step = llama.begin_decode_step(landing, [item])
+    for layer in range(llama.spec.num_layers):
+        landing.k[layer], landing.v[layer] = full.k[layer], full.v[layer]
+        step.run_layer()
+        assert step.layer == layer + 1 and not landing.k[layer + 1:].any()  # later layers still empty
+    assert step.done and torch.equal(step.logits(), want)
+    with pytest.raises(RuntimeError, match="every layer"):
+        step.run_layer()
