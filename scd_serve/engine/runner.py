@@ -109,13 +109,20 @@ class StepAhead:
     def start(self) -> None:
         """Set the step up now (while the K/V is still on its way), not at the first layer."""
         if self._step is None and not self._failed:
-            self._guard(lambda: setattr(self, "_step", self._begin()))
+            self._guard(self._set_up)
 
     def landed(self, layer: int) -> None:
+        if self._step is not None and layer < self._step.layer:
+            # a layer the step already read was written again (a retry from another prefill
+            # worker): start over, on the K/V as it is now
+            self._step, self._landed = None, [False] * len(self._landed)
         self._landed[layer] = True
         self.start()
         if self._step is not None:
             self._guard(self._advance)
+
+    def _set_up(self) -> None:
+        self._step = self._begin()
 
     def _advance(self) -> None:
         step = self._step

@@ -127,3 +127,19 @@ async def test_a_failing_step_ahead_costs_only_the_head_start(engine, runtime, m
     assert await run(engine, req("f", ids, 5), layer_fill(runtime)) == local
     assert fed[0] == len(ids) - 1  # the engine decoded the first token itself
     assert "decoding it as usual" in caplog.text
+
+
+async def test_a_layer_written_again_restarts_the_step_ahead(engine, runtime):
+    """A retry rewrites layers the step already read: the first token must come from the K/V
+    as finally written, not from the first attempt's."""
+    ids = prompts(runtime, 1)[0]
+    local = await run(engine, req("l", ids, 4))
+
+    async def retried_fill(r, sink):
+        out = runtime.prefill(r.prompt_token_ids[:-1])
+        sink.write_layer(0, -out.keys[0] * 3, out.values[0] * 5)  # an attempt that broke off after layer 0
+        await asyncio.sleep(0.01)
+        for layer in range(sink.num_layers):  # the retry writes every layer
+            sink.write_layer(layer, out.keys[layer], out.values[layer])
+
+    assert await run(engine, req("f", ids, 4), retried_fill) == local
