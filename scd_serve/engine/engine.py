@@ -212,10 +212,15 @@ class Engine:
                 self._apply_inbox()
                 self._expire(time.monotonic())
                 batch = self.scheduler.schedule()
+                # The first decode step runs ahead of the fill only on an otherwise idle engine: there
+                # it hides in the wait for bytes; under load it would take the CPU from the batch,
+                # which decodes that step for a fraction of what one sequence alone costs.
+                step_ahead = not self.scheduler.num_running and self.scheduler.num_filling == len(batch.filling) == 1
                 for seq in batch.filling:
                     h = self._live[seq.seq_id]
                     # "filled" straight from the writing thread; the fill's own report repeats it (a no-op)
-                    h.sink = self.runner.sink_for(seq, on_complete=lambda h=h: self._send(("filled", h)))
+                    h.sink = self.runner.sink_for(seq, on_complete=lambda h=h: self._send(("filled", h)),
+                                                  step_ahead=step_ahead)
                     self._outbox.append((h, BlocksReady(h.sink)))
                 if batch.is_empty:
                     self._flush()

@@ -1,9 +1,9 @@
 """Runner: the torch side of an engine step, over one preallocated KV pool.
 
-A request filled over the wire gets its first decode step run a layer at a time as its
-K/V lands (StepAhead, in the writing thread): when the last layer arrives, only that
-layer and the LM head are left, and the engine samples the first token from the logits
-that are ready instead of decoding that sequence again.
+A request filled over the wire on an otherwise idle engine gets its first decode step run
+a layer at a time as its K/V lands (StepAhead, in the writing thread): when the last layer
+arrives, only that layer and the LM head are left, and the engine samples the first token
+from the logits that are ready instead of decoding that sequence again.
 """
 
 from __future__ import annotations
@@ -60,12 +60,14 @@ class Runner:
         fresh = seq.num_output_tokens == 0 and seq.num_preemptions == 0 and seq.num_cached == seq.num_tokens - 1
         return row if fresh else None
 
-    def sink_for(self, seq: Sequence, on_complete=None) -> LayerSink:
+    def sink_for(self, seq: Sequence, on_complete=None, step_ahead: bool = True) -> LayerSink:
+        """The sink a fill writes `seq`'s prompt K/V into; with step_ahead (and a runtime that can),
+        its first decode step runs as the layers land (StepAhead)."""
         spec = self.runtime.spec
         block_ids, num_tokens = list(seq.block_ids), seq.num_tokens - 1
         writer = []  # the request's KVWriter (slots, rotary tables), made once; LayerSink serializes
         ahead = None
-        if hasattr(self.runtime, "begin_decode_step"):
+        if step_ahead and hasattr(self.runtime, "begin_decode_step"):
             item = (block_ids, num_tokens, seq.last_token)
             ahead = StepAhead(lambda: self.runtime.begin_decode_step(self.pool, [item]), spec.num_layers,
                               lambda logits: self._ready.__setitem__(seq.seq_id, logits[0]),
