@@ -120,6 +120,7 @@ class Engine:
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             "num_fallbacks": self.num_fallbacks,
+            "num_steps_ahead": self.runner.num_steps_ahead,
             "ready": self.ready(),
         }
 

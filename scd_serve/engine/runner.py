@@ -31,6 +31,7 @@ class Runner:
         # seq_id -> first-step logits [vocab] from StepAhead; set by a writing thread before the
         # sink reports complete, taken (or forgotten) by the engine thread
         self._ready: dict[int, torch.Tensor] = {}
+        self.num_steps_ahead = 0  # first tokens sampled from a step made ahead (engine stats)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
@@ -58,7 +59,10 @@ class Runner:
         row = self._ready.pop(seq.seq_id, None)
         # only the step it was made for: the first one, on the filled K/V (not after a preemption)
         fresh = seq.num_output_tokens == 0 and seq.num_preemptions == 0 and seq.num_cached == seq.num_tokens - 1
-        return row if fresh else None
+        if row is None or not fresh:
+            return None
+        self.num_steps_ahead += 1
+        return row
 
     def sink_for(self, seq: Sequence, on_complete=None, step_ahead: bool = True) -> LayerSink:
         """The sink a fill writes `seq`'s prompt K/V into; with step_ahead (and a runtime that can),

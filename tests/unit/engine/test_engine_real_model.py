@@ -106,12 +106,13 @@ async def test_first_step_runs_ahead_of_a_fill_on_an_idle_engine_and_gives_the_l
                                                                                             monkeypatch, order):
     ps = prompts(runtime, 4)
     local = [await run(engine, req(f"l{i}", p, 6, temperature=0.7, seed=i)) for i, p in enumerate(ps)]
-    fed = count_decodes(monkeypatch, runtime)
+    fed, ahead = count_decodes(monkeypatch, runtime), engine.stats()["num_steps_ahead"]
     fill = layer_fill(runtime, order, delay_s=0.01)
     filled = [await run(engine, req(f"f{i}", p, 6, temperature=0.7, seed=i), fill) for i, p in enumerate(ps)]
     assert filled == local  # same sampled tokens: the logits made ahead are the decode step's
     # the engine decoded every token but the first ones: those came from the steps made ahead
     assert len(fed) == sum(len(t) - 1 for t in filled)
+    assert engine.stats()["num_steps_ahead"] == ahead + len(ps)
     assert not engine.runner._ready  # nothing left behind
 
 
@@ -119,12 +120,13 @@ async def test_a_busy_engine_decodes_the_first_step_in_its_batch(engine, runtime
     busy_ids, ids = list(range(5, 45)), prompts(runtime, 1)[0]
     assert len(ids) < len(busy_ids)  # so position len(ids) - 1 is fed only for the filled request
     local = await run(engine, req("l", ids, 3))
-    fed = count_decodes(monkeypatch, runtime)
+    fed, ahead = count_decodes(monkeypatch, runtime), engine.stats()["num_steps_ahead"]
     busy = asyncio.ensure_future(run(engine, req("busy", busy_ids, 60)))
     while engine.stats()["num_running"] < 1:
         await asyncio.sleep(0.005)
     assert await run(engine, req("f", ids, 3), layer_fill(runtime)) == local
     assert len(ids) - 1 in fed  # its first step went through the engine's batch, not ahead
+    assert engine.stats()["num_steps_ahead"] == ahead
     await busy
 
 
