@@ -50,9 +50,18 @@ class FaultyRuntime:
         self._step()
         return self._rt.decode_step(pool, items)
 
-    def begin_decode_step(self, pool, items):
-        self._step()  # the first step of a filled request, run ahead by the engine's runner
-        return self._rt.begin_decode_step(pool, items)
+    @property
+    def begin_decode_step(self):
+        """The first step of a filled request, run ahead by the engine's runner: one forward
+        step here too. None when the wrapped runtime cannot (the runner then never runs ahead)."""
+        begin = getattr(self._rt, "begin_decode_step", None)
+        if begin is None:
+            return None
+
+        def faulty(pool, items):
+            self._step()
+            return begin(pool, items)
+        return faulty
 
 
 class FaultyProducer:

@@ -10,7 +10,8 @@ K/V lands (engine/runner.py, StepAhead, as the worker's engine does), and times,
 side: the first and last chunk's arrival, the rebuild (its prompt-only preparation, done
 while the first chunk is on its way, plus decode_layer and the KV write of every layer as
 its chunk arrives; all of it counts in the bound), all of the first decode step's compute
-wherever it ran, and what was left after the last byte.
+wherever it ran, and what was left after the last byte. (The split of rebuild and step
+time assumes a CPU: on a GPU a layer's times measure when its work was queued.)
 TTFT = hand-off to the transfer thread -> first token.
 The oracle is this consumer's own prefill of the whole prompt (no transfer).
 With a `worker` URL (a real `scd-serve decode` in this namespace, see `bench ttft

@@ -249,6 +249,8 @@ class Engine:
                 self._live[h.seq.seq_id] = h
                 self.scheduler.add(h.seq)
             elif kind == "filled":
+                if h.sink is not None:
+                    h.sink.close()  # every layer is in: a stray late write (an abandoned attempt) is refused
                 self.scheduler.fill_done(h.seq)
             elif kind == "fallback":
                 if h.sink is not None:
@@ -291,6 +293,7 @@ class Engine:
             self._outbox.append((h, TokenEvent(token, delta)))
             return
         delta += h.detok.flush()
+        self.runner.forget(seq)
         usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
         self._outbox.append((h, TokenEvent(token, delta, seq.finish_reason, usage)))
         del self._live[seq.seq_id]

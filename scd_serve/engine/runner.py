@@ -45,9 +45,11 @@ class Runner:
         rows = [self._take_ready(seq) for seq in batch.decodes]
         todo = [i for i, row in enumerate(rows) if row is None]
         if todo:
-            seqs = [batch.decodes[i] for i in todo]
-            items = [(seq.block_ids, seq.num_cached, seq.last_token) for seq in seqs]
-            for i, row in zip(todo, self.runtime.decode_step(self.pool, items)):  # [len(todo), vocab]
+            items = [(seq.block_ids, seq.num_cached, seq.last_token) for seq in (batch.decodes[i] for i in todo)]
+            logits = self.runtime.decode_step(self.pool, items)  # [len(todo), vocab]
+            if len(todo) == len(rows):
+                return sample(logits, batch.decodes)  # nothing was made ahead: no copy
+            for i, row in zip(todo, logits, strict=True):
                 rows[i] = row
         return sample(torch.stack(rows), batch.decodes)
 
@@ -71,7 +73,7 @@ class Runner:
         block_ids, num_tokens = list(seq.block_ids), seq.num_tokens - 1
         writer = []  # the request's KVWriter (slots, rotary tables), made once; LayerSink serializes
         ahead = None
-        if step_ahead and hasattr(self.runtime, "begin_decode_step"):
+        if step_ahead and getattr(self.runtime, "begin_decode_step", None) is not None:
             item = (block_ids, num_tokens, seq.last_token)
             ahead = StepAhead(lambda: self.runtime.begin_decode_step(self.pool, [item]), spec.num_layers,
                               lambda logits: self._ready.__setitem__(seq.seq_id, logits[0]),
@@ -109,15 +111,18 @@ class StepAhead:
         self._on_logits = on_logits
         self._step: Any = None
         self._failed = False
+        self._delivered = False
         self.request_id = request_id
         self.elapsed_s = 0.0  # time spent in the step (setup, layers, head): what it costs the writer
 
     def start(self) -> None:
         """Set the step up now (while the K/V is still on its way), not at the first layer."""
-        if self._step is None and not self._failed:
+        if self._step is None and not self._failed and not self._delivered:
             self._guard(self._set_up)
 
     def landed(self, layer: int) -> None:
+        if self._delivered:
+            return  # the logits are out; the engine may be decoding this sequence already
         if self._step is not None and layer < self._step.layer:
             # a layer the step already read was written again (a retry from another prefill
             # worker): start over, on the K/V as it is now
@@ -135,7 +140,7 @@ class StepAhead:
         while not step.done and self._landed[step.layer]:
             step.run_layer()
         if step.done:
-            self._step = None
+            self._step, self._delivered = None, True
             self._on_logits(step.logits())  # [1, vocab]
 
     def _guard(self, work: Callable[[], None]) -> None:

@@ -248,6 +248,28 @@ async def test_late_write_after_abort_is_refused(engine):
         sinks[0].write_layer(0, out.keys[0], out.values[0])
 
 
+async def test_late_write_after_a_complete_fill_is_refused(engine):
+    """Once every layer is in, the sink is closed: a stray write (say, from an attempt that was
+    given up) can never land in blocks the sequence has since freed."""
+    rt = engine.runtime
+    sinks = []
+
+    async def fill(r, sink):
+        sinks.append(sink)
+        await fill_from(rt)(r, sink)
+
+    gen = engine.generate(req("a", [1, 2, 3, 4, 5], max_tokens=50), fill)
+    first = await gen.__anext__()  # decoding has started; the request is still running
+    assert first.token_id == rt.greedy([1, 2, 3, 4, 5], 1)[0]
+    out = rt.prefill([1, 2, 3, 4])
+    try:
+        with pytest.raises(TransferFailed):
+            sinks[0].write_layer(0, out.keys[0], out.values[0])
+    finally:
+        await gen.aclose()
+    await wait_clean(engine)
+
+
 async def test_engine_death_fails_requests_and_readiness():
     eng = Engine(ToyRuntime(), cfg())
     eng.start()

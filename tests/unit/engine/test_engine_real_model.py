@@ -157,4 +157,6 @@ async def test_a_layer_written_again_restarts_the_step_ahead(engine, runtime):
         for layer in range(sink.num_layers):  # the retry writes every layer
             sink.write_layer(layer, out.keys[layer], out.values[layer])
 
+    ahead = engine.stats()["num_steps_ahead"]
     assert await run(engine, req("f", ids, 4), retried_fill) == local
+    assert engine.stats()["num_steps_ahead"] == ahead + 1  # made ahead, on the K/V as finally written

@@ -79,10 +79,12 @@ def test_one_sequence_on_consecutive_blocks_skips_the_gather_and_matches_prefill
     assert bool(gathered) == (layout == "scattered")  # the view path only where the slots are contiguous
 
 
+@pytest.mark.parametrize("model", ["llama", "rt"])  # rt: one full-attention and one sliding-window layer
 @pytest.mark.parametrize("layout", ["consecutive", "scattered"])
-def test_a_step_layer_reads_only_its_own_layer_of_the_cache(llama, layout):
+def test_a_step_layer_reads_only_its_own_layer_of_the_cache(model, layout, request):
     """What running the first step ahead of a fill relies on: layer l of a DecodeStep reads
     only layer l of the pool, so it may run before later layers have landed."""
+    llama = request.getfixturevalue(model)
     n, bs = 21, 4
     blocks = list(range(2, 2 + -(-n // bs)))
     if layout == "scattered":
