@@ -255,7 +255,6 @@ class Engine:
             elif kind == "fallback":
                 if h.sink is not None:
                     h.sink.close()  # no late writes over the local prefill
-                self.runner.forget(h.seq)
                 if self.scheduler.fill_failed(h.seq):
                     self.num_fallbacks += 1
             elif kind == "abort":
@@ -293,7 +292,6 @@ class Engine:
             self._outbox.append((h, TokenEvent(token, delta)))
             return
         delta += h.detok.flush()
-        self.runner.forget(seq)
         usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
         self._outbox.append((h, TokenEvent(token, delta, seq.finish_reason, usage)))
         del self._live[seq.seq_id]

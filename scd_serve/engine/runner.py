@@ -29,7 +29,8 @@ class Runner:
         self.runtime = runtime
         self.pool = runtime.new_kv_pool(config.num_blocks, config.block_size)  # allocated once, here
         # seq_id -> first-step logits [vocab] from StepAhead; set by a writing thread before the
-        # sink reports complete, taken (or forgotten) by the engine thread
+        # sink reports complete (so never for a fill that falls back), taken by the sequence's
+        # next decode, or forgotten when it ends before one
         self._ready: dict[int, torch.Tensor] = {}
         self.num_steps_ahead = 0  # first tokens sampled from a step made ahead (engine stats)
 
@@ -54,7 +55,7 @@ class Runner:
         return sample(torch.stack(rows), batch.decodes)
 
     def forget(self, seq: Sequence) -> None:
-        """Drop a first step made ahead for a sequence that ended or fell back to local prefill."""
+        """Drop a first step made ahead for a sequence that ends before its next decode."""
         self._ready.pop(seq.seq_id, None)
 
     def _take_ready(self, seq: Sequence) -> torch.Tensor | None:

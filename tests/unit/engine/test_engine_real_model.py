@@ -60,14 +60,9 @@ async def test_seed_determinism(engine, runtime):
 
 
 async def test_lossless_fill_equals_local(engine, runtime):
-    async def identity_fill(r, sink):  # what a lossless transfer delivers: the consumer's own K/V
-        out = runtime.prefill(r.prompt_token_ids[:-1])
-        for layer in range(sink.num_layers):
-            sink.write_layer(layer, out.keys[layer], out.values[layer])
-
     ps = prompts(runtime, 8)
     local = await asyncio.gather(*(run(engine, req(f"l{i}", p, 10)) for i, p in enumerate(ps)))
-    filled = await asyncio.gather(*(run(engine, req(f"f{i}", p, 10), identity_fill) for i, p in enumerate(ps)))
+    filled = await asyncio.gather(*(run(engine, req(f"f{i}", p, 10), layer_fill(runtime)) for i, p in enumerate(ps)))
     assert filled == local
 
 
@@ -93,7 +88,7 @@ def count_decodes(monkeypatch, runtime):
 
 
 def layer_fill(runtime, order=None, delay_s=0.0):
-    async def fill(r, sink):  # lossless K/V, a layer at a time, in `order`
+    async def fill(r, sink):  # what a lossless transfer delivers: the consumer's own K/V, in `order`
         out = runtime.prefill(r.prompt_token_ids[:-1])
         for layer in order or range(sink.num_layers):
             await asyncio.sleep(delay_s)

@@ -84,20 +84,20 @@ def test_one_sequence_on_consecutive_blocks_skips_the_gather_and_matches_prefill
 def test_a_step_layer_reads_only_its_own_layer_of_the_cache(model, layout, request):
     """What running the first step ahead of a fill relies on: layer l of a DecodeStep reads
     only layer l of the pool, so it may run before later layers have landed."""
-    llama = request.getfixturevalue(model)
+    model_rt = request.getfixturevalue(model)
     n, bs = 21, 4
     blocks = list(range(2, 2 + -(-n // bs)))
     if layout == "scattered":
         blocks[0], blocks[2] = blocks[2], blocks[0]
     prompt = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(3))
-    full = llama.new_kv_pool(len(blocks) + 3, bs)
-    llama.extend(full, [(blocks, 0, prompt[:-1])])
+    full = model_rt.new_kv_pool(len(blocks) + 3, bs)
+    model_rt.extend(full, [(blocks, 0, prompt[:-1])])
     item = (blocks, n - 1, int(prompt[-1]))
-    want = llama.decode_step(full, [item])
+    want = model_rt.decode_step(full, [item])
 
-    landing = llama.new_kv_pool(len(blocks) + 3, bs)  # layers arrive one by one
-    step = llama.begin_decode_step(landing, [item])
-    for layer in range(llama.spec.num_layers):
+    landing = model_rt.new_kv_pool(len(blocks) + 3, bs)  # layers arrive one by one
+    step = model_rt.begin_decode_step(landing, [item])
+    for layer in range(model_rt.spec.num_layers):
         landing.k[layer], landing.v[layer] = full.k[layer], full.v[layer]
         step.run_layer()
         assert step.layer == layer + 1 and not landing.k[layer + 1:].any()  # later layers still empty
