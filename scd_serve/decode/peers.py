@@ -68,6 +68,9 @@ class PeerSet:
         except grpc.aio.AioRpcError as exc:
             peer.info, peer.problem = None, f"unreachable ({exc.code().name})"
             return
+        if not await peer.client.connect_streams(self.config.transport.rpc_timeout_s):
+            peer.info, peer.problem = None, "unreachable (its Prefill stream channel did not connect)"
+            return
         problems = compat_problems(info, self.rt.spec, self.config.method, self.codecs, self.config.expect_producer)
         peer.info = info
         if problems and not self.config.allow_incompatible:

@@ -3,6 +3,8 @@ caller's thread, or an aio Prefill call), Abort, health."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -28,6 +30,20 @@ class PrefillClient:
 
     async def info(self, timeout: float | None = None) -> pb.InfoReply:
         return await self._stub.Info(pb.InfoRequest(), timeout=timeout or self.config.rpc_timeout_s)
+
+    async def connect_streams(self, timeout: float) -> bool:
+        """Connect the stream channel now; False if it is not ready within timeout.
+
+        It is a second channel: after a worker restart it may still sit in its reconnect
+        backoff (up to max_reconnect_backoff_ms) when Info already succeeds on the first,
+        and a stream call made then fails at once with UNAVAILABLE."""
+        ready = grpc.channel_ready_future(self._stream_channel)
+        try:
+            await asyncio.to_thread(ready.result, timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            ready.cancel()
+            return False
 
     def prefill(self, request: pb.PrefillRequest, timeout: float):
         """One Prefill call: an async iterator of PrefillChunk (call .cancel() to stop)."""

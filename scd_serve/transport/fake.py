@@ -129,6 +129,9 @@ class FakePrefillClient:
         self._check_up()
         return await self.servicer.Info(pb.InfoRequest(), FakeContext(timeout))
 
+    async def connect_streams(self, timeout: float) -> bool:
+        return self.up
+
     def prefill(self, request: pb.PrefillRequest, timeout: float) -> FakeCall:
         self._check_up()
         self.num_prefill_calls += 1

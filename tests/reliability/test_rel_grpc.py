@@ -125,6 +125,33 @@ async def test_b4_missing_chunk_on_open_stream_ends_at_the_deadline(make_stack):
     await assert_clean(stack, base)
 
 
+async def test_b4_restarted_worker_serves_the_first_transfer_after_its_handshake(make_stack):
+    """The Prefill stream runs on a second channel. While the worker was down, failed transfers
+    pushed that channel into its reconnect backoff (up to 2 s); a handshake that succeeds on the
+    first channel must also connect the second, or the first transfer after the restart fails
+    at once with UNAVAILABLE (the kill -9 test's flake: served, but by the local fallback)."""
+    stack, base = await make_stack(engine=NO_FALLBACK, health_loop=False)
+    (peer,) = stack.peers.peers.values()
+    port = stack.prefill_port
+    await stack.stop_prefill()
+    for i in range(5):  # each refused connect grows the stream channel's backoff (x1.6 from 0.2 s)
+        assert (await post(stack, f"while down {i}", 2)).status_code in (502, 503)
+        await asyncio.sleep(0.3)
+    await stack.start_prefill(port)
+    end = time.monotonic() + 10
+    while True:  # what the health loop does for a peer that is down: handshake until it works
+        peer.problem = "health check failed"
+        await stack.peers.handshake(peer)
+        if peer.usable or time.monotonic() > end:
+            break
+        await asyncio.sleep(0.05)
+    assert peer.usable, peer.problem
+    transfers = stack.fill.stats.num_transfers
+    r = await post(stack, "right after the restart", 2)
+    assert r.status_code == 200 and stack.fill.stats.num_transfers == transfers + 1, r.text
+    await assert_clean(stack, base)
+
+
 @pytest.fixture(scope="module")
 def rt3(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-3-layers")
