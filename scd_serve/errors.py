@@ -107,6 +107,15 @@ class DeadlineExceeded(ScdError):
     grpc_code = "DEADLINE_EXCEEDED"
 
 
+class StepFailed(ScdError):
+    """The engine could not make this request's next token (non-finite logits, a failing step);
+    the request ends with this error, the engine and the rest of the batch go on."""
+
+    type = "generation_failed"
+    http_status = 500
+    grpc_code = "INTERNAL"
+
+
 class TransferCorrupt(ScdError):
     """A chunk failed its checksum or sequence check; it is never decoded."""
 

@@ -23,15 +23,16 @@ from scd_serve.engine.detokenizer import Detokenizer
 from scd_serve.engine.fill import run_fill
 from scd_serve.engine.request import GenerationRequest, KVFill, TokenEvent, Usage
 from scd_serve.engine.runner import Runner
-from scd_serve.engine.scheduler import Scheduler
+from scd_serve.engine.scheduler import ScheduledBatch, Scheduler
 from scd_serve.engine.sequence import Sequence
 from scd_serve.engine.sink import LayerSink
 from scd_serve.errors import (ConfigError, DeadlineExceeded, EngineDead, InvalidRequest, Overloaded, PromptTooLong,
-                              ScdError, ShuttingDown)
+                              ScdError, ShuttingDown, StepFailed)
 
 log = logging.getLogger("scd_serve.engine")
 
 _POLL_S = 0.25  # how often a waiting request re-checks engine death
+MAX_FAILED_STEPS = 3  # consecutive failing steps before the loop gives up (the runtime is broken)
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_steps = 0
         self.num_fallbacks = 0
+        self._failed_steps = 0  # consecutive steps that raised
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -228,15 +230,46 @@ class Engine:
                     if self._wake.wait(self.config.idle_poll_s):
                         self._wake.clear()
                     continue
-                tokens = self.runner.run(batch)
+                try:
+                    tokens = self.runner.run(batch)
+                except Exception as exc:  # noqa: BLE001 - this step's requests fail, the engine goes on
+                    self._step_failed(batch, exc)
+                    continue
+                self._failed_steps = 0
+                batch = self._drop_failed_rows(batch, tokens)
+                tokens = [t for t in tokens if isinstance(t, int)]
                 self.scheduler.postprocess(batch, tokens)
                 for seq, token in zip(batch.decodes, tokens, strict=True):
                     self._emit_token(seq, token)
                 self.num_generated_tokens += len(tokens)
                 self.num_steps += 1
                 self._flush()
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the loop; requests must hear of it
+        except BaseException as exc:  # noqa: BLE001 - any other failure kills the loop; requests must hear of it
             self._die(exc)
+
+    def _drop_failed_rows(self, batch: ScheduledBatch, tokens: list) -> ScheduledBatch:
+        """End each sequence whose row could not be sampled (its StepFailed); the rest go on."""
+        failed = [(seq, err) for seq, err in zip(batch.decodes, tokens, strict=True) if not isinstance(err, int)]
+        for seq, err in failed:
+            log.error("request_id=%s failed: %s", seq.request.request_id, err.message)
+            self._end(self._live[seq.seq_id], "error", err)
+        if not failed:
+            return batch
+        return dataclasses.replace(batch, decodes=[s for s, t in zip(batch.decodes, tokens) if isinstance(t, int)])
+
+    def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """A step raised: its requests fail with StepFailed and free their blocks; the engine
+        goes on. Steps that keep failing mean the runtime itself is broken: the loop dies (and
+        /ready says so) rather than failing every request forever."""
+        self._failed_steps += 1
+        log.error("engine step failed (%d in a row): %s: %s", self._failed_steps, type(exc).__name__, exc,
+                  exc_info=exc)
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise exc
+        err = StepFailed(f"the engine step for this request failed: {type(exc).__name__}: {exc}")
+        for seq in {id(s): s for s in [*batch.decodes, *(s for s, _ in batch.prefills)]}.values():
+            self._end(self._live[seq.seq_id], "error", err)
+        self._flush()
 
     def _apply_inbox(self) -> None:
         while True:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from rel_checks import assert_clean
+from scd_serve.engine.engine import MAX_FAILED_STEPS
 from scd_serve.engine.request import GenerationRequest, SamplingParams
 from scd_serve.errors import ScdError
 from scd_serve.faults import FaultyRuntime, FaultyServicer, fail_decode_for
@@ -57,13 +58,19 @@ async def test_f1_live_at_once_ready_only_after_handshake(rt):
 async def test_f5_engine_loop_raising_makes_ready_503_and_fails_fast(make_stack):
     holder = {}
     stack, _ = await make_stack(runtime_wrap=lambda rt: holder.setdefault("rt", FaultyRuntime(rt)))
-    holder["rt"].fail_after_steps = holder["rt"].num_steps + 3  # H1: evil forward after 3 more steps
+    holder["rt"].fail_after_steps = holder["rt"].num_steps + 3  # H1: evil forward after 3 more steps, for good
     inflight = [asyncio.ensure_future(stack.client.post("/v1/completions", json=completion(f"doomed {i}", 20,
                                                                                           scd_method="identity")))
                 for i in range(3)]
     rs = await asyncio.gather(*inflight)
+    # a failing step fails its requests (500); MAX_FAILED_STEPS in a row and the loop gives up (503)
     for r in rs:
-        assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead", r.text
+        assert (r.status_code, r.json()["error"]["type"]) in ((500, "generation_failed"), (503, "engine_dead")), r.text
+    for _ in range(MAX_FAILED_STEPS):
+        if not stack.engine.ready():
+            break
+        r = await stack.client.post("/v1/completions", json=completion("doomed too", 20, scd_method="identity"))
+        assert r.status_code in (500, 503), r.text
     assert await wait_for(lambda: not stack.engine.ready(), 2.0) is not None
     assert (await stack.client.get("/ready")).status_code == 503
     assert (await stack.client.get("/live")).status_code == 200

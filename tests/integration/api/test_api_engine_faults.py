@@ -12,6 +12,7 @@ import pytest
 from api_server import ServerThread, engine_app, stop_engine
 from asgi_lifespan import LifespanManager
 
+from scd_serve.engine.engine import MAX_FAILED_STEPS
 from scd_serve.engine.toy import ToyRuntime
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,7 +115,10 @@ async def test_engine_death_and_stall_flip_readiness(app_client):
     assert (await client.get("/live")).status_code == 200
     assert (await slow).status_code == 200
     engine.runtime.step_delay_s = 0
-    engine.runtime.fail_after_steps = engine.runtime.num_steps + 2  # the forward now raises
+    engine.runtime.fail_after_steps = engine.runtime.num_steps + 2  # the forward now raises, for good
+    for _ in range(MAX_FAILED_STEPS - 1):  # each failing step fails its request; the engine goes on
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "generation_failed", r.text
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
     assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead"
     assert (await client.get("/ready")).status_code == 503

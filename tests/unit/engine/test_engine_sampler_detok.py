@@ -8,7 +8,7 @@ from scd_serve.engine.request import GenerationRequest, SamplingParams
 from scd_serve.engine.sampler import probabilities, sample
 from scd_serve.engine.sequence import Sequence
 from scd_serve.engine.toy import byte_tokenizer
-from scd_serve.errors import InvalidRequest
+from scd_serve.errors import InvalidRequest, StepFailed
 
 
 def seqs(*params):
@@ -23,11 +23,38 @@ def test_greedy_is_argmax_per_row():
 def test_top_k_and_top_p_cut_the_tail():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
-    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
+    # float32 logits: the probabilities are exact to float32's rounding (~1e-7)
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0], dtype=p.dtype), atol=1e-6)
     p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.8))  # 0.5 + 0.3 reaches 0.8
-    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0], dtype=p.dtype), atol=1e-6)
     p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.01))  # always keeps the top token
     assert p.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 1e-5, 1.0, 1e30, 1e300, 1.7e308])
+@pytest.mark.parametrize("top_p", [5e-324, 1e-138, 1e-8, 0.5, 1.0])
+@pytest.mark.parametrize("top_k", [-1, 1, 3, 2**63 - 1])
+def test_every_legal_extreme_gives_a_distribution(temperature, top_p, top_k):
+    """The one-request denial of service: top_p 1e-138 rounded to 0 in float32 and every token
+    was dropped (NaN); a tiny temperature made inf - inf. Any legal value must sample."""
+    logits = torch.randn(200, generator=torch.Generator().manual_seed(3)) * 8
+    logits[5] = logits[17] = logits.max() + 1  # a tie for the best token
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=2**63 - 1)
+    p = probabilities(logits, params)
+    assert torch.isfinite(p).all() and (p >= 0).all() and abs(float(p.sum()) - 1) < 1e-9
+    (token,) = sample(logits[None], seqs(params))
+    assert isinstance(token, int) and 0 <= token < 200
+    # all the mass on the best tokens (a huge temperature makes every token equally likely: then
+    # a tiny top_p keeps one of those, any)
+    if temperature < 1e-5 or top_k == 1 or (top_p < 1e-8 and temperature <= 1.0):
+        assert token in (5, 17)
+
+
+def test_non_finite_row_fails_alone():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan"), 0.0, 1.0], [0.0, float("inf"), 1.0]])
+    out = sample(logits, seqs(SamplingParams(temperature=0), SamplingParams(temperature=0.5),
+                              SamplingParams(temperature=0)))
+    assert out[0] == 1 and all(isinstance(e, StepFailed) and "non-finite" in e.message for e in out[1:])
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch():
