@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast test-docker clean
+.PHONY: install run test test-stress test-fast test-docker clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,13 @@ run: $(STAMP)
 # The whole suite (unit, integration, e2e with real processes).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The suite three times, as other machines and a loaded one would run it (not part of `make test`):
+# torch's plain and AVX2 kernels (float results differ in the last bits from one CPU to the
+# next), then with a busy loop holding one of the two cores. Use it before every stop that
+# touches tests or timing. Each run's tail goes to out/stress/.
+test-stress: $(STAMP)
+	bash tests/stress.sh
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
