@@ -2,8 +2,11 @@
 
 Decode workers come from the control-plane registry (ready ones only) and from a static
 list. A worker that cannot be reached is skipped for the next one before any byte went
-back to the client; once the response started it streams through unchanged, and a client
-that goes away closes the upstream request (the decode worker then aborts it).
+back to the client; once the response started it streams through (gateway/relay.py). A
+client that goes away closes the upstream request at any point, also while the gateway
+still waits for the response headers (a non-streaming request, a stream before its first
+token), so the decode worker aborts it; an upstream that breaks mid-stream ends the
+client's stream with an error event.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
 from scd_serve.control.registry import Registry
 from scd_serve.errors import Unavailable
+from scd_serve.gateway.relay import ClientWatch, Upstream, relay
 
 log = logging.getLogger("scd_serve.gateway")
 FORWARD_HEADERS = ("authorization", "content-type", "accept")
@@ -36,6 +40,8 @@ class GatewayMetrics:
                                 ["worker", "status"], registry=r)
         self.unreachable = Counter("scd_gateway_worker_errors_total", "decode workers that could not be reached",
                                    ["worker"], registry=r)
+        self.broken = Counter("scd_gateway_upstream_broken_total", "responses whose upstream broke mid-body",
+                              ["worker"], registry=r)
         self.workers = Gauge("scd_gateway_workers", "registered workers by role and readiness",
                              ["role", "ready"], registry=r)
         self.load = Gauge("scd_worker_load", "load each worker reported in its last heartbeat",
@@ -83,17 +89,24 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
         rid = request.scope.get("state", {}).get("request_id")
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        watch = ClientWatch(request.receive)  # the body was read: the next message is the disconnect
+        try:
+            return await forward(watch, rid, method, path, body, headers)
+        finally:
+            await watch.close()
+
+    async def forward(watch: ClientWatch, rid, method: str, path: str, body: bytes, headers: dict) -> Response:
         tried: list[str] = []
         for _ in range(config.max_attempts):
             pick = balancer.choose(candidates(), exclude=tried)
-            if pick is None:
+            if pick is None or watch.gone:
                 break
             tried.append(pick.address)
             upstream = state["client"].build_request(method, f"http://{pick.address}{path}", content=body,
                                                      headers=headers)
             balancer.acquire(pick.address)
             try:
-                resp = await state["client"].send(upstream, stream=True)
+                resp = await watch.run(state["client"].send(upstream, stream=True))
             except BaseException as exc:
                 balancer.release(pick.address)
                 if not isinstance(exc, httpx.TransportError):
@@ -101,11 +114,20 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
                 metrics.unreachable.labels(pick.address).inc()
                 log.warning("request_id=%s decode worker %s unreachable: %s", rid, pick.address, type(exc).__name__)
                 continue
+            if resp is None:  # the client left first; the cancelled send closed the upstream connection
+                balancer.release(pick.address)
+                break
             metrics.requests.labels(pick.address, str(resp.status_code)).inc()
-            done = _Once(resp, lambda a=pick.address: balancer.release(a))
+            done = Upstream(resp, lambda a=pick.address: balancer.release(a))
+            broken = metrics.broken.labels(pick.address).inc
             # background: also runs when the client left before the body started streaming
-            return StreamingResponse(_relay(resp, done), status_code=resp.status_code, background=BackgroundTask(done),
+            return StreamingResponse(relay(resp, done, pick.address, rid, broken), status_code=resp.status_code,
+                                     background=BackgroundTask(done),
                                      headers={k: v for k, v in resp.headers.items() if k.lower() in RETURN_HEADERS})
+        if watch.gone:
+            log.info("request_id=%s client left before the response started (tried %s)", rid, ", ".join(tried))
+            metrics.requests.labels(tried[-1] if tried else "", "499").inc()
+            return Response(status_code=499)  # nobody reads it
         why = f"tried {', '.join(tried)}" if tried else "none registered and ready"
         return error_response(Unavailable(f"no decode worker available ({why})"), rid)
 
@@ -137,25 +159,3 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-class _Once:
-    """Close the upstream response and free the worker slot, exactly once."""
-
-    def __init__(self, resp: httpx.Response, release):
-        self.resp, self.release, self.done = resp, release, False
-
-    async def __call__(self) -> None:
-        if not self.done:
-            self.done = True
-            self.release()
-            await self.resp.aclose()
-
-
-async def _relay(resp: httpx.Response, done: _Once):
-    """Stream the upstream body; closing it (also when the client left) frees the worker slot."""
-    try:
-        async for chunk in resp.aiter_raw():
-            yield chunk
-    finally:
-        await done()

@@ -1,0 +1,111 @@
+"""One proxied response: watch the client while waiting for the upstream, relay the body, close once.
+
+`ClientWatch` races upstream work (sending the request, waiting for the response headers)
+against the client's http.disconnect, so a client that leaves before the first byte cancels
+the upstream request: its connection closes and the decode worker aborts the generation.
+Once the response started, Starlette cancels the relay when the client leaves.
+
+`relay` streams the upstream body. If the upstream breaks mid-body (the worker died, the
+connection was cut), an SSE stream ends the way the workers end a failed stream: one
+`data: {"error": ...}` event (the error table's body) and `data: [DONE]`; only whole events
+are relayed, so the error never lands inside a half-sent one. Any other body is cut off
+(the client sees an incomplete response, never a clean but truncated one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+import httpx
+
+from scd_serve.errors import DeadlineExceeded, ScdError, Unavailable
+
+log = logging.getLogger("scd_serve.gateway")
+T = TypeVar("T")
+SSE_END = b"\n\n"  # what ends an event in the workers' streams (api/sse.py)
+
+
+class ClientWatch:
+    """Resolves when the ASGI receive channel says http.disconnect (call after the body was read)."""
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]]):
+        self.task = asyncio.ensure_future(self._watch(receive))
+
+    @staticmethod
+    async def _watch(receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    @property
+    def gone(self) -> bool:
+        return self.task.done()
+
+    async def run(self, work: Awaitable[T]) -> T | None:
+        """The result (or exception) of `work`, or None when the client left first (work is cancelled)."""
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({task, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return None if task.cancelled() else task.result()
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+class Upstream:
+    """Close the upstream response and free the worker slot, exactly once (also when cancelled)."""
+
+    def __init__(self, resp: httpx.Response, release: Callable[[], None]):
+        self.resp, self.release, self.done = resp, release, False
+
+    async def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.release()
+            with anyio.CancelScope(shield=True):  # a client that left cancels the relay: close anyway
+                await self.resp.aclose()
+
+
+def broken_stream_error(exc: httpx.TransportError, worker: str) -> ScdError:
+    why = f"the decode worker {worker} failed mid-stream ({type(exc).__name__})"
+    if isinstance(exc, httpx.TimeoutException):
+        return DeadlineExceeded(why)
+    return Unavailable(why)
+
+
+async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: str | None,
+                on_broken: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The upstream body; an SSE stream that breaks ends with an error event and [DONE]."""
+    sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+    pending = b""  # SSE: the bytes of an event not yet complete
+    try:
+        async for chunk in resp.aiter_raw():
+            if not sse:
+                yield chunk
+                continue
+            pending += chunk
+            cut = pending.rfind(SSE_END) + len(SSE_END)
+            if cut >= len(SSE_END):
+                yield pending[:cut]
+                pending = pending[cut:]
+        if pending:
+            yield pending
+    except httpx.TransportError as exc:
+        on_broken()
+        log.warning("request_id=%s upstream %s broke mid-response: %s (%s)", request_id, worker,
+                    type(exc).__name__, "error event sent" if sse else "cut off")
+        if not sse:
+            raise
+        body = broken_stream_error(exc, worker).to_body(request_id)
+        yield f"data: {json.dumps(body, ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await done()
