@@ -5,7 +5,7 @@ import pytest
 
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
-from rel_checks import Baseline, fresh_request
+from rel_checks import CLEAN_TIMEOUT_S, Baseline, fresh_request
 from scd_serve.soak import LocalStack
 
 
@@ -39,7 +39,7 @@ async def make_stack(rt):
             await fresh_request(stack, "local")
             if faulty:
                 stack.served.armed = True
-        await stack.wait_clean()
+        await stack.wait_clean(CLEAN_TIMEOUT_S)
         return stack, Baseline()
 
     yield make
