@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from rel_checks import assert_clean
+from rel_checks import assert_clean, eventually
 from scd_serve.config.transport import TransportConfig
 from scd_serve.faults import FaultyRuntime, FaultyServicer
 from scd_serve.soak import completion
@@ -48,31 +48,27 @@ async def test_c2_prefill_sleeping_past_the_deadline(make_stack):
     r = await stack.client.post("/v1/completions", json=completion("sleepy", 3, scd_method="identity"))
     took = time.monotonic() - t0
     assert r.status_code == 504 and r.json()["error"]["type"] == "deadline_exceeded", r.text
-    assert took <= 1.0 + 0.5, took
+    assert took <= 1.0 + 4.0, took  # without the 1 s deadline the call waits out the servicer's 30 s sleep
     rid = stack.served.calls[-1]
-    ok = False
-    for _ in range(50):  # the prefill handler observes the cancellation
-        if rid in stack.served.cancelled:
-            ok = True
-            break
-        await asyncio.sleep(0.02)
-    assert ok, stack.served.cancelled
-    await assert_clean(stack, base, timeout=1.0)
+    # the prefill handler observes the cancellation (without it, it sleeps on for 30 s)
+    assert await eventually(lambda: rid in stack.served.cancelled, 10), stack.served.cancelled
+    await assert_clean(stack, base)
 
 
 async def test_c3_queue_timeout_while_the_only_slot_is_busy(make_stack):
     slow = {}
     stack, base = await make_stack(engine={"max_num_seqs": 1, "queue_timeout_s": 1.0},
                                    runtime_wrap=lambda rt: slow.setdefault("rt", FaultyRuntime(rt)))
-    slow["rt"].stall_after_steps, slow["rt"].stall_s = 0, 0.1  # 50 tokens ~ 5 s
+    slow["rt"].stall_after_steps, slow["rt"].stall_s = 0, 0.2  # 50 tokens ~ 10 s (cancelled below)
     busy = asyncio.ensure_future(stack.client.post("/v1/completions", json=completion("busy", 50)))
-    while stack.engine.stats()["num_running"] < 1:
-        await asyncio.sleep(0.01)
+    assert await eventually(lambda: stack.engine.stats()["num_running"] >= 1, 10), stack.engine.stats()
     t0 = time.monotonic()
     r = await stack.client.post("/v1/completions", json=completion("queued", 4))
     took = time.monotonic() - t0
     assert r.status_code in (503, 504), r.text
-    assert 1.0 <= took <= 1.5, took
+    # not before its 1 s (load only makes it later); a queue wait that ignored the timeout (or
+    # noticed it only when the slot frees) would last until the busy request's ~10 s end
+    assert 1.0 <= took <= 1.0 + 4.0, took
     busy.cancel()
     await asyncio.gather(busy, return_exceptions=True)
     slow["rt"].stall_after_steps = None
@@ -84,18 +80,19 @@ async def test_c4_lease_frees_prefill_when_the_reader_stops(make_stack):
     slow = {}
     stack, base = await make_stack(prefill={"transfer_lease_s": 2.0},
                                    producer_wrap=lambda rt: slow.setdefault("p", FaultyProducer(rt)))
-    slow["p"].layer_delay_s = 4.0  # the transfer would live ~8 s without its lease
+    slow["p"].layer_delay_s = 6.0  # the transfer would live ~12 s without its lease (first layer at 6 s)
     client = PrefillClient(f"127.0.0.1:{stack.prefill_port}", TransportConfig(rpc_timeout_s=2))
     try:
+        t0 = time.monotonic()  # before the call: the lease starts when the server takes it, later
         call = client.prefill(pb.PrefillRequest(request_id="stalled", token_ids=[9] * 50, method="identity"),
                               timeout=60)
         first = await call.read()
         assert first.WhichOneof("body") == "header"
-        t0 = time.monotonic()
-        while stack.servicer.transfers and time.monotonic() - t0 < 4:
-            await asyncio.sleep(0.02)
+        assert await eventually(lambda: not stack.servicer.transfers, 10), stack.servicer.transfers
         took = time.monotonic() - t0
-        assert not stack.servicer.transfers and 1.7 <= took <= 2.0 + 0.5, took
+        # not before the 2 s lease (less a timer's rounding); no lease, or one checked only
+        # between layers, would hold the transfer until the first layer ends at 6 s
+        assert 2.0 - 0.05 <= took <= 2.0 + 3.0, took
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await call.read()
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -119,10 +116,11 @@ async def test_c4_decode_side_reader_stall_ends_on_both_sides(make_stack):
     t0 = time.monotonic()
     r = await stack.client.post("/v1/completions", json=completion("x" * 200, 3, scd_method="identity"))
     assert r.status_code == 504, r.text
-    assert time.monotonic() - t0 <= 1.5 + 0.5
-    while stack.servicer.transfers and time.monotonic() - t0 < 3.0:
-        await asyncio.sleep(0.02)
-    assert not stack.servicer.transfers, "prefill still holds the transfer after its lease"
+    assert time.monotonic() - t0 <= 1.5 + 3.5  # without the 1.5 s request timeout: the 10 s stall
+    # the 2 s lease (or the decode side's cancel) frees it; a transfer held by the stalled reader
+    # would stay until the stall's 10 s end
+    assert await eventually(lambda: not stack.servicer.transfers, 2.0 + 4.0 - (time.monotonic() - t0)), \
+        "prefill still holds the transfer after its lease"
     release.set()
     stack.fill._rebuild_layer = real
     await assert_clean(stack, base)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from rel_checks import Baseline, assert_clean
+from rel_checks import CLEAN_TIMEOUT_S, Baseline, assert_clean
 from scd_serve.faults import FaultyProducer
 from scd_serve.soak import completion, soak
 
@@ -62,7 +62,7 @@ async def test_j2_steady_load_no_failures(make_stack, tmp_path):
     (tmp_path / "j2_steady_load.json").write_text(json.dumps(result))
     print("J2:", json.dumps(result))
     assert failed == 0 and len(lat) >= 20
-    assert await stack.wait_clean() == {}
+    assert await stack.wait_clean(CLEAN_TIMEOUT_S) == {}
 
 
 async def test_100_disconnects_mid_stream_and_mid_transfer(make_stack):
@@ -100,7 +100,7 @@ async def test_100_disconnects_mid_stream_and_mid_transfer(make_stack):
                                         *(mid_transfer(batch * 10 + i) for i in range(10)))
     assert len(results) == 100
     t0 = time.monotonic()
-    leaks = await stack.wait_clean(2.0)
+    leaks = await stack.wait_clean(CLEAN_TIMEOUT_S)
     print(f"100 disconnects: leaks after {time.monotonic() - t0:.2f} s: {leaks}; prefill transfers served "
           f"{stack.servicer.num_served}, ended early {stack.servicer.num_failed}")
     assert leaks == {}  # KV blocks, decode and prefill transfer tables, scheduler
