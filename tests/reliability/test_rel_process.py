@@ -17,7 +17,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rel_checks import Baseline
+from rel_checks import CLEAN_TIMEOUT_S, Baseline, eventually
 from scd_serve.soak import LocalStack, completion
 from scd_serve.transport.proto import SERVICE_NAME
 
@@ -98,36 +98,39 @@ async def test_kill9_prefill_under_50_concurrent_then_restart(rt, model_dir, tmp
         transfers0 = stack.fill.stats.num_transfers
         reqs = [asyncio.ensure_future(timed(stack.client, completion(f"kill nine {i} " + "q" * (i % 9), 8,
                                                                      scd_method="identity"))) for i in range(50)]
-        while stack.fill.stats.num_transfers < transfers0 + 5:
-            await asyncio.sleep(0.005)
+        assert await eventually(lambda: stack.fill.stats.num_transfers >= transfers0 + 5, 30, step=0.005)
         in_flight = len(stack.fill.inflight)
         proc.p.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
+        # F2: /ready must follow the dead peer; watched from the kill on, beside the 50 requests
+        ready_503 = asyncio.ensure_future(wait_http(stack.client, "/ready", 503, 10.0))
         results = await asyncio.wait_for(asyncio.gather(*reqs), 20)  # none hangs
         codes = [c for c, _, _ in results]
         print(f"kill -9: {in_flight} transfers in flight at the kill; statuses {dict((c, codes.count(c)) for c in set(codes))}; "
               f"slowest {max(t for _, t, _ in results):.2f} s; fallbacks {stack.engine.num_fallbacks}")
         assert set(codes) <= {200, 503}, [j for c, _, j in results if c not in (200, 503)][:2]
-        assert all(t < 15.0 for _, t, _ in results)
-        assert await stack.wait_clean(2.0) == {}  # decode-side KV blocks back to baseline
-        # F2: /ready follows within 2 health periods (+ slack); /live stays up; new requests do not hang
-        took = await wait_http(stack.client, "/ready", 503, 3.0)
-        assert took is not None and time.monotonic() - killed <= 3.0
+        assert all(t < 15.0 for _, t, _ in results)  # none ran into the 15 s request timeout
+        assert await stack.wait_clean(CLEAN_TIMEOUT_S) == {}  # decode-side KV blocks back to baseline
+        # F2: /ready follows within 2 health periods of 0.5 s (+ room for a loaded machine; one that
+        # never follows, or only after a health check's 5 s RPC timeout, fails); /live stays up;
+        # new requests do not hang
+        took = await ready_503
+        assert took is not None and took <= 2 * 0.5 + 3.0, took
         assert (await stack.client.get("/live")).status_code == 200
         code, t, _ = await timed(stack.client, completion("after the kill", 3, scd_method="identity"))
-        assert code in (200, 503) and t <= 1.0, (code, t)
+        assert code in (200, 503) and t <= 5.0, (code, t)  # a hang would take the 15 s request timeout
         # F3: restart on the same port; ready again, transfers flow again
         proc2 = Proc(tmp_path, prefill_cmd(model_dir, port))
         try:
             await proc2.started()
-            assert await wait_http(stack.client, "/ready", 200, 10.0) is not None
+            assert await wait_http(stack.client, "/ready", 200, 30.0) is not None
             before, fallbacks = stack.fill.stats.num_transfers, stack.engine.num_fallbacks
             code, _, _ = await timed(stack.client, completion("after the restart", 3, scd_method="identity"))
             assert code == 200 and stack.fill.stats.num_transfers == before + 1
             assert stack.engine.num_fallbacks == fallbacks
         finally:
             proc2.stop()
-        assert len(asyncio.all_tasks()) <= base.tasks + 1
+        assert await eventually(lambda: len(asyncio.all_tasks()) <= base.tasks + 1, CLEAN_TIMEOUT_S), \
+            asyncio.all_tasks()
     finally:
         proc.stop()
         if stack is not None:
@@ -142,19 +145,19 @@ async def test_h2_prefill_exits_mid_stream_then_restart_serves_20(rt, model_dir,
         stack = await LocalStack(rt, engine={"fallback_to_local": False}, decode={"health_period_s": 0.5},
                                  api={"request_timeout_s": 10.0}).start(prefill_addresses=(f"127.0.0.1:{port}",))
         code, took, body = await timed(stack.client, completion("dies mid stream", 3, scd_method="identity"))
-        assert code in (502, 503) and took < 10.0, body
-        assert await proc.exited(5) == 1
-        assert await stack.wait_clean(2.0) == {}  # partial KV freed
+        assert code in (502, 503) and took < 10.0, body  # not the 10 s request timeout
+        assert await proc.exited(15) == 1
+        assert await stack.wait_clean(CLEAN_TIMEOUT_S) == {}  # partial KV freed
         proc2 = Proc(tmp_path, prefill_cmd(model_dir, port))
         try:
             await proc2.started()
-            assert await wait_http(stack.client, "/ready", 200, 10.0) is not None
+            assert await wait_http(stack.client, "/ready", 200, 30.0) is not None
             results = await asyncio.gather(*(timed(stack.client, completion(f"after restart {i}", 3,
                                                                              scd_method="identity")) for i in range(20)))
             assert [c for c, _, _ in results] == [200] * 20
         finally:
             proc2.stop()
-        assert await stack.wait_clean(2.0) == {}
+        assert await stack.wait_clean(CLEAN_TIMEOUT_S) == {}
     finally:
         proc.stop()
         if stack is not None:
@@ -180,19 +183,17 @@ async def test_f4_g3_sigterm_prefill_not_serving_first_and_decode_stays_clean(rt
                 seen.append(exc.code().name)
 
         watcher = asyncio.ensure_future(read_watch())
-        while not seen:
-            await asyncio.sleep(0.01)
+        assert await eventually(lambda: seen, 10, step=0.01)
         assert seen == ["SERVING"]
         req = asyncio.ensure_future(timed(stack.client, completion("pulled during sigterm", 3, scd_method="identity")))
-        while not stack.fill.inflight:
-            await asyncio.sleep(0.01)
+        assert await eventually(lambda: stack.fill.inflight, 10, step=0.01)
         proc.p.send_signal(signal.SIGTERM)
         code, took, body = await asyncio.wait_for(req, 15)
         assert code in (200, 502, 503), body  # finished within grace, or failed cleanly / fell back
-        assert await proc.exited(5 + 2) == 0
-        await asyncio.wait_for(watcher, 5)
+        assert await proc.exited(5 + 10) == 0  # 5 s grace + room; a shutdown that never ends fails
+        await asyncio.wait_for(watcher, 15)
         assert "NOT_SERVING" in seen and seen.index("NOT_SERVING") == 1, seen  # before the listener closed
-        assert await stack.wait_clean(2.0) == {}
+        assert await stack.wait_clean(CLEAN_TIMEOUT_S) == {}
     finally:
         proc.stop()
         if channel is not None:
@@ -201,8 +202,9 @@ async def test_f4_g3_sigterm_prefill_not_serving_first_and_decode_stays_clean(rt
             await stack.stop()
 
 
-async def _sse(client, body):
-    """(events, finished normally) of one stream; events are parsed JSON objects."""
+async def _sse(client, body, started=None):
+    """(events, finished normally) of one stream; events are parsed JSON objects. The first
+    event appends the body to `started`."""
     events, done = [], False
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -211,7 +213,17 @@ async def _sse(client, body):
                 done = True
             elif line.startswith("data: "):
                 events.append(json.loads(line[6:]))
+                if len(events) == 1 and started is not None:
+                    started.append(body)
     return events, done
+
+
+async def _draining(http) -> bool:
+    """The worker shows that it drains: /ready is 503, or its listener is closed."""
+    try:
+        return (await http.get("/ready")).status_code == 503
+    except httpx.TransportError:
+        return True
 
 
 async def test_g1_g2_sigterm_decode_drains_short_streams_and_ends_long_one(model_dir, tmp_path):
@@ -221,13 +233,16 @@ async def test_g1_g2_sigterm_decode_drains_short_streams_and_ends_long_one(model
         port = await proc.started()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
             assert await wait_http(http, "/ready", 200, 10) is not None
-            short = [asyncio.ensure_future(_sse(http, completion(f"short {i}", 20, stream=True))) for i in range(5)]
-            long = asyncio.ensure_future(_sse(http, completion("long", 400, stream=True)))
-            await asyncio.sleep(0.3)
+            started = []
+            short = [asyncio.ensure_future(_sse(http, completion(f"short {i}", 20, stream=True), started))
+                     for i in range(5)]
+            long = asyncio.ensure_future(_sse(http, completion("long", 400, stream=True), started))
+            assert await eventually(lambda: len(started) == 6, 30), started  # all six are streaming
             proc.p.send_signal(signal.SIGTERM)
             sent = time.monotonic()
-            await asyncio.sleep(0.2)
-            try:  # during the drain: refused (503) or the listener is already closed
+            # the drain shows within a few seconds (ignoring SIGTERM would keep /ready at 200) ...
+            assert await eventually(lambda: _draining(http), 5, step=0.05)
+            try:  # ... and during it a new request is refused (503) or the listener is already closed
                 r = await http.post("/v1/completions", json=completion("too late", 2))
                 assert r.status_code == 503, r.text
             except httpx.TransportError:
@@ -237,8 +252,9 @@ async def test_g1_g2_sigterm_decode_drains_short_streams_and_ends_long_one(model
                 assert not any("error" in e for e in events)
             events, done = await long
             assert events and events[-1].get("error", {}).get("type") == "shutting_down", events[-1:]
-            code = await proc.exited(10 + 2 + 1)
-            assert code == 0 and time.monotonic() - sent <= 10 + 2 + 1
+            # the 10 s grace + room; a drain that waited for the long stream would take its ~20 s
+            code = await proc.exited(10 + 6)
+            assert code == 0 and time.monotonic() - sent <= 10 + 6
         assert not psutil.pid_exists(proc.p.pid) or psutil.Process(proc.p.pid).status() == psutil.STATUS_ZOMBIE
     finally:
         proc.stop()
@@ -256,8 +272,10 @@ async def test_h1_evil_forward_in_a_decode_process(model_dir, tmp_path):
             assert (await http.get("/ready")).status_code == 503
             t0 = time.monotonic()
             r = await http.post("/v1/completions", json=completion("after", 2))
-            assert r.status_code == 503 and time.monotonic() - t0 <= 0.1
-        code = await proc.exited(5)
+            # fails fast: one queued on the dead engine would hang until a timeout (here: until the
+            # worker exits, 2 s after the death, and the connection drops)
+            assert r.status_code == 503 and time.monotonic() - t0 <= 1.0
+        code = await proc.exited(2 + 10)  # exits 2 s after the death (DEATH_LINGER_S), + room
         assert code is not None and code != 0
     finally:
         proc.stop()
