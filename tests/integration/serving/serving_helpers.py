@@ -43,7 +43,7 @@ class PrefillNode:
         await self.server.stop(grace=None)
 
 
-async def settled(node: PrefillNode, served: int, timeout: float = 2.0) -> bool:
+async def settled(node: PrefillNode, served: int, timeout: float = 10.0) -> bool:
     """Wait until the worker counts `served` transfers and holds none: it may still be
     finishing a stream (its status) after the decode side has read the last chunk."""
     end = asyncio.get_running_loop().time() + timeout

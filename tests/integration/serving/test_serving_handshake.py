@@ -1,6 +1,7 @@
 """B1/B5/K3/K4: handshake refuses mismatches by field; message caps, worker token and mTLS."""
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -12,6 +13,7 @@ from scd_serve.errors import Unavailable
 from scd_serve.transport.client import PrefillClient
 from scd_serve.transport.proto import pb
 
+from polls import eventually
 from serving_helpers import engine_for, greedy, make_decode, start_prefill, tiny_runtime
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,7 +31,7 @@ def rt3(tmp_path_factory):
 
 async def test_layer_count_mismatch_is_refused_and_never_called(rt, rt3):
     node = await start_prefill(rt3)
-    peers, fill = await make_decode(rt, [node.address])
+    peers, fill = await make_decode(rt, [node.address], fallback="none")
     engine = engine_for(rt)
     try:
         assert not peers.ready()
@@ -37,6 +39,12 @@ async def test_layer_count_mismatch_is_refused_and_never_called(rt, rt3):
         backend = DecodeBackend(engine, "tiny", fill, peers, "identity")
         assert not backend.ready() and "num_layers: producer 3 != consumer 2" in backend.why_not_ready()
         assert DecodeBackend(engine, "tiny", fill, peers, "local").ready()  # no transfer needed
+        # with a local fallback the worker serves on its own, and says so
+        peers.config = dataclasses.replace(peers.config, fallback="local")
+        fallback = DecodeBackend(engine, "tiny", fill, peers, "identity")
+        assert fallback.ready()
+        detail = fallback.ready_detail()
+        assert "fallback local" in detail["prefill"] and "num_layers" in detail["prefill_peers"][node.address]
         with pytest.raises(Unavailable, match="no ready prefill worker"):
             await greedy(engine, "r", [1, 2, 3], "identity", fill)
         assert node.servicer.num_prefills == 0 and node.servicer.num_served == 0
@@ -83,12 +91,12 @@ async def test_reconnect_after_restart_makes_peer_ready_again(rt):
         await peers.check_all()
         assert "unreachable" in peers.why_not_ready()
         node = await start_prefill(rt, port=port)  # restarted on the same address
-        for _ in range(30):  # the channel reconnects with backoff (<= 2 s)
+        async def check_ready():
             await peers.check_all()
-            if peers.ready():
-                break
-            await asyncio.sleep(0.1)
-        assert peers.ready(), peers.why_not_ready()
+            return peers.ready()
+
+        # the channel reconnects with backoff (<= 2 s), + room for a loaded machine
+        assert await eventually(check_ready, 15.0, step=0.1), peers.why_not_ready()
     finally:
         await peers.close()
         await node.stop()
