@@ -132,6 +132,15 @@ class TransferFailed(ScdError):
     grpc_code = "UNAVAILABLE"
 
 
+class TransferTimedOut(TransferFailed):
+    """The prefill worker did not finish (or went silent during) a transfer within the
+    transfer's own deadline, while the request still had time: retried or served locally."""
+
+    type = "transfer_timeout"
+    http_status = 504
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
 class IncompatiblePeer(ScdError):
     """Handshake found a different codec version, dtype or model fingerprint."""
 

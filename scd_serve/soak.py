@@ -84,10 +84,10 @@ class LocalStack:
         from asgi_lifespan import LifespanManager
 
         from scd_serve.api.app import create_app
-        from scd_serve.api.backend import EngineBackend
         from scd_serve.config.api import ApiConfig
         from scd_serve.config.decode import DecodeConfig
         from scd_serve.config.engine import EngineConfig
+        from scd_serve.decode.backend import DecodeBackend
         from scd_serve.decode.codecs import ConsumerCodecs
         from scd_serve.decode.kv_fill import RemoteKVFill
         from scd_serve.decode.peers import PeerSet
@@ -95,8 +95,9 @@ class LocalStack:
 
         if prefill_addresses is None:
             prefill_addresses = (await self.start_prefill(),)
+        fallback = "local" if EngineConfig(**self.engine_opts).fallback_to_local else "none"
         dconf = DecodeConfig(model="unused", codebook="", prefill=tuple(prefill_addresses), method=self.methods[0],
-                             transport=self.transport, **self.decode_opts)
+                             transport=self.transport, **({"fallback": fallback} | self.decode_opts))
         codecs = ConsumerCodecs(self.rt)
         self.peers = PeerSet(self.rt, codecs, dconf)
         await self.peers.check_all()
@@ -106,8 +107,7 @@ class LocalStack:
         runtime = self.runtime_wrap(self.rt) if self.runtime_wrap else self.rt
         self.engine = Engine(runtime, EngineConfig(**self.engine_opts))
         self.engine.start()
-        self.backend = EngineBackend(self.engine, "tiny", fills={m: self.fill for m in self.methods},
-                                     peers_ready=self.peers.ready)
+        self.backend = DecodeBackend(self.engine, "tiny", self.fill, self.peers, self.methods[0])
         self.app = create_app(ApiConfig(**self.api_opts), self.backend)
         self.lifespan = LifespanManager(self.app)
         await self.lifespan.__aenter__()

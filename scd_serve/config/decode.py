@@ -41,6 +41,10 @@ class DecodeConfig:
     fallback: str = "local"
     # Prefill workers tried per request before giving up (each a different worker).
     max_attempts: int = 2
+    # Circuit breaker per prefill peer: consecutive failed transfers that open it, and the first
+    # cool-down before one probe transfer (doubling on each failed probe, up to 30 s).
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 2.0
     # Health check / reconnect period for prefill peers (seconds). /ready follows within ~2 periods.
     health_period_s: float = 1.0
     # Accept a prefill peer whose handshake differs (escape hatch; logged loudly).
@@ -61,6 +65,10 @@ class DecodeConfig:
             raise ConfigError(f"decode.fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if not 1 <= self.max_attempts <= 8:
             raise ConfigError(f"decode.max_attempts must be in [1, 8], got {self.max_attempts}")
+        if not 1 <= self.breaker_failures <= 100:
+            raise ConfigError(f"decode.breaker_failures must be in [1, 100], got {self.breaker_failures}")
+        if not 0.01 <= self.breaker_cooldown_s <= 30:
+            raise ConfigError(f"decode.breaker_cooldown_s must be in [0.01, 30], got {self.breaker_cooldown_s}")
         if not 0.05 <= self.health_period_s <= 60:
             raise ConfigError(f"decode.health_period_s must be in [0.05, 60], got {self.health_period_s}")
         if not self.method:

@@ -19,6 +19,9 @@ class TransportConfig:
     rpc_timeout_s: float = 5.0
     # Deadline for a whole Prefill stream, seconds (the decode side sets it per call).
     prefill_timeout_s: float = 30.0
+    # Longest the decode side waits for the next message of a Prefill stream (the first one
+    # included) before it gives the worker up as hung and retries elsewhere or falls back.
+    stall_timeout_s: float = 10.0
     # Shared secret sent as `authorization: Bearer <token>` metadata; empty = no auth.
     worker_token: str = field(default="", repr=False)
     # mTLS: PEM files. cert+key set = TLS on; ca set = peers must present a cert it signed.
@@ -31,7 +34,7 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if not (1024 <= self.max_message_bytes <= 1 << 31):
             raise ConfigError(f"max_message_bytes must be in [1024, 2^31], got {self.max_message_bytes}")
-        for name in ("rpc_timeout_s", "prefill_timeout_s"):
+        for name in ("rpc_timeout_s", "prefill_timeout_s", "stall_timeout_s"):
             value = getattr(self, name)
             if not (0 < value <= 3600):
                 raise ConfigError(f"{name} must be in (0, 3600] seconds, got {value}")
@@ -59,10 +62,13 @@ def add_transport_arguments(parser) -> None:
     g.add_argument("--tls-server-name", default="", help="name expected in the prefill worker's certificate")
     g.add_argument("--rpc-timeout-s", type=float, default=5.0, help="deadline of handshake/abort/health RPCs")
     g.add_argument("--prefill-timeout-s", type=float, default=30.0, help="deadline of one whole transfer")
+    g.add_argument("--stall-timeout-s", type=float, default=10.0,
+                   help="decode side: longest wait for the next message of a transfer before the worker counts as hung")
 
 
 def transport_config_from_args(args, **overrides) -> TransportConfig:
     return TransportConfig(max_message_bytes=args.max_message_mb * MiB, worker_token=args.worker_token,
                            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                            tls_server_name=args.tls_server_name, rpc_timeout_s=args.rpc_timeout_s,
-                           prefill_timeout_s=args.prefill_timeout_s, **overrides)
+                           prefill_timeout_s=args.prefill_timeout_s, stall_timeout_s=args.stall_timeout_s,
+                           **overrides)

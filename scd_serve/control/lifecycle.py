@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,6 +47,24 @@ def consume_exception(fut: asyncio.Future) -> None:
     once its request is gone (asyncio would otherwise log it at ERROR when collected)."""
     if not fut.cancelled():
         fut.exception()
+
+
+def supervise(task: asyncio.Task, on_death: Callable[[BaseException], None] | None = None) -> asyncio.Task:
+    """Watch a background task that should run until cancelled: if it ends with an exception,
+    log it with its traceback and call on_death(exc) (the owner turns not ready, or restarts it).
+    A task that dies silently would leave a worker serving on stale state."""
+    def done(t: asyncio.Task) -> None:
+        if t.cancelled():
+            return
+        exc = t.exception()
+        if exc is None:
+            exc = RuntimeError(f"background task {t.get_name()} returned; it should run until cancelled")
+        logging.getLogger("scd_serve").error("background task %s died: %s: %s", t.get_name(), type(exc).__name__,
+                                             exc, exc_info=exc)
+        if on_death is not None:
+            on_death(exc)
+    task.add_done_callback(done)
+    return task
 
 
 def join_host_port(host: str, port: int) -> str:

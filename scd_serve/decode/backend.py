@@ -11,14 +11,24 @@ from scd_serve.api.backend import LOCAL, EngineBackend
 class DecodeBackend(EngineBackend):
     """EngineBackend whose transfer methods all go through one RemoteKVFill (it reads
     req.method), ready only while the engine runs and - unless the default method is
-    "local" - at least one compatible prefill worker answers."""
+    "local" or a failed transfer falls back to a local prefill - at least one compatible
+    prefill worker answers. Ready on the fallback alone, /ready's body says so."""
 
     def __init__(self, engine, model_name: str, fill, peers, default_method: str):
-        needs_peer = default_method != LOCAL
+        self.needs_peer = default_method != LOCAL
+        self.fallback_local = peers.config.fallback == "local"
+        must_have_peer = self.needs_peer and not self.fallback_local
         super().__init__(engine, model_name, fills={m: fill for m in codec_registry.METHODS},
-                         peers_ready=(lambda: peers.ready()) if needs_peer else (lambda: True))
+                         peers_ready=(lambda: peers.ready()) if must_have_peer else (lambda: not peers.dead))
         self.fill = fill
         self.peers = peers
+
+    def ready_detail(self) -> dict[str, Any]:
+        """What /ready adds to {"status": "ready"}: a worker serving on its fallback alone says so."""
+        if not self.needs_peer or self.peers.ready():
+            return {}
+        return {"prefill": "no usable prefill worker: prompts are prefilled on this worker (fallback local)",
+                "prefill_peers": self.peers.status()}
 
     def why_not_ready(self) -> str:
         """'' when ready; else what is missing, naming a refused peer's differing fields."""

@@ -24,10 +24,11 @@ import torch
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import consume_exception
+from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.codecs import PromptCodec
 from scd_serve.decode.receive import drain, receive
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
-                              Unavailable)
+                              TransferTimedOut, Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
 from scd_serve.transport.status import from_rpc_error, is_retryable
@@ -79,9 +80,12 @@ class RemoteKVFill:
                 break
             self.stats.num_retries += int(attempt > 0)
             tried.append(peer.address)
+            peer.breaker.started()
             try:
                 with self.peers.balancer.track(peer.address):
-                    return await self._transfer(peer, req, tokens, sink)
+                    got = await self._transfer(peer, req, tokens, sink)
+                peer.breaker.succeeded()
+                return got
             except ScdError as err:
                 self.stats.num_failed += 1
                 errors.append(err)
@@ -89,11 +93,23 @@ class RemoteKVFill:
                             err.type, err.message)
                 if isinstance(err, IncompatiblePeer):
                     peer.problem = f"incompatible: {err.message}"  # the health loop re-handshakes it
+                self._judge(peer, err)
                 if not is_retryable(err):
                     break
+            finally:
+                peer.breaker.released()
         if self.metrics is not None:
             self.metrics.observe_transfer(req.method, payload_bytes=0, outcome="failed")
         raise self._final_error(req, tried, errors)
+
+    def _judge(self, peer, err: ScdError) -> None:
+        """Count a failure against the worker's breaker when it was the worker's: it broke,
+        hung or corrupted the transfer. A full worker, a refused request or the request's own
+        deadline say nothing about its health."""
+        if isinstance(err, (TransferFailed, TransferCorrupt)):
+            peer.breaker.failed()
+            if peer.breaker.state == OPEN:
+                log.warning("prefill %s: %s", peer.address, peer.breaker.describe())
 
     async def _acquire(self, req, num_tokens: int, tried: list[str]):
         """A peer with a free slot, waiting (until the request's deadline) while all are busy;
@@ -118,7 +134,7 @@ class RemoteKVFill:
             return Unavailable(f"no ready prefill worker offers method {req.method!r} "
                                f"({self.peers.why_not_ready() or 'all busy or excluded'})")
         last = errors[-1]
-        if isinstance(last, TransferFailed):
+        if isinstance(last, TransferFailed) and not isinstance(last, TransferTimedOut):
             return Unavailable(f"transfer failed on {len(tried)} prefill worker(s): {last.message}")
         return last
 
@@ -146,16 +162,23 @@ class RemoteKVFill:
             job.start()  # the request leaves now, while a transfer thread wakes up to read the answer
             self._threads.submit(job.run, loop, done, verifier, lambda: self._prepare(prompt_codec, sink),
                                  lambda layer, code: self._rebuild_layer(layer, code, prompt_codec, sink))
-            got = await done
+            got = await self._watch(job, done)
             ok = True
         except grpc.RpcError as exc:
             server_ended = True
-            raise from_rpc_error(exc, peer.address) from None
+            err = from_rpc_error(exc, peer.address)
+            if isinstance(err, DeadlineExceeded) and deadline < (req.deadline or float("inf")):
+                # the transfer's own deadline (prefill_timeout_s), not the request's: it may still
+                # be served by another worker or locally
+                err = TransferTimedOut(f"prefill worker {peer.address} did not finish the transfer within "
+                                       f"{deadline - start:.1f} s (prefill_timeout_s)")
+            raise err from None
         finally:
             self._jobs.discard(job)
             self.inflight.pop(rid, None)
             self._freed.set()
             if not ok:
+                done.cancel()  # nobody waits for it now: the thread's outcome must not land there
                 job.cancel()  # a cancelled wait leaves the thread reading: stop its stream
                 if not server_ended:  # we walked away (cancelled, corrupt chunk): tell the producer
                     self._abort_remote(peer, rid)
@@ -175,6 +198,19 @@ class RemoteKVFill:
                                           encode_s=got.encode_us / 1e6, rebuild_s=got.rebuild_s, transfer_s=elapsed)
         return {"prefill": peer.address, "payload_bytes": got.payload_bytes, "raw_kv_bytes": raw,
                 "cache_hit": got.cache_hit, "rebuild_s": got.rebuild_s}
+
+    async def _watch(self, job: _Job, done: asyncio.Future):
+        """Wait for the transfer, giving the worker up as hung once its stream has been silent
+        for stall_timeout_s (time waiting for a free transfer thread does not count)."""
+        stall_s = self.config.transport.stall_timeout_s
+        while True:
+            quiet = time.monotonic() - job.last_message if job.reading else 0.0
+            try:
+                return await asyncio.wait_for(asyncio.shield(done), max(0.01, stall_s - quiet))
+            except TimeoutError:
+                if job.reading and time.monotonic() - job.last_message >= stall_s:
+                    raise TransferTimedOut(f"prefill worker {job.peer.address} sent nothing for {stall_s:g} s "
+                                           f"(stall_timeout_s): given up as hung") from None
 
     def _check_header(self, header, peer, codec) -> None:
         if header.producer_fingerprint != peer.info.producer_fingerprint:
@@ -202,6 +238,8 @@ class RemoteKVFill:
             raise
         except Exception as exc:  # malformed code: refuse it, never write garbage
             raise TransferCorrupt(f"layer {layer} code could not be decoded: {type(exc).__name__}: {exc}") from None
+        if not (torch.isfinite(k_pre).all() and torch.isfinite(v).all()):  # a checksum proves bytes, not values
+            raise TransferCorrupt(f"layer {layer} rebuilt to non-finite K/V: refused before the cache")
         sink.write_layer(layer, k_pre, v)
 
     def _abort_remote(self, peer, rid: str) -> None:
@@ -232,6 +270,8 @@ class _Job:
     def __init__(self, peer, request: pb.PrefillRequest, deadline: float):
         self.peer, self.request, self.deadline = peer, request, deadline
         self._call = None
+        self.reading = False  # a transfer thread reads the stream (set there)
+        self.last_message = time.monotonic()  # when the stream last gave a message (or reading began)
 
     def start(self) -> None:
         """Open the stream (non-blocking): the request leaves while a thread wakes up to read
@@ -244,9 +284,10 @@ class _Job:
     def run(self, loop, done: asyncio.Future, verifier: StreamVerifier, prepare, rebuild_layer) -> None:
         """Transfer thread: the transfer, its outcome handed to `done` at once, then the
         stream's end (drain), which nobody waits for."""
+        self.last_message, self.reading = time.monotonic(), True
         try:
             with torch.inference_mode():
-                got = receive(self._call, verifier, prepare, rebuild_layer)
+                got = receive(self._heard(self._call), verifier, prepare, rebuild_layer)
         except BaseException as exc:  # noqa: BLE001 - the event loop re-raises it
             _settle(loop, done, exc=exc)
             return
@@ -254,6 +295,12 @@ class _Job:
         why = drain(self._call)
         if why:
             log.debug("request_id=%s: after its last chunk: %s", self.request.request_id, why)
+
+    def _heard(self, call):
+        """The stream's messages, each stamped on arrival (the event loop's stall watch reads it)."""
+        for msg in call:
+            self.last_message = time.monotonic()
+            yield msg
 
     def cancel(self) -> None:
         if self._call is not None:

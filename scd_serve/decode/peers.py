@@ -16,7 +16,8 @@ import grpc
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
-from scd_serve.control.lifecycle import consume_exception
+from scd_serve.control.lifecycle import consume_exception, supervise
+from scd_serve.decode.breaker import Breaker
 from scd_serve.decode.compat import compat_problems
 from scd_serve.transport.client import PrefillClient
 
@@ -33,6 +34,7 @@ class Peer:
     problem: str = "not connected yet"  # "" = usable
     load: dict = field(default_factory=dict)
     missed_checks: int = 0  # consecutive failed health checks
+    breaker: Breaker = field(default_factory=Breaker)  # transfers, not health checks: grey failures
 
     @property
     def usable(self) -> bool:
@@ -52,13 +54,16 @@ class PeerSet:
         self.balancer = LoadBalancer()
         self._task: asyncio.Task | None = None
         self._side_tasks: set[asyncio.Task] = set()  # handshakes of new peers, closes of gone ones
+        self.dead = ""  # why the health loop stopped ("" while it runs): the peers' state is then stale
         for address in config.prefill:
             self.add(address, static=True)
 
     def add(self, address: str, static: bool = False, client=None) -> Peer:
         peer = self.peers.get(address)
         if peer is None:
-            peer = self.peers[address] = Peer(address, client or self.client_factory(address), static)
+            peer = self.peers[address] = Peer(address, client or self.client_factory(address), static,
+                                              breaker=Breaker(self.config.breaker_failures,
+                                                              self.config.breaker_cooldown_s))
         return peer
 
     # ---- handshake and health ------------------------------------------------------------
@@ -83,15 +88,24 @@ class PeerSet:
             log.warning("prefill %s differs (%s) but allow_incompatible is set", peer.address, "; ".join(problems))
         if peer.problem:
             log.info("prefill %s connected (producer %s)", peer.address, info.producer_fingerprint)
+            peer.breaker.succeeded()  # it was down and is back: the transfers that failed then say nothing now
         peer.problem = ""
 
     async def check(self, peer: Peer) -> None:
         """One health round for one peer: re-handshake if it was down, else a health check."""
-        if not peer.usable:  # incompatible ones too: the operator may have restarted them fixed
-            await self.handshake(peer)
-            return
-        if await peer.client.serving(timeout=self.config.health_period_s):
-            peer.missed_checks = 0
+        try:
+            if not peer.usable:  # incompatible ones too: the operator may have restarted them fixed
+                await self.handshake(peer)
+                return
+            if await peer.client.serving(timeout=self.config.health_period_s):
+                peer.missed_checks = 0
+                return
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # we are being stopped
+            # grpc.aio raises CancelledError for a call whose channel closed under it (a peer the
+            # registry just dropped): that peer failed this check, the health loop goes on
+            peer.info, peer.problem = None, "channel closed during a health check"
             return
         # one slow answer on a loaded machine is not a dead peer; two in a row are
         peer.missed_checks += 1
@@ -103,11 +117,17 @@ class PeerSet:
         await asyncio.gather(*(self.check(p) for p in list(self.peers.values())))
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._health_loop(), name="prefill-health")
+        self._task = supervise(asyncio.create_task(self._health_loop(), name="prefill-health"), self._died)
+
+    def _died(self, exc: BaseException) -> None:
+        self.dead = f"prefill health checks stopped: {type(exc).__name__}: {exc}"
 
     async def _health_loop(self) -> None:
         while True:
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - one bad round must not end health checking for good
+                log.exception("prefill health round failed; next round in %.2f s", self.config.health_period_s)
             await asyncio.sleep(self.config.health_period_s)
 
     # ---- control plane -------------------------------------------------------------------
@@ -138,9 +158,11 @@ class PeerSet:
 
     # ---- choice --------------------------------------------------------------------------
     def serving(self, method: str, num_tokens: int) -> list[Peer]:
-        """Usable peers that offer `method` and take prompts of num_tokens."""
+        """Usable peers, their breaker closed (or due a probe), that offer `method` and take
+        prompts of num_tokens."""
         return [p for p in self.peers.values()
-                if p.usable and p.offers(method) and num_tokens <= (p.info.max_prompt_tokens or num_tokens)]
+                if p.usable and p.breaker.available() and p.offers(method)
+                and num_tokens <= (p.info.max_prompt_tokens or num_tokens)]
 
     def choose(self, method: str, num_tokens: int, exclude=()) -> Peer | None:
         """Least-loaded serving peer with a free slot (we never send more than its
@@ -153,13 +175,15 @@ class PeerSet:
         return None if pick is None else self.peers[pick.address]
 
     def ready(self) -> bool:
-        return any(p.usable for p in self.peers.values())
+        return not self.dead and any(p.usable and p.breaker.available() for p in self.peers.values())
 
     def status(self) -> dict[str, str]:
         """address -> "" (usable) or the problem, for /ready bodies and logs."""
-        return {a: p.problem for a, p in sorted(self.peers.items())}
+        return {a: p.problem or p.breaker.describe() for a, p in sorted(self.peers.items())}
 
     def why_not_ready(self) -> str:
+        if self.dead:
+            return self.dead
         if not self.peers:
             return ("no prefill worker known yet (static --prefill peers or the control plane's "
                     "peer list name them)")

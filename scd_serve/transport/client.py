@@ -14,6 +14,7 @@ from scd_serve.transport.proto import SERVICE_NAME, pb, pb_grpc
 
 
 _PREFILL = f"/{SERVICE_NAME}/Prefill"
+_INFO = f"/{SERVICE_NAME}/Info"
 
 
 class PrefillClient:
@@ -32,17 +33,19 @@ class PrefillClient:
         return await self._stub.Info(pb.InfoRequest(), timeout=timeout or self.config.rpc_timeout_s)
 
     async def connect_streams(self, timeout: float) -> bool:
-        """Connect the stream channel now; False if it is not ready within timeout.
+        """Connect the stream channel now (one Info call on it that waits for the connection);
+        False if that fails within timeout.
 
         It is a second channel: after a worker restart it may still sit in its reconnect
         backoff (up to max_reconnect_backoff_ms) when Info already succeeds on the first,
-        and a stream call made then fails at once with UNAVAILABLE."""
-        ready = grpc.channel_ready_future(self._stream_channel)
+        and a stream call made then fails at once with UNAVAILABLE. The call also proves
+        that this channel's credentials and token are accepted."""
+        self.deadlines.timeouts.append((_INFO, timeout))
         try:
-            await asyncio.to_thread(ready.result, timeout)
+            await asyncio.to_thread(self._stream_stub.Info, pb.InfoRequest(), timeout=timeout, wait_for_ready=True,
+                                    metadata=self.deadlines.metadata)
             return True
-        except grpc.FutureTimeoutError:
-            ready.cancel()
+        except (grpc.RpcError, ValueError):  # ValueError: the channel was closed meanwhile
             return False
 
     def prefill(self, request: pb.PrefillRequest, timeout: float):

@@ -31,7 +31,9 @@ async def ready_is(stack, code: int) -> bool:
 
 async def test_f1_live_at_once_ready_only_after_handshake(rt):
     port = free_port()
-    stack = LocalStack(rt, decode={"health_period_s": 0.25})
+    # no fallback: a worker that needs a prefill worker is not ready before one answers
+    # (with --fallback local it is: test_rel_grey.py::test_i3)
+    stack = LocalStack(rt, decode={"health_period_s": 0.25}, engine={"fallback_to_local": False})
     await stack.start(prefill_addresses=(f"127.0.0.1:{port}",))  # nobody listens there yet
     try:
         assert (await stack.client.get("/live")).status_code == 200
@@ -149,8 +151,22 @@ async def test_i1_unavailable_then_success_is_one_accepted_transfer(rt):
         await _stop(d, a, b)
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                                  grpc.StatusCode.DEADLINE_EXCEEDED])
+async def test_i2_a_transfer_timeout_with_time_left_is_retried_on_another_worker(rt):
+    """DEADLINE_EXCEEDED of a transfer whose request still has time: before, neither retried nor
+    a fallback reason (a hung worker cost every request it got a 504)."""
+    shared = []
+    timeout = grpc.StatusCode.DEADLINE_EXCEEDED
+    a, b, d = await _two_workers(rt, lambda sv: FaultyServicer(sv, fail_first=1, fail_code=timeout, shared_calls=shared))
+    try:
+        r = await d.client.post("/v1/completions", json=completion("retried", 3, scd_method="identity"))
+        assert r.status_code == 200, r.text
+        assert d.fill.stats.num_retries == 1 and len(shared) == 2
+        assert await d.wait_clean(CLEAN_TIMEOUT_S) == {}
+    finally:
+        await _stop(d, a, b)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION])
 async def test_i2_non_retryable_statuses_are_not_retried(rt, code):
     shared = []
     a, b, d = await _two_workers(rt, lambda sv: FaultyServicer(sv, fail_first=1, fail_code=code, shared_calls=shared))

@@ -1,6 +1,7 @@
 """B1/B5/K3/K4: handshake refuses mismatches by field; message caps, worker token and mTLS."""
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -30,7 +31,7 @@ def rt3(tmp_path_factory):
 
 async def test_layer_count_mismatch_is_refused_and_never_called(rt, rt3):
     node = await start_prefill(rt3)
-    peers, fill = await make_decode(rt, [node.address])
+    peers, fill = await make_decode(rt, [node.address], fallback="none")
     engine = engine_for(rt)
     try:
         assert not peers.ready()
@@ -38,6 +39,12 @@ async def test_layer_count_mismatch_is_refused_and_never_called(rt, rt3):
         backend = DecodeBackend(engine, "tiny", fill, peers, "identity")
         assert not backend.ready() and "num_layers: producer 3 != consumer 2" in backend.why_not_ready()
         assert DecodeBackend(engine, "tiny", fill, peers, "local").ready()  # no transfer needed
+        # with a local fallback the worker serves on its own, and says so
+        peers.config = dataclasses.replace(peers.config, fallback="local")
+        fallback = DecodeBackend(engine, "tiny", fill, peers, "identity")
+        assert fallback.ready()
+        detail = fallback.ready_detail()
+        assert "fallback local" in detail["prefill"] and "num_layers" in detail["prefill_peers"][node.address]
         with pytest.raises(Unavailable, match="no ready prefill worker"):
             await greedy(engine, "r", [1, 2, 3], "identity", fill)
         assert node.servicer.num_prefills == 0 and node.servicer.num_served == 0
