@@ -53,6 +53,14 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
     async def live() -> dict:
         return {"status": "ok"}
 
+    @app.get("/health", responses={503: ERROR_RESPONSES[503]})
+    async def health(request: Request) -> Any:
+        """vLLM's probe, which load generators check before they start: 200 while the engine
+        works (its loop runs and is not stalled), whatever the prefill workers do."""
+        if not backend.engine_ready():
+            return error_response(Unavailable("engine loop not running"), request.state.request_id)
+        return {}
+
     @app.get("/ready", responses={503: ERROR_RESPONSES[503]})
     async def ready(request: Request) -> Any:
         if app.state.draining:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 
 # Routes a load balancer or orchestrator probes without credentials.
-OPEN_PATHS = frozenset({"/live", "/ready"})
+OPEN_PATHS = frozenset({"/live", "/ready", "/health"})
 
 
 def key_matches(authorization: str | None, api_key: str) -> bool:

@@ -22,6 +22,8 @@ class Backend(Protocol):
 
     def ready(self) -> bool: ...  # engine loop alive and peers reachable
 
+    def engine_ready(self) -> bool: ...  # engine loop alive (GET /health)
+
     def stats(self) -> dict[str, Any]: ...  # engine stats (num_running, num_waiting, ...)
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]: ...  # async generator
@@ -47,6 +49,9 @@ class EngineBackend:
 
     def ready(self) -> bool:
         return self.engine.ready() and self.peers_ready()
+
+    def engine_ready(self) -> bool:
+        return self.engine.ready()
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -147,6 +147,13 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     async def live() -> dict:
         return {"status": "ok"}
 
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        """vLLM's probe (load generators check it first): 200 while a decode worker is ready."""
+        if candidates():
+            return JSONResponse({})
+        return error_response(Unavailable("no ready decode worker"), request.scope["state"].get("request_id"))
+
     @app.get("/ready")
     async def ready(request: Request) -> Response:
         if candidates():

@@ -16,12 +16,16 @@ class FakeBackend:
         self.delay = delay
         self.error = error  # raised before the first token
         self.error_after = error_after  # (n, exc): raised after n tokens
-        self.is_ready = True
+        self.is_ready = True  # the engine works
+        self.peers_ready = True
         self.calls = []
         self.active = 0
         self.tokens_sent = 0
 
     def ready(self):
+        return self.is_ready and self.peers_ready
+
+    def engine_ready(self):
         return self.is_ready
 
     def stats(self):

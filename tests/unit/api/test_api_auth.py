@@ -1,4 +1,4 @@
-"""Checklist K1/K2: API key on every route but /live and /ready; constant-time compare; never logged."""
+"""Checklist K1/K2: API key on every route but /live, /ready and /health; constant-time compare; never logged."""
 
 import logging
 from unittest import mock
@@ -38,7 +38,7 @@ async def test_every_route_but_health_needs_the_key(keyed):
         for method in route.methods - {"HEAD"}:
             path = route.path.replace("{", "").replace("}", "")
             r = await keyed.request(method, path, json={"prompt": "x"})
-            if route.path in ("/live", "/ready"):
+            if route.path in ("/live", "/ready", "/health"):
                 assert r.status_code == 200, route.path
             else:
                 assert r.status_code == 401, (method, route.path, r.status_code)

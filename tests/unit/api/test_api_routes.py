@@ -96,9 +96,13 @@ async def test_models_live_ready(client, backend):
     assert r.json()["data"][0]["id"] == "fake-model"
     assert (await client.get("/live")).status_code == 200
     assert (await client.get("/ready")).status_code == 200
+    assert (await client.get("/health")).status_code == 200
+    backend.peers_ready = False  # not ready to serve transfers, but the engine works: /health stays 200
+    assert (await client.get("/ready")).status_code == 503 and (await client.get("/health")).status_code == 200
     backend.is_ready = False
-    r = await client.get("/ready")
-    assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+    for path in ("/ready", "/health"):
+        r = await client.get(path)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
     assert (await client.get("/live")).status_code == 200
 
 

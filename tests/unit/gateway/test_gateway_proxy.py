@@ -80,6 +80,7 @@ async def test_spreads_by_load_streams_and_skips_dead_workers():
             assert f'scd_gateway_requests_total{{status="200",worker="{a1}"}} 1.0' in metrics
             assert "scd_gateway_worker_errors_total" in metrics
             assert (await c.get("/ready")).status_code == 200
+            assert (await c.get("/health")).status_code == 200  # what load generators check first
             assert app.state.balancer.inflight == {}  # every slot released
     finally:
         for s, t in ((s1, t1), (s2, t2)):
@@ -91,7 +92,8 @@ async def test_no_decode_worker_is_a_clear_503():
     app = create_gateway_app(GatewayConfig(port=0), Registry(ttl_s=30))
     async with LifespanManager(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
         assert (await c.get("/live")).status_code == 200
-        r = await c.get("/ready")
-        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+        for path in ("/ready", "/health"):
+            r = await c.get(path)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
         r = await c.post("/v1/chat/completions", json={"messages": []})
         assert r.status_code == 503 and "no decode worker" in r.json()["error"]["message"]
