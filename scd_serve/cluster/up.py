@@ -5,6 +5,11 @@ listen on free ports and join it. When the gateway reports the decode workers re
 URL is printed. A worker that crashes is restarted (it rejoins the registry); Ctrl-C (or
 SIGTERM) stops everything in order - gateway, decode, prefill - each with SIGTERM and a
 grace period, then SIGKILL for stragglers.
+
+The cluster gets its own secrets unless the environment already has them: a cluster secret
+that signs every control message ($SCD_CLUSTER_SECRET) and a worker token for the gRPC
+transfers ($SCD_WORKER_TOKEN), both random, passed to the children in their environment
+(never on a command line, which any local user can read).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +28,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from scd_serve.config.control import SECRET_ENV
 from scd_serve.errors import ConfigError, Unavailable
 
 PAIR = "models/demo-pair"
@@ -46,21 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0, help="how long to wait for workers")
+    parser.add_argument("--insecure", action="store_true",
+                        help="let the gateway listen beyond loopback without an API key ($SCD_API_KEY)")
 
 
 class Child:
     """One worker process; its stdout is echoed with a prefix and scanned for its URL line."""
 
-    def __init__(self, name: str, argv: list[str]):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
         self.name = name
         self.argv = argv
+        self.env = env
         self.lines: list[str] = []
         self.restarts = 0
         self.start()
 
     def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "scd_serve.cli", *self.argv], stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True, env=os.environ.copy())
+                                     text=True, start_new_session=True, env=self.env)
         threading.Thread(target=self._echo, args=(self.proc,), daemon=True).start()
 
     def _echo(self, proc) -> None:
@@ -131,6 +141,15 @@ def check_models(args) -> None:
                               f"`scd-serve make-demo-pair` or pass model directories")
 
 
+def cluster_env(base: dict[str, str]) -> dict[str, str]:
+    """The children's environment: `base` plus a fresh cluster secret and worker token where unset."""
+    env = dict(base)
+    for name in (SECRET_ENV, "SCD_WORKER_TOKEN"):
+        if not env.get(name, "").strip():
+            env[name] = secrets.token_hex(32)
+    return env
+
+
 def run(args) -> int:
     check_models(args)
     if args.prefill_workers < 1 or args.decode_workers < 1:
@@ -138,8 +157,10 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: _stop.set())
     deadline = time.monotonic() + args.ready_timeout_s
+    env = cluster_env(os.environ)
+    insecure = ["--insecure"] if args.insecure else []
     gateway = Child("gateway", ["gateway", "--host", args.host, "--port", str(args.port),
-                                "--control-bind", "tcp://127.0.0.1:0"])
+                                "--control-bind", "tcp://127.0.0.1:0", *insecure], env)
     children, prefill, decode = [gateway], [], []
     try:
         m = gateway.wait_line(r"gateway serving (http://\S+), control plane (tcp://\S+)", deadline)
@@ -147,10 +168,10 @@ def run(args) -> int:
         common = ["--host", "127.0.0.1", "--port", "0", "--control-url", control, "--device", args.device,
                   "--codebook", args.codebook]
         for i in range(args.prefill_workers):
-            prefill.append(Child(f"prefill-{i}", ["prefill", "--model", args.producer, *common]))
+            prefill.append(Child(f"prefill-{i}", ["prefill", "--model", args.producer, *common], env))
         method = ["--method", args.method] if args.method else []
         for i in range(args.decode_workers):
-            decode.append(Child(f"decode-{i}", ["decode", "--model", args.consumer, *common, *method]))
+            decode.append(Child(f"decode-{i}", ["decode", "--model", args.consumer, *common, *method], env))
         children += prefill + decode
         wait_ready(url, args.decode_workers, children, deadline)
         print(f"scd-serve is up: {url}/v1 (OpenAI API; try `curl {url}/v1/models`). Ctrl-C stops it.", flush=True)

@@ -1,10 +1,15 @@
-"""Control plane timing: heartbeat period and how long silence means a worker is gone."""
+"""Control plane settings: heartbeat timing, the cluster secret that signs every message, bounds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from scd_serve.errors import ConfigError
+
+SECRET_ENV = "SCD_CLUSTER_SECRET"
+MIN_SECRET_CHARS = 16
 
 
 @dataclass(frozen=True)
@@ -15,6 +20,16 @@ class ControlConfig:
     worker_ttl_s: float = 3.0
     # Largest control message accepted (bytes); larger ones are dropped unread.
     max_message_bytes: int = 64 * 1024
+    # Shared cluster secret: every message carries an HMAC-SHA256 made with it ("" = unsigned,
+    # allowed only on loopback or with --insecure).
+    secret: str = field(default="", repr=False)
+    # A signed message whose timestamp is further than this from the receiver's clock is
+    # dropped as stale (seconds); its nonce is remembered this long against replay.
+    max_clock_skew_s: float = 30.0
+    # Workers the registry holds at most; heartbeats of new workers beyond it are dropped.
+    max_workers: int = 256
+    # Seconds the registry waits for a worker's address to answer its handshake.
+    verify_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not (0 < self.heartbeat_s <= 60):
@@ -24,3 +39,38 @@ class ControlConfig:
                               f"heartbeat_s ({self.heartbeat_s})")
         if self.max_message_bytes < 1024:
             raise ConfigError("control.max_message_bytes must be >= 1024")
+        if self.secret and len(self.secret) < MIN_SECRET_CHARS:
+            raise ConfigError(f"the cluster secret must have at least {MIN_SECRET_CHARS} characters "
+                              f"(e.g. `openssl rand -hex 32`)")
+        if not (1 <= self.max_clock_skew_s <= 3600):
+            raise ConfigError(f"control.max_clock_skew_s must be in [1, 3600], got {self.max_clock_skew_s}")
+        if not (1 <= self.max_workers <= 65536):
+            raise ConfigError(f"control.max_workers must be in [1, 65536], got {self.max_workers}")
+        if not (0 < self.verify_timeout_s <= 60):
+            raise ConfigError(f"control.verify_timeout_s must be in (0, 60], got {self.verify_timeout_s}")
+
+
+def add_control_arguments(parser) -> None:
+    """The control-plane and exposure flags every role shares; read back with `control_config_from_args`."""
+    g = parser.add_argument_group("control plane and exposure")
+    g.add_argument("--cluster-secret-file", default="",
+                   help=f"file holding the cluster secret that signs control messages (default: ${SECRET_ENV})")
+    g.add_argument("--insecure", action="store_true",
+                   help="start even with a non-loopback listener or control plane that has no authentication")
+
+
+def read_secret(path: str) -> str:
+    """The secret in `path`, surrounding whitespace removed; ConfigError if unreadable or empty."""
+    try:
+        secret = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--cluster-secret-file {path}: cannot read it ({type(exc).__name__})") from None
+    if not secret:
+        raise ConfigError(f"--cluster-secret-file {path} is empty")
+    return secret
+
+
+def control_config_from_args(args, **overrides) -> ControlConfig:
+    path = getattr(args, "cluster_secret_file", "")
+    secret = read_secret(path) if path else os.environ.get(SECRET_ENV, "").strip()
+    return ControlConfig(secret=secret, **overrides)

@@ -28,8 +28,9 @@ class LoadBalancer:
     _turn: itertools.count = field(default_factory=itertools.count)
 
     def score(self, c: Candidate) -> float:
-        load = c.running + c.waiting + self.inflight[c.address]
-        return load / c.capacity if c.capacity else float(load)
+        """Load per unit of capacity; reported numbers below zero count as zero (never a bonus)."""
+        load = max(c.running, 0) + max(c.waiting, 0) + self.inflight[c.address]
+        return load / c.capacity if c.capacity > 0 else float(load)
 
     def choose(self, candidates: Iterable[Candidate], exclude: Iterable[str] = ()) -> Candidate | None:
         pool = [c for c in candidates if c.address not in set(exclude)]

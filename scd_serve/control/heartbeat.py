@@ -1,10 +1,14 @@
-"""A worker's side of the control plane: register, send load every period, learn peers."""
+"""A worker's side of the control plane: register, send load every period, learn peers.
+
+Heartbeats and the bye are signed with the cluster secret and the registry's replies are
+checked the same way (`control/signing.py`); a reply that fails is dropped and counted.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import time
 import uuid
 from collections.abc import Callable
 
@@ -12,9 +16,10 @@ import zmq
 import zmq.asyncio
 
 from scd_serve.config.control import ControlConfig
-from scd_serve.control.registry import encode
+from scd_serve.control.signing import REGISTRY, WORKER, Envelope, Rejected
 
 log = logging.getLogger("scd_serve.control")
+SILENT_WARN_S = 10.0  # no valid reply for this long: say so once (wrong secret, registry down)
 
 
 class HeartbeatClient:
@@ -26,6 +31,8 @@ class HeartbeatClient:
         self.url, self.role, self.address = url, role, address
         self.ready_fn, self.load_fn, self.on_peers = ready, load, on_peers
         self.config = config
+        self.envelope = Envelope(config.secret, send_direction=WORKER, recv_direction=REGISTRY,
+                                 max_skew_s=config.max_clock_skew_s)
         self.id = f"{role}-{address}-{uuid.uuid4().hex[:8]}"
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -36,6 +43,9 @@ class HeartbeatClient:
         self.sock.connect(url)
         self._task: asyncio.Task | None = None
         self.num_replies = 0
+        self.num_dropped = 0  # replies that failed the signature, age, nonce or shape checks
+        self._last_reply = time.monotonic()
+        self._warned_silent = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.role}")
@@ -47,36 +57,52 @@ class HeartbeatClient:
     async def _run(self) -> None:
         while True:
             try:
-                await self.sock.send(encode(self.message()), flags=zmq.NOBLOCK)
+                await self.sock.send(self.envelope.seal(self.message()), flags=zmq.NOBLOCK)
             except zmq.Again:
                 pass  # registry not reachable yet: try again next period
             except Exception:  # a load() bug must not stop the heartbeats silently forever
                 log.exception("control: heartbeat failed")
+            self._check_silence()
             deadline = asyncio.get_running_loop().time() + self.config.heartbeat_s
             while (left := deadline - asyncio.get_running_loop().time()) > 0:
                 if not await self.sock.poll(timeout=int(left * 1000) + 1):
                     break
                 self._on_reply(await self.sock.recv())
 
+    def _check_silence(self) -> None:
+        silent = time.monotonic() - self._last_reply
+        if silent > max(SILENT_WARN_S, 10 * self.config.heartbeat_s) and not self._warned_silent:
+            self._warned_silent = True
+            log.warning("control: no valid answer from the registry at %s for %.0f s (is it up, and does it "
+                        "have the same cluster secret?)", self.url, silent)
+
     def _on_reply(self, raw: bytes) -> None:
         try:
-            msg = json.loads(raw)
-            workers = msg["workers"] if isinstance(msg, dict) and msg.get("type") == "peers" else None
+            msg = self.envelope.open(raw)
+            workers = msg["workers"] if msg.get("type") == "peers" else None
             if not isinstance(workers, list):
-                raise ValueError("not a peers message")
-        except (ValueError, KeyError) as exc:
-            log.warning("control: ignored a malformed reply (%s)", str(exc)[:200])
+                raise Rejected("malformed", "not a peers message")
+        except Rejected as exc:
+            self.num_dropped += 1
+            if self.num_dropped == 1 or self.num_dropped % 100 == 0:
+                log.warning("control: dropped a reply from the registry (%s: %s; %d so far)", exc.reason,
+                            str(exc)[:200], self.num_dropped)
             return
         self.num_replies += 1
+        self._last_reply = time.monotonic()
+        self._warned_silent = False
         if self.on_peers is not None:
-            self.on_peers([w for w in workers if isinstance(w, dict)])
+            try:
+                self.on_peers([w for w in workers if isinstance(w, dict)])
+            except Exception:  # a bug in the consumer must not stop the heartbeats
+                log.exception("control: applying the peer list failed")
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         try:  # tell the registry at once instead of waiting for the ttl
-            await self.sock.send(encode({"type": "bye", "id": self.id}), flags=zmq.NOBLOCK)
+            await self.sock.send(self.envelope.seal({"type": "bye", "id": self.id}), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         self.sock.close(linger=100)

@@ -1,11 +1,15 @@
 """The table of live workers (plain Python) and the JSON messages that keep it current.
 
-Messages are JSON objects only (never pickle), size-capped and validated field by field:
+Messages are JSON objects only (never pickle), size-capped, signed with the cluster secret
+(`control/signing.py`) and validated field by field:
   worker -> registry  {"type": "heartbeat", "role": "prefill"|"decode", "id": str,
                        "address": "HOST:PORT", "ready": bool, "load": {str: number}}
                       {"type": "bye", "id": str}
   registry -> worker  {"type": "peers", "workers": [worker record, ...]}
-A worker silent for `ttl_s` is dropped.
+Load values are clamped to [0, MAX_LOAD] (a negative load would win every routing choice).
+A worker silent for `ttl_s` is dropped; the table holds at most `max_workers`. Records of the
+roles in `verify_roles` count as ready only once `mark_verified` says a handshake reached
+their address.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+from scd_serve.control.signing import Rejected, decode_json
+
 ROLES = ("prefill", "decode")
 MAX_ID = 128
 MAX_ADDRESS = 256
 MAX_LOAD_KEYS = 32
+MAX_LOAD = 1e6
 
 
 def encode(msg: dict) -> bytes:
@@ -36,12 +43,24 @@ def check_address(address) -> str:
 
 
 def parse(raw: bytes, max_bytes: int) -> dict:
-    """Decode and validate one worker message; ValueError names what is wrong."""
+    """Decode and validate one unsigned worker message; ValueError names what is wrong."""
     if len(raw) > max_bytes:
         raise ValueError(f"message of {len(raw)} bytes exceeds {max_bytes}")
-    msg = json.loads(raw)  # json.JSONDecodeError is a ValueError
-    if not isinstance(msg, dict):
-        raise ValueError("message must be a JSON object")
+    return validate(decode_json(raw))
+
+
+def validate(msg: dict) -> dict:
+    """The worker message `msg` (a decoded JSON object) checked field by field, loads clamped;
+    Rejected("malformed") names what is wrong."""
+    try:
+        return _validate(msg)
+    except Rejected:
+        raise
+    except ValueError as exc:
+        raise Rejected("malformed", str(exc)) from None
+
+
+def _validate(msg: dict) -> dict:
     kind, wid = msg.get("type"), msg.get("id")
     if not isinstance(wid, str) or not 0 < len(wid) <= MAX_ID:
         raise ValueError(f"id must be a string of 1..{MAX_ID} characters")
@@ -58,6 +77,7 @@ def parse(raw: bytes, max_bytes: int) -> dict:
             isinstance(k, str) and len(k) <= 64 and isinstance(v, (int, float)) and not isinstance(v, bool)
             and math.isfinite(v) for k, v in load.items()):
         raise ValueError(f"load must be an object of at most {MAX_LOAD_KEYS} finite numbers")
+    load = {k: min(max(v, 0), MAX_LOAD) for k, v in load.items()}
     return {"type": "heartbeat", "id": wid, "role": msg["role"], "address": check_address(msg.get("address")),
             "ready": msg["ready"], "load": load}
 
@@ -70,29 +90,55 @@ class WorkerRecord:
     ready: bool
     load: dict = field(default_factory=dict)
     last_seen: float = 0.0
+    # a handshake reached `address` (always True for roles the registry does not verify)
+    verified: bool = True
 
     def public(self) -> dict:
         d = asdict(self)
         d.pop("last_seen")
+        d.pop("verified")
         return d
 
 
 class Registry:
-    def __init__(self, ttl_s: float, clock=time.monotonic):
+    def __init__(self, ttl_s: float, clock=time.monotonic, max_workers: int = 256,
+                 verify_roles: tuple[str, ...] = ()):
         self.ttl_s = ttl_s
         self.clock = clock
+        self.max_workers = max_workers
+        self.verify_roles = frozenset(verify_roles)
         self._workers: dict[str, WorkerRecord] = {}
 
+    def get(self, wid: str) -> WorkerRecord | None:
+        return self._workers.get(wid)
+
     def apply(self, msg: dict) -> None:
-        """Apply one parsed message (heartbeat upserts, bye removes)."""
+        """Apply one parsed message (heartbeat upserts, bye removes). A heartbeat of a new
+        worker when `max_workers` are registered raises Rejected("registry_full")."""
         if msg["type"] == "bye":
             self._workers.pop(msg["id"], None)
             return
         rec = self._workers.get(msg["id"])
         if rec is None:
-            rec = self._workers[msg["id"]] = WorkerRecord(msg["id"], msg["role"], msg["address"], msg["ready"])
+            if len(self._workers) >= self.max_workers and not self.expire():
+                raise Rejected("registry_full", f"registry holds {self.max_workers} workers already")
+            rec = self._workers[msg["id"]] = WorkerRecord(msg["id"], msg["role"], msg["address"], msg["ready"],
+                                                          verified=msg["role"] not in self.verify_roles)
+        elif rec.address != msg["address"] or rec.role != msg["role"]:
+            rec.verified = msg["role"] not in self.verify_roles  # a new address is trusted after a new handshake
         rec.role, rec.address, rec.ready, rec.load = msg["role"], msg["address"], msg["ready"], msg["load"]
         rec.last_seen = self.clock()
+
+    def mark_verified(self, wid: str, address: str) -> bool:
+        """A handshake reached `address`: trust worker `wid` if it still advertises it."""
+        rec = self._workers.get(wid)
+        if rec is None or rec.address != address:
+            return False
+        rec.verified = True
+        return True
+
+    def unverified(self) -> list[WorkerRecord]:
+        return [r for r in self._workers.values() if not r.verified]
 
     def expire(self) -> list[WorkerRecord]:
         """Drop workers silent for longer than ttl_s; returns them."""
@@ -103,9 +149,10 @@ class Registry:
         return gone
 
     def workers(self, role: str | None = None, ready_only: bool = False) -> list[WorkerRecord]:
+        """Live workers; ready_only: those that say they are ready and whose address is verified."""
         self.expire()
         return sorted((r for r in self._workers.values()
-                       if (role is None or r.role == role) and (r.ready or not ready_only)),
+                       if (role is None or r.role == role) and ((r.ready and r.verified) or not ready_only)),
                       key=lambda r: r.address)
 
     def peers_message(self) -> dict:

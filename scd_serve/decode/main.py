@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 
+from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
 from scd_serve.config.decode import DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, DecodeConfig, split_peers
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
 from scd_serve.control.lifecycle import (add_worker_arguments, advertised, bound_port, exit_now, setup_logging,
@@ -36,6 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=0, help="0 = min(2048, model's context)")
     parser.add_argument("--num-blocks", type=int, default=0, help="KV pool blocks (0 = fit max_model_len x 8)")
     add_transport_arguments(parser)
+    add_control_arguments(parser)
+
+
+def check_exposure(config: DecodeConfig, api_key: str, control: ControlConfig, insecure: bool) -> None:
+    from scd_serve.control.exposure import control_plane, listener, refuse_open
+
+    refuse_open("decode", [listener("HTTP API", config.host, bool(api_key), "set $SCD_API_KEY or --api-key"),
+                           control_plane(config.control_url, control.secret)], insecure)
 
 
 def config_from_args(args) -> DecodeConfig:
@@ -72,7 +81,7 @@ def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
 
 
 async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_model_len: int,
-                num_blocks: int) -> bool:
+                num_blocks: int, control: ControlConfig | None = None) -> bool:
     """Run until SIGINT/SIGTERM (returns False) or until the engine loop dies (returns True)."""
     import dataclasses
 
@@ -81,7 +90,6 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     from scd_serve.api.app import create_app
     from scd_serve.api.metrics import Metrics
     from scd_serve.config.api import ApiConfig
-    from scd_serve.config.control import ControlConfig
     from scd_serve.config.engine import EngineConfig
     from scd_serve.control.heartbeat import HeartbeatClient
     from scd_serve.decode.backend import DecodeBackend
@@ -123,7 +131,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     heartbeat = None
     if config.control_url:
         heartbeat = HeartbeatClient(config.control_url, "decode", address, backend.ready, backend.load,
-                                    ControlConfig(), on_peers=peers.update_from_registry)
+                                    control or ControlConfig(), on_peers=peers.update_from_registry)
         heartbeat.start()
     print(f"decode worker serving http://{config.host}:{port} (advertised {address}), consumer {rt.fingerprint}, "
           f"default method {method}, fallback {config.fallback}", flush=True)
@@ -165,6 +173,8 @@ async def first_of(stopped, died) -> bool:
 
 def run(args) -> int:
     setup_logging("decode")
-    config = config_from_args(args)
-    died = asyncio.run(serve(config, args.method is not None, args.api_key, args.max_model_len, args.num_blocks))
+    config, control = config_from_args(args), control_config_from_args(args)
+    check_exposure(config, args.api_key, control, args.insecure)
+    died = asyncio.run(serve(config, args.method is not None, args.api_key, args.max_model_len, args.num_blocks,
+                             control))
     exit_now(1 if died else 0)

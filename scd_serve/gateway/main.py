@@ -8,7 +8,7 @@ import logging
 import os
 from contextlib import asynccontextmanager
 
-from scd_serve.config.control import ControlConfig
+from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
 from scd_serve.config.decode import split_peers
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.lifecycle import bound_port, exit_now, setup_logging, stop_event
@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("SCD_API_KEY", ""),
                         help="bearer token clients must send (default: $SCD_API_KEY)")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    add_control_arguments(parser)
 
 
 def config_from_args(args) -> GatewayConfig:
@@ -32,14 +33,21 @@ def config_from_args(args) -> GatewayConfig:
                          request_timeout_s=args.request_timeout_s)
 
 
-async def serve(config: GatewayConfig) -> None:
+def check_exposure(config: GatewayConfig, control: ControlConfig, insecure: bool) -> None:
+    from scd_serve.control.exposure import control_plane, listener, refuse_open
+
+    refuse_open("gateway", [listener("HTTP API", config.host, bool(config.api_key), "set $SCD_API_KEY or --api-key"),
+                            control_plane(config.control_bind, control.secret)], insecure)
+
+
+async def serve(config: GatewayConfig, control_config: ControlConfig | None = None) -> None:
     import uvicorn
 
-    from scd_serve.control.server import RegistryServer
+    from scd_serve.control.server import DroppedCollector, RegistryServer
     from scd_serve.gateway.app import create_gateway_app
 
     stop = stop_event()
-    control = RegistryServer(config.control_bind, ControlConfig())
+    control = RegistryServer(config.control_bind, control_config or ControlConfig())
 
     @asynccontextmanager
     async def hooks(app):
@@ -48,6 +56,7 @@ async def serve(config: GatewayConfig) -> None:
         await control.close()
 
     app = create_gateway_app(config, control.registry, hooks)
+    app.state.metrics.registry.register(DroppedCollector(control))  # scd_control_dropped_messages_total
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     server.install_signal_handlers = lambda: None
@@ -63,5 +72,7 @@ async def serve(config: GatewayConfig) -> None:
 
 def run(args) -> int:
     setup_logging("gateway")
-    asyncio.run(serve(config_from_args(args)))
+    config, control = config_from_args(args), control_config_from_args(args)
+    check_exposure(config, control, args.insecure)
+    asyncio.run(serve(config, control))
     exit_now(0)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
 from scd_serve.config.prefill import DEFAULT_CODEBOOK, DEFAULT_PRODUCER, PrefillConfig
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
 from scd_serve.control.lifecycle import (add_worker_arguments, advertised, exit_now, setup_logging, stop_event,
@@ -24,6 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cached codes resent in chunks of up to this size, the first and the last "
                              "layer alone (1 = one layer per chunk)")
     add_transport_arguments(parser)
+    add_control_arguments(parser)
+
+
+def check_exposure(config: PrefillConfig, control: ControlConfig, insecure: bool) -> None:
+    from scd_serve.control.exposure import control_plane, listener, refuse_open
+
+    t = config.transport
+    hint = "set $SCD_WORKER_TOKEN / --worker-token, or mTLS with --tls-cert/--tls-key/--tls-ca"
+    refuse_open("prefill", [listener("gRPC", config.host, bool(t.worker_token) or bool(t.tls and t.tls_ca), hint),
+                            control_plane(config.control_url, control.secret)], insecure)
 
 
 def config_from_args(args) -> PrefillConfig:
@@ -51,8 +62,7 @@ def build_codecs(rt, codebook: str) -> dict:
     return codecs
 
 
-async def serve(config: PrefillConfig) -> None:
-    from scd_serve.config.control import ControlConfig
+async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> None:
     from scd_serve.control.heartbeat import HeartbeatClient
     from scd_serve.model.runtime import ModelRuntime
     from scd_serve.prefill.service import PrefillServicer
@@ -72,7 +82,7 @@ async def serve(config: PrefillConfig) -> None:
     heartbeat = None
     if config.control_url:
         heartbeat = HeartbeatClient(config.control_url, "prefill", address, lambda: not stop.is_set(),
-                                    servicer.load, ControlConfig())
+                                    servicer.load, control or ControlConfig())
         heartbeat.start()
     print(f"prefill worker serving on {config.host}:{port} (advertised {address}), producer {rt.fingerprint}, "
           f"methods {', '.join(codecs)}", flush=True)
@@ -87,5 +97,7 @@ async def serve(config: PrefillConfig) -> None:
 
 def run(args) -> int:
     setup_logging("prefill")
-    asyncio.run(serve(config_from_args(args)))
+    config, control = config_from_args(args), control_config_from_args(args)
+    check_exposure(config, control, args.insecure)
+    asyncio.run(serve(config, control))
     exit_now(0)

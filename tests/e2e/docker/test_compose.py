@@ -1,6 +1,8 @@
-"""The compose cluster for real: up, completions through the published port with the
-official openai client, each role scaled to 2 with every worker serving (gateway /metrics),
-a prefill container killed under traffic, then `docker compose down` leaving nothing.
+"""The compose cluster for real: up with secrets made on first start (API key read from the
+volume; no key = 401), completions through the published port with the official openai
+client, each role scaled to 2 with every worker serving (gateway /metrics), a prefill
+container killed under traffic, then `docker compose down` leaving nothing. A second
+project checks the mTLS switch (SCD_MTLS=1).
 
 Runs when `deploy/scripts/ci-docker.sh` has prepared the engine and built the image;
 skips otherwise. Test traffic goes only to the gateway's port published on 127.0.0.1.
@@ -62,14 +64,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SECRET_VARS = ("SCD_API_KEY", "SCD_WORKER_TOKEN", "SCD_CLUSTER_SECRET", "SCD_MTLS")
+
+
 @dataclass
 class Cluster:
     project: str
     port: int
+    extra_env: dict | None = None
+    api_key: str = ""
 
     @property
     def env(self) -> dict[str, str]:
-        return {**os.environ, "SCD_HTTP_PORT": str(self.port), "SCD_IMAGE": IMAGE}
+        base = {k: v for k, v in os.environ.items() if k not in SECRET_VARS}  # the generated ones are tested
+        return {**base, "SCD_HTTP_PORT": str(self.port), "SCD_IMAGE": IMAGE, **(self.extra_env or {})}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"}
+
+    def read_api_key(self) -> str:
+        """The key the containers made on first start, as the docs tell users to read it."""
+        out = self.compose("exec", "-T", "gateway", "cat", "/var/lib/scd-secrets/api-key").stdout.strip()
+        assert len(out) == 64, "expected 32 random bytes in hex"
+        self.api_key = out
+        return out
 
     @property
     def url(self) -> str:
@@ -96,7 +115,7 @@ class Cluster:
         return f"{ip}:{port}"
 
     def metrics(self) -> list[tuple[str, dict[str, str], float]]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
         return parse_prometheus(text)
 
     def save_logs(self) -> Path:
@@ -156,6 +175,7 @@ def cluster(request):
     failed_before = request.session.testsfailed
     try:
         c.up()
+        c.read_api_key()
     except BaseException:
         print(f"compose up failed; logs in {c.save_logs()}")
         c.down()
@@ -169,11 +189,28 @@ def cluster(request):
 def openai_client(c: Cluster):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{c.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    return OpenAI(base_url=f"{c.url}/v1", api_key=c.api_key, timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
 
 def complete(oc, model: str, prompt: str, max_tokens: int = 8):
     return oc.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+
+
+def test_secure_by_default(cluster):
+    for path in ("/v1/models", "/metrics"):
+        assert httpx.get(f"{cluster.url}{path}", timeout=10).status_code == 401, path
+        bad = {"authorization": "Bearer not-the-key"}
+        assert httpx.get(f"{cluster.url}{path}", headers=bad, timeout=10).status_code == 401, path
+    assert httpx.get(f"{cluster.url}/v1/models", headers=cluster.headers, timeout=10).status_code == 200
+    # every role got the same generated secrets; nothing had to be configured
+    names = ("cluster-secret", "api-key", "worker-token")
+    for service in ("gateway", "prefill", "decode"):
+        out = cluster.compose("exec", "-T", service, "sh", "-c",
+                              "cd /var/lib/scd-secrets && for f in " + " ".join(names) + "; do wc -c < $f; done")
+        assert out.stdout.split() == ["65", "65", "65"], (service, out.stdout)
+    # the control plane is signed: the gateway has dropped nothing a worker sent
+    dropped = [v for name, _, v in cluster.metrics() if name == "scd_control_dropped_messages_total"]
+    assert sum(dropped) == 0, dropped
 
 
 def test_completions_through_the_published_port(cluster):
@@ -271,3 +308,38 @@ def test_down_leaves_nothing(cluster):
     label = f"label=com.docker.compose.project={cluster.project}"
     assert run("docker", "network", "ls", "-q", "--filter", label).stdout.split() == []
     assert run("docker", "volume", "ls", "-q", "--filter", label).stdout.split() == []
+
+
+def test_mtls_switch():
+    """SCD_MTLS=1: certificates made on first start, prefill healthy over TLS (its health check
+    reads the TLS flags), transfers over mTLS (no fallback to local prefill). Runs after the
+    first project is down: two clusters at once would not fit on two cores."""
+    why = engine_missing()
+    if why and os.environ.get("SCD_REQUIRE_DOCKER") == "1":
+        pytest.fail(f"SCD_REQUIRE_DOCKER=1 but {why}")
+    if why:
+        pytest.skip(why)
+    c = Cluster(project=f"scd-e2e-mtls-{uuid.uuid4().hex[:8]}", port=free_port(), extra_env={"SCD_MTLS": "1"})
+    try:
+        c.up()
+        c.read_api_key()
+        listing = c.compose("exec", "-T", "prefill", "ls", "/var/lib/scd-secrets/tls").stdout.split()
+        assert sorted(listing) == ["ca.pem", "decode-key.pem", "decode.pem", "prefill-key.pem", "prefill.pem"]
+        oc = openai_client(c)
+        model = oc.models.list().data[0].id
+        out = oc.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                    extra_body={"scd_method": "raw"})
+        assert out.choices[0].text is not None
+        served = [v for name, labels, v in c.metrics() if name == "scd_worker_load"
+                  and labels.get("role") == "prefill" and labels.get("key") == "served"]
+        deadline = time.monotonic() + 10  # the next heartbeat carries the count
+        while sum(served) < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            served = [v for name, labels, v in c.metrics() if name == "scd_worker_load"
+                      and labels.get("role") == "prefill" and labels.get("key") == "served"]
+        assert sum(served) >= 1, "no transfer went over mTLS"
+    except BaseException:
+        print(f"mTLS cluster logs in {c.save_logs()}")
+        raise
+    finally:
+        c.down()

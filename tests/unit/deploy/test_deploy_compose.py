@@ -27,12 +27,14 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\$|\$\{(\w+)(:-([^}]*))?\}", sub, text)
 
 
-def worker_argv(service: str, env: dict[str, str]) -> list[str]:
+def worker_argv(service: str, env: dict[str, str], container_env: dict[str, str] | None = None) -> list[str]:
     """The scd-serve argv a container runs: compose-interpolated, then split like sh would,
-    with the container-address substitution replaced by an example IP."""
+    with the container-address substitution replaced by an example IP. container_env: what
+    the entrypoint adds to the container's environment (with_secrets.py: SCD_TLS_DIR)."""
     (script,) = SERVICES[service]["command"]
     script = interpolate(script, env)
     inside = {k: interpolate(str(v), env) for k, v in SERVICES[service].get("environment", {}).items()}
+    inside.update(container_env or {})
     # sh's ${VAR:+WORD}: WORD (with $VAR expanded) when the container has VAR set and non-empty
     script = re.sub(r"\$\{(\w+):\+([^}]*)\}",
                     lambda m: m.group(2).replace("$" + m.group(1), inside[m.group(1)]) if inside.get(m.group(1)) else "",
@@ -130,3 +132,79 @@ def test_healthcheck_reads_role_and_port_from_the_command_line():
 def test_healthcheck_probe_fails_on_a_closed_port():
     hc = _healthcheck_module()
     assert hc.probe("gateway", 1) is False
+
+
+# ---- secure by default: secrets made on first start, every role authenticated, mTLS switch ----
+
+SECRET_VARS = ("SCD_API_KEY", "SCD_WORKER_TOKEN", "SCD_CLUSTER_SECRET")
+SECRETS_DIR = "/var/lib/scd-secrets"
+
+
+def test_every_role_gets_the_generated_secrets():
+    for name, svc in SERVICES.items():
+        assert svc["entrypoint"][:4] == ["python", "/opt/scd/with_secrets.py", SECRETS_DIR, "--"], name
+        assert svc["entrypoint"][4:] == ["/bin/sh", "-c"], name
+        mounts = [interpolate(v, {}) for v in svc["volumes"]]
+        assert f"scd-secrets:{SECRETS_DIR}" in mounts, name
+        for var in (*SECRET_VARS, "SCD_MTLS"):  # your own value from .env wins; empty = generated
+            assert svc["environment"][var] == "${" + var + ":-}", (name, var)
+    assert "scd-secrets" in COMPOSE["volumes"]
+    text = (ROOT / "docker-compose.yml").read_text()
+    for var in SECRET_VARS:
+        assert var + "=" not in text and var + ": \"" not in text, "no secret value in the compose file"
+    dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    assert f"install -d -o scd -g scd -m 0700 {SECRETS_DIR}" in dockerfile  # the volume starts out the user's
+    assert "with_secrets.py" in dockerfile and "make-certs.sh" in dockerfile
+    assert "!deploy/scripts/make-certs.sh" in (ROOT / ".dockerignore").read_text()
+
+
+def _check_role(role: str, argv: list[str], monkeypatch, env: dict[str, str]) -> None:
+    import importlib
+
+    cli = pytest.importorskip("scd_serve.cli")
+    for var in SECRET_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    args = cli.build_parser(only=role).parse_args(argv)  # defaults read the environment
+    module = importlib.import_module(cli.COMMANDS[role][0])
+    from scd_serve.config.control import control_config_from_args
+
+    config, control = module.config_from_args(args), control_config_from_args(args)
+    if role == "decode":
+        module.check_exposure(config, args.api_key, control, args.insecure)
+    else:
+        module.check_exposure(config, control, args.insecure)
+
+
+@pytest.mark.parametrize("role", ["gateway", "prefill", "decode"])
+def test_compose_commands_pass_the_open_bind_check_only_with_the_secrets(role, monkeypatch):
+    from scd_serve.errors import ConfigError
+
+    argv = worker_argv(role, {})
+    assert "--insecure" not in argv
+    made = {var: f"generated-{var.lower()}-0123456789abcdef" for var in SECRET_VARS}
+    _check_role(role, argv, monkeypatch, made)  # what with_secrets.py exports: accepted
+    with pytest.raises(ConfigError, match="--insecure"):  # the same command without them: refused
+        _check_role(role, argv, monkeypatch, {})
+
+
+def test_mtls_switch_adds_the_certificates():
+    tls = {"SCD_TLS_DIR": f"{SECRETS_DIR}/tls"}
+    prefill, decode = worker_argv("prefill", {}, tls), worker_argv("decode", {}, tls)
+    for argv, role in ((prefill, "prefill"), (decode, "decode")):
+        assert argv[argv.index("--tls-cert") + 1] == f"{SECRETS_DIR}/tls/{role}.pem"
+        assert argv[argv.index("--tls-key") + 1] == f"{SECRETS_DIR}/tls/{role}-key.pem"
+        assert argv[argv.index("--tls-ca") + 1] == f"{SECRETS_DIR}/tls/ca.pem"
+    assert decode[decode.index("--tls-server-name") + 1] == "prefill"  # the name in prefill.pem
+    assert "--tls-cert" not in worker_argv("prefill", {}) and "--tls-cert" not in worker_argv("decode", {})
+    cli = pytest.importorskip("scd_serve.cli")
+    for role, argv in (("prefill", prefill), ("decode", decode)):
+        args = cli.build_parser(only=role).parse_args(argv)
+        assert args.tls_ca.endswith("/ca.pem")
+    hc = _healthcheck_module()
+    assert hc.flag_values(["scd-serve", *prefill]) == {"--tls-cert": f"{SECRETS_DIR}/tls/prefill.pem",
+                                                       "--tls-key": f"{SECRETS_DIR}/tls/prefill-key.pem",
+                                                       "--tls-ca": f"{SECRETS_DIR}/tls/ca.pem"}
+    assert hc.flag_values(["scd-serve", "prefill", "--tls-ca=/x/ca.pem"]) == {"--tls-ca": "/x/ca.pem"}
+    assert hc.flag_values(["scd-serve", "prefill", "--port", "1"]) == {}

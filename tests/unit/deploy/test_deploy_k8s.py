@@ -4,6 +4,8 @@ and the references between objects that a schema cannot see. No cluster needed."
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import kubernetes_validate
@@ -12,26 +14,53 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
+K8S_MTLS = ROOT / "deploy" / "k8s-mtls"
 K8S_VERSION = "1.37.0"
 # The kustomization fields this renderer applies; anything else must fail loudly, not be skipped.
-KNOWN_KUSTOMIZE_KEYS = {"apiVersion", "kind", "labels", "resources"}
+KNOWN_KUSTOMIZE_KEYS = {"apiVersion", "kind", "labels", "resources", "patches"}
 
 
-def render() -> list[dict]:
-    """The objects `kustomize build deploy/k8s` produces, for the fields this base uses."""
-    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+def render(root: Path = K8S) -> list[dict]:
+    """The objects `kustomize build ROOT` produces, for the fields these kustomizations use:
+    resources (files, or a directory = its own kustomization), labels (metadata only), and
+    patches given as JSON 6902 operations (add, replace) on a target kind + name."""
+    kust = yaml.safe_load((root / "kustomization.yaml").read_text())
     unknown = set(kust) - KNOWN_KUSTOMIZE_KEYS
     assert not unknown, f"renderer does not apply kustomization fields {unknown}"
     objs = []
     for name in kust["resources"]:
-        for doc in yaml.safe_load_all((K8S / name).read_text()):
+        if (root / name).is_dir():
+            objs += render((root / name).resolve())
+            continue
+        for doc in yaml.safe_load_all((root / name).read_text()):
             if doc is None:
                 continue
             for entry in kust.get("labels", []):
                 assert not entry.get("includeSelectors"), "renderer applies metadata labels only"
                 doc["metadata"].setdefault("labels", {}).update(entry["pairs"])
             objs.append(doc)
+    for patch in kust.get("patches", []):
+        target = patch["target"]
+        (obj,) = [o for o in objs if o["kind"] == target["kind"] and o["metadata"]["name"] == target["name"]]
+        for op in yaml.safe_load((root / patch["path"]).read_text()):
+            json_patch(obj, op)
     return objs
+
+
+def json_patch(obj: dict, op: dict) -> None:
+    """One RFC 6902 add or replace (the operations the overlays use)."""
+    *parents, last = op["path"].lstrip("/").split("/")
+    node = obj
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if op["op"] == "add" and isinstance(node, list):
+        node.insert(len(node) if last == "-" else int(last), op["value"])
+    elif op["op"] in ("add", "replace"):
+        if op["op"] == "replace":
+            assert last in node, f"replace of a missing {op['path']}"
+        node[int(last) if isinstance(node, list) else last] = op["value"]
+    else:
+        raise AssertionError(f"renderer does not apply op {op['op']}")
 
 
 OBJECTS = render()
@@ -154,3 +183,159 @@ def test_args_parse_with_the_real_cli(role):
     assert args.command == role
     if role != "gateway":
         assert args.advertise == ("10.0.0.7:50051" if role == "prefill" else "10.0.0.7:8001")
+
+
+# ---- secure by default: secrets from a Secret, NetworkPolicy, mTLS overlay ----------------------
+
+SECRET_KEYS = {"gateway": {"SCD_CLUSTER_SECRET": "cluster-secret", "SCD_API_KEY": "api-key"},
+               "prefill": {"SCD_CLUSTER_SECRET": "cluster-secret", "SCD_WORKER_TOKEN": "worker-token"},
+               "decode": {"SCD_CLUSTER_SECRET": "cluster-secret", "SCD_API_KEY": "api-key",
+                          "SCD_WORKER_TOKEN": "worker-token"}}
+MTLS_OBJECTS = render(K8S_MTLS)
+
+
+def secret_env(role: str, objects=None) -> dict[str, tuple[str, str]]:
+    objects = objects or OBJECTS
+    (d,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == role]
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+            for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+@pytest.mark.parametrize("role", ["gateway", "prefill", "decode"])
+def test_secrets_come_from_the_secret(role):
+    assert secret_env(role) == {var: ("scd-serve-secrets", key) for var, key in SECRET_KEYS[role].items()}
+    assert "Secret" not in {o["kind"] for o in OBJECTS}, "no secret value is committed"
+    for o in by_kind("ConfigMap").values():
+        assert not {"SCD_API_KEY", "SCD_WORKER_TOKEN", "SCD_CLUSTER_SECRET"} & set(o["data"])
+
+
+@pytest.mark.parametrize("role", ["gateway", "prefill", "decode"])
+def test_args_pass_the_open_bind_check_only_with_the_secret(role, monkeypatch):
+    import importlib
+
+    from scd_serve.cli import COMMANDS, build_parser
+    from scd_serve.config.control import control_config_from_args
+    from scd_serve.errors import ConfigError
+
+    module = importlib.import_module(COMMANDS[role][0])
+
+    def check(env: dict[str, str]) -> None:
+        for var in ("SCD_API_KEY", "SCD_WORKER_TOKEN", "SCD_CLUSTER_SECRET"):
+            monkeypatch.delenv(var, raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        args = build_parser(only=role).parse_args(expanded_args(role))
+        config, control = module.config_from_args(args), control_config_from_args(args)
+        extra = (args.api_key,) if role == "decode" else ()
+        module.check_exposure(config, *extra, control, args.insecure)
+
+    check({var: f"from-the-secret-{key}-0123456789" for var, key in SECRET_KEYS[role].items()})
+    with pytest.raises(ConfigError, match="--insecure"):
+        check({})
+
+
+def _selects(selector: dict, role: str) -> bool:
+    labels = pod_specs_labels()[role]
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def pod_specs_labels() -> dict[str, dict]:
+    return {name: d["spec"]["template"]["metadata"]["labels"] for name, d in by_kind("Deployment").items()}
+
+
+def allowed(to: str) -> set[tuple[str, str]]:
+    """(from, port name) pairs the NetworkPolicies admit into pods of role `to`; ("*", port)
+    for any source. Policies are additive; a pod selected by any policy denies the rest."""
+    pols = [p for p in by_kind("NetworkPolicy").values() if _selects(p["spec"]["podSelector"], to)]
+    assert pols, f"no NetworkPolicy selects {to}: everything could reach it"
+    out = set()
+    for p in pols:
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+        for rule in p["spec"].get("ingress", []):
+            ports = [q["port"] for q in rule["ports"]]
+            roles = ("gateway", "prefill", "decode")
+            sources = ["*"] if "from" not in rule else [
+                r for peer in rule["from"] for r in roles if _selects(peer["podSelector"], r)]
+            assert all(set(peer) == {"podSelector"} for peer in rule.get("from", [])), "pods of this app only"
+            out |= {(s, q) for s in sources for q in ports}
+    return out
+
+
+def test_network_policy_only_the_gateway_reaches_decode_only_decode_reaches_prefill():
+    assert allowed("decode") == {("gateway", "http")}
+    assert allowed("prefill") == {("decode", "grpc")}
+    assert allowed("gateway") == {("*", "http"), ("decode", "control"), ("prefill", "control")}
+    deny = by_kind("NetworkPolicy")["scd-serve-default-deny"]["spec"]
+    assert deny["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "scd-serve"} and "ingress" not in deny
+    for role, spec in pod_specs().items():  # every named port in a policy exists on the pod it protects
+        names = {p["name"] for c in spec["containers"] for p in c["ports"]}
+        assert {port for _, port in allowed(role)} <= names, role
+
+
+@pytest.mark.parametrize("obj", MTLS_OBJECTS, ids=lambda o: f"mtls-{o['kind']}/{o['metadata']['name']}")
+def test_mtls_overlay_matches_schema_strictly(obj):
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_mtls_overlay_wires_certificates_and_probes():
+    from scd_serve.cli import build_parser
+
+    deployments = {o["metadata"]["name"]: o for o in MTLS_OBJECTS if o["kind"] == "Deployment"}
+    base = {o["metadata"]["name"]: o for o in OBJECTS if o["kind"] == "Deployment"}
+    for role, files in (("prefill", ("prefill.pem", "prefill-key.pem")), ("decode", ("decode.pem", "decode-key.pem"))):
+        spec = deployments[role]["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        args = build_parser(only=role).parse_args(
+            [re.sub(r"\$\((\w+)\)", "x", a) for a in c["args"]])
+        assert (args.tls_cert, args.tls_key, args.tls_ca) == (f"/etc/scd/tls/{files[0]}", f"/etc/scd/tls/{files[1]}",
+                                                             "/etc/scd/tls/ca.pem")
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+        assert vol["secret"]["secretName"] == "scd-serve-tls"
+        assert {i["key"] for i in vol["secret"]["items"]} == {"ca.pem", *files}, "no other role's key"
+        assert {"name": "tls", "mountPath": "/etc/scd/tls", "readOnly": True} in c["volumeMounts"]
+        if role == "decode":
+            assert args.tls_server_name == "prefill"
+        else:  # the kubelet's grpc probe speaks no TLS: the image's health check, which reads PID 1's flags
+            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert c[kind]["exec"]["command"] == ["python", "/opt/scd/healthcheck.py"] and "grpc" not in c[kind]
+    # everything else is the base
+    assert deployments["gateway"] == base["gateway"]
+    assert len(MTLS_OBJECTS) == len(OBJECTS)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl to compare with")
+@pytest.mark.parametrize("root", [K8S, K8S_MTLS], ids=["base", "mtls"])
+def test_renderer_agrees_with_kustomize(root):
+    out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    real = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(out.stdout)}
+    mine = {(o["kind"], o["metadata"]["name"]): o for o in render(root)}
+    assert real == mine
+
+
+def test_k8s_secrets_script_creates_both_secrets_once(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl")
+    log = tmp_path / "kubectl.log"
+    fake = tmp_path / "kubectl"
+    # a kubectl that knows no secret yet, records each call, and keeps the files it is given
+    fake.write_text(f"""#!/bin/sh
+echo "$@" >> {log}
+case "$1" in get) exit 1 ;; esac
+for a in "$@"; do case "$a" in --from-file=*) ls "${{a#--from-file=}}" >> {log} ;; esac; done
+""")
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    r = subprocess.run(["sh", str(ROOT / "deploy/scripts/k8s-secrets.sh"), "--mtls", "-n", "ml"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text()
+    (create,) = [ln for ln in calls.splitlines() if "scd-serve-secrets" in ln and ln.startswith("create")]
+    values = dict(re.findall(r"--from-literal=([\w-]+)=(\w+)", create))
+    assert set(values) == {"cluster-secret", "api-key", "worker-token"} and "--namespace=ml" in create
+    assert all(len(v) == 64 for v in values.values()) and len(set(values.values())) == 3
+    assert "create secret generic --namespace=ml scd-serve-tls" in calls
+    for name in ("ca.pem", "prefill.pem", "prefill-key.pem", "decode.pem", "decode-key.pem"):
+        assert f"\n{name}\n" in calls
+    assert "ca-key.pem" not in calls
