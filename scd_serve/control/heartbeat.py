@@ -16,9 +16,11 @@ import zmq
 import zmq.asyncio
 
 from scd_serve.config.control import ControlConfig
+from scd_serve.control.lifecycle import supervise
 from scd_serve.control.signing import REGISTRY, WORKER, Envelope, Rejected
 
 log = logging.getLogger("scd_serve.control")
+RESTART_DELAY_S = 0.5  # a task that died is started again after this long
 SILENT_WARN_S = 10.0  # no valid reply for this long: say so once (wrong secret, registry down)
 
 
@@ -42,13 +44,23 @@ class HeartbeatClient:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * 1024 * 1024)  # peer lists of many workers
         self.sock.connect(url)
         self._task: asyncio.Task | None = None
+        self.num_restarts = 0  # deaths of the heartbeat task (supervised: logged, started again)
         self.num_replies = 0
         self.num_dropped = 0  # replies that failed the signature, age, nonce or shape checks
         self._last_reply = time.monotonic()
         self._warned_silent = False
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.role}")
+        """Heartbeats until close(); a task that dies anyway is logged and started again."""
+        self._task = supervise(asyncio.create_task(self._run(), name=f"heartbeat-{self.role}"), self._restart)
+
+    def _restart(self, exc: BaseException) -> None:
+        self.num_restarts += 1
+        asyncio.get_running_loop().call_later(RESTART_DELAY_S, self._start_unless_closed)
+
+    def _start_unless_closed(self) -> None:
+        if not self.sock.closed:
+            self.start()
 
     def message(self) -> dict:
         return {"type": "heartbeat", "role": self.role, "id": self.id, "address": self.address,
@@ -64,10 +76,14 @@ class HeartbeatClient:
                 log.exception("control: heartbeat failed")
             self._check_silence()
             deadline = asyncio.get_running_loop().time() + self.config.heartbeat_s
-            while (left := deadline - asyncio.get_running_loop().time()) > 0:
-                if not await self.sock.poll(timeout=int(left * 1000) + 1):
-                    break
-                self._on_reply(await self.sock.recv())
+            try:
+                while (left := deadline - asyncio.get_running_loop().time()) > 0:
+                    if not await self.sock.poll(timeout=int(left * 1000) + 1):
+                        break
+                    self._on_reply(await self.sock.recv())
+            except zmq.ZMQError as exc:  # the socket failed: try again next period, never stop
+                log.warning("control: receiving from the registry failed: %s", exc)
+                await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
 
     def _check_silence(self) -> None:
         silent = time.monotonic() - self._last_reply

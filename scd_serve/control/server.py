@@ -20,10 +20,12 @@ import zmq
 import zmq.asyncio
 
 from scd_serve.config.control import ControlConfig
+from scd_serve.control.lifecycle import supervise
 from scd_serve.control.registry import Registry, WorkerRecord, validate
 from scd_serve.control.signing import REGISTRY, WORKER, Envelope, Rejected
 
 log = logging.getLogger("scd_serve.control")
+RESTART_DELAY_S = 0.5  # a task that died is started again after this long
 LOG_EVERY_S = 10.0  # a flood of bad frames logs one line per reason this often, with the count
 VERIFY_ROLES = ("decode",)
 
@@ -59,6 +61,7 @@ class RegistryServer:
         self._task: asyncio.Task | None = None
         self.dropped: Counter[str] = Counter()  # reason -> frames dropped
         self.num_handshake_failures = 0
+        self.num_restarts = 0  # deaths of the registry task (supervised: logged, started again)
         self._probes: dict[str, asyncio.Task] = {}
         self._next_probe: dict[str, float] = {}
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last log time, count then)
@@ -72,7 +75,17 @@ class RegistryServer:
         return self._task is not None and not self._task.done()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._serve(), name="control-registry")
+        """Serve until close(); a task that dies anyway is logged and started again (workers
+        would otherwise never expire and the gateway would route to the dead)."""
+        self._task = supervise(asyncio.create_task(self._serve(), name="control-registry"), self._restart)
+
+    def _restart(self, exc: BaseException) -> None:
+        self.num_restarts += 1
+        asyncio.get_running_loop().call_later(RESTART_DELAY_S, self._start_unless_closed)
+
+    def _start_unless_closed(self) -> None:
+        if not self.sock.closed:
+            self.start()
 
     async def _serve(self) -> None:
         while True:

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fallback", default="local", choices=FALLBACKS,
                         help="when a transfer fails: prefill locally, or fail the request (503)")
     parser.add_argument("--max-attempts", type=int, default=2, help="prefill workers tried per request")
+    parser.add_argument("--breaker-failures", type=int, default=3,
+                        help="failed transfers in a row that open a prefill worker's circuit breaker")
+    parser.add_argument("--breaker-cooldown-s", type=float, default=2.0,
+                        help="first pause before one probe transfer to a worker whose breaker opened")
     parser.add_argument("--allow-incompatible", action="store_true",
                         help="accept prefill workers whose handshake differs (unsafe)")
     parser.add_argument("--expect-producer", default="", help="refuse producers with another fingerprint")
@@ -52,6 +56,7 @@ def config_from_args(args) -> DecodeConfig:
                         host=args.host, port=args.port, control_url=args.control_url, advertise=args.advertise,
                         prefill=split_peers(args.prefill), method=args.method or PREFERRED_METHOD,
                         fallback=args.fallback, max_attempts=args.max_attempts,
+                        breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown_s,
                         allow_incompatible=args.allow_incompatible, expect_producer=args.expect_producer,
                         transport=transport_config_from_args(args))
 
