@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 
+from model_tol import cross_path_tol
+
 
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory):
@@ -41,7 +43,7 @@ def test_decode_step_equals_prefill_for_any_layout(rt, lengths, block_size, seed
         rt.extend(pool, prefixes)
     got = rt.decode_step(pool, [(b, len(p) - 1, int(p[-1])) for b, p in zip(blocks, prompts)])
     want = torch.stack([rt.prefill(p, capture=False).logits[-1] for p in prompts])
-    assert (got - want).abs().max() <= 1e-4
+    assert (got - want).abs().max() <= cross_path_tol(want)  # decode_step vs prefill: two paths (model_tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -75,7 +77,7 @@ def test_one_sequence_on_consecutive_blocks_skips_the_gather_and_matches_prefill
     monkeypatch.setattr(type(pool), "gather", lambda self, *a: (gathered.append(1), real(self, *a))[1])
     got = llama.decode_step(pool, [(blocks, n - 1, int(prompt[-1]))])
     want = llama.prefill(prompt, capture=False).logits[-1]
-    assert (got[0] - want).abs().max() <= 1e-4
+    assert (got[0] - want).abs().max() <= cross_path_tol(want)  # decode_step vs prefill: two paths (model_tol)
     assert bool(gathered) == (layout == "scattered")  # the view path only where the slots are contiguous
 
 

@@ -9,6 +9,8 @@ import transformers
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 
+from model_tol import cross_path_tol
+
 # name -> (family, overrides): together they cover GQA and MHA, q/k/v (+o, mlp) biases,
 # q/k norm, a head_dim that is not hidden/heads, several rope_theta values, tied and
 # untied embeddings, sliding windows (all layers; only some), and llama3 rope scaling.
@@ -24,6 +26,8 @@ VARIANTS = {
     "qwen2-mixed-window": ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
     "qwen3-qknorm": ("qwen3", dict(rope_theta=1e6, head_dim=32, num_hidden_layers=3)),
 }
+# ours vs transformers' own forward, both float32: prefill logits agree exactly here, decode steps
+# within 6e-6 (ATEN_CPU_CAPABILITY=default/avx2, 1-2 threads); a RoPE, mask or norm slip is > 1e-2
 MAX_DIFF = 1e-4
 
 
@@ -40,14 +44,35 @@ def prompt(n: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_greedy(hf, ids: torch.Tensor, n: int) -> list[int]:
+def hf_greedy(hf, ids: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens and, for each, its top-1 minus top-2 logit margin."""
+    tokens, margins = [], []
+
+    def take(logits):
+        top = logits.topk(2).values
+        tokens.append(int(logits.argmax()))
+        margins.append(float(top[0] - top[1]))
+
     out = hf(ids[None], use_cache=True)
-    past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+    past = out.past_key_values
+    take(out.logits[0, -1])
     while len(tokens) < n:
         out = hf(torch.tensor([[tokens[-1]]]), cache=past, use_cache=True)
         past = out.past_key_values
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
+        take(out.logits[0, -1])
+    return tokens, margins
+
+
+def assert_same_greedy(got: list[int], ref: tuple[list[int], list[float]]) -> None:
+    """Token for token, except at a tie: where HF's top two logits are within 2 * MAX_DIFF, both
+    paths are within MAX_DIFF of the exact logits and either token is right, so the sequences may
+    part there (the smallest margin in these tests is 1e-4, llama-mha-tied-bias)."""
+    want, margins = ref
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            assert margins[i] <= 2 * MAX_DIFF, f"token {i}: {a} != {b} with a reference margin of {margins[i]:.1e}"
+            return
 
 
 def test_prefill_logits_match_transformers(pair):
@@ -102,7 +127,7 @@ def test_iter_prefill_streams_layers_then_logits(pair):
 def test_greedy_32_tokens_match_transformers(pair):
     rt, hf = pair
     ids = prompt(9, 4)
-    assert rt.generate_greedy(ids, 32) == hf_greedy(hf, ids, 32)
+    assert_same_greedy(rt.generate_greedy(ids, 32), hf_greedy(hf, ids, 32))
 
 
 def test_batched_decode_step_matches_transformers(pair):
@@ -123,7 +148,8 @@ def test_batched_decode_step_matches_transformers(pair):
         assert step.shape == (3, rt.spec.vocab_size)
         for t, row in zip(tokens, step):
             t.append(int(row.argmax()))
-    assert tokens == refs
+    for got, ref in zip(tokens, refs):
+        assert_same_greedy(got, ref)
 
 
 def test_decode_step_logits_match_transformers(pair):
@@ -144,4 +170,4 @@ def test_chunked_extend_matches_one_shot(pair):
     pool = rt.new_kv_pool(8, 4)
     blocks = [7, 0, 5, 2, 6, 1, 4, 3]
     chunks = [rt.extend(pool, [(blocks, a, ids[a:b])])[0] for a, b in ((0, 7), (7, 20), (20, 30))]
-    assert (torch.cat(chunks) - one).abs().max() <= MAX_DIFF
+    assert (torch.cat(chunks) - one).abs().max() <= cross_path_tol(one)  # extend in chunks vs prefill (model_tol)

@@ -9,6 +9,8 @@ from scd_serve.errors import InvalidRequest
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 
+from model_tol import cross_path_tol
+
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def rt(request, tmp_path_factory):
@@ -58,7 +60,8 @@ def test_write_kv_stores_what_extend_stores(rt):
     out = rt.prefill(ids)
     for layer in range(rt.spec.num_layers):
         rt.write_kv(b, [2, 0, 3, 1], layer, out.keys[layer], out.values[layer])
-    assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
+    # extend's K/V come from its own forward, write_kv's from prefill's: two paths (model_tol)
+    assert (a.k - b.k).abs().max() <= cross_path_tol(b.k) and (a.v - b.v).abs().max() <= cross_path_tol(b.v)
     assert a.k.abs().sum() > 0  # something was written
 
 
@@ -95,7 +98,7 @@ def test_recompute_kv_uses_this_models_projection(rt, tmp_path):
 def test_unrotate_inverts_rotate_and_theta_matters(rt, tmp_path):
     k, pos = torch.randn(30, rt.spec.num_kv_heads, rt.spec.head_dim), torch.arange(100, 130)
     rotated = rt.rotate_keys(k, pos)
-    assert (rt.unrotate_keys(rotated, pos) - k).abs().max() <= 1e-5
+    assert (rt.unrotate_keys(rotated, pos) - k).abs().max() <= 1e-5  # float32 cos^2 + sin^2 = 1 within a few ulp of |k| ~ 4
     assert torch.equal(rt.rotate_keys(k[:1], pos[:1] * 0), k[:1])  # position 0 is the identity
     far = ModelRuntime.load(save_tiny_model(tmp_path, rt.spec.family, tokenizer=False, num_hidden_layers=3, rope_theta=1e6))
     assert far.spec.rope_theta == 1e6 and far.spec.rope_theta != rt.spec.rope_theta
@@ -120,4 +123,5 @@ def test_decode_step_batch_equals_single_steps(rt):
     items = [(b, len(p) - 1, int(p[-1])) for b, p in zip(blocks, prompts)]
     batched = rt.decode_step(pool, items)
     singles = torch.cat([rt.decode_step(pool, [item]) for item in items])
-    assert (batched - singles).abs().max() <= 1e-5
+    # a batch of 4 and 4 single rows run different GEMM shapes: up to 1.01e-5 here (AVX2, 2 threads)
+    assert (batched - singles).abs().max() <= cross_path_tol(singles)
