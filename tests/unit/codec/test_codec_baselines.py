@@ -30,6 +30,7 @@ def test_rotary_matches_transformers():
     cos, sin = LlamaRotaryEmbedding(cfg)(k, pos[None])
     # HF layout is [B, heads, T, hd]
     _, ref = apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    # float32 cos/sin by two formulas (ours, HF's): a few ulp of |k| ~ 4; a wrong theta or pairing is > 1e-2
     torch.testing.assert_close(rotate(spec, k, pos), ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rotate(spec, rotate(spec, k, pos), pos, inverse=True), k, atol=1e-5, rtol=1e-5)
 
@@ -55,6 +56,7 @@ def test_raw_reproduces_producer_post_rope_keys(producer_spec, consumer_spec, wi
     pos = torch.arange(state.keys.shape[0])
     # what write_kv stores (consumer RoPE) equals what the producer attended to, up to fp16
     stored = consumer.rotate_keys(k_pre, pos)
+    # fp16 rounds to within 2^-11 relative (4.9e-4): 5e-3 is 10x that (the rotations are float32)
     torch.testing.assert_close(stored, rotate(producer_spec, state.keys, pos), atol=5e-3, rtol=5e-3)
     torch.testing.assert_close(v, state.values, atol=5e-3, rtol=5e-3)
     # different thetas: consumer-side pre-RoPE keys are not the producer's pre-RoPE keys
