@@ -46,20 +46,24 @@ async def keyed(make_stack):
     return stack
 
 
+PROBES = {"/live", "/ready", "/health"}  # the only open routes: probes carry no secret
+
+
 async def test_k1_every_route_but_live_ready_needs_the_key(keyed):
+    assert auth.OPEN_PATHS == PROBES  # a new open route is a decision this test has to be told about
     routes = [(r.path, m) for r in all_routes(keyed.app.routes) for m in sorted(r.methods or {"GET"})]
     assert {p for p, _ in routes} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics",
-                                      "/openapi.json", "/docs", "/live", "/ready"}
+                                      "/openapi.json", "/docs", *PROBES}
     for path, method in routes:
         r = await keyed.client.request(method, path, json={} if method == "POST" else None)
-        if path in ("/live", "/ready"):
+        if path in PROBES:
             assert r.status_code == 200, (path, r.status_code)
         else:
             assert r.status_code == 401, (method, path, r.status_code)
             if method != "HEAD":
                 assert r.json()["error"]["type"] == "authentication_error"
     # prefix and normalisation tricks (vLLM #58144): never open
-    for path in ["/live/../v1/models", "/ready/../metrics", "//v1/models", "/v1/models/", "/live/x",
+    for path in ["/live/../v1/models", "/ready/../metrics", "/health/../v1/models", "//v1/models", "/v1/models/", "/live/x",
                  "/LIVE", "/v1/completions?x=/live", "/%2e%2e/v1/models", "/nonexistent"]:
         r = await keyed.client.get(path)
         assert r.status_code == 401, (path, r.status_code)
