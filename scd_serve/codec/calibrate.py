@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -22,6 +23,7 @@ from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.candidates import Candidates
 from scd_serve.codec.curve import plot_tradeoff
 from scd_serve.codec.fit import collect_rows, fit_layer, subtract_priors, train_aligner
+from scd_serve.codec.memory import DTYPES, check_fits, estimate
 from scd_serve.codec.prior import PriorFit
 from scd_serve.codec.probe import KLProbe, make_examples
 from scd_serve.codec.search import PlanSearch, SearchPoint
@@ -29,6 +31,9 @@ from scd_serve.codec.spec import spec_of
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
 
+# --data FILE: a probe prompt scores at most this many tokens of its reference (every plan the
+# search measures runs them all again; the fit still reads whole records)
+PROBE_SCORED_TOKENS = 64
 KV_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
 H_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
 
@@ -87,7 +92,9 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         fits[-1].priors, fits[-1].prior_vocab = mine, vocab
     h_rows = [r["h"] for r in rows]
     del rows
-    probe = KLProbe(consumer, make_examples(producer, consumer, probe_pairs, tail=cfg.probe_tail))
+    with tqdm(total=len(probe_pairs), desc="probe prompts", disable=not show_progress) as bar:
+        probe = KLProbe(consumer, make_examples(producer, consumer, probe_pairs, tail=cfg.probe_tail,
+                                                progress=bar.update))
     cands = Candidates(fits, producer, consumer)
     with tqdm(total=num_layers, desc="profile + search", disable=not show_progress) as bar:
         search = PlanSearch(probe, num_layers, kv_grid, h_grid, cands.layer_kv, cands.stream_kv,
@@ -113,7 +120,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
             log(f"MLP aligners: measured KL {kl_mlp:.4f} over budget and linear ({kl_linear:.4f}); kept the linear ones")
         else:
             stats_kl = kl_mlp
-    ds_layers = droidspeak_layers(probe, cands, num_layers, max(1, len(plan.patch_layers)))
+    ds_layers = droidspeak_layers(probe, cands, num_layers, max(1, len(plan.patch_layers)), show_progress)
     # zero payload: what the consumer's token priors alone rebuild (how much the codes add)
     prior_only_kl = probe.measure({i: cands.prior_only for i in range(num_layers)}) if priors else None
     stats = {
@@ -132,7 +139,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     book = build_codebook(fits, {"scd": plan, "reuse": reuse.plan}, pspec, cspec,
                           extra={"droidspeak_layers": ds_layers, "calibration": stats})
     methods = {}
-    for name in [m for m in registry.METHODS if m != "identity"]:
+    for name in tqdm([m for m in registry.METHODS if m != "identity"], desc="measure methods",
+                     disable=not show_progress):
         codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
         methods[name] = measure_codec(probe, codec, consumer)
     stats["methods"] = methods
@@ -141,12 +149,14 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     return Calibration(book, curve, methods)
 
 
-def droidspeak_layers(probe: KLProbe, cands: Candidates, num_layers: int, count: int) -> list[int]:
+def droidspeak_layers(probe: KLProbe, cands: Candidates, num_layers: int, count: int,
+                      show_progress: bool = False) -> list[int]:
     """DroidSpeak's layer choice by measured profiling: the layers whose recompute from the
     producer's hidden states lowers the all-raw KL the most."""
     raw = {i: cands.raw for i in range(num_layers)}
     base = probe.measure(raw)
-    gain = {i: base - probe.measure(raw | {i: cands.droidspeak}) for i in range(num_layers)}
+    gain = {i: base - probe.measure(raw | {i: cands.droidspeak})
+            for i in tqdm(range(num_layers), desc="droidspeak layers", disable=not show_progress)}
     return sorted(sorted(gain, key=gain.get, reverse=True)[:count])
 
 
@@ -164,10 +174,59 @@ def load_prompts(tokenizer: Any, split: str, n: int, seed: int) -> list[tuple[to
     return out
 
 
+def user_prompts(consumer: Any, data: str, records: list, cfg: CalibrateConfig, max_tokens: int,
+                 greedy_tokens: int, show_progress: bool = True) -> tuple[list[torch.Tensor], list]:
+    """--data FILE -> (fit prompts, probe (prompt, scored) pairs), records in file order: the
+    first ones fit, the next ones probe (a file of the built-in prompts gives what
+    `load_prompts` gives). A file with fewer records than asked for keeps an
+    eighth of them (at least 1) for the probe. A probe prompt without an answer scores the
+    consumer's own greedy continuation of `greedy_tokens` tokens."""
+    from scd_serve.quality.data import tokenize
+    from scd_serve.quality.scorer import run_oracle
+
+    prompts = tokenize(records, consumer.tokenizer, max_tokens, data)
+    items = prompts.items
+    if len(items) < 2:
+        raise ConfigError(f"--data {data}: calibration needs at least 2 usable records (one to fit, one to "
+                          f"probe), got {len(items)}", field="data")
+    num_probe = cfg.num_probe_prompts
+    if len(items) < cfg.num_prompts + num_probe:
+        num_probe = min(num_probe, max(1, len(items) // 8))
+    num_fit = min(cfg.num_prompts, len(items) - num_probe)
+    print(f"{prompts.summary()}; fit on {num_fit}, probe on {num_probe}"
+          f" (asked for {cfg.num_prompts} + {cfg.num_probe_prompts})", flush=True)
+    # what a transfer would ship: the prompt (answers are generated, not transferred); a
+    # document whole (any stretch of it is a prompt)
+    fit = [torch.cat([p.ids, p.reference]) if p.kind == "text" and p.reference is not None else p.ids
+           for p in items[:num_fit]]
+    eos = getattr(consumer.tokenizer, "eos_token_id", None)
+    probe = []
+    for p in tqdm(items[num_fit: num_fit + num_probe], desc="probe references", disable=not show_progress):
+        scored = p.reference if p.reference is not None else \
+            run_oracle(consumer, p, greedy_tokens, -1 if eos is None else int(eos)).scored
+        probe.append((p.ids, scored[:PROBE_SCORED_TOKENS]))
+    return fit, probe
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from scd_serve.pair.data import SPLITS
+
     parser.add_argument("--producer", required=True, help="producer (prefill side) model directory")
     parser.add_argument("--consumer", required=True, help="consumer (decode side) model directory")
-    parser.add_argument("--data", default="calibration", help="data split of scd_serve.pair.data")
+    parser.add_argument("--data", default="calibration", metavar="SPLIT|FILE",
+                        help=f"a split of the built-in data ({', '.join(SPLITS)}; default calibration) or your "
+                             "prompts: .jsonl/.ndjson lines of {\"text\"}, {\"prompt\"[, \"answer\"]} or "
+                             "{\"messages\"} (chat template), or plain text with one document per "
+                             "blank-line-separated paragraph. The first --num-prompts records fit, the next "
+                             f"--probe-prompts probe (each scores up to {PROBE_SCORED_TOKENS} tokens: a text's "
+                             "second half, the answer, or the consumer's greedy continuation)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="with --data FILE: tokens per record (prompt + answer); longer records keep their "
+                             "LAST N tokens (a leading BOS stays) and are counted as truncated "
+                             "(default: the models' context minus --greedy-tokens)")
+    parser.add_argument("--greedy-tokens", type=int, default=16,
+                        help="with --data FILE: a probe prompt without an answer scores the consumer's greedy "
+                             "continuation of this many tokens")
     parser.add_argument("--num-prompts", type=int, default=192, help="prompts that fit the codes and token priors")
     parser.add_argument("--probe-prompts", type=int, default=32, help="other prompts whose KL steers the plan")
     parser.add_argument("--kl-budget", type=float, required=True, help="KL budget, nats per answer token")
@@ -175,26 +234,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")
     parser.add_argument("--aligner-steps", type=int, default=300)
     parser.add_argument("--prior-taps", type=int, default=3,
-                        help="prompt tokens (current and previous) the consumer's token prior reads; 0: codes only")
+                        help="prompt tokens (current and previous) the consumer's token prior reads; 0: codes only. "
+                             "Its fit needs a [taps * (vocab + 1)]^2 float64 matrix: refused up front when that "
+                             "will not fit")
     parser.add_argument("--prior-ridge", type=float, default=0.1, help="ridge of the token prior, in token counts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                        help="dtype the models are loaded in (fits and statistics stay float32/float64)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the models; statistics stay on the CPU)")
+    parser.add_argument("--max-memory-gb", type=float, default=None,
+                        help="memory calibration may take; refused before loading when the weights and the "
+                             "token prior would not fit (default: the RAM available now)")
     parser.add_argument("--out", required=True, help="codebook directory to write")
 
 
 def run(args: argparse.Namespace) -> int:
     from scd_serve.model import ModelRuntime
+    from scd_serve.pair.data import SPLITS
 
     cfg = CalibrateConfig(kl_budget=args.kl_budget, num_prompts=args.num_prompts,
                           num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
                           max_patches=args.max_patches, aligner_steps=args.aligner_steps, seed=args.seed,
                           prior_taps=args.prior_taps, prior_ridge=args.prior_ridge)
+    if args.greedy_tokens < 1:
+        raise ConfigError(f"--greedy-tokens must be >= 1, got {args.greedy_tokens}", field="greedy_tokens")
+    # nothing is loaded before the memory estimate and the data file are checked
+    check_fits(estimate(args.producer, args.consumer, args.dtype, cfg.prior_taps), args.device,
+               args.max_memory_gb, "calibrate")
+    records = None
+    if args.data not in SPLITS:
+        from scd_serve.quality.data import read_records
+
+        if not Path(args.data).exists():
+            raise ConfigError(f"--data {args.data}: no such file, and not a built-in split ({', '.join(SPLITS)})",
+                              field="data")
+        records = read_records(args.data)
     torch.manual_seed(cfg.seed)
-    producer = ModelRuntime.load(args.producer, device=args.device)
-    consumer = ModelRuntime.load(args.consumer, device=args.device)
-    pairs = load_prompts(consumer.tokenizer, args.data, cfg.num_prompts + cfg.num_probe_prompts, cfg.seed)
-    fit_prompts = [p for p, _ in pairs[: cfg.num_prompts]]
-    result = calibrate(producer, consumer, fit_prompts, pairs[cfg.num_prompts:], cfg)
+    producer = ModelRuntime.load(args.producer, device=args.device, dtype=DTYPES[args.dtype])
+    consumer = ModelRuntime.load(args.consumer, device=args.device, dtype=DTYPES[args.dtype])
+    if records is None:
+        pairs = load_prompts(consumer.tokenizer, args.data, cfg.num_prompts + cfg.num_probe_prompts, cfg.seed)
+        fit_prompts, probe_pairs = [p for p, _ in pairs[: cfg.num_prompts]], pairs[cfg.num_prompts:]
+    else:
+        context = min(producer.spec.max_position_embeddings, consumer.spec.max_position_embeddings)
+        max_tokens = context - args.greedy_tokens if args.max_tokens is None else args.max_tokens
+        if max_tokens + args.greedy_tokens > context:
+            raise ConfigError(f"--max-tokens {max_tokens} + --greedy-tokens {args.greedy_tokens} exceed the models' "
+                              f"context of {context} positions", field="max_tokens")
+        fit_prompts, probe_pairs = user_prompts(consumer, args.data, records, cfg, max_tokens, args.greedy_tokens)
+    result = calibrate(producer, consumer, fit_prompts, probe_pairs, cfg)
+    result.codebook.manifest["calibration"]["data"] = {"source": args.data, "dtype": args.dtype}
     out = result.codebook.save(args.out)
     spec = spec_of(consumer)
     chosen = result.codebook.plan("scd")

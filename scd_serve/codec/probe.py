@@ -39,7 +39,7 @@ def kl_divergence(logits_p: Tensor, logits_q: Tensor) -> Tensor:
 
 
 def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Tensor]],
-                  block_size: int = 16, tail: int = 1) -> list[Example]:
+                  block_size: int = 16, tail: int = 1, progress: Callable[[], None] | None = None) -> list[Example]:
     """pairs: (prompt_ids [T], answer_ids [n]) -> examples with oracle pools and logits.
 
     The consumer runs the last `tail` prompt tokens itself (serving: 1); a longer tail scores
@@ -59,6 +59,8 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
             consumer.write_kv(pool, blocks, layer, s.keys, s.values)
         logits = consumer.extend(pool, [(blocks, p, feed)])[0]
         out.append(Example(p, feed, states_a, states_b, logits, prompt[:p], pool, blocks))
+        if progress:
+            progress()
     return out
 
 

@@ -1,10 +1,12 @@
 """`scd-serve eval`: quality of a transfer method against the consumer's own prefill (oracle).
 
-Per held-out QA prompt: F1 / exact match of the consumer's greedy answer, KL(method ||
-oracle) and total variation of its next-token distributions teacher-forced over the
-reference answer, greedy token agreement with the oracle; perplexity on held-out text
-(first half transferred, second half scored); payload bytes per transferred prompt token
-next to the raw 16-bit KV bytes. `--table` runs every registered method.
+Built-in data (default): per held-out QA prompt, F1 / exact match of the consumer's greedy
+answer, KL(method || oracle), total variation and top-1 agreement of its next-token
+distributions teacher-forced over the reference answer, greedy token agreement with the
+oracle; perplexity on held-out text (first half transferred, second half scored).
+`--data FILE`: your prompts (quality/data.py), scored by quality/scorer.py.
+Both: payload bytes per transferred prompt token next to the raw 16-bit KV bytes.
+`--table` runs every registered method.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from scd_serve.codec.memory import DTYPES, check_fits, estimate
 from scd_serve.errors import ConfigError
 from scd_serve.pair.data import STYLES, load_split
 from scd_serve.quality.metrics import exact_match, kl_and_tv, token_f1
@@ -31,11 +35,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="raw", help="'oracle' or a codec method (scd_serve.codec.METHODS)")
     parser.add_argument("--codebook", default=None, help="codebook directory for methods that need one")
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--limit", type=int, default=150, help="held-out QA prompts (max 500)")
-    parser.add_argument("--text-limit", type=int, default=30, help="held-out texts for perplexity")
+    parser.add_argument("--data", default=None, metavar="FILE",
+                        help="your prompts instead of the built-in QA: .jsonl/.ndjson lines of {\"text\"}, "
+                             "{\"prompt\"[, \"answer\"]} or {\"messages\"} (chat template), or plain text with one "
+                             "document per blank-line-separated paragraph (see docs/results.md)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="with --data: tokens per record (prompt + answer); longer records keep their LAST N "
+                             "tokens (a leading BOS stays) and are counted as truncated "
+                             "(default: the models' context minus --greedy-tokens)")
+    parser.add_argument("--greedy-tokens", type=int, default=16,
+                        help="with --data: the greedy-continuation match compares the first N generated tokens "
+                             "with the oracle's; prompts without an answer are scored over the oracle's N tokens")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="built-in: held-out QA prompts (1..500, default 150); "
+                             "--data: the first N records (default all)")
+    parser.add_argument("--text-limit", type=int, default=30, help="held-out texts for perplexity (built-in data)")
     parser.add_argument("--table", action="store_true", help="run every registered method, print a table")
     parser.add_argument("--split", default="heldout", choices=["heldout", "smoke"],
-                        help="QA split ('smoke': short prompts for quick checks)")
+                        help="built-in QA split ('smoke': short prompts for quick checks)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype the models are loaded in")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--max-memory-gb", type=float, default=None,
+                        help="memory the models may take; refused before loading when they would not fit "
+                             "(default: the RAM available now, or the GPU's free memory)")
 
 
 def check_pair(spec_a, spec_b) -> None:
@@ -59,10 +81,10 @@ def _end_word(tokenizer) -> int:
 def eval_qa(method: str, codec, rt_a, rt_b, examples: list[dict]) -> dict:
     tok = rt_b.tokenizer
     stop = _end_word(tok)
-    sums = dict(f1=0.0, em=0.0, kl=0.0, tv=0.0, agree=0.0)
+    sums = dict(f1=0.0, em=0.0, kl=0.0, tv=0.0, agree=0.0, top1=0.0)
     positions = agree_n = prompt_tokens = nbytes = 0
     rebuild = oracle_prefill = 0.0
-    for ex in examples:
+    for ex in tqdm(examples, desc=f"eval {method}", leave=False):
         ids = torch.tensor(tok(ex["prompt"])["input_ids"])
         answer = tok(ex["answer"], add_special_tokens=False)["input_ids"] + [stop]
         forced = torch.cat([ids[-1:], torch.tensor(answer[:-1])])  # last prompt token + answer
@@ -79,6 +101,7 @@ def eval_qa(method: str, codec, rt_a, rt_b, examples: list[dict]) -> dict:
         kl, tv = kl_and_tv(logits, oracle_logits)
         sums["kl"] += float(kl.sum())
         sums["tv"] += float(tv.sum())
+        sums["top1"] += float((logits.argmax(-1) == oracle_logits.argmax(-1)).sum())
         positions += kl.numel()
         sums["agree"] += sum(a == b for a, b in zip(greedy, oracle_greedy))
         agree_n += max(len(greedy), len(oracle_greedy), 1)
@@ -89,7 +112,8 @@ def eval_qa(method: str, codec, rt_a, rt_b, examples: list[dict]) -> dict:
     n = len(examples)
     return {
         "f1": sums["f1"] / n, "em": sums["em"] / n, "kl": sums["kl"] / positions, "tv": sums["tv"] / positions,
-        "agreement": sums["agree"] / agree_n, "payload_bytes_per_token": nbytes / prompt_tokens,
+        "agreement": sums["agree"] / agree_n, "top1": sums["top1"] / positions,
+        "payload_bytes_per_token": nbytes / prompt_tokens,
         "rebuild_vs_prefill": rebuild / oracle_prefill if method != ORACLE else 1.0,
         "mean_prompt_tokens": (prompt_tokens + n) / n, "num_examples": n,
     }
@@ -98,12 +122,12 @@ def eval_qa(method: str, codec, rt_a, rt_b, examples: list[dict]) -> dict:
 def eval_ppl(method: str, codec, rt_a, rt_b, texts: list[dict]) -> float:
     """exp(mean NLL) of each text's second half, its first half transferred by `method`."""
     nll, count = 0.0, 0
-    for ex in texts:
+    for ex in tqdm(texts, desc=f"ppl {method}", leave=False):
         ids = torch.tensor(rt_b.tokenizer(ex["text"])["input_ids"])
         half = ids.shape[0] // 2
         h = transfer(method, codec, rt_a, rt_b, ids[:half], ids.shape[0] - half)
         logits = teacher_forced(rt_b, h, ids[half:-1])  # predicts ids[half+1:]
-        nll += float(torch.nn.functional.cross_entropy(logits, ids[half + 1 :], reduction="sum"))
+        nll += float(torch.nn.functional.cross_entropy(logits.float(), ids[half + 1 :], reduction="sum"))
         count += ids.shape[0] - half - 1
     return math.exp(nll / count)
 
@@ -112,16 +136,20 @@ def raw_kv_bytes_per_token(spec) -> int:
     return 2 * spec.num_layers * spec.kv_width * 2  # K and V, every layer, 16-bit
 
 
+def build_codec(method: str, rt_a, rt_b, codebook):
+    if method == ORACLE:
+        return None
+    from scd_serve import codec as codecs
+
+    return codecs.build(method, producer=rt_a, consumer=rt_b, codebook=codebook)
+
+
 def evaluate(rt_a, rt_b, method: str, codebook=None, limit: int = 150, text_limit: int = 30,
              split: str = "heldout") -> dict:
     check_pair(rt_a.spec, rt_b.spec)
     if not 1 <= limit <= 500 or not 1 <= text_limit <= 200:
         raise ConfigError("--limit must be in 1..500 and --text-limit in 1..200", field="limit")
-    codec = None
-    if method != ORACLE:
-        from scd_serve import codec as codecs
-
-        codec = codecs.build(method, producer=rt_a, consumer=rt_b, codebook=codebook)
+    codec = build_codec(method, rt_a, rt_b, codebook)
     start = time.perf_counter()
     row = {"method": method, **eval_qa(method, codec, rt_a, rt_b, load_split(split, limit))}
     row["ppl"] = eval_ppl(method, codec, rt_a, rt_b, load_split(f"{split}-text", text_limit))
@@ -143,17 +171,24 @@ def table_methods(codebook) -> list[tuple[str, str | None]]:
     return rows
 
 
+# (key, header, width, format); a column shows when some row has its key (built-in: agree = greedy
+# answer tokens equal to the oracle's; --data: match = first --greedy-tokens tokens all equal)
+COLUMNS = [("payload_bytes_per_token", "bytes/tok", 10, ".1f"), ("ratio_to_raw16", "vs raw16", 9, ".3f"),
+           ("rebuild_vs_prefill", "rebuild", 8, ".2f"), ("f1", "F1", 7, ".3f"), ("em", "EM", 7, ".3f"),
+           ("kl", "KL", 9, ".4f"), ("tv", "TV", 7, ".3f"), ("ppl", "PPL", 8, ".2f"), ("agreement", "agree", 7, ".3f"),
+           ("top1", "top1", 7, ".3f"), ("match", "match", 7, ".3f")]
+
+
 def format_table(rows: list[dict]) -> str:
-    head = f"{'method':<12}{'bytes/tok':>10}{'vs raw16':>9}{'rebuild':>8}{'F1':>7}{'EM':>7}" \
-           f"{'KL':>9}{'TV':>7}{'PPL':>8}{'agree':>7}"
+    cols = [c for c in COLUMNS if any(c[0] in r for r in rows)]
+    head = f"{'method':<12}" + "".join(f"{h:>{w}}" for _, h, w, _ in cols)
     lines = [head, "-" * len(head)]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['method']:<12}  skipped: {r['skipped']}")
             continue
-        lines.append(f"{r['method']:<12}{r['payload_bytes_per_token']:>10.1f}{r['ratio_to_raw16']:>9.3f}"
-                     f"{r['rebuild_vs_prefill']:>8.2f}{r['f1']:>7.3f}{r['em']:>7.3f}{r['kl']:>9.4f}"
-                     f"{r['tv']:>7.3f}{r['ppl']:>8.2f}{r['agreement']:>7.3f}")
+        lines.append(f"{r['method']:<12}" + "".join(
+            f"{'-':>{w}}" if r.get(k) is None else f"{r[k]:>{w}{fmt}}" for k, _, w, fmt in cols))
     return "\n".join(lines)
 
 
@@ -161,17 +196,32 @@ def run(args: argparse.Namespace) -> int:
     from scd_serve.model import ModelRuntime
 
     torch.set_num_threads(1)  # a shared 2-core box: one thread is faster than two (see config/pair.py)
-    rt_a, rt_b = ModelRuntime.load(args.producer), ModelRuntime.load(args.consumer)
+    check_fits(estimate(args.producer, args.consumer, args.dtype), args.device, args.max_memory_gb, "eval")
+    records = None
+    if args.data is not None:  # a bad file fails here, before any model is loaded
+        from scd_serve.quality.data import read_records
+
+        if args.limit is not None and args.limit < 1:
+            raise ConfigError(f"--limit must be >= 1, got {args.limit}", field="limit")
+        records = read_records(args.data)[: args.limit]
+    elif args.limit is None:
+        args.limit = 150
+    dtype = DTYPES[args.dtype]
+    rt_a = ModelRuntime.load(args.producer, device=args.device, dtype=dtype)
+    rt_b = ModelRuntime.load(args.consumer, device=args.device, dtype=dtype)
     check_pair(rt_a.spec, rt_b.spec)
     methods = table_methods(args.codebook) if args.table else [(args.method, None)]
-    rows = []
-    for method, skipped in methods:
-        row = {"method": method, "skipped": skipped} if skipped else evaluate(
-            rt_a, rt_b, method, args.codebook, args.limit, args.text_limit, args.split)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    doc = {"producer": args.producer, "consumer": args.consumer, "split": args.split,
-           "codebook": args.codebook, "methods": rows}
+    if records is not None:
+        rows = eval_data(args, records, rt_a, rt_b, methods)
+    else:
+        rows = []
+        for method, skipped in methods:
+            row = {"method": method, "skipped": skipped} if skipped else evaluate(
+                rt_a, rt_b, method, args.codebook, args.limit, args.text_limit, args.split)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    doc = {"producer": args.producer, "consumer": args.consumer, "data": args.data or args.split,
+           "split": args.split, "dtype": args.dtype, "codebook": args.codebook, "methods": rows}
     if args.table:
         doc["table"] = format_table(rows)
         print(doc["table"])
@@ -179,3 +229,30 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
+
+
+def eval_data(args: argparse.Namespace, records: list, rt_a, rt_b, methods: list[tuple[str, str | None]]) -> list[dict]:
+    """`--data FILE`: every method, prompt by prompt (one oracle run per prompt)."""
+    from scd_serve.quality.data import tokenize
+    from scd_serve.quality.scorer import Scorer
+
+    if args.greedy_tokens < 1:
+        raise ConfigError(f"--greedy-tokens must be >= 1, got {args.greedy_tokens}", field="greedy_tokens")
+    context = min(rt_a.spec.max_position_embeddings, rt_b.spec.max_position_embeddings)
+    max_tokens = context - args.greedy_tokens if args.max_tokens is None else args.max_tokens
+    if max_tokens + args.greedy_tokens > context:
+        raise ConfigError(f"--max-tokens {max_tokens} + --greedy-tokens {args.greedy_tokens} exceed the models' "
+                          f"context of {context} positions", field="max_tokens")
+    prompts = tokenize(records, rt_b.tokenizer, max_tokens, str(args.data))
+    print(prompts.summary(), flush=True)
+    codecs = {m: build_codec(m, rt_a, rt_b, args.codebook) for m, skipped in methods if not skipped}
+    done = {r["method"]: r for r in Scorer(rt_a, rt_b, prompts, args.greedy_tokens).evaluate(codecs)}
+    rows = []
+    for method, skipped in methods:
+        row = {"method": method, "skipped": skipped} if skipped else done[method]
+        if not skipped:
+            row["raw_kv_bytes_per_token"] = raw_kv_bytes_per_token(rt_b.spec)
+            row["ratio_to_raw16"] = row["payload_bytes_per_token"] / row["raw_kv_bytes_per_token"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows

@@ -1,0 +1,141 @@
+"""`scd-serve calibrate --data FILE` through the CLI on a tiny pair made on the fly (each JSONL
+shape and plain text), --dtype, and the up-front memory refusal before any model loads."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scd_serve.cli import main
+from scd_serve.codec.codebook import Codebook
+from scd_serve.model import ModelRuntime, loader
+from scd_serve.model.tiny import save_tiny_model
+
+WORDS = "the quick brown fox jumps over a lazy dog near one tall green tree".split()
+
+
+def sentence(i: int, n: int) -> str:
+    return " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(n))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A qwen2 pair (q/k/v biases, byte tokenizer): the consumer has other weights and rope_theta."""
+    root = tmp_path_factory.mktemp("cal")
+    a = save_tiny_model(root / "producer", "qwen2", seed=0, rope_theta=1e4)
+    b = save_tiny_model(root / "consumer", "qwen2", seed=1, rope_theta=1e6)
+    data = root / "data"
+    data.mkdir()
+    shapes = {
+        "text.jsonl": lambda i: {"text": sentence(i, 5)},
+        "prompt.jsonl": lambda i: {"prompt": sentence(i, 4), **({"answer": sentence(i, 1)} if i % 2 else {})},
+        "messages.jsonl": lambda i: {"messages": [{"role": "user", "content": sentence(i, 2)}]
+                                     + ([{"role": "assistant", "content": sentence(i, 1)}] if i % 2 else [])},
+    }
+    for name, make in shapes.items():
+        (data / name).write_text("\n".join(json.dumps(make(i)) for i in range(6)) + "\n")
+    (data / "plain.txt").write_text("\n\n".join(sentence(i, 3) + "\n" + sentence(i + 1, 2) for i in range(6)))
+    return a, b, data
+
+
+def calibrate_args(a, b, data, out, *more):
+    return ["calibrate", "--producer", str(a), "--consumer", str(b), "--data", str(data), "--kl-budget", "2",
+            "--num-prompts", "4", "--probe-prompts", "1", "--max-rows", "64", "--aligner-steps", "0",
+            "--max-patches", "1", "--max-tokens", "24", "--greedy-tokens", "4", "--out", str(out), *more]
+
+
+@pytest.mark.parametrize("name", ["text.jsonl", "prompt.jsonl", "messages.jsonl", "plain.txt"])
+def test_calibrate_on_each_shape(pair, tmp_path, capsys, name):
+    a, b, data = pair
+    assert main(calibrate_args(a, b, data / name, tmp_path / "book")) == 0
+    out = capsys.readouterr().out
+    assert f"data: {data / name}: 6 prompts" in out and "truncated to their last 24 tokens" in out
+    assert "fit on 4, probe on 1 (asked for 4 + 1)" in out and "codebook:" in out
+    book = Codebook.load(tmp_path / "book")
+    assert book.manifest["calibration"]["fit_prompts"] == 4 and book.plan("scd").layers
+    assert book.manifest["calibration"]["data"] == {"source": str(data / name), "dtype": "float32"}
+
+
+def test_calibrate_in_bfloat16_then_eval(pair, tmp_path, capsys):
+    a, b, data = pair
+    assert main(calibrate_args(a, b, data / "prompt.jsonl", tmp_path / "book", "--dtype", "bfloat16")) == 0
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--producer", str(a), "--consumer", str(b), "--data", str(data / "text.jsonl"),
+                 "--codebook", str(tmp_path / "book"), "--method", "scd", "--dtype", "bfloat16",
+                 "--max-tokens", "24", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["methods"][0]
+    assert row["method"] == "scd" and row["kl"] >= 0 and 0 < row["ratio_to_raw16"] <= 1.0
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(ModelRuntime, "load", boom)
+    monkeypatch.setattr(loader, "load", boom)
+
+
+@pytest.fixture(scope="module")
+def big_vocab(tmp_path_factory):
+    """Two one-layer models with Qwen2.5's vocabulary (151,936): a dense 3-tap prior needs a
+    [455,811 x 455,811] float64 Gram matrix, 1.66 TB."""
+    root = tmp_path_factory.mktemp("big")
+    shape = dict(vocab_size=151936, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                 intermediate_size=32, num_hidden_layers=1, tie_word_embeddings=True)
+    return [save_tiny_model(root / n, "qwen2", seed=i, tokenizer=False, **shape) for i, n in enumerate("ab")]
+
+
+@pytest.mark.parametrize("memory", [[], ["--max-memory-gb", "64"]])
+def test_vocab_sized_prior_is_refused_before_loading(big_vocab, tmp_path, capsys, no_load, memory):
+    a, b = big_vocab
+    rc = main(["calibrate", "--producer", str(a), "--consumer", str(b), "--kl-budget", "0.05",
+               "--prior-taps", "3", "--out", str(tmp_path / "book"), *memory])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "[455,811 x 455,811] float64 Gram matrix of 1.66 TB" in err and "4.99 TB" in err
+    assert "--prior-taps 0" in err and not (tmp_path / "book").exists()
+    if memory:
+        assert "the --max-memory-gb given (64.00 GB)" in err
+
+
+def test_model_too_big_is_refused_before_loading(big_vocab, tmp_path, capsys, no_load):
+    a, b = big_vocab
+    args = ["calibrate", "--producer", str(a), "--consumer", str(b), "--kl-budget", "0.05", "--prior-taps", "0",
+            "--out", str(tmp_path / "book"), "--max-memory-gb", "0.005", "--dtype", "bfloat16"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "for the models" in err and "producer weights (bfloat16) 4.87 MB" in err and "Gram" not in err
+
+
+def test_bad_data_is_refused_before_loading(pair, tmp_path, capsys, no_load):
+    a, b, _ = pair
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n\n{"prompt": "y", "extra": 1}\n')
+    assert main(calibrate_args(a, b, bad, tmp_path / "book")) == 2
+    assert "bad.jsonl:3: unknown key(s) ['extra']" in capsys.readouterr().err
+    assert main(calibrate_args(a, b, tmp_path / "missing.jsonl", tmp_path / "book")) == 2
+    assert "no such file, and not a built-in split" in capsys.readouterr().err
+
+
+def test_a_file_of_the_builtin_prompts_gives_the_builtin_calibration_prompts(tmp_path, capsys):
+    """The file path and the built-in path agree: same fit prompts, same probe (prompt, answer)."""
+    from types import SimpleNamespace
+
+    from scd_serve.codec.calibrate import load_prompts, user_prompts
+    from scd_serve.config.codec import CalibrateConfig
+    from scd_serve.model.loader import load_tokenizer
+    from scd_serve.pair.data import load_split
+    from scd_serve.quality.data import read_records
+
+    tok = load_tokenizer(Path(__file__).parents[3] / "models" / "demo-pair" / "consumer")
+    f = tmp_path / "cal.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": e["prompt"], "answer": e["answer"]})
+                           for e in load_split("calibration", 6)) + "\n")
+    cfg = CalibrateConfig(kl_budget=0.05, num_prompts=4, num_probe_prompts=2)
+    fit, probe = user_prompts(SimpleNamespace(tokenizer=tok), str(f), read_records(f), cfg, 4000, 16,
+                              show_progress=False)
+    pairs = load_prompts(tok, "calibration", 6, seed=0)
+    assert [p.tolist() for p in fit] == [p.tolist() for p, _ in pairs[:4]]
+    assert [(p.tolist(), a.tolist()) for p, a in probe] == [(p.tolist(), a.tolist()) for p, a in pairs[4:]]
