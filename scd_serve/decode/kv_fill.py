@@ -93,7 +93,8 @@ class RemoteKVFill:
                             err.type, err.message)
                 if isinstance(err, IncompatiblePeer):
                     peer.problem = f"incompatible: {err.message}"  # the health loop re-handshakes it
-                self._judge(peer, err)
+                if not sink.closed:  # a request that ended meanwhile says nothing about the worker
+                    self._judge(peer, err)
                 if not is_retryable(err):
                     break
             finally:

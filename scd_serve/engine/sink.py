@@ -37,6 +37,11 @@ class LayerSink:
         return len(self._written) == self.num_layers
 
     @property
+    def closed(self) -> bool:
+        """The request no longer takes K/V (aborted, timed out, filled, fell back)."""
+        return self._closed
+
+    @property
     def num_written(self) -> int:
         return len(self._written)
 
