@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI, Request
+from polls import eventually
 from prometheus_client import CollectorRegistry, generate_latest
 
 from scd_serve.config.control import ControlConfig
@@ -29,17 +30,6 @@ from scd_serve.gateway.app import create_gateway_app
 pytestmark = pytest.mark.timeout(90)
 SECRET = "cluster-secret-for-tests-0123456789"
 WAIT_S = 20  # how long a failure takes to show on a loaded 2-core machine, not how long a pass takes
-
-
-async def eventually(cond, timeout: float = WAIT_S, step: float = 0.02) -> bool:
-    end = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if asyncio.iscoroutine(got):
-            got = await got
-        if got or time.monotonic() >= end:
-            return bool(got)
-        await asyncio.sleep(step)
 
 
 def hb(wid: str, address: str, role: str = "decode", ready: bool = True, **load) -> dict:
@@ -102,7 +92,7 @@ async def test_k10_unsigned_replayed_stale_and_deep_frames_change_nothing():
         reply = await asyncio.wait_for(sock.recv(), WAIT_S)
         await sock.send(legit.seal(hb("decode-legit", "10.0.0.5:8001", running=7)))  # its newer state
         await asyncio.wait_for(sock.recv(), WAIT_S)
-        assert await eventually(lambda: server.registry.workers(ready_only=True))
+        assert await eventually(lambda: server.registry.workers(ready_only=True), WAIT_S)
 
         def table():
             return [(r.id, r.role, r.address, r.ready, r.load, r.verified) for r in server.registry.workers()]
@@ -127,7 +117,7 @@ async def test_k10_unsigned_replayed_stale_and_deep_frames_change_nothing():
         for frame in attacks:
             await sock.send(frame)
         await sock.send(legit.seal(hb("after", "10.0.0.6:8001")))  # handled only after every attack
-        assert await eventually(lambda: server.registry.get("after") is not None), server.dropped
+        assert await eventually(lambda: server.registry.get("after") is not None, WAIT_S), server.dropped
         assert server.alive, "the registry task ended"
         assert [row for row in table() if row[0] != "after"] == before
         assert server.dropped == {"unsigned": 6, "replayed": 2, "bad_mac": 2, "stale": 1, "malformed": 1,
@@ -148,7 +138,7 @@ async def test_k10_replays_cannot_keep_a_dead_worker_listed():
     try:
         captured = Envelope(SECRET, WORKER, REGISTRY).seal(hb("crashed", "10.0.0.5:8001"))
         await sock.send(captured)
-        assert await eventually(lambda: server.registry.get("crashed") is not None)
+        assert await eventually(lambda: server.registry.get("crashed") is not None, WAIT_S)
         end = time.monotonic() + 2.5  # the worker is dead; an attacker replays its last heartbeat
         while time.monotonic() < end:
             await sock.send(captured)
@@ -170,7 +160,7 @@ async def test_k10_unsigned_loopback_registry_survives_deep_nesting():
         for frame in (b"[" * 5000, b"{" * 5000, b'{"a":' * 3000, b"[1," * 20000):
             await sock.send(frame)
         await sock.send(encode(hb("after", "127.0.0.1:8001")))
-        assert await eventually(lambda: server.registry.get("after") is not None), server.dropped
+        assert await eventually(lambda: server.registry.get("after") is not None, WAIT_S), server.dropped
         assert server.alive and server.dropped == {"malformed": 4}, server.dropped
     finally:
         sock.close(linger=0)
@@ -200,7 +190,7 @@ async def test_k11_decode_worker_without_the_secret_never_gets_a_request():
             async def ready():
                 r = await client.get("/ready")
                 return r.status_code == 200 and server.dropped["unsigned"] >= 5 and server.dropped["bad_mac"] >= 5
-            assert await eventually(ready), (server.dropped, server.registry.workers())
+            assert await eventually(ready, WAIT_S), (server.dropped, server.registry.workers())
             assert (await client.get("/ready")).json()["decode_workers"] == 1
             for i in range(20):
                 r = await client.post("/v1/completions", json={"prompt": f"secret prompt {i}"},
@@ -233,7 +223,7 @@ async def test_k12_address_is_trusted_only_after_the_handshake_reached_it():
             for _ in range(3):  # heartbeats keep coming; each may start a new handshake attempt
                 await sock.send(sender.seal(hb("misadvertised", imposter_site.address)))
                 await asyncio.wait_for(sock.recv(), WAIT_S)
-            assert await eventually(lambda: server.num_handshake_failures >= 1), server.registry.workers()
+            assert await eventually(lambda: server.num_handshake_failures >= 1, WAIT_S), server.registry.workers()
             assert server.registry.get("misadvertised") is not None
             assert (await client.get("/ready")).status_code == 503
             r = await client.post("/v1/completions", json={"prompt": "x"})
@@ -254,7 +244,7 @@ async def test_k13_registry_is_bounded():
     try:
         for i in range(40):  # even a holder of the secret cannot grow the table without bound
             await sock.send(sender.seal(hb(f"w{i}", f"10.0.0.{i}:8001")))
-        assert await eventually(lambda: server.dropped["registry_full"] == 36), server.dropped
+        assert await eventually(lambda: server.dropped["registry_full"] == 36, WAIT_S), server.dropped
         assert len(server.registry.workers()) == 4 and server.alive
     finally:
         sock.close(linger=0)
