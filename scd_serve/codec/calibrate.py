@@ -210,23 +210,17 @@ def user_prompts(consumer: Any, data: str, records: list, cfg: CalibrateConfig, 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from scd_serve.pair.data import SPLITS
+    from scd_serve.quality.data import FORMATS_HELP, add_truncation_arguments
 
     parser.add_argument("--producer", required=True, help="producer (prefill side) model directory")
     parser.add_argument("--consumer", required=True, help="consumer (decode side) model directory")
     parser.add_argument("--data", default="calibration", metavar="SPLIT|FILE",
                         help=f"a split of the built-in data ({', '.join(SPLITS)}; default calibration) or your "
-                             "prompts: .jsonl/.ndjson lines of {\"text\"}, {\"prompt\"[, \"answer\"]} or "
-                             "{\"messages\"} (chat template), or plain text with one document per "
-                             "blank-line-separated paragraph. The first --num-prompts records fit, the next "
+                             f"prompts: {FORMATS_HELP}. The first --num-prompts records fit, the next "
                              f"--probe-prompts probe (each scores up to {PROBE_SCORED_TOKENS} tokens: a text's "
                              "second half, the answer, or the consumer's greedy continuation)")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="with --data FILE: tokens per record (prompt + answer); longer records keep their "
-                             "LAST N tokens (a leading BOS stays) and are counted as truncated "
-                             "(default: the models' context minus --greedy-tokens)")
-    parser.add_argument("--greedy-tokens", type=int, default=16,
-                        help="with --data FILE: a probe prompt without an answer scores the consumer's greedy "
-                             "continuation of this many tokens")
+    add_truncation_arguments(parser, "a probe prompt without an answer scores the consumer's greedy "
+                                     "continuation of this many tokens")
     parser.add_argument("--num-prompts", type=int, default=192, help="prompts that fit the codes and token priors")
     parser.add_argument("--probe-prompts", type=int, default=32, help="other prompts whose KL steers the plan")
     parser.add_argument("--kl-budget", type=float, required=True, help="KL budget, nats per answer token")

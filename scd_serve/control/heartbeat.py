@@ -16,11 +16,10 @@ import zmq
 import zmq.asyncio
 
 from scd_serve.config.control import ControlConfig
-from scd_serve.control.lifecycle import supervise
+from scd_serve.control.lifecycle import Restarting
 from scd_serve.control.signing import REGISTRY, WORKER, Envelope, Rejected
 
 log = logging.getLogger("scd_serve.control")
-RESTART_DELAY_S = 0.5  # a task that died is started again after this long
 SILENT_WARN_S = 10.0  # no valid reply for this long: say so once (wrong secret, registry down)
 
 
@@ -43,24 +42,15 @@ class HeartbeatClient:
         self.sock.setsockopt(zmq.SNDHWM, 4)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * 1024 * 1024)  # peer lists of many workers
         self.sock.connect(url)
-        self._task: asyncio.Task | None = None
-        self.num_restarts = 0  # deaths of the heartbeat task (supervised: logged, started again)
+        # heartbeats until close(); a task that dies anyway is logged and started again
+        self.runner = Restarting(lambda: self._run(), f"heartbeat-{role}")
         self.num_replies = 0
         self.num_dropped = 0  # replies that failed the signature, age, nonce or shape checks
         self._last_reply = time.monotonic()
         self._warned_silent = False
 
     def start(self) -> None:
-        """Heartbeats until close(); a task that dies anyway is logged and started again."""
-        self._task = supervise(asyncio.create_task(self._run(), name=f"heartbeat-{self.role}"), self._restart)
-
-    def _restart(self, exc: BaseException) -> None:
-        self.num_restarts += 1
-        asyncio.get_running_loop().call_later(RESTART_DELAY_S, self._start_unless_closed)
-
-    def _start_unless_closed(self) -> None:
-        if not self.sock.closed:
-            self.start()
+        self.runner.start()
 
     def message(self) -> dict:
         return {"type": "heartbeat", "role": self.role, "id": self.id, "address": self.address,
@@ -114,9 +104,7 @@ class HeartbeatClient:
                 log.exception("control: applying the peer list failed")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.runner.stop()
         try:  # tell the registry at once instead of waiting for the ttl
             await self.sock.send(self.envelope.seal({"type": "bye", "id": self.id}), flags=zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -7,8 +7,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Coroutine
+from typing import Any, NoReturn
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -65,6 +65,36 @@ def supervise(task: asyncio.Task, on_death: Callable[[BaseException], None] | No
             on_death(exc)
     task.add_done_callback(done)
     return task
+
+
+class Restarting:
+    """A background coroutine kept running until stop(): when it dies it is logged (supervise)
+    and started again after `delay_s`. `make()` is called for every start."""
+
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, Any]], name: str, delay_s: float = 0.5):
+        self.make, self.name, self.delay_s = make, name, delay_s
+        self.task: asyncio.Task | None = None
+        self.num_restarts = 0
+        self._stopped = False
+
+    def start(self) -> None:
+        if not self._stopped:
+            self.task = supervise(asyncio.create_task(self.make(), name=self.name), self._died)
+
+    def _died(self, exc: BaseException) -> None:
+        if not self._stopped:
+            self.num_restarts += 1
+            asyncio.get_running_loop().call_later(self.delay_s, self.start)
+
+    @property
+    def alive(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    async def stop(self) -> None:
+        self._stopped = True
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
 
 
 def join_host_port(host: str, port: int) -> str:

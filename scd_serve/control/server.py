@@ -20,12 +20,11 @@ import zmq
 import zmq.asyncio
 
 from scd_serve.config.control import ControlConfig
-from scd_serve.control.lifecycle import supervise
+from scd_serve.control.lifecycle import Restarting
 from scd_serve.control.registry import Registry, WorkerRecord, validate
 from scd_serve.control.signing import REGISTRY, WORKER, Envelope, Rejected
 
 log = logging.getLogger("scd_serve.control")
-RESTART_DELAY_S = 0.5  # a task that died is started again after this long
 LOG_EVERY_S = 10.0  # a flood of bad frames logs one line per reason this often, with the count
 VERIFY_ROLES = ("decode",)
 
@@ -58,10 +57,11 @@ class RegistryServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         self.sock.bind(bind_url)
         self.url = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # real port when bound to :0
-        self._task: asyncio.Task | None = None
+        # serves until close(); a task that dies anyway is logged and started again (else workers
+        # would never expire and the gateway would route to the dead)
+        self.runner = Restarting(lambda: self._serve(), "control-registry")
         self.dropped: Counter[str] = Counter()  # reason -> frames dropped
         self.num_handshake_failures = 0
-        self.num_restarts = 0  # deaths of the registry task (supervised: logged, started again)
         self._probes: dict[str, asyncio.Task] = {}
         self._next_probe: dict[str, float] = {}
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last log time, count then)
@@ -72,20 +72,10 @@ class RegistryServer:
 
     @property
     def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self.runner.alive
 
     def start(self) -> None:
-        """Serve until close(); a task that dies anyway is logged and started again (workers
-        would otherwise never expire and the gateway would route to the dead)."""
-        self._task = supervise(asyncio.create_task(self._serve(), name="control-registry"), self._restart)
-
-    def _restart(self, exc: BaseException) -> None:
-        self.num_restarts += 1
-        asyncio.get_running_loop().call_later(RESTART_DELAY_S, self._start_unless_closed)
-
-    def _start_unless_closed(self) -> None:
-        if not self.sock.closed:
-            self.start()
+        self.runner.start()
 
     async def _serve(self) -> None:
         while True:
@@ -173,7 +163,8 @@ class RegistryServer:
                         "to it (retrying)", wid, address)
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._probes.values()) if t is not None]
+        await self.runner.stop()
+        tasks = list(self._probes.values())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -67,6 +67,19 @@ class Prompts:
         return line + (f"; {self.num_skipped} skipped (under 2 prompt tokens)" if self.num_skipped else "")
 
 
+FORMATS_HELP = ('.jsonl/.ndjson lines of {"text"}, {"prompt"[, "answer"]} or {"messages"} (chat template), '
+                'or plain text with one document per blank-line-separated paragraph')
+
+
+def add_truncation_arguments(parser: Any, greedy_help: str) -> None:
+    """--max-tokens and --greedy-tokens, as calibrate and eval both take them with --data FILE."""
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="with --data FILE: tokens per record (prompt + answer); longer records keep their "
+                             "LAST N tokens (a leading BOS stays) and are counted as truncated "
+                             "(default: the models' context minus --greedy-tokens)")
+    parser.add_argument("--greedy-tokens", type=int, default=16, help=f"with --data FILE: {greedy_help}")
+
+
 def read_records(path: str | Path) -> list[Record]:
     """Parse and check the file (no tokenizer needed): ConfigError naming the line on bad input."""
     p = Path(path)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from scd_serve.codec.memory import DTYPES, check_fits, estimate
 from scd_serve.errors import ConfigError
 from scd_serve.pair.data import STYLES, load_split
+from scd_serve.quality.data import FORMATS_HELP, add_truncation_arguments
 from scd_serve.quality.metrics import exact_match, kl_and_tv, token_f1
 from scd_serve.quality.transfer import ORACLE, greedy_after, teacher_forced, transfer
 
@@ -36,16 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codebook", default=None, help="codebook directory for methods that need one")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--data", default=None, metavar="FILE",
-                        help="your prompts instead of the built-in QA: .jsonl/.ndjson lines of {\"text\"}, "
-                             "{\"prompt\"[, \"answer\"]} or {\"messages\"} (chat template), or plain text with one "
-                             "document per blank-line-separated paragraph (see docs/results.md)")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="with --data: tokens per record (prompt + answer); longer records keep their LAST N "
-                             "tokens (a leading BOS stays) and are counted as truncated "
-                             "(default: the models' context minus --greedy-tokens)")
-    parser.add_argument("--greedy-tokens", type=int, default=16,
-                        help="with --data: the greedy-continuation match compares the first N generated tokens "
-                             "with the oracle's; prompts without an answer are scored over the oracle's N tokens")
+                        help=f"your prompts instead of the built-in QA: {FORMATS_HELP} (see docs/results.md)")
+    add_truncation_arguments(parser, "the greedy-continuation match compares the first N generated tokens with "
+                                     "the oracle's; prompts without an answer are scored over the oracle's N tokens")
     parser.add_argument("--limit", type=int, default=None,
                         help="built-in: held-out QA prompts (1..500, default 150); "
                              "--data: the first N records (default all)")

@@ -74,7 +74,7 @@ async def test_heartbeats_register_share_peers_and_expire():
         assert roles["prefill"].load == {"running": 1} and roles["decode"].ready is False
         assert {w["address"] for w in seen[-1]} == {"127.0.0.1:7001", "127.0.0.1:8001"}
         # a crashed worker (no bye) disappears after the ttl
-        p._task.cancel()
+        p.runner.task.cancel()  # as if the worker crashed (no restart: a cancelled task is not a death)
         assert await eventually(lambda: [r.role for r in server.registry.workers()] == ["decode"], ttl + 4.0), \
             server.registry.workers()  # one that never expires fails
         # a garbage frame is counted and dropped, the registry keeps serving
@@ -94,38 +94,32 @@ async def test_heartbeats_register_share_peers_and_expire():
     assert json.loads(encode(server.registry.peers_message())) == {"type": "peers", "workers": []}
 
 
+def dies_the_first_time(real, why: str):
+    """A task body that raises on its first run and is `real` after that."""
+    runs = []
+
+    async def body():
+        runs.append(1)
+        if len(runs) == 1:
+            raise RuntimeError(why)
+        await real()
+    return body
+
+
 async def test_a_dead_registry_or_heartbeat_task_is_logged_and_started_again(caplog):
     """Supervision: before, a registry task that died left every worker registered forever (no
     expiry) while the gateway kept routing to them, and a dead heartbeat was never noticed."""
     cfg = ControlConfig(heartbeat_s=0.1, worker_ttl_s=3.0)
     server = RegistryServer("tcp://127.0.0.1:0", cfg)
-    real_serve = server._serve
-    calls = []
-
-    async def dies_once():
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("registry bug")
-        await real_serve()
-
-    server._serve = dies_once
+    server._serve = dies_the_first_time(server._serve, "registry bug")
     server.start()
     hb_client = HeartbeatClient(server.url, "prefill", "127.0.0.1:7001", lambda: True, lambda: {}, cfg)
-    real_run = hb_client._run
-    runs = []
-
-    async def beats_then_dies():
-        runs.append(1)
-        if len(runs) == 1:
-            raise RuntimeError("heartbeat bug")
-        await real_run()
-
-    hb_client._run = beats_then_dies
+    hb_client._run = dies_the_first_time(hb_client._run, "heartbeat bug")
     hb_client.start()
     try:
-        assert await eventually(lambda: server.num_restarts == 1 and hb_client.num_restarts == 1
+        assert await eventually(lambda: server.runner.num_restarts == 1 and hb_client.runner.num_restarts == 1
                                 and len(server.registry.workers()) == 1, 10), \
-            (server.num_restarts, hb_client.num_restarts, server.registry.workers())
+            (server.runner.num_restarts, hb_client.runner.num_restarts, server.registry.workers())
         assert server.alive
         assert "background task control-registry died" in caplog.text
         assert "background task heartbeat-prefill died" in caplog.text
