@@ -1,0 +1,36 @@
+"""Shared by the engine loop tests: a small config, a request, collecting a generation, the clean state."""
+
+import asyncio
+import time
+
+from scd_serve.config.engine import EngineConfig
+from scd_serve.engine.request import GenerationRequest, SamplingParams
+
+
+def cfg(**kw):
+    base = dict(num_blocks=64, block_size=4, max_model_len=128, max_num_seqs=16, max_concurrent=32,
+                max_prefill_tokens=16, idle_poll_s=0.01, stall_timeout_s=1.0)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def req(rid, prompt, **params):
+    params.setdefault("temperature", 0)
+    params.setdefault("max_tokens", 8)
+    return GenerationRequest(rid, list(prompt), SamplingParams(**params))
+
+
+async def collect(eng, r, kv_fill=None):
+    events = [e async for e in eng.generate(r, kv_fill)]
+    return [e.token_id for e in events if e.token_id is not None], events
+
+
+async def wait_clean(eng, timeout=2.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = eng.stats()
+        if s["num_free_blocks"] == s["num_total_blocks"] and not eng.scheduler.has_unfinished() \
+                and s["num_requests"] == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not back to clean state: {eng.stats()}")
