@@ -95,7 +95,8 @@ class LocalStack:
 
         if prefill_addresses is None:
             prefill_addresses = (await self.start_prefill(),)
-        fallback = "local" if EngineConfig(**self.engine_opts).fallback_to_local else "none"
+        engine_config = EngineConfig(**self.engine_opts)
+        fallback = "local" if engine_config.fallback_to_local else "none"
         dconf = DecodeConfig(model="unused", codebook="", prefill=tuple(prefill_addresses), method=self.methods[0],
                              transport=self.transport, **({"fallback": fallback} | self.decode_opts))
         codecs = ConsumerCodecs(self.rt)
@@ -105,7 +106,7 @@ class LocalStack:
             self.peers.start()
         self.fill = RemoteKVFill(self.rt, self.peers, codecs, dconf)
         runtime = self.runtime_wrap(self.rt) if self.runtime_wrap else self.rt
-        self.engine = Engine(runtime, EngineConfig(**self.engine_opts))
+        self.engine = Engine(runtime, engine_config)
         self.engine.start()
         self.backend = DecodeBackend(self.engine, "tiny", self.fill, self.peers, self.methods[0])
         self.app = create_app(ApiConfig(**self.api_opts), self.backend)

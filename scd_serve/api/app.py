@@ -67,8 +67,7 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
             return error_response(Unavailable("draining"), request.state.request_id)
         if not backend.ready():
             return error_response(Unavailable("engine or peers not ready"), request.state.request_id)
-        detail = getattr(backend, "ready_detail", None)
-        return {"status": "ready"} | (detail() if detail is not None else {})
+        return {"status": "ready"} | backend.ready_detail()
 
     @app.get("/metrics", responses={401: ERROR_RESPONSES[401]})
     async def metrics_route() -> Response:

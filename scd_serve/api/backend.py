@@ -24,6 +24,8 @@ class Backend(Protocol):
 
     def engine_ready(self) -> bool: ...  # engine loop alive (GET /health)
 
+    def ready_detail(self) -> dict[str, Any]: ...  # what /ready adds to {"status": "ready"}
+
     def stats(self) -> dict[str, Any]: ...  # engine stats (num_running, num_waiting, ...)
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]: ...  # async generator
@@ -52,6 +54,9 @@ class EngineBackend:
 
     def engine_ready(self) -> bool:
         return self.engine.ready()
+
+    def ready_detail(self) -> dict[str, Any]:
+        return {}
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

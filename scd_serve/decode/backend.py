@@ -16,8 +16,7 @@ class DecodeBackend(EngineBackend):
 
     def __init__(self, engine, model_name: str, fill, peers, default_method: str):
         self.needs_peer = default_method != LOCAL
-        self.fallback_local = peers.config.fallback == "local"
-        must_have_peer = self.needs_peer and not self.fallback_local
+        must_have_peer = self.needs_peer and peers.config.fallback != "local"
         super().__init__(engine, model_name, fills={m: fill for m in codec_registry.METHODS},
                          peers_ready=(lambda: peers.ready()) if must_have_peer else (lambda: not peers.dead))
         self.fill = fill

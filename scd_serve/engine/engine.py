@@ -236,8 +236,7 @@ class Engine:
                     self._step_failed(batch, exc)
                     continue
                 self._failed_steps = 0
-                batch = self._drop_failed_rows(batch, tokens)
-                tokens = [t for t in tokens if isinstance(t, int)]
+                batch, tokens = self._drop_failed_rows(batch, tokens)
                 self.scheduler.postprocess(batch, tokens)
                 for seq, token in zip(batch.decodes, tokens, strict=True):
                     self._emit_token(seq, token)
@@ -247,15 +246,19 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - any other failure kills the loop; requests must hear of it
             self._die(exc)
 
-    def _drop_failed_rows(self, batch: ScheduledBatch, tokens: list) -> ScheduledBatch:
-        """End each sequence whose row could not be sampled (its StepFailed); the rest go on."""
-        failed = [(seq, err) for seq, err in zip(batch.decodes, tokens, strict=True) if not isinstance(err, int)]
-        for seq, err in failed:
-            log.error("request_id=%s failed: %s", seq.request.request_id, err.message)
-            self._end(self._live[seq.seq_id], "error", err)
-        if not failed:
-            return batch
-        return dataclasses.replace(batch, decodes=[s for s, t in zip(batch.decodes, tokens) if isinstance(t, int)])
+    def _drop_failed_rows(self, batch: ScheduledBatch, results: list) -> tuple[ScheduledBatch, list[int]]:
+        """End each sequence whose row could not be sampled (its StepFailed in `results`);
+        -> the batch and tokens of the rest, which go on."""
+        kept: list[tuple[Sequence, int]] = []
+        for seq, result in zip(batch.decodes, results, strict=True):
+            if isinstance(result, int):
+                kept.append((seq, result))
+                continue
+            log.error("request_id=%s failed: %s", seq.request.request_id, result.message)
+            self._end(self._live[seq.seq_id], "error", result)
+        if len(kept) == len(results):
+            return batch, results
+        return dataclasses.replace(batch, decodes=[seq for seq, _ in kept]), [token for _, token in kept]
 
     def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> None:
         """A step raised: its requests fail with StepFailed and free their blocks; the engine

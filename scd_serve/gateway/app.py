@@ -147,18 +147,21 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     async def live() -> dict:
         return {"status": "ok"}
 
+    def when_ready(request: Request, body) -> Response:
+        """`body(number of ready decode workers)` while there is one, else 503."""
+        ready = len(candidates())
+        if ready:
+            return JSONResponse(body(ready))
+        return error_response(Unavailable("no ready decode worker"), request.scope["state"].get("request_id"))
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         """vLLM's probe (load generators check it first): 200 while a decode worker is ready."""
-        if candidates():
-            return JSONResponse({})
-        return error_response(Unavailable("no ready decode worker"), request.scope["state"].get("request_id"))
+        return when_ready(request, lambda n: {})
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
-        if candidates():
-            return JSONResponse({"status": "ready", "decode_workers": len(candidates())})
-        return error_response(Unavailable("no ready decode worker"), request.scope["state"].get("request_id"))
+        return when_ready(request, lambda n: {"status": "ready", "decode_workers": n})
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

@@ -15,7 +15,6 @@ are relayed, so the error never lands inside a half-sent one. Any other body is 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -23,6 +22,7 @@ from typing import TypeVar
 import anyio
 import httpx
 
+from scd_serve.api.sse import data
 from scd_serve.errors import DeadlineExceeded, ScdError, Unavailable
 
 log = logging.getLogger("scd_serve.gateway")
@@ -105,7 +105,6 @@ async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: s
                     type(exc).__name__, "error event sent" if sse else "cut off")
         if not sse:
             raise
-        body = broken_stream_error(exc, worker).to_body(request_id)
-        yield f"data: {json.dumps(body, ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
+        yield (data(broken_stream_error(exc, worker).to_body(request_id)) + data("[DONE]")).encode()
     finally:
         await done()

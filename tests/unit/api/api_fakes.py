@@ -28,6 +28,9 @@ class FakeBackend:
     def engine_ready(self):
         return self.is_ready
 
+    def ready_detail(self):
+        return {}
+
     def stats(self):
         return {"num_running": self.active, "num_waiting": 0, "num_free_blocks": 10, "num_total_blocks": 10}
 
