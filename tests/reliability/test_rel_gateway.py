@@ -8,11 +8,6 @@ the worker is a LocalStack served over HTTP (KV blocks visible) or a `scd-serve 
 
 import asyncio
 import json
-import os
-import pathlib
-import re
-import subprocess
-import sys
 import time
 from contextlib import asynccontextmanager
 
@@ -21,6 +16,7 @@ import pytest
 import uvicorn
 
 from rel_checks import CLEAN_TIMEOUT_S, Baseline, assert_clean, eventually
+from rel_procs import Proc
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.registry import Registry
 from scd_serve.faults import FaultyProducer, FaultyRuntime, FaultyServicer
@@ -28,7 +24,6 @@ from scd_serve.gateway.app import create_gateway_app
 from scd_serve.soak import completion
 
 pytestmark = pytest.mark.timeout(120)
-LAUNCH = pathlib.Path(__file__).with_name("rel_launch.py")
 GONE_S = 2.0  # the issue's bound: the worker's KV blocks are back this long after the client left
 
 
@@ -111,42 +106,12 @@ async def test_client_leaving_a_stream_before_its_first_token_aborts_the_transfe
         await assert_clean(stack, base)
 
 
-class DecodeProcess:
-    """`scd-serve decode --method local` started through rel_launch.py (a slowed step)."""
-
-    def __init__(self, model_dir, tmp_path, step_delay_s: float):
-        self.log = tmp_path / "decode.log"
-        env = os.environ | {"OMP_NUM_THREADS": "1", "SCD_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
-                            "TOKENIZERS_PARALLELISM": "false"}
-        command = ["decode", "--model", str(model_dir), "--codebook", "", "--method", "local", "--port", "0"]
-        with open(self.log, "w") as err:
-            self.p = subprocess.Popen([sys.executable, str(LAUNCH), "--decode-step-delay", str(step_delay_s), "--",
-                                       *command], stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                                      start_new_session=True)
-
-    async def address(self, timeout: float = 90.0) -> str:
-        loop = asyncio.get_running_loop()
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            line = await asyncio.wait_for(loop.run_in_executor(None, self.p.stdout.readline), end - time.monotonic())
-            if not line:
-                raise RuntimeError(f"decode worker exited: {self.log.read_text()[-2000:]}")
-            if m := re.search(r"serving (?:on |http://)([\d.]+:\d+)", line):
-                return m.group(1)
-        raise TimeoutError("decode worker did not start")
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-        self.p.wait(10)
-        self.p.stdout.close()
-
-
 @pytest.mark.slow
 async def test_decode_worker_dying_mid_stream_ends_the_stream_with_an_error_event(model_dir, tmp_path):
-    worker = DecodeProcess(model_dir, tmp_path, step_delay_s=0.05)  # 200 tokens would take ~10 s
+    worker = Proc(tmp_path, ["decode", "--model", str(model_dir), "--codebook", "", "--method", "local", "--port", "0"],
+                  ["--decode-step-delay", "0.05"])  # 200 tokens would take ~10 s
     try:
-        address = await worker.address()
+        address = f"127.0.0.1:{await worker.started()}"
         async with gateway(address) as (gw, app), httpx.AsyncClient(base_url=gw, timeout=30) as http:
             ready = lambda: http.get(f"http://{address}/ready")  # noqa: E731
             assert await eventually(lambda: _status(ready, 200), 30), "decode worker not ready"
@@ -170,7 +135,7 @@ async def test_decode_worker_dying_mid_stream_ends_the_stream_with_an_error_even
             metrics = (await http.get("/metrics")).text
             assert f'scd_gateway_upstream_broken_total{{worker="{address}"}} 1.0' in metrics
     finally:
-        worker.kill()
+        worker.stop()
 
 
 async def _status(get, code: int) -> bool:

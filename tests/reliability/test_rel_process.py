@@ -3,12 +3,7 @@
 
 import asyncio
 import json
-import os
-import pathlib
-import re
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -18,53 +13,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rel_checks import CLEAN_TIMEOUT_S, Baseline, eventually
+from rel_procs import Proc
 from scd_serve.engine.engine import MAX_FAILED_STEPS
 from scd_serve.soak import LocalStack, completion
 from scd_serve.transport.proto import SERVICE_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
-LAUNCH = pathlib.Path(__file__).with_name("rel_launch.py")
-
-
-class Proc:
-    """One `scd-serve` process started through rel_launch.py; `port` once it printed its address."""
-
-    def __init__(self, tmp_path, command, faults=()):
-        self.log = tmp_path / f"{command[0]}-{time.monotonic_ns()}.log"
-        env = os.environ | {"OMP_NUM_THREADS": "1", "SCD_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
-                            "TOKENIZERS_PARALLELISM": "false"}
-        self.err = open(self.log, "w")
-        self.p = subprocess.Popen([sys.executable, str(LAUNCH), *faults, "--", *command], stdout=subprocess.PIPE,
-                                  stderr=self.err, text=True, env=env, start_new_session=True)
-        self.port = None
-
-    async def started(self, timeout=90.0) -> int:
-        loop = asyncio.get_running_loop()
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            line = await asyncio.wait_for(loop.run_in_executor(None, self.p.stdout.readline), end - time.monotonic())
-            if not line:
-                raise RuntimeError(f"process exited: {self.log.read_text()[-2000:]}")
-            m = re.search(r"serving (?:on |http://)[\d.]+:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                return self.port
-        raise TimeoutError("process did not start")
-
-    async def exited(self, timeout: float) -> int | None:
-        end = time.monotonic() + timeout
-        while self.p.poll() is None and time.monotonic() < end:
-            await asyncio.sleep(0.05)
-        return self.p.poll()
-
-    def stop(self):
-        if self.p.poll() is None:
-            self.p.kill()
-        self.p.wait(10)
-        self.p.stdout.close()
-        self.err.close()
-
-
 def prefill_cmd(model_dir, port=0, *extra):
     return ["prefill", "--model", str(model_dir), "--codebook", "", "--port", str(port), "--cache-mb", "0", *extra]
 

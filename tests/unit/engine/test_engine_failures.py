@@ -14,14 +14,6 @@ from scd_serve.errors import EngineDead, StepFailed
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-async def engine():
-    eng = Engine(ToyRuntime(), cfg())
-    eng.start()
-    yield eng
-    await eng.stop(grace_s=1)
-
-
 async def test_engine_death_fails_requests_and_readiness():
     """Steps that keep failing: the first MAX_FAILED_STEPS - 1 fail their requests (StepFailed),
     the next kills the loop (EngineDead for everyone after, fast, with every block freed)."""

@@ -14,14 +14,6 @@ from scd_serve.errors import DeadlineExceeded, Overloaded, PromptTooLong, Shutti
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-async def engine():
-    eng = Engine(ToyRuntime(), cfg())
-    eng.start()
-    yield eng
-    await eng.stop(grace_s=1)
-
-
 def prompts(rt, n):
     return [rt.tokenizer.encode(f"prompt number {i} " + "x" * (i * 3)) for i in range(n)]
 

@@ -1,0 +1,15 @@
+"""The engine tests' started engine over the toy runtime (test_engine_real_model.py has its own)."""
+
+import pytest
+from engine_helpers import cfg
+
+from scd_serve.engine.engine import Engine
+from scd_serve.engine.toy import ToyRuntime
+
+
+@pytest.fixture
+async def engine():
+    eng = Engine(ToyRuntime(), cfg())
+    eng.start()
+    yield eng
+    await eng.stop(grace_s=1)
