@@ -26,13 +26,15 @@ class Detokenizer:
         self.text = ""  # output text so far (stop sequence cut off)
         self._emitted = 0  # characters of self.text already returned
         self.stopped = False
+        self.stop_reason: str | None = None  # the stop sequence that ended the text
 
-    def add(self, token_id: int) -> str:
-        """Feed one generated token; returns the newly stable text (maybe "")."""
+    def add(self, token_id: int, check_stop: bool = True) -> str:
+        """Feed one generated token; returns the newly stable text (maybe ""). With check_stop
+        False (before a request's min_tokens) stop sequences do not end the text yet."""
         if self.stopped:
             return ""
         self._ids.append(token_id)
-        self._advance(final=False)
+        self._advance(final=False, check_stop=check_stop)
         return self._take(final=self.stopped)
 
     def flush(self) -> str:
@@ -41,7 +43,7 @@ class Detokenizer:
             self._advance(final=True)
         return self._take(final=True)
 
-    def _advance(self, final: bool) -> None:
+    def _advance(self, final: bool, check_stop: bool = True) -> None:
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
@@ -49,9 +51,10 @@ class Detokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         start = max(0, len(self.text) - self._hold)  # a stop may straddle old and new text
         self.text += full[len(prefix):]
-        cut = self._find_stop(start)
-        if cut is not None:
-            self.text = self.text[:cut]
+        hit = self._find_stop(start) if check_stop else None
+        if hit is not None:
+            self.text = self.text[:hit[0]]
+            self.stop_reason = hit[1]
             self.stopped = True
 
     def _take(self, final: bool) -> str:
@@ -62,8 +65,9 @@ class Detokenizer:
         self._emitted = end
         return out
 
-    def _find_stop(self, start: int) -> int | None:
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+    def _find_stop(self, start: int) -> tuple[int, str] | None:
+        """(where the earliest stop sequence starts, which one) or None."""
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         return min(hits) if hits else None
 
     def _decode(self, ids: list[int]) -> str:

@@ -21,6 +21,7 @@ from scd_serve.config.engine import EngineConfig
 from scd_serve.engine.block_manager import BlockManager
 from scd_serve.engine.detokenizer import Detokenizer
 from scd_serve.engine.fill import run_fill
+from scd_serve.engine.generation_config import GenerationDefaults
 from scd_serve.engine.request import GenerationRequest, KVFill, TokenEvent, Usage
 from scd_serve.engine.runner import Runner
 from scd_serve.engine.scheduler import ScheduledBatch, Scheduler
@@ -62,8 +63,10 @@ class Engine:
         self.tokenizer = runtime.tokenizer
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        self.scheduler = Scheduler(config, self.block_manager, frozenset([eos] if eos is not None else []))
-        self.runner = Runner(runtime, config)
+        self.generation_defaults = GenerationDefaults.load(getattr(runtime, "path", None))
+        self.eos_token_ids = frozenset([eos] if eos is not None else []) | self.generation_defaults.eos_token_ids
+        self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
+        self.runner = Runner(runtime, config, self.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -137,7 +140,9 @@ class Engine:
                                 f"exceeds the maximum context length {self.config.max_model_len}", field="max_tokens")
         deadline = req.deadline if req.deadline is not None else time.monotonic() + self.config.request_timeout_s
         req = dataclasses.replace(req, deadline=deadline)
-        seq = Sequence(req, needs_fill=kv_fill is not None and n > 1)
+        # Prompt log-probabilities need the consumer's own forward pass over the prompt: a fill
+        # (rebuilt K/V, no logits) would be wasted, so such a request is prefilled here.
+        seq = Sequence(req, needs_fill=kv_fill is not None and n > 1 and req.params.prompt_logprobs is None)
         h = _Handle(seq, asyncio.get_running_loop(), asyncio.Queue(),
                     Detokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop))
         with self._lock:
@@ -321,15 +326,22 @@ class Engine:
 
     def _emit_token(self, seq: Sequence, token: int) -> None:
         h = self._live[seq.seq_id]
-        delta = h.detok.add(token)
+        params = seq.request.params
+        delta = h.detok.add(token, check_stop=seq.num_output_tokens >= params.min_tokens)
         if h.detok.stopped and not seq.is_finished:
             self.scheduler.finish(seq, "stop")
+            seq.stop_reason = h.detok.stop_reason
+        extra: dict[str, Any] = {"logprob": seq.last_logprob}
+        seq.last_logprob = None
+        if seq.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            extra["prompt_logprobs"] = tuple(seq.prompt_logprobs)
         if not seq.is_finished:
-            self._outbox.append((h, TokenEvent(token, delta)))
+            self._outbox.append((h, TokenEvent(token, delta, **extra)))
             return
         delta += h.detok.flush()
         usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
-        self._outbox.append((h, TokenEvent(token, delta, seq.finish_reason, usage)))
+        self._outbox.append((h, TokenEvent(token, delta, seq.finish_reason, usage, stop_reason=seq.stop_reason,
+                                           **extra)))
         del self._live[seq.seq_id]
         log.debug("finished request_id=%s reason=%s output_tokens=%d", seq.request.request_id,
                   seq.finish_reason, seq.num_output_tokens)

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from scd_serve.engine.sink import LayerSink
 
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI allows 20 for chat, 5 for completions; vLLM 20)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,15 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # drop tokens below min_p x the best token's probability; 0 = off
+    presence_penalty: float = 0.0  # [-2, 2], subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # [-2, 2], subtracted per occurrence in the output so far
+    repetition_penalty: float = 1.0  # > 0; 1 = off; divides positive logits of prompt+output tokens (HF)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), bias in [-100, 100]
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings are ignored until this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (vLLM extension)
+    logprobs: int | None = None  # None = off; k: the chosen token's log-probability and the k best
+    prompt_logprobs: int | None = None  # None = off; k: the same for every prompt token (local prefill)
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -49,10 +60,42 @@ class SamplingParams:
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {m!r}", field="max_tokens")
         if any(not isinstance(x, str) or not x for x in self.stop):
             raise InvalidRequest("stop must be a list of non-empty strings", field="stop")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequest(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}",
+                                 field="repetition_penalty")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequest(f"logit_bias keys must be token ids >= 0, got {token!r}", field="logit_bias")
+            _check_range("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        n = self.min_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= m:
+            raise InvalidRequest(f"min_tokens must be an integer in [0, max_tokens={m}], got {n!r}",
+                                 field="min_tokens")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be token ids >= 0", field="stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", field=name)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """True when the logits are changed before choosing (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+
+def _check_range(name: str, x: Any, lo: float, hi: float) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not lo <= x <= hi:
+        raise InvalidRequest(f"{name} must be a number in [{lo:g}, {hi:g}], got {x!r}", field=name)
 
 
 @dataclass
@@ -83,6 +126,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's own distribution (raw logits: before
+    temperature, penalties or bias, as vLLM reports them), and the `k` most likely tokens."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One generated token. `text_delta` may be "" (held back: partial UTF-8 or a possible stop
     sequence prefix). The last event has finish_reason ("stop" | "length") and usage."""
@@ -91,6 +143,10 @@ class TokenEvent:
     text_delta: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprob: TokenLogprob | None = None  # with params.logprobs
+    # first event only, with params.prompt_logprobs: one per prompt token (None for the first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    stop_reason: int | str | None = None  # last event: the stop string or stop_token_id that ended it
 
 
 # A KV fill writes the K/V of prompt tokens 0..T-2 into the request's blocks through the sink

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from scd_serve.config.engine import EngineConfig
-from scd_serve.engine.sampler import sample
+from scd_serve.engine.sampler import sample, token_logprobs
 from scd_serve.engine.scheduler import ScheduledBatch
 from scd_serve.engine.sequence import Sequence
 from scd_serve.engine.sink import LayerSink
@@ -25,8 +25,9 @@ log = logging.getLogger("scd_serve.engine")
 
 
 class Runner:
-    def __init__(self, runtime: Any, config: EngineConfig):
+    def __init__(self, runtime: Any, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()):
         self.runtime = runtime
+        self.eos_token_ids = eos_token_ids  # masked by the sampler until a request's min_tokens
         self.pool = runtime.new_kv_pool(config.num_blocks, config.block_size)  # allocated once, here
         # seq_id -> first-step logits [vocab] from StepAhead; set by a writing thread before the
         # sink reports complete (so never for a fill that falls back), taken by the sequence's
@@ -40,7 +41,10 @@ class Runner:
         if batch.prefills:
             items = [(seq.block_ids, seq.num_cached, seq.token_ids[seq.num_cached:seq.num_cached + n])
                      for seq, n in batch.prefills]
-            self.runtime.extend(self.pool, items)  # logits unused: the last prompt token is a decode step
+            outs = self.runtime.extend(self.pool, items)  # the last prompt token is a decode step
+            for (seq, _), logits in zip(batch.prefills, outs, strict=True):
+                if seq.prompt_logprobs is not None:
+                    self._record_prompt_logprobs(seq, logits)
         if not batch.decodes:
             return []
         rows = [self._take_ready(seq) for seq in batch.decodes]
@@ -49,10 +53,22 @@ class Runner:
             items = [(seq.block_ids, seq.num_cached, seq.last_token) for seq in (batch.decodes[i] for i in todo)]
             logits = self.runtime.decode_step(self.pool, items)  # [len(todo), vocab]
             if len(todo) == len(rows):
-                return sample(logits, batch.decodes)  # nothing was made ahead: no copy
+                return sample(logits, batch.decodes, self.eos_token_ids)  # nothing was made ahead: no copy
             for i, row in zip(todo, logits, strict=True):
                 rows[i] = row
-        return sample(torch.stack(rows), batch.decodes)
+        return sample(torch.stack(rows), batch.decodes, self.eos_token_ids)
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """logits [n, vocab] of the chunk at positions num_cached.. : row j predicts token
+        num_cached + j + 1. Only prompt tokens not yet recorded (a recompute adds nothing)."""
+        start, known = seq.num_cached, len(seq.prompt_logprobs)
+        first = known - start - 1  # the row that predicts the first prompt token not yet recorded
+        rows = list(range(first, min(logits.shape[0], seq.num_prompt_tokens - start - 1)))
+        if first < 0 or not rows:  # (first < 0: a gap, which chunks in order never leave)
+            return
+        targets = [seq.token_ids[start + j + 1] for j in rows]
+        k = seq.request.params.prompt_logprobs
+        seq.prompt_logprobs.extend(token_logprobs(logits[rows].float().cpu(), targets, [k] * len(rows)))
 
     def forget(self, seq: Sequence) -> None:
         """Drop a first step made ahead for a sequence that ends before its next decode."""

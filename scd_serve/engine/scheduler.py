@@ -91,7 +91,10 @@ class Scheduler:
         for seq, token in zip(batch.decodes, token_ids, strict=True):
             seq.append_token(token)
             params = seq.request.params
-            if token in self.eos_token_ids and not params.ignore_eos:
+            if token in params.stop_token_ids:
+                self.finish(seq, "stop")
+                seq.stop_reason = token  # vLLM reports the id; EOS leaves it None
+            elif token in self.eos_token_ids and not params.ignore_eos:
                 self.finish(seq, "stop")
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 self.finish(seq, "length")

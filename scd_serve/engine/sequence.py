@@ -40,6 +40,13 @@ class Sequence:
         self.finish_reason: str | None = None
         self.sampler_state: Any = None  # the sampler's per-sequence RNG; opaque here
         self.num_preemptions = 0
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # params.logprobs: the sampler's TokenLogprob for the token just sampled (taken when emitted)
+        self.last_logprob: Any = None
+        # params.prompt_logprobs: one TokenLogprob per prompt token, filled by the local prefill
+        # (the first token has no context, so None); a recompute after preemption adds nothing
+        want = request.params.prompt_logprobs is not None
+        self.prompt_logprobs: list[Any] | None = [None] if want else None
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request.request_id!r}, tokens={self.num_tokens}, "

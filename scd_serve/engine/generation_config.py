@@ -1,0 +1,49 @@
+"""GenerationDefaults: what a model's generation_config.json says about stopping and sampling.
+
+Chat models often end a turn with a token that is not `tokenizer.eos_token_id` (Llama 3's
+<|eot_id|>, Qwen's <|im_end|>); generation_config.json lists them in `eos_token_id` (an int
+or a list). Its sampling values (temperature, top_p, top_k, min_p, repetition_penalty) are
+the defaults for a request that leaves them out - vLLM's `--generation-config auto`.
+Plain Python, no torch; a missing or unreadable file means no extra ids and no defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("scd_serve.engine")
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    eos_token_ids: frozenset[int] = frozenset()
+    sampling: dict[str, float | int] = field(default_factory=dict)  # request field -> default value
+
+    @classmethod
+    def load(cls, model_dir: str | Path | None) -> GenerationDefaults:
+        if model_dir is None:
+            return cls()
+        path = Path(model_dir) / "generation_config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError) as exc:
+            log.warning("%s unreadable (%s): no defaults from it", path, exc)
+            return cls()
+        return cls.from_dict(raw if isinstance(raw, dict) else {})
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> GenerationDefaults:
+        eos = raw.get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos]
+        eos_ids = frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
+        sampling = {k: raw[k] for k in SAMPLING_KEYS
+                    if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)}
+        return cls(eos_ids, sampling)
