@@ -1,8 +1,10 @@
 """The one error table: every ScdError maps to an HTTP status, a gRPC code and a JSON body.
 
-Raise the most specific subclass; the API, the gRPC servicers and the CLI all render
-errors through `http_status`, `grpc_code` and `to_body` so the same failure looks the
-same everywhere (also as the last event of a stream).
+Raise the most specific subclass; the API, the gateway, the gRPC servicers and the CLI all
+render errors through `http_status`, `grpc_code` and `to_body` so the same failure looks the
+same everywhere (also as the last event of a stream). The body is OpenAI's
+`{"error": {"message", "type", "param", "code"}}` - param and code always present, null when
+there is none, as OpenAI clients read them - plus our `request_id`.
 """
 
 from __future__ import annotations
@@ -16,18 +18,20 @@ class ScdError(Exception):
     type = "internal_error"
     http_status = 500
     grpc_code = "INTERNAL"  # name of a grpc.StatusCode member; grpc stays out of this module
+    code: str | None = None  # OpenAI's finer machine-readable code where it has one, else null
 
-    def __init__(self, message: str, *, field: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(self, message: str, *, field: str | None = None, headers: dict[str, str] | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.message = message
         self.field = field
         self.headers = headers or {}
+        if code is not None:
+            self.code = code
 
     def to_body(self, request_id: str | None = None) -> dict[str, Any]:
-        error: dict[str, Any] = {"type": self.type, "message": self.message, "request_id": request_id}
-        if self.field is not None:
-            error["param"] = self.field
-        return {"error": error}
+        return {"error": {"message": self.message, "type": self.type, "param": self.field, "code": self.code,
+                          "request_id": request_id}}
 
 
 class InvalidRequest(ScdError):
@@ -39,21 +43,24 @@ class InvalidRequest(ScdError):
 
 
 class ValidationFailed(InvalidRequest):
-    """Body does not match the schema (wrong types, missing fields)."""
+    """Body does not match the schema (wrong types, missing or unknown fields). 400, as OpenAI
+    and vLLM answer, not FastAPI's 422: clients treat every 400 as "fix the request"."""
 
     type = "validation_error"
-    http_status = 422
+    http_status = 400
 
 
 class PromptTooLong(InvalidRequest):
     type = "context_length_exceeded"
     http_status = 400
+    code = "context_length_exceeded"
 
 
 class Unauthorized(ScdError):
     type = "authentication_error"
     http_status = 401
     grpc_code = "UNAUTHENTICATED"
+    code = "invalid_api_key"
 
 
 class NotFound(ScdError):
@@ -80,6 +87,7 @@ class Overloaded(ScdError):
     type = "overloaded"
     http_status = 429
     grpc_code = "RESOURCE_EXHAUSTED"
+    code = "rate_limit_exceeded"
 
     def __init__(self, message: str = "server is at capacity, retry later", *, retry_after_s: int = 1):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})

@@ -1,7 +1,7 @@
 """create_app(config, backend) -> FastAPI: OpenAI routes, health, metrics, one error shape.
 
 Every error - raised by a route, by validation, by the guard, or unexpected - leaves as
-`{"error": {"type", "message", "request_id", ...}}` with the status from scd_serve.errors;
+`{"error": {"message", "type", "param", "code", "request_id"}}` with the status from scd_serve.errors;
 unexpected ones are logged with their traceback and answered with a bare 500 (no paths,
 no reprs). /live answers as soon as HTTP is up; /ready only while the backend (engine
 loop and peers) is ready and the app is not draining.
@@ -9,25 +9,22 @@ loop and peers) is ready and the app is not draining.
 
 from __future__ import annotations
 
-import logging
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response
 
 from scd_serve import __version__
 from scd_serve.api.backend import Backend
 from scd_serve.api.guard import RequestGuard, error_response
+from scd_serve.api.handlers import install_error_handlers
 from scd_serve.api.metrics import Metrics
 from scd_serve.api.routes import router
 from scd_serve.api.schemas import ERROR_RESPONSES
+from scd_serve.api.tokenize import router as tokenize_router
 from scd_serve.config.api import ApiConfig
-from scd_serve.errors import InvalidRequest, NotFound, ScdError, Unavailable, ValidationFailed
-
-log = logging.getLogger("scd_serve.api")
+from scd_serve.errors import Unavailable
 
 
 def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = None) -> FastAPI:
@@ -43,11 +40,22 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
     app.state.config = config
     app.state.backend = backend
     app.state.metrics = metrics or Metrics()
-    app.state.model_name = config.model_name or backend.model_name
+    app.state.model_names = list(config.served_model_names or (config.model_name or backend.model_name,))
+    app.state.model_name = app.state.model_names[0]
     app.state.draining = False
     app.add_middleware(RequestGuard, config=config)
-    _add_error_handlers(app)
+
+    def count(request: Request, status: int) -> None:
+        route = request.scope.get("route")
+        app.state.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
+
+    install_error_handlers(app, count)
     app.include_router(router)
+    app.include_router(tokenize_router)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/live")
     async def live() -> dict:
@@ -76,46 +84,3 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
         return Response(payload, media_type=content_type)
 
     return app
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    def rid(request: Request) -> str | None:
-        return request.scope.get("state", {}).get("request_id")
-
-    def count(request: Request, status: int) -> None:
-        route = request.scope.get("route")
-        app.state.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
-
-    @app.exception_handler(ScdError)
-    async def scd_error(request: Request, exc: ScdError) -> JSONResponse:
-        count(request, exc.http_status)
-        log.log(logging.WARNING if exc.http_status >= 500 else logging.INFO, "request_id=%s route=%s status=%d type=%s",
-                rid(request), request.url.path, exc.http_status, exc.type)
-        return error_response(exc, rid(request))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            err: ScdError = InvalidRequest("request body is not valid JSON", field="body")
-        else:
-            parts = [f"{_where(e['loc'])}: {e['msg']}" for e in errors[:3]]
-            more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-            err = ValidationFailed("; ".join(parts) + more, field=_where(errors[0]["loc"]) if errors else None)
-        count(request, err.http_status)
-        return error_response(err, rid(request))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            err: ScdError = NotFound(f"no route {request.url.path}")
-        else:
-            err = ScdError(str(exc.detail))
-            err.type, err.http_status = "http_error", exc.status_code
-        return JSONResponse(err.to_body(rid(request)), status_code=exc.status_code, headers=exc.headers)
-
-
-def _where(loc: tuple) -> str:
-    """('body', 'messages', 0, 'content') -> 'messages.0.content'; the body itself -> 'body'."""
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or "body"

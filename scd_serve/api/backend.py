@@ -19,6 +19,7 @@ class Backend(Protocol):
     model_name: str
     tokenizer: Any
     vocab_size: int  # optional: token-id prompts are checked against it (default len(tokenizer))
+    sampling_defaults: dict[str, Any]  # optional: generation_config.json's defaults for omitted fields
 
     def ready(self) -> bool: ...  # engine loop alive and peers reachable
 
@@ -42,6 +43,7 @@ class EngineBackend:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.vocab_size = int(engine.runtime.spec.vocab_size)
+        self.sampling_defaults = dict(engine.generation_defaults.sampling)
         self.fills: dict[str, KVFill | None] = {LOCAL: None, **(fills or {})}
         self.peers_ready = peers_ready
 

@@ -16,33 +16,41 @@ DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 DEFAULT_GENERATION_PROMPT = "<|assistant|>\n"
 
 
-def completion_prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise InvalidRequest(f"prompt: one prompt per request, got a list of {len(prompt)}", field="prompt")
-        prompt = prompt[0]
+def completion_prompts(prompt: str | list, tokenizer: Any, vocab_size: int) -> list[tuple[str | None, list[int]]]:
+    """OpenAI's four prompt forms (a string, token ids, a list of either) -> (text, ids) per
+    prompt; text is None for token ids (echo decodes them)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return [_one_prompt(p, tokenizer, vocab_size, f"prompt.{i}") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, tokenizer, vocab_size, "prompt")]
+
+
+def _one_prompt(prompt: str | list, tokenizer: Any, vocab_size: int, where: str) -> tuple[str | None, list[int]]:
     if isinstance(prompt, list):  # token ids
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"prompt: token id {bad} outside 0..{vocab_size - 1}", field="prompt")
-        return list(prompt)
+            raise InvalidRequest(f"{where}: token id {bad} outside 0..{vocab_size - 1}", field="prompt")
+        if not prompt:
+            raise InvalidRequest(f"{where} is empty", field="prompt")
+        return None, list(prompt)
     if not prompt:
-        raise InvalidRequest("prompt is empty", field="prompt")
-    return encode(tokenizer, prompt, add_special_tokens=True, field="prompt")
+        raise InvalidRequest(f"{where} is empty", field="prompt")
+    return prompt, encode(tokenizer, prompt, add_special_tokens=True, field="prompt")
 
 
-def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
     plain = [{"role": m.role, "content": message_text(m)} for m in messages]
     if getattr(tokenizer, "chat_template", None):
         try:
-            text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - templates reject roles/orders with raise_exception()
             raise InvalidRequest(f"messages do not fit the model's chat template: {str(exc)[:200]}",
                                  field="messages") from None
     else:
-        text = "".join(DEFAULT_CHAT_TEMPLATE.format(**m) for m in plain) + DEFAULT_GENERATION_PROMPT
+        text = "".join(DEFAULT_CHAT_TEMPLATE.format(**m) for m in plain)
+        text += DEFAULT_GENERATION_PROMPT if add_generation_prompt else ""
     # the template already holds any BOS it wants
-    return encode(tokenizer, text, add_special_tokens=False, field="messages")
+    return encode(tokenizer, text, add_special_tokens=add_special_tokens, field="messages")
 
 
 def message_text(m: ChatMessage) -> str:

@@ -1,20 +1,57 @@
-"""Request body -> SamplingParams, with the range and semantic checks (400, naming the field)."""
+"""Request body -> SamplingParams and a Plan (how many choices, echo), with the range and
+semantic checks (400, naming the field).
+
+A field the request leaves out takes the model's default from generation_config.json
+(temperature, top_p, top_k, min_p, repetition_penalty), else the OpenAI default. Fields
+with no honest implementation here are refused unless neutral: `response_format` other
+than text (no constrained decoding), `tools` / `tool_choice` (no tool-call parser), `suffix`.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from scd_serve.config.api import ApiConfig
-from scd_serve.engine.request import SamplingParams
+from scd_serve.engine.request import MAX_LOGPROBS, SamplingParams
 from scd_serve.errors import InvalidRequest, PromptTooLong
 
+MAX_CHOICES = 64  # engine requests one HTTP request may start (prompts x best_of); more is 400
 
-def sampling_params(body, config: ApiConfig, max_tokens: int | None) -> SamplingParams:
-    if body.n != 1:
-        raise InvalidRequest(f"n must be 1 (one completion per request), got {body.n}", field="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise InvalidRequest(f"{name} is not supported; leave it at 0", field=name)
+
+@dataclass(frozen=True)
+class Plan:
+    """What the route does around the engine requests: `best_of` run per prompt, the `n` best
+    returned; `echo` puts the prompt in front; `generate` False: max_tokens 0 (the prompt's
+    log-probabilities only: one token is generated and dropped, as vLLM does)."""
+
+    n: int = 1
+    best_of: int = 1
+    echo: bool = False
+    generate: bool = True
+    logprobs: int | None = None  # what the client asked for (the engine may compute more, for best_of)
+    chat_logprobs: bool = False
+
+
+def sampling_params(body, config: ApiConfig, max_tokens: int | None, *, chat: bool,
+                    defaults: dict[str, Any] | None = None) -> tuple[SamplingParams, Plan]:
+    refuse_unsupported(body, chat)
+    n, best_of = body.n, getattr(body, "best_of", None)
+    best_of = n if best_of is None else best_of
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {n}", field="n")
+    if not n <= best_of <= MAX_CHOICES:
+        raise InvalidRequest(f"best_of must be in [n={n}, {MAX_CHOICES}], got {best_of}", field="best_of")
+    if body.stream and best_of != n:
+        raise InvalidRequest("best_of must equal n when streaming (the best are known only at the end)",
+                             field="best_of")
+    echo = bool(getattr(body, "echo", False))
+    logprobs = _logprobs(body, chat)
+    generate = True
     if max_tokens is None:
         max_tokens = min(config.default_max_tokens, config.max_tokens_cap)
+    elif max_tokens == 0 and echo:  # a log-likelihood request: the prompt's log-probabilities only
+        max_tokens, generate = 1, False
     elif max_tokens > config.max_tokens_cap:
         raise InvalidRequest(f"max_tokens must be <= {config.max_tokens_cap}, got {max_tokens}", field="max_tokens")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -22,15 +59,69 @@ def sampling_params(body, config: ApiConfig, max_tokens: int | None) -> Sampling
         raise InvalidRequest(f"stop may hold at most {config.max_stop} sequences, got {len(stop)}", field="stop")
     if any(len(s) > config.max_stop_chars for s in stop):
         raise InvalidRequest(f"each stop sequence may be at most {config.max_stop_chars} characters", field="stop")
-    return SamplingParams(  # raises InvalidRequest(field=...) on out-of-range values
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=-1 if body.top_k is None else body.top_k,
-        seed=body.seed,
-        max_tokens=max_tokens,
-        stop=tuple(stop),
-        ignore_eos=body.ignore_eos,
+    d = defaults or {}
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(body, name)
+        return value if value is not None else d.get(name, fallback)
+
+    engine_logprobs = logprobs if best_of == n else max(logprobs or 0, 0)  # best_of ranks by logprob
+    params = SamplingParams(  # raises InvalidRequest(field=...) on out-of-range values
+        temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", -1),
+        min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(body.logit_bias), min_tokens=body.min_tokens,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        seed=body.seed, max_tokens=max_tokens, stop=tuple(stop), ignore_eos=body.ignore_eos,
+        logprobs=engine_logprobs, prompt_logprobs=logprobs if echo and logprobs is not None else None,
     )
+    return params, Plan(n=n, best_of=best_of, echo=echo, generate=generate, logprobs=logprobs,
+                        chat_logprobs=chat and logprobs is not None)
+
+
+def refuse_unsupported(body, chat: bool) -> None:
+    if getattr(body, "suffix", None) is not None:
+        raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", field="suffix")
+    if not chat:
+        return
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise InvalidRequest(f"response_format {fmt.get('type')!r} is not supported: this server has no "
+                             f"constrained decoding; only {{\"type\": \"text\"}}", field="response_format")
+    if body.tools:
+        raise InvalidRequest("tools are not supported: this server has no tool-call parser", field="tools")
+    if body.tool_choice not in (None, "none"):
+        raise InvalidRequest("tool_choice must be null or \"none\": tools are not supported", field="tool_choice")
+
+
+def _logprobs(body, chat: bool) -> int | None:
+    """-> the number of alternatives per token the client asked for, or None (off)."""
+    if not chat:
+        k = body.logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {k}", field="logprobs")
+        return k
+    k = body.top_logprobs
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", field="top_logprobs")
+    if k and not body.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", field="top_logprobs")
+    return (k or 0) if body.logprobs else None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", field="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"logit_bias: token id {bad} outside 0..{vocab_size - 1}", field="logit_bias")
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

@@ -1,14 +1,17 @@
 """Request bodies of the OpenAI-compatible routes (pydantic) and the error body.
 
-Types are checked here (wrong type or missing field -> 422); ranges and semantics are
-checked by `sampling.py` (-> 400), so a message always names the field to fix. Unknown
-fields are ignored, as OpenAI clients send extras; fields we cannot honour (n > 1,
-logprobs, echo, penalties) are accepted only at their neutral values.
+Types are checked here, ranges and semantics by `sampling.py`; both answer 400 naming the
+field. A field this server does not know is refused (400, `Unrecognized request argument
+supplied: <name>`, as OpenAI answers) rather than dropped: a client that sends it expects it
+to change the output, and silently ignoring it returns a plausible but wrong answer (a
+json_schema, a guided_* constraint, a penalty). The fields that do not change what is
+generated (`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`) are accepted
+and ignored. Chat messages ignore extra keys (replayed conversations carry `refusal`, ...).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -16,35 +19,50 @@ Number = StrictInt | StrictFloat
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: StrictBool = False
 
 
 class _Generation(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
-    temperature: Number | None = None
+    temperature: Number | None = Field(None, description="default from generation_config.json, else 1")
     top_p: Number | None = None
     top_k: StrictInt | None = Field(None, description="-1 = off (extension, as in vLLM)")
+    min_p: Number | None = Field(None, description="extension, as in vLLM: 0 = off")
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, description="extension, as in vLLM")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
-    presence_penalty: Number = 0
-    frequency_penalty: Number = 0
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = Field(None, description="extension, as in vLLM: 1 = off")
+    logit_bias: dict[StrictStr, Number] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    min_tokens: StrictInt = Field(0, description="extension, as in vLLM: no end before this many tokens")
     ignore_eos: StrictBool = Field(False, description="extension: keep generating past end-of-sequence")
+    return_tokens_as_token_ids: StrictBool = Field(
+        False, description="extension, as in vLLM: logprob tokens as 'token_id:<id>' instead of text")
     scd_method: StrictStr | None = Field(
         None, description="extension: how the prompt's KV cache reaches the decode worker "
                           "('local' = no transfer, 'raw', 'scd', ...); default from the server config")
+    # accepted, ignored: they do not change what is generated
     user: StrictStr | None = None
+    store: StrictBool | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    service_tier: StrictStr | None = None
 
 
 class CompletionRequest(_Generation):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = Field(None, description="not supported: only null is accepted")
 
 
 class TextPart(BaseModel):
@@ -64,13 +82,40 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    # Refused unless neutral (400 naming the field): no constrained decoding or tool parser here.
+    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"} is supported")
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: only null or [] is accepted")
+    tool_choice: StrictStr | dict[str, Any] | None = Field(None, description="only null or \"none\"")
+    parallel_tool_calls: StrictBool | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: either `prompt` or chat `messages` (through the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = Field(None, description="default: true for prompt, false for messages")
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 class ErrorDetail(BaseModel):
-    type: str
     message: str
+    type: str
+    param: str | None
+    code: str | None
     request_id: str | None = None
-    param: str | None = None
 
 
 class ErrorBody(BaseModel):
@@ -79,9 +124,9 @@ class ErrorBody(BaseModel):
 
 ERROR_RESPONSES = {
     code: {"model": ErrorBody, "description": text}
-    for code, text in [(400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
-                       (413, "body too large"),
-                       (415, "body is not application/json"), (422, "body does not match the schema"),
+    for code, text in [(400, "invalid request (schema, range, or an unsupported field)"),
+                       (401, "missing or wrong API key"), (404, "unknown model"), (413, "body too large"),
+                       (415, "body is not application/json"),
                        (429, "overloaded, retry after Retry-After seconds"), (500, "internal error"),
                        (502, "transfer from the prefill worker failed"), (503, "not ready or shutting down"),
                        (504, "deadline exceeded")]

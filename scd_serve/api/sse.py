@@ -1,9 +1,10 @@
 """OpenAI response shapes (completion / chat, whole and streamed) and the SSE stream.
 
-A stream sends one chunk per non-empty text delta, a last chunk with finish_reason, an
-optional usage chunk (stream_options.include_usage), then `data: [DONE]`. An error after
-the stream started is sent as one `data: {"error": ...}` event (the same body as an HTTP
-error) before `[DONE]`.
+A stream sends (chat: one role chunk per choice first) one chunk per non-empty text delta
+or logprob record, each naming its choice `index`, a chunk with finish_reason per choice,
+an optional usage chunk (stream_options.include_usage), then `data: [DONE]`. An error
+after the stream started is sent as one `data: {"error": ...}` event (the same body as an
+HTTP error) before `[DONE]`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from scd_serve.engine.request import TokenEvent
 from scd_serve.errors import ScdError
 
 log = logging.getLogger("scd_serve.api")
@@ -33,22 +33,28 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str | None, usage: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-            return self._head("chat.completion") | {"choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._head("text_completion") | {"choices": [choice], "usage": usage}
+    def choice(self, index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
+        """One whole choice."""
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": index} | body | {"logprobs": logprobs, "finish_reason": finish_reason,
+                                          "stop_reason": stop_reason}
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def whole(self, choices: list[dict], usage: dict) -> dict:
+        return self._head("chat.completion" if self.chat else "text_completion") | {"choices": choices,
+                                                                                    "usage": usage}
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, stop_reason=None,
+              logprobs=None, role: bool = False) -> dict:
         if self.chat:
             delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            out = self._head("chat.completion.chunk") | {"choices": [choice]}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            out = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            out = self._head("text_completion") | {"choices": [choice]}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            out = self._head("text_completion")
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        out["choices"] = [choice]
         if self.include_usage:
             out["usage"] = None
         return out
@@ -62,21 +68,13 @@ def data(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def sse_stream(shape: Shape, first: TokenEvent, events: AsyncIterator[TokenEvent], request_id: str,
-                     on_end: Callable[[int], None]) -> AsyncIterator[str]:
-    """`first` was already pulled (errors before it became HTTP statuses); `on_end(status)` once."""
+async def sse_stream(chunks: AsyncIterator[dict], request_id: str, on_end: Callable[[int], None]) -> AsyncIterator[str]:
+    """`chunks`: the response's JSON objects (usage chunk included); errors after the first
+    became HTTP statuses are sent as the last event. `on_end(status)` is called once."""
     status = 200
     try:
-        if shape.chat:
-            yield data(shape.chunk(None, None, role=True))
-        event, usage = first, None
-        while event is not None:
-            if event.text_delta or event.finish_reason:
-                yield data(shape.chunk(event.text_delta, event.finish_reason))
-            usage = event.usage or usage
-            event = await anext(events, None)
-        if shape.include_usage and usage is not None:
-            yield data(shape.usage_chunk(usage.to_dict()))
+        async for obj in chunks:
+            yield data(obj)
     except (asyncio.CancelledError, GeneratorExit):
         status = 499  # the client went away; nothing more to send
         raise
@@ -89,6 +87,6 @@ async def sse_stream(shape: Shape, first: TokenEvent, events: AsyncIterator[Toke
         log.error("request_id=%s stream failed: %s", request_id, type(exc).__name__, exc_info=exc)
         yield data(ScdError("internal error").to_body(request_id))
     finally:
-        await events.aclose()
+        await chunks.aclose()
         on_end(status)
     yield data("[DONE]")

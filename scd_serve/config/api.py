@@ -16,6 +16,9 @@ class ApiConfig:
     port: int = 8000
     # Name reported by /v1/models and in responses; "" = the backend's model name.
     model_name: str = ""
+    # --served-model-name: every name a request's `model` may use (all listed by /v1/models);
+    # the first is reported when a request names none. () = model_name alone.
+    served_model_names: tuple[str, ...] = ()
     # Bearer token required on every route except /live and /ready; "" = no auth.
     api_key: str = field(default="", repr=False)
     # Request bodies larger than this get 413 (also when sent chunked without Content-Length).
@@ -50,6 +53,8 @@ class ApiConfig:
             raise ConfigError(f"api.max_stop must be >= 0, got {self.max_stop}")
         if not (0 < self.request_timeout_s <= 86400):
             raise ConfigError(f"api.request_timeout_s must be in (0, 86400], got {self.request_timeout_s}")
+        if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
+            raise ConfigError(f"api.served_model_names must be non-empty names, got {self.served_model_names!r}")
         if not self.default_method:
             raise ConfigError("api.default_method must be a method name, e.g. 'local' or 'scd'")
         if self.api_key and (self.api_key != self.api_key.strip() or len(self.api_key) < 8):

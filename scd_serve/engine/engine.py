@@ -64,7 +64,8 @@ class Engine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.generation_defaults = GenerationDefaults.load(getattr(runtime, "path", None))
-        self.eos_token_ids = frozenset([eos] if eos is not None else []) | self.generation_defaults.eos_token_ids
+        self.eos_token_ids = (frozenset([eos] if eos is not None else [])
+                              | self.generation_defaults.stop_ids(self.tokenizer))
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.runner = Runner(runtime, config, self.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

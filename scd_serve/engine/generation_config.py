@@ -5,6 +5,10 @@ Chat models often end a turn with a token that is not `tokenizer.eos_token_id` (
 or a list). Its sampling values (temperature, top_p, top_k, min_p, repetition_penalty) are
 the defaults for a request that leaves them out - vLLM's `--generation-config auto`.
 Plain Python, no torch; a missing or unreadable file means no extra ids and no defaults.
+
+An id is used to stop only if the tokenizer knows it as a special or added token: files
+that transformers wrote from a config's defaults (`"_from_model_config": true`, eos 2) can
+name an ordinary text token - a byte - which would cut replies short at random.
 """
 
 from __future__ import annotations
@@ -47,3 +51,13 @@ class GenerationDefaults:
         sampling = {k: raw[k] for k in SAMPLING_KEYS
                     if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)}
         return cls(eos_ids, sampling)
+
+    def stop_ids(self, tokenizer: Any) -> frozenset[int]:
+        """The eos ids the tokenizer holds as special or added tokens (others logged, unused)."""
+        known = set(getattr(tokenizer, "all_special_ids", None) or ())
+        known |= set(getattr(tokenizer, "added_tokens_decoder", None) or {})
+        dropped = sorted(self.eos_token_ids - known)
+        if dropped:
+            log.warning("generation_config.json eos_token_id %s: not special tokens of this tokenizer; "
+                        "not used to stop", dropped)
+        return frozenset(self.eos_token_ids & known)

@@ -20,7 +20,11 @@ def test_every_error_type_has_a_client_or_server_status_and_a_grpc_code():
 def test_body_shape_is_the_same_for_every_error():
     body = errors.PromptTooLong("prompt has 10 tokens", field="prompt").to_body("req-1")
     assert body == {"error": {"type": "context_length_exceeded", "message": "prompt has 10 tokens",
-                              "request_id": "req-1", "param": "prompt"}}
+                              "request_id": "req-1", "param": "prompt", "code": "context_length_exceeded"}}
+    # OpenAI's shape: param and code are always there, null when there is none
+    assert errors.ScdError("boom").to_body() == {"error": {"message": "boom", "type": "internal_error",
+                                                           "param": None, "code": None, "request_id": None}}
+    assert errors.ValidationFailed("x").http_status == 400
     assert errors.Overloaded().headers["Retry-After"] == "1"
     assert errors.Overloaded().http_status == 429
 

@@ -1,6 +1,6 @@
 import pytest
 
-from scd_serve.api.prompt import DEFAULT_CHAT_TEMPLATE, chat_prompt_ids, completion_prompt_ids
+from scd_serve.api.prompt import DEFAULT_CHAT_TEMPLATE, chat_prompt_ids, completion_prompts
 from scd_serve.api.schemas import ChatMessage
 from scd_serve.engine.toy import byte_tokenizer
 from scd_serve.errors import InvalidRequest
@@ -26,9 +26,14 @@ def test_default_template_without_one():
 
 
 def test_completion_prompt_forms():
+    """OpenAI's four forms: a string, token ids, a list of strings, a list of token-id lists."""
     tok = byte_tokenizer()
-    assert completion_prompt_ids("ab", tok, 257) == tok.encode("ab")
-    assert completion_prompt_ids(["ab"], tok, 257) == tok.encode("ab")
-    assert completion_prompt_ids([3, 4], tok, 257) == [3, 4]
-    with pytest.raises(InvalidRequest):
-        completion_prompt_ids([3, 257], tok, 257)
+    assert completion_prompts("ab", tok, 257) == [("ab", tok.encode("ab"))]
+    assert completion_prompts(["ab"], tok, 257) == [("ab", tok.encode("ab"))]
+    assert completion_prompts([3, 4], tok, 257) == [(None, [3, 4])]
+    assert completion_prompts(["a", "b"], tok, 257) == [("a", tok.encode("a")), ("b", tok.encode("b"))]
+    assert completion_prompts([[3], [4, 5]], tok, 257) == [(None, [3]), (None, [4, 5])]
+    for bad in ([3, 257], [[3], [257]], ["a", ""], [[3], []]):
+        with pytest.raises(InvalidRequest) as e:
+            completion_prompts(bad, tok, 257)
+        assert e.value.field == "prompt"

@@ -144,10 +144,21 @@ async def test_engine_stops_at_a_generation_config_eos(tmp_path):
     from scd_serve.engine.engine import Engine
     from scd_serve.engine.toy import ToyRuntime
 
+    class Special:  # the toy tokenizer, holding greedy[1] as a special token (as <|eot_id|> is)
+        def __init__(self, tok, ids):
+            self.tok, self.all_special_ids = tok, [tok.eos_token_id, *ids]
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
     rt = ToyRuntime()
     greedy = rt.greedy(list(b"xyz"), 6)
     rt.path = tmp_path
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [greedy[1]]}))
+    # greedy[3] is an ordinary byte token: listed, but not used to stop (a transformers default)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [greedy[1], greedy[3]]}))
+    plain = Engine(rt, cfg())
+    assert plain.eos_token_ids == {rt.tokenizer.eos_token_id}
+    rt.tokenizer = Special(rt.tokenizer, [greedy[1]])
     eng = Engine(rt, cfg())
     eng.start()
     try:
