@@ -7,6 +7,11 @@ client that goes away closes the upstream request at any point, also while the g
 still waits for the response headers (a non-streaming request, a stream before its first
 token), so the decode worker aborts it; an upstream that breaks mid-stream ends the
 client's stream with an error event.
+
+The gateway answers /version itself and serves the workers' OpenAPI schema at
+/openapi.json (the routes it proxies take the same bodies); /tokenize and /detokenize go to
+a decode worker like generation does. Its own errors (no worker, unknown route, body too
+large) have the workers' shape: `{"error": {"message", "type", "param", "code", ...}}`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.background import BackgroundTask
 
+from scd_serve import __version__
 from scd_serve.api.guard import RequestGuard, error_response
+from scd_serve.api.handlers import install_error_handlers
 from scd_serve.config.api import ApiConfig
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
@@ -72,8 +79,11 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
             yield
         await state["client"].aclose()
 
-    app = FastAPI(title="scd-serve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="scd-serve gateway", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.openapi = lambda: worker_openapi(app)
     app.add_middleware(RequestGuard, config=ApiConfig(api_key=config.api_key, max_body_bytes=config.max_body_bytes))
+    install_error_handlers(app)
     app.state.metrics = metrics
     app.state.balancer = balancer
 
@@ -143,6 +153,18 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     async def models(request: Request) -> Response:
         return await proxy(request, "GET", "/v1/models")
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await proxy(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await proxy(request, "POST", "/detokenize")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
     @app.get("/live")
     async def live() -> dict:
         return {"status": "ok"}
@@ -169,3 +191,18 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def worker_openapi(app: FastAPI) -> dict:
+    """The decode workers' schema (request and error bodies of every route the gateway serves),
+    titled as the gateway; built once, from an app that is never started."""
+    if app.openapi_schema is None:
+        from scd_serve.api.app import create_app
+
+        class NoBackend:  # the schema needs the routes, never a backend
+            model_name = "gateway"
+
+        schema = create_app(ApiConfig(), NoBackend()).openapi()  # type: ignore[arg-type]
+        schema["info"]["title"] = app.title
+        app.openapi_schema = schema
+    return app.openapi_schema
