@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expect-producer", default="", help="refuse producers with another fingerprint")
     parser.add_argument("--api-key", default=os.environ.get("SCD_API_KEY", ""),
                         help="bearer token for the HTTP API (default: $SCD_API_KEY)")
+    parser.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                        help="name(s) clients may put in `model` (all listed by /v1/models; the first is "
+                             "reported); default: the model directory's name")
     parser.add_argument("--max-model-len", type=int, default=0, help="0 = min(2048, model's context)")
     parser.add_argument("--num-blocks", type=int, default=0, help="KV pool blocks (0 = fit max_model_len x 8)")
     add_transport_arguments(parser)
@@ -86,7 +89,8 @@ def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
 
 
 async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_model_len: int,
-                num_blocks: int, control: ControlConfig | None = None) -> bool:
+                num_blocks: int, control: ControlConfig | None = None,
+                served_model_names: tuple[str, ...] = ()) -> bool:
     """Run until SIGINT/SIGTERM (returns False) or until the engine loop dies (returns True)."""
     import dataclasses
 
@@ -122,6 +126,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     model_name = os.path.basename(os.path.normpath(config.model))
     backend = DecodeBackend(engine, model_name, fill, peers, method)
     api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, api_key=api_key,
+                        served_model_names=served_model_names,
                         max_model_len=max_len, max_tokens_cap=max_len, default_method=method)
     app = create_app(api_cfg, backend, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
@@ -181,5 +186,5 @@ def run(args) -> int:
     config, control = config_from_args(args), control_config_from_args(args)
     check_exposure(config, args.api_key, control, args.insecure)
     died = asyncio.run(serve(config, args.method is not None, args.api_key, args.max_model_len, args.num_blocks,
-                             control))
+                             control, tuple(args.served_model_name)))
     exit_now(1 if died else 0)
