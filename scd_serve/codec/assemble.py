@@ -9,16 +9,16 @@ import torch
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.fit import LayerFit
 from scd_serve.codec.plan import REUSE, Plan
-from scd_serve.codec.prior import num_taps
 from scd_serve.codec.spec import CodecSpec
 
 
 def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: CodecSpec, consumer: CodecSpec,
                    extra: dict[str, Any] | None = None) -> Codebook:
     """Encoders are stored at the widest rank any plan uses (their columns nest); decoders and
-    aligners per rank used; token priors (fp16 tables) for the streams any plan uses."""
+    aligners per rank used; token priors (fp16 heads) for the streams any plan uses, and the
+    prior's shared tensors (a feature prior's basis)."""
     tensors: dict[str, torch.Tensor] = {}
-    prior: dict[str, int] | None = None
+    prior: dict[str, Any] | None = None
     for plan in plans.values():
         for i, lp in enumerate(plan.layers):
             streams = [("k", lp.r_k), ("v", lp.r_v)] if lp.mode == REUSE else [("h", lp.r_h)]
@@ -31,8 +31,9 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
                     tables, bias = fits[i].priors[s]
                     tensors[f"{p}.prior"] = tables.to(torch.float16).contiguous()
                     tensors[f"{p}.prior_bias"] = bias.float()
-                    vocab = fits[i].prior_vocab
-                    prior = {"taps": num_taps(tables, vocab), "vocab": vocab}
+                    if prior is None:  # one prior object serves every layer
+                        prior = fits[i].prior.manifest()
+                        tensors.update(fits[i].prior.tensors())
                 if s == "h":
                     for name, t in fits[i].aligners[r].tensors().items():
                         tensors[f"{p}.g.r{r}.{name}"] = t
@@ -47,3 +48,22 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
     } | ({"prior": prior} if prior else {}) | (extra or {})
     book = Codebook(manifest, tensors)
     return book
+
+
+def size_stats(book: Codebook, consumer: Any) -> dict[str, Any]:
+    """The codebook's tensor bytes against the consumer's weight bytes (its safetensors files
+    on disk, in the dtype they were saved in): the figure that must stay small (<= 5%)."""
+    from pathlib import Path
+
+    tensor_bytes = sum(t.numel() * t.element_size() for t in book.tensors.values())
+    root = Path(getattr(consumer, "path", "") or "")
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    weights = sum(f.stat().st_size for f in files)
+    out: dict[str, Any] = {"codebook_tensor_bytes": tensor_bytes}
+    if weights:
+        out |= {"consumer_weight_bytes": weights, "fraction_of_consumer": round(tensor_bytes / weights, 4)}
+    prior = book.context_prior()
+    if prior is not None:
+        out["prior_tensor_bytes"] = sum(t.numel() * t.element_size() for name, t in book.tensors.items()
+                                        if name.startswith("prior.") or ".prior" in name)
+    return out

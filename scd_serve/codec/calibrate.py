@@ -17,13 +17,14 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from scd_serve.codec.assemble import build_codebook
+from scd_serve.codec.assemble import build_codebook, size_stats
 from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.candidates import Candidates
 from scd_serve.codec.curve import plot_tradeoff
 from scd_serve.codec.fit import collect_rows, fit_layer, subtract_priors, train_aligner
 from scd_serve.codec.memory import DTYPES, check_fits, estimate
+from scd_serve.codec.features import FeatureFit, FeatureSpec
 from scd_serve.codec.prior import PriorFit
 from scd_serve.codec.probe import KLProbe, make_examples
 from scd_serve.codec.search import PlanSearch, SearchPoint
@@ -78,18 +79,21 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     h_grid = rank_grid(cspec.hidden_size, H_FRACTIONS)
     # Token priors absorb how differently two models mix nearby tokens; for one model the
     # codes alone are exact at full rank (same-model mode stays lossless), so none are fitted.
-    use_prior = cfg.prior_taps > 0 and not (pspec.fingerprint and pspec.fingerprint == cspec.fingerprint)
-    vocab = consumer.spec.vocab_size if use_prior else 0
-    prior_fit = PriorFit(vocab, cfg.prior_taps) if use_prior else None
+    same_model = bool(pspec.fingerprint and pspec.fingerprint == cspec.fingerprint)
+    prior_fit = prior_fitter(cfg, consumer) if cfg.uses_prior and not same_model else None
     with tqdm(total=len(fit_prompts), desc="collect states", disable=not show_progress) as bar:
         rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update, prior=prior_fit)
-    priors = prior_fit.solve(cfg.prior_ridge) if prior_fit else {}
+    prior, priors = prior_fit.solve(cfg.ridge) if prior_fit else (None, {})
+    if prior is not None:  # every layer's rows share one context tensor: reduce it once
+        ctx = prior.reduce(rows[0]["ctx"])
+        for r in rows:
+            r["ctx"] = ctx
     fits = []
     for layer, r in enumerate(tqdm(rows, desc="fit layers", disable=not show_progress)):
         mine = {s: priors[(layer, s)] for s in "kvh" if (layer, s) in priors}
-        rows[layer] = r = subtract_priors(r, mine) if mine else r
+        rows[layer] = r = subtract_priors(r, prior, mine) if mine else r
         fits.append(fit_layer(r, cspec.kv_width, h_grid, cfg.aligner_width))
-        fits[-1].priors, fits[-1].prior_vocab = mine, vocab
+        fits[-1].priors, fits[-1].prior = mine, prior
     h_rows = [r["h"] for r in rows]
     del rows
     with tqdm(total=len(probe_pairs), desc="probe prompts", disable=not show_progress) as bar:
@@ -144,9 +148,19 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
         methods[name] = measure_codec(probe, codec, consumer)
     stats["methods"] = methods
+    stats["size"] = size_stats(book, consumer)
     stats["seconds"] = round(time.time() - started, 1)
     stats["probe_measurements"] = probe.num_measurements
     return Calibration(book, curve, methods)
+
+
+def prior_fitter(cfg: CalibrateConfig, consumer: Any) -> Any:
+    """The streamed fit of the chosen token prior (features.py or prior.py)."""
+    if cfg.prior == "dense":
+        return PriorFit(consumer.spec.vocab_size, cfg.prior_taps)
+    spec = FeatureSpec(taps=cfg.prior_taps, width=cfg.prior_width, rank=cfg.prior_rank, seed=cfg.seed,
+                       hidden=spec_of(consumer).hidden_size)
+    return FeatureFit(spec)
 
 
 def droidspeak_layers(probe: KLProbe, cands: Candidates, num_layers: int, count: int,
@@ -227,11 +241,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-patches", type=int, default=None, help="most patch layers tried (default L/2)")
     parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")
     parser.add_argument("--aligner-steps", type=int, default=300)
+    parser.add_argument("--prior", default="features", choices=["features", "dense", "none"],
+                        help="the consumer's token prior: features (from its own embeddings; size independent of "
+                             "the vocabulary), dense (one-hot tables: its fit needs a [taps * (vocab + 1)]^2 float64 "
+                             "matrix, refused up front when that will not fit) or none (codes only)")
     parser.add_argument("--prior-taps", type=int, default=3,
-                        help="prompt tokens (current and previous) the consumer's token prior reads; 0: codes only. "
-                             "Its fit needs a [taps * (vocab + 1)]^2 float64 matrix: refused up front when that "
-                             "will not fit")
-    parser.add_argument("--prior-ridge", type=float, default=0.1, help="ridge of the token prior, in token counts")
+                        help="prompt tokens (current and previous) the token prior reads; 0: codes only")
+    parser.add_argument("--prior-width", type=int, default=1024, help="random features of the feature prior")
+    parser.add_argument("--prior-rank", type=int, default=64,
+                        help="columns of the feature prior's shared basis (its codebook size grows with it)")
+    parser.add_argument("--prior-ridge", type=float, default=None,
+                        help="ridge of the token prior: dense in token counts (default 0.1), features relative "
+                             "to the mean feature variance (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
                         help="dtype the models are loaded in (fits and statistics stay float32/float64)")
@@ -249,11 +270,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = CalibrateConfig(kl_budget=args.kl_budget, num_prompts=args.num_prompts,
                           num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
                           max_patches=args.max_patches, aligner_steps=args.aligner_steps, seed=args.seed,
-                          prior_taps=args.prior_taps, prior_ridge=args.prior_ridge)
+                          prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
+                          prior_rank=args.prior_rank, prior_ridge=args.prior_ridge)
     if args.greedy_tokens < 1:
         raise ConfigError(f"--greedy-tokens must be >= 1, got {args.greedy_tokens}", field="greedy_tokens")
     # nothing is loaded before the memory estimate and the data file are checked
-    check_fits(estimate(args.producer, args.consumer, args.dtype, cfg.prior_taps), args.device,
+    check_fits(estimate(args.producer, args.consumer, args.dtype, cfg), args.device,
                args.max_memory_gb, "calibrate")
     records = None
     if args.data not in SPLITS:
@@ -286,6 +308,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"codebook: {out} ({'within' if stats['feasible'] else 'OVER'} KL budget {cfg.kl_budget}); "
           f"patch layers {list(chosen.patch_layers)}; droidspeak layers {result.codebook.droidspeak_layers}; "
           f"{stats['seconds']} s")
+    size = stats["size"]
+    if "fraction_of_consumer" in size:
+        print(f"codebook tensors {size['codebook_tensor_bytes']:,} bytes = {size['fraction_of_consumer']:.1%} of the "
+              f"consumer's weights ({size['consumer_weight_bytes']:,} bytes)")
     print(f"{'method':<12}{'KL':>10}{'payload/raw':>13}")
     for name, m in result.methods.items():
         print(f"{name:<12}{m['kl']:>10.4f}{m['payload_ratio']:>13.3f}")

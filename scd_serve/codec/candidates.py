@@ -11,7 +11,6 @@ import torch
 from scd_serve.codec.base import positions_for
 from scd_serve.codec.fit import LayerFit, code_rows
 from scd_serve.codec.plan import REUSE, LayerPlan
-from scd_serve.codec.prior import apply_prior, context_ids, num_taps
 from scd_serve.codec.probe import Example, LayerKV
 from scd_serve.codec.spec import CodecSpec, rotate_with, spec_of
 
@@ -24,7 +23,7 @@ class Candidates:
         self.pspec: CodecSpec = spec_of(producer)
         self.cspec: CodecSpec = spec_of(consumer)
         self._decoders: dict[tuple[int, str, int], Tensor] = {}
-        self._ctx: dict[int, Tensor] = {}  # id(example) -> token contexts [P, taps]
+        self._ctx: dict[int, Tensor] = {}  # id(example) -> its prior's context of the prefix
 
     def _shape(self, x: Tensor) -> Tensor:
         return x.reshape(x.shape[0], self.cspec.num_kv_heads, self.cspec.head_dim)
@@ -39,11 +38,11 @@ class Candidates:
         """The token prior of stream s on this example's prefix: [P, dB], or 0 without one."""
         if s not in self.fits[layer].priors:
             return 0.0
-        tables, bias = self.fits[layer].priors[s]
+        head, bias = self.fits[layer].priors[s]
+        prior = self.fits[layer].prior
         if id(ex) not in self._ctx:
-            vocab = self.fits[layer].prior_vocab
-            self._ctx[id(ex)] = context_ids(ex.tokens.cpu(), num_taps(tables, vocab), vocab)
-        return apply_prior(tables, bias, self._ctx[id(ex)]).float()
+            self._ctx[id(ex)] = prior.context(ex.tokens.cpu(), self.consumer, device="cpu")
+        return prior.apply(head, bias, self._ctx[id(ex)]).float()
 
     def reuse_stream(self, ex: Example, layer: int, s: str, rank: int) -> Tensor:
         """Consumer-side pre-RoPE keys (s='k') or values (s='v') rebuilt from a rank-r code."""

@@ -7,8 +7,10 @@ Layout of a codebook directory:
                          layers.L.s.mu_a [dA], layers.L.s.enc [dA, R]      (producer side)
                          layers.L.s.mu_b [dB], layers.L.s.dec.rR [R, dB]   (consumer side, k and v)
                          layers.L.h.g.rR.<param>                           (consumer aligner)
-                         layers.L.s.prior [taps * (vocab + 1), dB], .prior_bias [dB]
-                                                                   (consumer token prior, optional)
+                         layers.L.s.prior [rows, dB], .prior_bias [dB]
+                                                 (consumer token prior, optional: rows = the
+                                                 feature prior's rank, or taps * (vocab + 1))
+                         prior.basis [m, rank], prior.mean [m]    (a feature prior's basis)
 Loading checks the version, the file's integrity, every tensor's shape against the plans
 and, when models are given, their fingerprints and shapes; each failure is a CodebookError
 that names what differs.
@@ -58,9 +60,24 @@ class Codebook:
         return Plan.from_json(plans[name])
 
     @property
-    def prior(self) -> dict[str, int] | None:
-        """{"taps", "vocab"} when the decoders add token priors (codec/prior.py), else None."""
+    def prior(self) -> dict[str, Any] | None:
+        """The prior's manifest entry when the decoders add token priors, else None."""
         return self.manifest.get("prior")
+
+    def context_prior(self) -> Any:
+        """The prior object (features.FeaturePrior or prior.DensePrior), or None without one."""
+        if self.prior is None:
+            return None
+        if not hasattr(self, "_context_prior"):
+            from scd_serve.codec.features import FeaturePrior
+            from scd_serve.codec.prior import DensePrior
+
+            kinds = {"features": FeaturePrior, "dense": DensePrior}
+            kind = self.prior.get("kind", "dense")  # codebooks before feature priors had dense ones
+            if kind not in kinds:
+                raise CodebookError(f"codebook prior kind {kind!r} is unknown (this build reads {', '.join(kinds)})")
+            self._context_prior = kinds[kind].from_codebook(self.prior, self.tensors)
+        return self._context_prior
 
     def prior_tensors(self, layer: int, stream: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         name = f"layers.{layer}.{stream}.prior"
@@ -110,7 +127,7 @@ class Codebook:
                     else:
                         shapes[f"{p}.mu_b"], shapes[f"{p}.dec.r{r}"] = (db,), (r, db)
                     if self.prior and f"{p}.prior" in self.tensors:
-                        rows = self.prior["taps"] * (self.prior["vocab"] + 1)
+                        rows = self.context_prior().rows()
                         shapes[f"{p}.prior"], shapes[f"{p}.prior_bias"] = (rows, db), (db,)
         return shapes
 

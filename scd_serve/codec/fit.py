@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterable
 import torch
 
 from scd_serve.codec.lowrank import Aligner, JointCode, fit_aligner, fit_joint
-from scd_serve.codec.prior import PriorFit, apply_prior
 
 Tensor = torch.Tensor
 STREAMS = ("k", "v", "h")
@@ -24,19 +23,19 @@ class LayerFit:
     codes: dict[str, JointCode]  # stream -> joint code (k, v: pre-RoPE K and V; h: H_in)
     aligners: dict[int, Aligner] = field(default_factory=dict)  # r_h -> g
     aligner_err: dict[int, float] = field(default_factory=dict)  # r_h -> relative L2 error
-    # stream -> token prior (tables [taps * (vocab + 1), dB], bias [dB]); codes carry B - prior
+    # stream -> token prior (head [rows, dB], bias [dB]) of `prior`; codes carry B - prior
     priors: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
-    prior_vocab: int = 0  # token ids below this have their own table rows (the pad is vocab)
+    prior: Any = None  # DensePrior (codec/prior.py) or FeaturePrior (codec/features.py)
 
 
 def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_rows: int,
                  seed: int = 0, progress: Callable[[], None] | None = None,
-                 prior: PriorFit | None = None) -> list[dict[str, Any]]:
+                 prior: Any = None) -> list[dict[str, Any]]:
     """-> per layer {stream: (A rows [N, dA], B rows [N, dB])}, at most max_rows rows, float32.
 
-    With `prior`, every position (not only the sampled rows) is counted into its normal
-    equations for targets (layer, stream), and each layer's dict also holds "ctx": the
-    sampled rows' token contexts [N, taps]."""
+    With `prior` (a PriorFit or FeatureFit), every position (not only the sampled rows) is
+    counted into its normal equations for targets (layer, stream), and each layer's dict also
+    holds "ctx": the sampled rows' contexts (token ids [N, taps] or features [N, m])."""
     prompts = [torch.as_tensor(p).long() for p in prompts]
     per_prompt = max(1, max_rows // max(len(prompts), 1))
     gen = torch.Generator().manual_seed(seed)
@@ -46,7 +45,7 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
         t = ids.shape[0]
         idx = torch.randperm(t, generator=gen)[: min(per_prompt, t)].sort().values
         if prior is not None:
-            ctx = prior.add_tokens(ids)
+            ctx = prior.add_tokens(ids, consumer)
             ctx_parts.append(ctx[idx])
         states = zip(producer.iter_prefill(ids, compute_logits=False), consumer.iter_prefill(ids, compute_logits=False))
         for (layer, sa), (_, sb) in states:
@@ -68,12 +67,13 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
     return rows
 
 
-def subtract_priors(rows: dict[str, Any], priors: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Any]:
-    """One layer's rows with each consumer block B replaced by B - prior (what codes carry)."""
+def subtract_priors(rows: dict[str, Any], prior: Any, priors: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Any]:
+    """One layer's rows with each consumer block B replaced by B - prior (what codes carry);
+    rows["ctx"] is already reduced by the prior (prior.reduce)."""
     out = dict(rows)
-    for s, (tables, bias) in priors.items():
+    for s, (head, bias) in priors.items():
         a, b = rows[s]
-        out[s] = (a, b - apply_prior(tables, bias, rows["ctx"]).to(b.dtype))
+        out[s] = (a, b - prior.apply(head, bias, rows["ctx"]).to(b.dtype))
     return out
 
 

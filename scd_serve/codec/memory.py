@@ -1,10 +1,10 @@
 """Up-front memory estimates for `calibrate` and `eval`: refuse before loading anything.
 
 From the two models' config.json alone (no weights read): the weights in the dtype they will
-be loaded in, and, for calibration with token priors, the dense prior's normal equations
-(codec/prior.py): a [taps * (vocab + 1)]^2 float64 Gram matrix, held three times at the peak
-of its solve (the counts, the centred copy and its Cholesky factor), plus X^T Y and its
-solution for every layer and stream. The estimate is compared with the memory given
+be loaded in, and, for calibration with a token prior, its normal equations: a dense prior's
+(codec/prior.py) [taps * (vocab + 1)]^2 float64 Gram matrix, held three times at the peak of
+its solve (the counts, the centred copy and its Cholesky factor), plus X^T Y and its solution
+for every layer and stream; a feature prior's (codec/features.py) alike at its width m. The estimate is compared with the memory given
 (`--max-memory-gb`, default: the RAM available now; on a GPU, weights are compared with its
 free memory).
 """
@@ -67,8 +67,17 @@ def prior_bytes(spec, taps: int) -> tuple[int, int]:
     return gram, 3 * gram + 3 * width * targets * 8
 
 
-def estimate(producer: str | Path, consumer: str | Path, dtype: str, prior_taps: int = 0) -> Estimate:
-    """Weights of both models in `dtype`, and the dense token prior when `prior_taps` > 0.
+def feature_prior_bytes(spec, cfg) -> int:
+    """Peak of a feature prior's fit (codec/features.py): its [m, m] Gram matrix three times
+    (counts, centred copy, Cholesky factor), X^T Y of every target and two more of its size
+    (the solution and the factor's product), the sampled rows' features."""
+    m = cfg.prior_taps * spec.hidden_size + cfg.prior_width
+    targets = spec.num_layers * (2 * spec.kv_width + spec.hidden_size)
+    return 3 * m * m * 8 + 3 * m * targets * 8 + cfg.max_rows * m * 4
+
+
+def estimate(producer: str | Path, consumer: str | Path, dtype: str, cfg=None) -> Estimate:
+    """Weights of both models in `dtype`, and the token prior's fit of a CalibrateConfig.
 
     One directory given as both fits no prior (calibrate fits none for one model); two
     directories are assumed to hold two models (a conservative estimate)."""
@@ -77,11 +86,15 @@ def estimate(producer: str | Path, consumer: str | Path, dtype: str, prior_taps:
     est.device[f"producer weights ({dtype})"] = weight_bytes(spec_a, dtype)
     est.device[f"consumer weights ({dtype})"] = weight_bytes(spec_b, dtype)
     same = Path(producer).resolve() == Path(consumer).resolve()
-    if prior_taps > 0 and not same:
-        gram, peak = prior_bytes(spec_b, prior_taps)
-        width = prior_taps * (spec_b.vocab_size + 1)
-        est.host[f"token prior (--prior-taps {prior_taps}, vocab {spec_b.vocab_size:,}: a [{width:,} x {width:,}] "
-                 f"float64 Gram matrix of {human(gram)}, 3 copies while it is solved)"] = peak
+    if cfg is None or not cfg.uses_prior or same:
+        return est
+    if cfg.prior == "dense":
+        gram, peak = prior_bytes(spec_b, cfg.prior_taps)
+        width = cfg.prior_taps * (spec_b.vocab_size + 1)
+        est.host[f"dense token prior (--prior-taps {cfg.prior_taps}, vocab {spec_b.vocab_size:,}: a [{width:,} x "
+                 f"{width:,}] float64 Gram matrix of {human(gram)}, 3 copies while it is solved)"] = peak
+    else:
+        est.host[f"feature prior fit (--prior-width {cfg.prior_width})"] = feature_prior_bytes(spec_b, cfg)
     return est
 
 
@@ -114,8 +127,8 @@ def check_fits(est: Estimate, device: str, max_memory_gb: float | None, command:
         items = est.host | (est.device if on_host else {})
         raise ConfigError(
             f"{command} would need about {human(host_need)}, more than {given} ({human(host)}): "
-            f"{est.describe(items)}. The dense token prior grows with vocab^2: use --prior-taps 0 (codes only), "
-            "or a machine with more memory", field="prior_taps")
+            f"{est.describe(items)}. A dense token prior grows with vocab^2: use --prior features (the default), "
+            "a smaller --prior-width, --prior none (codes only), or a machine with more memory", field="prior")
     if dev_need > dev:
         where = "" if on_host or max_memory_gb is not None else f" free on {device}"
         raise ConfigError(

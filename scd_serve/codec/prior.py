@@ -1,4 +1,4 @@
-"""Token prior: the part of the consumer's K/V that the last few prompt tokens predict alone.
+"""Dense token prior (the explicit option; the default is codec/features.py): the part of the consumer's K/V that the last few prompt tokens predict alone.
 
 The decode node holds the prompt's token ids (it must, to serve the request), so its
 decoder may use them for free: per layer and stream, prior_t = sum_j W_j[x_{t-j}] for
@@ -16,9 +16,12 @@ materialized as a one-hot matrix: [taps * (vocab + 1)]^2 doubles.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 Tensor = torch.Tensor
+KIND = "dense"
 
 
 def context_ids(tokens: Tensor, taps: int, vocab: int) -> Tensor:
@@ -47,7 +50,7 @@ class PriorFit:
         self.xty: dict[object, Tensor] = {}
         self.y_sum: dict[object, Tensor] = {}
 
-    def add_tokens(self, tokens: Tensor) -> Tensor:
+    def add_tokens(self, tokens: Tensor, consumer: Any = None) -> Tensor:
         """Count one prompt's contexts into the Gram matrix. -> its context ids [T, taps]."""
         ctx = context_ids(tokens.cpu(), self.taps, self.vocab)
         pairs = (ctx[:, :, None] * self.width + ctx[:, None, :]).reshape(-1)
@@ -66,8 +69,8 @@ class PriorFit:
             self.xty[key].index_add_(0, ctx[:, j], y)
         self.y_sum[key] += y.sum(0)
 
-    def solve(self, ridge: float = 1.0) -> dict[object, tuple[Tensor, Tensor]]:
-        """-> {key: (tables [taps * (vocab + 1), d], bias [d])}, prior = bias + sum of table rows.
+    def solve(self, ridge: float = 1.0) -> tuple[DensePrior, dict[object, tuple[Tensor, Tensor]]]:
+        """-> (the prior, {key: (tables [taps * (vocab + 1), d], bias [d])}), prior = bias + sum of table rows.
 
         ridge is in counts: a context seen n times is shrunk by n / (n + ridge)."""
         n = max(self.rows, 1)
@@ -85,14 +88,42 @@ class PriorFit:
             bias = self.y_sum[k] / n - mean_x @ w
             out[k] = (w, bias)
             col += d
-        return out
-
-
-def num_taps(tables: Tensor, vocab: int) -> int:
-    """How many token positions a prior's stacked tables [taps * (vocab + 1), d] read."""
-    return tables.shape[0] // (vocab + 1)
+        return DensePrior(self.taps, self.vocab), out
 
 
 def apply_prior(tables: Tensor, bias: Tensor, ctx: Tensor) -> Tensor:
     """tables [taps * (vocab + 1), d], ctx [T, taps] -> prior rows [T, d] (one fused gather-sum)."""
     return torch.nn.functional.embedding_bag(ctx, tables, mode="sum") + bias
+
+
+class DensePrior:
+    """The decode side of a dense prior: prompt tokens -> context ids [T, taps] -> table rows."""
+
+    kind = KIND
+
+    def __init__(self, taps: int, vocab: int):
+        self.taps, self.vocab = taps, vocab
+
+    def context(self, tokens: Any, consumer: Any = None, device: Any = None) -> Tensor:
+        ids = torch.as_tensor(tokens).reshape(-1)
+        return context_ids(ids if device is None else ids.to(device), self.taps, self.vocab)
+
+    def reduce(self, ctx: Tensor) -> Tensor:
+        return ctx
+
+    @staticmethod
+    def apply(tables: Tensor, bias: Tensor, ctx: Tensor) -> Tensor:
+        return apply_prior(tables, bias, ctx)
+
+    def rows(self) -> int:
+        return self.taps * (self.vocab + 1)
+
+    def manifest(self) -> dict[str, Any]:
+        return {"kind": KIND, "taps": self.taps, "vocab": self.vocab}
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {}
+
+    @classmethod
+    def from_codebook(cls, manifest: dict[str, Any], tensors: dict[str, Tensor]) -> DensePrior:
+        return cls(int(manifest["taps"]), int(manifest["vocab"]))

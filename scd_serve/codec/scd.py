@@ -5,8 +5,8 @@ consumer rebuilds k_pre,B = z_k Dec_B + mu_b (pre-RoPE; write_kv applies the con
 Patch layer: the producer sends z_h = (H_in,A - mu_a) Enc_h; the consumer maps it with its
 aligner g to its own H_in,B and recomputes the layer's K/V with its own weights.
 Codes ship as fp16, or as int8 with one fp16 scale per code channel (absmax over the tokens).
-Where the codebook has token priors (prior.py), the consumer adds prior(prompt tokens) to
-each rebuilt stream; the codes carry only the rest.
+Where the codebook has a token prior (features.py, or prior.py's dense tables), the consumer
+adds prior(prompt tokens) to each rebuilt stream; the codes carry only the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from scd_serve.codec.base import ATTN_INPUT, KEYS, VALUES, check_code, state_fie
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.plan import REUSE, Plan
-from scd_serve.codec.prior import apply_prior, context_ids
 from scd_serve.errors import CodebookError
 
 
@@ -51,6 +50,7 @@ class ScdCodec:
         self._dec: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._aligners: dict[int, Aligner] = {}
         self._priors: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._context_prior = codebook.context_prior()
         self._last_context: tuple[Any, torch.device, torch.Tensor] | None = None
 
     def states_needed(self, layer: int) -> frozenset[str]:
@@ -110,7 +110,8 @@ class ScdCodec:
             self._aligners[layer] = Aligner.from_tensors(t).to(device)
         return self._aligners[layer]
 
-    def _prior(self, layer: int, s: str, tokens: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | float:
+    def _prior(self, layer: int, s: str, tokens: torch.Tensor | None, like: torch.Tensor,
+               consumer: Any) -> torch.Tensor | float:
         """The token prior of stream s for the prompt tokens: [T, dB], or 0 without one."""
         key = (layer, s, like.device)
         if key not in self._priors:
@@ -121,26 +122,27 @@ class ScdCodec:
         if tokens is None:
             raise CodebookError(f"codebook '{self.codebook_id}' decodes with token priors: "
                                 "decode_layer needs the prompt's token ids (tokens=)")
-        return apply_prior(*self._priors[key], self._context(tokens, like))
+        return self._context_prior.apply(*self._priors[key], self._context(tokens, like, consumer))
 
-    def _context(self, tokens: Any, like: torch.Tensor) -> torch.Tensor:
-        """Token contexts [T, taps], computed once per prompt: every layer of a request passes
-        the same tokens object, so a one-slot cache keyed by identity serves them all."""
+    def _context(self, tokens: Any, like: torch.Tensor, consumer: Any) -> torch.Tensor:
+        """The prior's context of the prompt (token ids [T, taps] or features [T, rank]), computed
+        once per prompt: every layer of a request passes the same tokens object, so a one-slot
+        cache keyed by identity serves them all."""
         last = self._last_context  # read once: rebuild threads may replace it concurrently
         if last is not None and last[0] is tokens and last[1] == like.device:
             return last[2]
         ids = torch.as_tensor(tokens).reshape(-1)
         if ids.shape[0] != like.shape[0]:
             raise CodebookError(f"decode_layer got {ids.shape[0]} token ids for a code of {like.shape[0]} tokens")
-        ctx = context_ids(ids.to(like.device), self.codebook.prior["taps"], self.codebook.prior["vocab"])
+        ctx = self._context_prior.context(ids, consumer, device=like.device)
         self._last_context = (tokens, like.device, ctx)
         return ctx
 
     def prepare(self, tokens: Any, consumer: Any) -> None:
-        """Prompt-only work, done while the codes are on their way: the token contexts every
-        layer's prior reads (decode_layer then finds them for the same tokens object)."""
-        if self.codebook.prior:
-            self._context(tokens, to_consumer(torch.empty(len(tokens), 0), consumer))
+        """Prompt-only work, done while the codes are on their way: the prior's context every
+        layer reads (decode_layer then finds it for the same tokens object)."""
+        if self._context_prior is not None:
+            self._context(tokens, to_consumer(torch.empty(len(tokens), 0), consumer), consumer)
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
                      tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,18 +154,18 @@ class ScdCodec:
                 raise CodebookError("prior-only rebuilds from the prompt's token ids: pass tokens=")
             like = to_consumer(torch.empty(len(tokens), 0), consumer)  # [T, 0]: the length and device
             return tuple(  # type: ignore[return-value]
-                (self.codebook.tensor(f"layers.{layer}.{s}.mu_b").to(like.device) + self._prior(layer, s, tokens, like))
+                (self.codebook.tensor(f"layers.{layer}.{s}.mu_b").to(like.device) + self._prior(layer, s, tokens, like, consumer))
                 .reshape(like.shape[0], spec.num_kv_heads, spec.head_dim) for s in "kv")
         if lp.mode == REUSE:
             out = []
             for s, rank in (("k", lp.r_k), ("v", lp.r_v)):
                 z = self._unpack(code, f"z{s}", consumer)  # [T, r]
                 dec, mu = self._decoder(layer, s, rank, z.device)
-                b = z @ dec + mu + self._prior(layer, s, tokens, z)  # [T, dB]
+                b = z @ dec + mu + self._prior(layer, s, tokens, z, consumer)  # [T, dB]
                 out.append(b.reshape(z.shape[0], spec.num_kv_heads, spec.head_dim))
             return out[0], out[1]
         z = self._unpack(code, "zh", consumer)
         with torch.no_grad():
-            h = self._aligner(layer, lp.r_h, z.device)(z) + self._prior(layer, "h", tokens, z)  # [T, hidden] H_in,B
+            h = self._aligner(layer, lp.r_h, z.device)(z) + self._prior(layer, "h", tokens, z, consumer)  # [T, hidden] H_in,B
         dtype = getattr(consumer, "dtype", torch.float32)
         return consumer.recompute_kv(layer, h.to(dtype if isinstance(dtype, torch.dtype) else torch.float32))

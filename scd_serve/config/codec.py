@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from scd_serve.errors import ConfigError
 
 
+PRIOR_KINDS = ("features", "dense", "none")
+
+
 @dataclass(frozen=True)
 class CalibrateConfig:
     # Expected KL(consumer with the codec || oracle) per answer token, nats, on the probe prompts.
@@ -26,10 +29,16 @@ class CalibrateConfig:
     # Adam steps and hidden width of each patch aligner MLP (0 steps: linear aligner only).
     aligner_steps: int = 300
     aligner_width: int = 128
-    # Token prior (codec/prior.py): how many recent prompt tokens it reads (0: none), and its
-    # ridge in token counts.
+    # Token prior: "features" (codec/features.py: the consumer's embeddings, size independent of
+    # the vocabulary), "dense" (codec/prior.py: one-hot tables of taps * (vocab + 1) rows), or
+    # "none". taps: recent prompt tokens it reads (0: none). width and rank: the feature prior's
+    # random features and shared basis. ridge: dense in token counts, features relative to the
+    # mean feature variance (None: 0.1 and 1e-3).
+    prior: str = "features"
     prior_taps: int = 3
-    prior_ridge: float = 0.1
+    prior_width: int = 1024
+    prior_rank: int = 64
+    prior_ridge: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -41,9 +50,24 @@ class CalibrateConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.prior_taps <= 8:
             raise ConfigError(f"prior_taps must be in [0, 8], got {self.prior_taps}")
-        if self.prior_ridge <= 0:
+        if self.prior not in PRIOR_KINDS:
+            raise ConfigError(f"prior must be one of {', '.join(PRIOR_KINDS)}, got {self.prior!r}")
+        if self.prior_width < 0 or self.prior_rank < 1:
+            raise ConfigError(f"prior_width must be >= 0 and prior_rank >= 1, got {self.prior_width} "
+                              f"and {self.prior_rank}")
+        if self.prior_ridge is not None and self.prior_ridge <= 0:
             raise ConfigError(f"prior_ridge must be > 0, got {self.prior_ridge}")
         if self.aligner_steps < 0:
             raise ConfigError(f"aligner_steps must be >= 0, got {self.aligner_steps}")
         if self.max_patches is not None and self.max_patches < 0:
             raise ConfigError(f"max_patches must be >= 0, got {self.max_patches}")
+
+    @property
+    def uses_prior(self) -> bool:
+        return self.prior != "none" and self.prior_taps > 0
+
+    @property
+    def ridge(self) -> float:
+        if self.prior_ridge is not None:
+            return self.prior_ridge
+        return 0.1 if self.prior == "dense" else 1e-3

@@ -106,6 +106,12 @@ class ModelRuntime:
             yield layer, LayerState(keys=k_pre, values=v, attn_input=x)
         return self._logits(h) if compute_logits else None
 
+    @torch.no_grad()
+    def token_inputs(self, input_ids) -> Tensor:
+        # input_ids: [T] -> layer 0's attention input [T, hidden] float32 (token ids alone fix it)
+        ids = self._check_ids(input_ids)
+        return rms_norm(self.weights.embed[ids], self.weights.layers[0].ln1, self.spec.rms_norm_eps).float()
+
     # ---- K/V helpers ---------------------------------------------------------------------
     @torch.no_grad()
     def rotate_keys(self, k_pre: Tensor, positions: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ def test_counted_fit_matches_dense_ridge_and_recovers_an_additive_table():
     fit = PriorFit(vocab, taps)
     for t, y in zip(tokens, ys):
         fit.add_target(("layer", "k"), fit.add_tokens(t), y)
-    tables, bias = fit.solve(ridge=1e-3)[("layer", "k")]
+    tables, bias = fit.solve(ridge=1e-3)[1][("layer", "k")]
     x, w_dense, b_dense = _dense(tokens, ys, vocab, taps, 1e-3)
     pred = x @ tables + bias
     # two float64 solves of one ridge system: 1.6e-14 apart at |pred| ~ 6 (default/avx2); a wrong count is > 1e-3

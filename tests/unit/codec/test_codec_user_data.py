@@ -90,12 +90,12 @@ def big_vocab(tmp_path_factory):
 def test_vocab_sized_prior_is_refused_before_loading(big_vocab, tmp_path, capsys, no_load, memory):
     a, b = big_vocab
     rc = main(["calibrate", "--producer", str(a), "--consumer", str(b), "--kl-budget", "0.05",
-               "--prior-taps", "3", "--out", str(tmp_path / "book"), *memory])
+               "--prior", "dense", "--prior-taps", "3", "--out", str(tmp_path / "book"), *memory])
     assert rc == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "[455,811 x 455,811] float64 Gram matrix of 1.66 TB" in err and "4.99 TB" in err
-    assert "--prior-taps 0" in err and not (tmp_path / "book").exists()
+    assert "--prior features" in err and not (tmp_path / "book").exists()
     if memory:
         assert "the --max-memory-gb given (64.00 GB)" in err
 

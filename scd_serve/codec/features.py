@@ -1,0 +1,221 @@
+"""Feature prior: the part of the consumer's K/V that the last few prompt tokens predict, read
+from the consumer's own embeddings, so that its size does not grow with the vocabulary.
+
+The decode node holds the prompt's token ids and the consumer's weights. Per position t:
+  e_t   = the consumer's layer-0 attention input, rms_norm(embed[x_t]) (token ids alone fix it)
+  x_t   = [e_t, e_{t-1}, ..., e_{t-taps+1}]               (zeros before the prompt) [taps*hidden]
+  phi_t = [x_t, silu(scale * x_t R)]                                                 [m]
+R [taps*hidden, width] is a Gaussian matrix drawn from a seed (random features: one fixed
+nonlinear map, so that pairs of neighbouring tokens can act together); it is regenerated, not
+stored, and the manifest holds its checksum. One reduced-rank ridge regression serves every
+target (layer, stream):  prior_t = ((phi_t - mean) U) H_target + bias_target,
+with U [m, rank] shared and H [rank, dB] per target: the codebook holds m*rank plus rank*dB
+numbers per target, whatever the vocabulary.
+
+Fit: normal equations streamed over every position of the fit prompts (one [m, m] Gram
+matrix, X^T Y per target), never a vocabulary-sized matrix. Reduced rank: the truncated SVD of
+the fitted values, each target block scaled to unit RMS first so that wide blocks (h) do not
+drown narrow ones (k, v), computed in the m-dimensional space from the Gram's Cholesky factor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from scd_serve.errors import CodebookError
+
+Tensor = torch.Tensor
+KIND = "features"
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    taps: int = 3  # prompt tokens read: the current one and taps - 1 before it
+    width: int = 1024  # random features (0: the linear embedding features only)
+    rank: int = 64  # shared basis U's columns
+    seed: int = 0
+    scale: float = 2.0  # of the random projection, before the silu
+    hidden: int = 0  # the consumer's hidden size (set by the fit)
+
+    @property
+    def num_features(self) -> int:
+        return self.taps * self.hidden + self.width
+
+    def projection(self) -> Tensor:
+        """R [taps*hidden, width], float32 on the CPU: the same numbers on every machine."""
+        gen = torch.Generator().manual_seed(self.seed)
+        x = self.taps * self.hidden
+        return torch.randn(x, self.width, generator=gen) / max(x, 1) ** 0.5
+
+
+def _checksum(t: Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def features(spec: FeatureSpec, inputs: Tensor, proj: Tensor) -> Tensor:
+    """inputs: the consumer's layer-0 attention inputs e [T, hidden] -> phi [T, m] float32."""
+    e = inputs.float()
+    t = e.shape[0]
+    lagged = [e] + [torch.cat([e.new_zeros(min(j, t), e.shape[1]), e[: max(t - j, 0)]]) for j in range(1, spec.taps)]
+    x = torch.cat(lagged, dim=1)  # [T, taps*hidden]
+    if spec.width == 0:
+        return x
+    return torch.cat([x, torch.nn.functional.silu(spec.scale * (x @ proj.to(x.device)))], dim=1)
+
+
+def token_inputs(consumer: Any, tokens: Any, device: Any = None) -> Tensor:
+    """The consumer's layer-0 attention inputs for the prompt tokens: [T, hidden]."""
+    ids = torch.as_tensor(tokens).reshape(-1).long()
+    return consumer.token_inputs(ids if device is None else ids.to(device))
+
+
+class FeaturePrior:
+    """The decode side: prompt tokens -> reduced features F [T, rank] -> each target's prior."""
+
+    kind = KIND
+
+    def __init__(self, spec: FeatureSpec, basis: Tensor, mean: Tensor):
+        self.spec = spec
+        self.basis, self.mean = basis, mean  # U [m, rank], phi's mean [m]
+        self._proj = spec.projection()
+        self._on: dict[Any, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def _moved(self, device) -> tuple[Tensor, Tensor, Tensor]:
+        if device not in self._on:
+            self._on[device] = (self.basis.to(device, torch.float32), self.mean.to(device, torch.float32),
+                                self._proj.to(device))
+        return self._on[device]
+
+    def reduce(self, phi: Tensor) -> Tensor:
+        """phi [N, m] -> F [N, rank]."""
+        basis, mean, _ = self._moved(phi.device)
+        return (phi.float() - mean) @ basis
+
+    def context(self, tokens: Any, consumer: Any, device: Any = None) -> Tensor:
+        """The prompt's reduced features F [T, rank], computed once per prompt."""
+        e = token_inputs(consumer, tokens, device)
+        _, _, proj = self._moved(e.device)
+        return self.reduce(features(self.spec, e, proj))
+
+    @staticmethod
+    def apply(head: Tensor, bias: Tensor, ctx: Tensor) -> Tensor:
+        """head [rank, d], bias [d], ctx F [T, rank] -> prior rows [T, d]."""
+        return ctx @ head.to(ctx.device, torch.float32) + bias.to(ctx.device, torch.float32)
+
+    def rows(self) -> int:
+        return self.spec.rank
+
+    def manifest(self) -> dict[str, Any]:
+        return {"kind": KIND, **asdict(self.spec), "projection_sha256": _checksum(self._proj)}
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"prior.basis": self.basis.to(torch.float16).contiguous(), "prior.mean": self.mean.float().contiguous()}
+
+    @classmethod
+    def from_codebook(cls, manifest: dict[str, Any], tensors: dict[str, Tensor]) -> FeaturePrior:
+        fields = {k: manifest[k] for k in FeatureSpec.__dataclass_fields__ if k in manifest}
+        spec = FeatureSpec(**fields)
+        for name in ("prior.basis", "prior.mean"):
+            if name not in tensors:
+                raise CodebookError(f"codebook tensor '{name}' is missing (its manifest has a feature prior)")
+        basis, mean = tensors["prior.basis"].float(), tensors["prior.mean"].float()
+        if tuple(basis.shape) != (spec.num_features, spec.rank) or tuple(mean.shape) != (spec.num_features,):
+            raise CodebookError(f"feature prior tensors have shapes {list(basis.shape)} and {list(mean.shape)}, "
+                                f"expected [{spec.num_features}, {spec.rank}] and [{spec.num_features}]")
+        prior = cls(spec, basis, mean)
+        want = manifest.get("projection_sha256")
+        if want and want != _checksum(prior._proj):
+            raise CodebookError("this torch build draws another random projection from the feature prior's seed "
+                                f"(checksum {_checksum(prior._proj)} != {want}): recalibrate on this build")
+        return prior
+
+
+class FeatureFit:
+    """Streamed normal equations of the feature prior, shared by every target (layer, stream)."""
+
+    def __init__(self, spec: FeatureSpec):
+        self.spec = spec
+        self._proj = spec.projection()
+        m = spec.num_features
+        self.gram = torch.zeros(m, m, dtype=torch.float64)
+        self.col_sum = torch.zeros(m, dtype=torch.float64)
+        self.rows = 0
+        self.xty: dict[object, Tensor] = {}
+        self.y_sum: dict[object, Tensor] = {}
+        self.y_sq: dict[object, float] = {}
+        self._pending: tuple[Tensor, list[tuple[object, Tensor]]] | None = None
+
+    def add_tokens(self, tokens: Tensor, consumer: Any) -> Tensor:
+        """Count one prompt's features into the Gram matrix. -> phi [T, m] (float32, CPU)."""
+        self._flush()
+        phi = features(self.spec, token_inputs(consumer, tokens).cpu(), self._proj).contiguous()
+        # one prompt's sums in float32 (a few thousand terms), the running totals in float64
+        self.gram += (phi.T @ phi).double()
+        self.col_sum += phi.sum(0).double()
+        self.rows += phi.shape[0]
+        self._pending = (phi, [])
+        return phi
+
+    def add_target(self, key: object, phi: Tensor, y: Tensor) -> None:
+        """y: [T, d] consumer rows of the prompt whose phi [T, m] `add_tokens` returned last."""
+        if self._pending is None or self._pending[0] is not phi:
+            raise ValueError("add_target takes the phi of the prompt add_tokens counted last")
+        self._pending[1].append((key, y.reshape(y.shape[0], -1).to("cpu", torch.float32)))
+
+    def _flush(self) -> None:
+        """X^T Y of the pending prompt, all targets in one product (one GEMM, not one per target)."""
+        if not self._pending or not self._pending[1]:
+            self._pending = None
+            return
+        phi, targets = self._pending
+        self._pending = None
+        xty = (phi.T @ torch.cat([y for _, y in targets], dim=1)).double()  # [m, sum d]
+        col = 0
+        for key, y in targets:
+            d = y.shape[1]
+            if key not in self.xty:
+                self.xty[key] = torch.zeros(phi.shape[1], d, dtype=torch.float64)
+                self.y_sum[key] = torch.zeros(d, dtype=torch.float64)
+                self.y_sq[key] = 0.0
+            self.xty[key] += xty[:, col: col + d]
+            self.y_sum[key] += y.sum(0).double()
+            self.y_sq[key] += float(y.double().pow(2).sum())
+            col += d
+
+    def solve(self, ridge: float = 1e-3) -> tuple[FeaturePrior, dict[object, tuple[Tensor, Tensor]]]:
+        """-> (the prior, {key: (head [rank, d], bias [d])}); ridge relative to the mean variance."""
+        self._flush()
+        n, m = max(self.rows, 1), self.spec.num_features
+        mean = self.col_sum / n
+        gram = self.gram - n * torch.outer(mean, mean)  # Xc^T Xc
+        gram.diagonal().add_(ridge * float(gram.diagonal().mean().clamp_min(1e-12)))
+        chol = torch.linalg.cholesky(gram)
+        keys = list(self.xty)
+        scales, cols = [], []
+        for k in keys:  # each block to unit RMS (centred), so the SVD weighs targets alike
+            d = self.y_sum[k].shape[0]
+            var = (self.y_sq[k] - float(self.y_sum[k].pow(2).sum()) / n) / (n * d)
+            scales.append(max(var, 1e-24) ** 0.5)
+            cols.append((self.xty[k] - torch.outer(mean, self.y_sum[k])) / scales[-1])
+        w = torch.cholesky_solve(torch.cat(cols, dim=1), chol)  # [m, sum d] full-rank ridge solution
+        del cols
+        a = chol.T @ w  # fitted values' covariance is a^T a
+        evals, evecs = torch.linalg.eigh(a @ a.T)  # [m, m]
+        rank = min(self.spec.rank, m)
+        top = torch.argsort(evals, descending=True)[:rank]
+        p, s = evecs[:, top], evals[top].clamp_min(1e-30).sqrt()
+        q = (a.T @ p) / s  # [sum d, rank] right singular vectors
+        basis = w @ q  # U [m, rank]
+        # the codebook stores U in fp16: fit the heads' users to the very numbers shipped
+        prior = FeaturePrior(self.spec, basis.half().float(), mean.float())
+        out, col = {}, 0
+        for k, scale in zip(keys, scales):
+            d = self.y_sum[k].shape[0]
+            head = q[col: col + d].T * scale  # [rank, d]
+            out[k] = (head.float(), (self.y_sum[k] / n).float())  # phi is centred by the prior
+            col += d
+        return prior, out

@@ -1,0 +1,137 @@
+"""Feature prior: the streamed reduced-rank fit against a direct solve, and its codebook round trip."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from scd_serve.codec.features import FeatureFit, FeaturePrior, FeatureSpec, features
+from scd_serve.errors import CodebookError
+
+
+class Embedder:
+    """A consumer stand-in whose layer-0 inputs are rows of a fixed table (what token_inputs reads)."""
+
+    def __init__(self, vocab: int, hidden: int, seed: int = 0):
+        self.table = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed))
+
+    def token_inputs(self, ids):
+        return self.table[ids]
+
+
+def _data(seed=0, vocab=50, hidden=6, n_prompts=4):
+    gen = torch.Generator().manual_seed(seed)
+    consumer = Embedder(vocab, hidden, seed)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=gen) for n in torch.randint(20, 60, (n_prompts,), generator=gen)]
+    return consumer, prompts
+
+
+def test_lagged_features_shift_with_zeros_before_the_prompt():
+    spec = FeatureSpec(taps=3, width=0, hidden=2)
+    e = torch.arange(8.0).reshape(4, 2)
+    phi = features(spec, e, spec.projection())
+    assert phi.shape == (4, 6)
+    assert phi[0].tolist() == [0, 1, 0, 0, 0, 0]  # nothing before position 0
+    assert phi[3].tolist() == [6, 7, 4, 5, 2, 3]  # x_t, x_{t-1}, x_{t-2}
+
+
+def test_streamed_fit_equals_a_direct_ridge_and_reduced_rank_solve():
+    consumer, prompts = _data()
+    spec = FeatureSpec(taps=2, width=16, rank=3, hidden=6)
+    gen = torch.Generator().manual_seed(1)
+    maps = {"a": torch.randn(spec.num_features, 5, generator=gen), "b": 10 * torch.randn(spec.num_features, 2, generator=gen)}
+    fit = FeatureFit(spec)
+    phis, ys = [], {k: [] for k in maps}
+    for ids in prompts:
+        phi = fit.add_tokens(ids, consumer)
+        phis.append(phi)
+        for k, w in maps.items():
+            y = torch.tanh(phi @ w)  # not linear in phi: the fit is an approximation
+            ys[k].append(y)
+            fit.add_target(k, phi, y)
+    prior, heads = fit.solve(ridge=1e-3)
+    # direct: centre, scale each block to unit RMS, ridge solve, SVD of the fitted values
+    x = torch.cat(phis).double()
+    xc = x - x.mean(0)
+    blocks = {k: torch.cat(v).double() for k, v in ys.items()}
+    scales = {k: float((y - y.mean(0)).pow(2).mean().sqrt()) for k, y in blocks.items()}
+    y = torch.cat([(blocks[k] - blocks[k].mean(0)) / scales[k] for k in maps], dim=1)
+    g = xc.T @ xc
+    g += 1e-3 * float(g.diagonal().mean()) * torch.eye(g.shape[0], dtype=g.dtype)
+    w = torch.linalg.solve(g, xc.T @ y)
+    fitted = xc @ w
+    _, _, vt = torch.linalg.svd(fitted, full_matrices=False)
+    direct = fitted @ vt[:3].T @ vt[:3]  # rank-3 fitted values
+    ctx = prior.reduce(x.float())
+    ours = torch.cat([(prior.apply(*heads[k], ctx).double() - blocks[k].mean(0)) / scales[k] for k in maps], dim=1)
+    # float32 application of an fp16 basis against a float64 solve: 4e-4 of the scale here; a wrong
+    # scaling or rank shows as > 1e-1
+    assert (ours - direct).abs().max() / direct.abs().max() < 1e-2
+
+
+def test_a_function_linear_in_the_features_is_recovered_at_full_rank():
+    consumer, prompts = _data(seed=3)
+    spec = FeatureSpec(taps=2, width=8, rank=4, hidden=6)
+    truth = torch.randn(spec.num_features, 4, generator=torch.Generator().manual_seed(2))
+    fit = FeatureFit(spec)
+    rows = []
+    for ids in prompts:
+        phi = fit.add_tokens(ids, consumer)
+        fit.add_target(("layer", "k"), phi, phi @ truth + 1.5)
+        rows.append(phi)
+    prior, heads = fit.solve(ridge=1e-8)
+    x = torch.cat(rows)
+    y = x @ truth + 1.5
+    pred = prior.apply(*heads[("layer", "k")], prior.reduce(x))
+    assert float((pred - y).norm() / (y - y.mean(0)).norm()) < 1e-2  # fp16 basis; a wrong fit is ~1
+
+
+def test_codebook_round_trip_and_the_decode_side_context():
+    consumer, prompts = _data()
+    spec = FeatureSpec(taps=3, width=8, rank=2, hidden=6, seed=5)
+    fit = FeatureFit(spec)
+    for ids in prompts:
+        phi = fit.add_tokens(ids, consumer)
+        fit.add_target("t", phi, phi[:, :3])
+    prior, heads = fit.solve()
+    loaded = FeaturePrior.from_codebook(prior.manifest(), prior.tensors())
+    ids = prompts[0]
+    # the decode side computes from token ids what calibration reduced from its features
+    assert torch.allclose(loaded.context(ids, consumer), prior.reduce(fit.add_tokens(ids, consumer)), atol=1e-5)
+    wrong = prior.manifest() | {"projection_sha256": "0" * 16}
+    with pytest.raises(CodebookError, match="another random projection"):
+        FeaturePrior.from_codebook(wrong, prior.tensors())
+    with pytest.raises(CodebookError, match="expected"):
+        FeaturePrior.from_codebook(prior.manifest() | {"rank": 3}, prior.tensors())
+
+
+def test_calibration_at_a_152k_vocabulary_allocates_nothing_vocab_sized(tmp_path):
+    """A one-layer pair with Qwen2.5's vocabulary (151,936): a dense prior would need a 1.66 TB
+    Gram matrix; the feature prior's whole calibration stays within a few hundred MB."""
+    script = textwrap.dedent(f"""
+        import resource, torch
+        from scd_serve.codec.calibrate import calibrate
+        from scd_serve.config.codec import CalibrateConfig
+        from scd_serve.model import ModelRuntime
+        from scd_serve.model.tiny import save_tiny_model
+        shape = dict(vocab_size=151936, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=32, num_hidden_layers=2, tie_word_embeddings=True)
+        a, b = [ModelRuntime.load(save_tiny_model({str(tmp_path)!r} + "/" + n, "qwen2", seed=i, tokenizer=False,
+                                                  **shape)) for i, n in enumerate("ab")]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 151936, (40,), generator=gen) for _ in range(6)]
+        cfg = CalibrateConfig(kl_budget=1.0, num_prompts=4, num_probe_prompts=2, num_profile_prompts=2,
+                              max_rows=128, aligner_steps=0, prior_width=64, prior_rank=8)
+        out = calibrate(a, b, prompts[:4], [(p[:30], p[30:]) for p in prompts[4:]], cfg, show_progress=False)
+        assert out.codebook.context_prior().kind == "features"
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print("GREW_KB", grew)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[3]))
+    assert done.returncode == 0, done.stderr[-2000:]
+    grew_kb = int(done.stdout.split("GREW_KB")[1])
+    assert grew_kb < 1_000_000, f"calibration grew the peak RSS by {grew_kb} kB"
