@@ -85,3 +85,87 @@ class PairConfig:
                        intermediate_size=64, threads=1, shallow_layers=1,
                        shallow=replace(self.shallow, **small),
                        producer=replace(self.producer, **small), consumer=replace(self.consumer, **small))
+
+
+@dataclass(frozen=True)
+class ContextStageConfig:
+    """One stage of the context pair (scd_serve/pair/context_train.py): the producer's
+    pretraining or the consumer's fine-tune, on variable-tracking documents of real source."""
+
+    style: str  # question style: "base" (assert x == ) or "expert" (>>> x)
+    split: str  # corpus split the excerpts come from (scd_serve/pair/context_corpus.py)
+    steps: int
+    lr: float
+    batch_tokens: int  # about this many tokens per optimizer step
+    min_len: int  # document length in tokens, ramped from start_max_len to max_len
+    start_max_len: int
+    max_len: int
+    ramp_frac: float  # fraction of the steps over which lengths and depths grow
+    long_frac: float = 0.0  # share of batches drawn up to long_len (length generalization)
+    long_len: int = 0
+    warmup: int = 50
+    chains: tuple[int, int] = (2, 6)  # chains per document; every chain's last name is asked
+    start_max_depth: int = 1  # chain depth (additions) grows from this to max_depth over ramp_frac
+    max_depth: int = 3
+    comment_prob: float = 0.0  # share of chains whose additions carry "# value" (decays to 0)
+    comment_until: float = 0.5  # fraction of the steps after which no chain carries comments
+    lm_weight: float = 0.1  # loss weight of a scored non-answer token (answer tokens weigh 1)
+    lm_frac: float = 0.15  # share of non-answer tokens scored (the 8k-wide head is the costly part)
+
+    def __post_init__(self):
+        if self.style not in ("base", "expert"):
+            raise ConfigError(f"stage style must be 'base' or 'expert', got {self.style!r}")
+        if self.steps < 1 or self.lr <= 0 or self.batch_tokens < 16:
+            raise ConfigError("stage needs steps >= 1, lr > 0 and batch_tokens >= 16")
+        if not 16 <= self.min_len <= self.start_max_len <= self.max_len:
+            raise ConfigError("stage lengths must satisfy 16 <= min_len <= start_max_len <= max_len")
+        if not 0 <= self.start_max_depth <= self.max_depth or not 1 <= self.chains[0] <= self.chains[1]:
+            raise ConfigError("stage needs 0 <= start_max_depth <= max_depth and 1 <= chains[0] <= chains[1]")
+
+
+@dataclass(frozen=True)
+class ContextPairConfig:
+    """`make-demo-pair --recipe context`: a Qwen2 pair on stdlib source (models/context-pair)."""
+
+    seed: int = 0
+    vocab_size: int = 8192
+    tokenizer_chars: int = 0  # characters of training text the BPE sees (0: all of base + expert)
+    num_layers: int = 8
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    producer_rope_theta: float = 1e4
+    consumer_rope_theta: float = 1e6
+    max_position_embeddings: int = 4096
+    threads: int = 1
+    producer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
+        style="base", split="base", steps=1200, lr=2e-3, batch_tokens=3072, min_len=128, start_max_len=320,
+        max_len=768, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=50, chains=(2, 6),
+        start_max_depth=1, max_depth=3, comment_prob=0.3, comment_until=0.4))
+    consumer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
+        style="expert", split="expert", steps=200, lr=6e-4, batch_tokens=3072, min_len=256, start_max_len=768,
+        max_len=1024, ramp_frac=0.2, long_frac=0.15, long_len=2048, warmup=20, chains=(2, 6),
+        start_max_depth=3, max_depth=3))
+    # the files under eval/: held-out task prompts, plain held-out text, calibration prompts
+    eval_lengths: tuple[int, int] = (512, 2048)  # prompt tokens, <bos> included
+    eval_depths: tuple[int, int] = (1, 2)  # depth of the asked chain
+    eval_chains: tuple[int, int] = (3, 5)
+    num_heldout: int = 200
+    num_text: int = 40
+    num_calibration: int = 256
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ConfigError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
+        if self.threads < 1 or self.vocab_size < 300:
+            raise ConfigError("threads must be >= 1 and vocab_size >= 300 (bytes + specials)")
+
+    def shrunk(self) -> "ContextPairConfig":
+        """Seconds-long: same code path, a small tokenizer, a tiny model, few short steps."""
+        small = dict(steps=3, batch_tokens=512, min_len=64, start_max_len=96, max_len=128, long_frac=0.0,
+                     long_len=0, warmup=1, chains=(1, 2))
+        return replace(self, vocab_size=1024, tokenizer_chars=400_000, num_layers=2, hidden_size=32, num_heads=4,
+                       num_kv_heads=2, intermediate_size=64, threads=1,
+                       producer=replace(self.producer, **small), consumer=replace(self.consumer, **small),
+                       eval_lengths=(128, 384), eval_chains=(2, 3), num_heldout=4, num_text=2, num_calibration=4)

@@ -1,5 +1,8 @@
 """`scd-serve make-demo-pair`: train the embedded producer ("base") and consumer ("expert").
 
+`--recipe demo` (the default) is described below; `--recipe context` makes the Qwen2 pair on
+stdlib source in models/context-pair (scd_serve/pair/context_recipe.py).
+
 1. a word-level tokenizer trained on the language's lexicon;
 2. the producer: a Llama (GQA, RoPE theta 1e4) trained from a seed on base-style data,
    first as a shallow model that finds the lookup quickly, then grown (grow.py) to its
@@ -20,17 +23,25 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from scd_serve.config.pair import PairConfig
+from scd_serve.config.pair import ContextPairConfig, PairConfig
+from scd_serve.errors import ConfigError
 from scd_serve.pair.grow import grow
 from scd_serve.pair.probe import probe
 from scd_serve.pair.tokenizer import train_tokenizer
 from scd_serve.pair.train import build_model, train_stage
 
 
+RECIPES = {"demo": "models/demo-pair", "context": "models/context-pair"}  # recipe -> default --out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="models/demo-pair", help="directory for producer/ and consumer/")
+    parser.add_argument("--recipe", default="demo", choices=list(RECIPES),
+                        help="demo: the synthetic QA pair; context: variable tracking on stdlib source")
+    parser.add_argument("--out", default=None, help="directory for producer/ and consumer/ "
+                                                     "(default: models/demo-pair or models/context-pair)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--shallow-steps", type=int, default=None, help="override the shallow stage's steps")
+    parser.add_argument("--shallow-steps", type=int, default=None,
+                        help="override the shallow stage's steps (demo recipe)")
     parser.add_argument("--producer-steps", type=int, default=None, help="override the producer's steps")
     parser.add_argument("--consumer-steps", type=int, default=None, help="override the consumer's steps")
     parser.add_argument("--probe", type=int, default=100, help="held-out prompts to probe at the end (0: none)")
@@ -82,6 +93,9 @@ def make_pair(cfg: PairConfig, out: Path, probe_n: int = 100, log=print) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
+    args.out = args.out or RECIPES[args.recipe]
+    if args.recipe == "context":
+        return run_context(args)
     cfg = PairConfig(seed=args.seed)
     if args.shrunk:
         cfg = cfg.shrunk()
@@ -94,4 +108,21 @@ def run(args: argparse.Namespace) -> int:
     report = make_pair(cfg, Path(args.out), probe_n=args.probe,
                        log=lambda line: print(line, flush=True))
     print(f"wrote {args.out}/producer and {args.out}/consumer in {report['total_seconds']:.0f}s")
+    return 0
+
+
+def run_context(args: argparse.Namespace) -> int:
+    from scd_serve.pair.context_recipe import make_context_pair
+
+    if args.shallow_steps:
+        raise ConfigError("--shallow-steps belongs to the demo recipe; the context recipe has no shallow stage")
+    cfg = ContextPairConfig(seed=args.seed)
+    if args.shrunk:
+        cfg = cfg.shrunk()
+    if args.producer_steps:
+        cfg = replace(cfg, producer=replace(cfg.producer, steps=args.producer_steps))
+    if args.consumer_steps:
+        cfg = replace(cfg, consumer=replace(cfg.consumer, steps=args.consumer_steps))
+    report = make_context_pair(cfg, Path(args.out), probe_n=args.probe, log=lambda line: print(line, flush=True))
+    print(f"wrote {args.out}/producer, {args.out}/consumer and {args.out}/eval in {report['total_seconds']:.0f}s")
     return 0
