@@ -37,6 +37,7 @@ class RankPlan:
     droidspeak_fraction: float = 4 / 32  # share of layers DroidSpeak recomputes (first eighth)
     quant_group: int = 32  # elements per fp16 scale/min pair in quant4/quant2 (as scd_serve.codec.quant)
     source: str = "defaults (payload ratios of the SCD paper: reuse 0.60x raw, scd 0.76x raw)"
+    caveat: str = ""  # why these ratios may not carry to another shape (printed with them)
 
     def num_patch(self, num_layers: int) -> int:
         return int(round(self.patch_fraction * num_layers))

@@ -124,7 +124,12 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     print(f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, kv width {shape.kv_width}, "
           f"{shape.num_params / 1e9:.2f}B params", file=out)
+    given = Path(args.model_config)
+    print(f"shape: {'config ' + str(given) if given.exists() else 'shipped public config ' + args.model_config} "
+          "(architecture numbers only; no weights)", file=out)
     print(f"ranks: {plan.source}", file=out)
+    if plan.caveat:
+        print(f"  caveat: {plan.caveat}", file=out)
     print(f"  r_K/d={plan.k_ratio:.3f} r_V/d={plan.v_ratio:.3f} patch layers {plan.num_patch(shape.num_layers)}/"
           f"{shape.num_layers} r_H/hidden={plan.h_ratio:.3f}"
           + (f"; reuse-only plan r_K/d={plan.reuse_k_ratio:.3f} r_V/d={plan.reuse_v_ratio:.3f}"

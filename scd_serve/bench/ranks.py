@@ -45,6 +45,15 @@ def _from_manifest(doc: dict, where: str) -> RankPlan:
         layers = int(spec["num_layers"])
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise CodebookError(f"codebook manifest {where} lacks plan or spec fields ({exc})") from exc
+    prior = doc.get("prior")
+    kind = "none" if not prior else prior.get("kind", "dense")
+    caveat = ""
+    if kind == "dense":
+        caveat = ("its ranks are low partly because a dense token prior (a table of taps x vocab rows per layer) "
+                  "did the work; at a real vocabulary that table does not fit, so these ratios understate the "
+                  "codes a real pair needs: recalibrate with --prior features")
+    data = (doc.get("calibration") or {}).get("data", {}).get("source", "the built-in calibration split")
     return RankPlan(k_ratio=k, v_ratio=v, patch_fraction=patch, h_ratio=h, reuse_k_ratio=rk, reuse_v_ratio=rv,
                     droidspeak_fraction=(len(droid) / layers) if droid else RankPlan.droidspeak_fraction,
-                    source=f"codebook {where} (ratios of its scd/reuse plans)")
+                    source=f"codebook {where} (ratios of its scd/reuse plans; fitted on a {layers}-layer, hidden "
+                           f"{hidden} consumer, calibration data: {data}; token prior: {kind})", caveat=caveat)

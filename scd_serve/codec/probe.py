@@ -9,7 +9,7 @@ the chosen layers, extends over the answer, and restores them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as with_fields
 from typing import Any, Callable, Iterable
 
 import torch
@@ -24,7 +24,7 @@ class Example:
     prefix: int  # P transferred positions (T-1 in serving)
     feed: Tensor  # [m] the rest of the prompt + answer[:-1], run by the consumer itself
     producer: list[Any]  # per layer LayerState of the producer over the prefix
-    consumer: list[Any]  # per layer LayerState of the consumer over the prefix (oracle)
+    consumer: list[Any]  # per layer LayerState of the consumer over the prefix (oracle K/V only)
     oracle_logits: Tensor  # [n, vocab]
     tokens: Tensor | None = None  # [P] the transferred prompt tokens (for token priors)
     pool: Any = None
@@ -52,7 +52,9 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
         full = torch.cat([prompt, answer])
         feed = full[p:-1]  # [n]
         states_a = [s for _, s in producer.iter_prefill(prompt[:p], compute_logits=False)]
-        states_b = [s for _, s in consumer.iter_prefill(prompt[:p], compute_logits=False)]
+        # the consumer's own H_in is never read back (only its K/V restore the oracle): not kept,
+        # as it is the widest of the three states
+        states_b = [with_fields(s, attn_input=None) for _, s in consumer.iter_prefill(prompt[:p], compute_logits=False)]
         num_blocks = -(-full.shape[0] // block_size)
         pool, blocks = consumer.new_kv_pool(num_blocks, block_size), list(range(num_blocks))
         for layer, s in enumerate(states_b):
