@@ -31,7 +31,7 @@ from pathlib import Path
 from scd_serve.config.control import SECRET_ENV
 from scd_serve.errors import ConfigError, Unavailable
 
-PAIR = "models/demo-pair"
+PAIRS = {"demo": "models/demo-pair", "context": "models/context-pair"}  # --pair NAME -> its directory
 STOP_GRACE_S = 15.0
 MAX_RESTARTS = 5  # per worker, over the life of the cluster
 _stop = threading.Event()  # set by SIGINT/SIGTERM
@@ -45,9 +45,13 @@ def _check_stop() -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway listen address")
-    parser.add_argument("--producer", default=f"{PAIR}/producer", help="producer model (prefill workers)")
-    parser.add_argument("--consumer", default=f"{PAIR}/consumer", help="consumer model (decode workers)")
-    parser.add_argument("--codebook", default=f"{PAIR}/codebook", help="SCD codebook directory")
+    parser.add_argument("--pair", default="demo", choices=list(PAIRS),
+                        help="embedded pair whose producer/, consumer/ and codebook/ are the defaults of the "
+                             "next three flags (demo: models/demo-pair; context: models/context-pair)")
+    parser.add_argument("--producer", default=None, help="producer model (prefill workers; default: the pair's)")
+    parser.add_argument("--consumer", default=None, help="consumer model (decode workers; default: the pair's)")
+    parser.add_argument("--codebook", default=None,
+                        help="SCD codebook directory (default: the pair's; none there: codebook-free methods)")
     parser.add_argument("--method", default=None, help="default transfer method (default: scd, else raw)")
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
@@ -134,11 +138,19 @@ def wait_ready(base: str, num_decode: int, children: list[Child], deadline: floa
     raise Unavailable(f"workers not ready within the timeout; last /ready status {status}")
 
 
+def resolve_pair(args) -> None:
+    """Fill --producer/--consumer/--codebook left unset from --pair's directory."""
+    root = PAIRS[args.pair]
+    for name in ("producer", "consumer", "codebook"):
+        if getattr(args, name) is None:
+            setattr(args, name, f"{root}/{name}")
+
+
 def check_models(args) -> None:
     for flag, path in (("--producer", args.producer), ("--consumer", args.consumer)):
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{flag} {path}: no model there; build the embedded pair with "
-                              f"`scd-serve make-demo-pair` or pass model directories")
+                              f"`scd-serve make-demo-pair --recipe {args.pair}` or pass model directories")
 
 
 def cluster_env(base: dict[str, str]) -> dict[str, str]:
@@ -151,6 +163,7 @@ def cluster_env(base: dict[str, str]) -> dict[str, str]:
 
 
 def run(args) -> int:
+    resolve_pair(args)
     check_models(args)
     if args.prefill_workers < 1 or args.decode_workers < 1:
         raise ConfigError("--prefill-workers and --decode-workers must be >= 1")

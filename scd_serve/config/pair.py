@@ -140,11 +140,11 @@ class ContextPairConfig:
     max_position_embeddings: int = 4096
     threads: int = 1
     producer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="base", split="base", steps=1200, lr=2e-3, batch_tokens=3072, min_len=128, start_max_len=320,
-        max_len=768, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=50, chains=(2, 6),
+        style="base", split="base", steps=800, lr=2e-3, batch_tokens=2560, min_len=96, start_max_len=256,
+        max_len=768, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=30, chains=(3, 8),
         start_max_depth=1, max_depth=3, comment_prob=0.3, comment_until=0.4))
     consumer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="expert", split="expert", steps=200, lr=6e-4, batch_tokens=3072, min_len=256, start_max_len=768,
+        style="expert", split="expert", steps=150, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
         max_len=1024, ramp_frac=0.2, long_frac=0.15, long_len=2048, warmup=20, chains=(2, 6),
         start_max_depth=3, max_depth=3))
     # the files under eval/: held-out task prompts, plain held-out text, calibration prompts

@@ -1,0 +1,109 @@
+"""make-demo-pair --recipe context, shrunk: deterministic weights, and a task whose answers are
+computed values (checked by an interpreter of the inserted statements written here, not by the
+generator's own bookkeeping)."""
+
+import random
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scd_serve.config.pair import ContextPairConfig
+from scd_serve.pair.bpe import single_token_words, train_bpe
+from scd_serve.pair.context_corpus import load_splits
+from scd_serve.pair.context_recipe import make_context_pair, tokenizer_texts
+from scd_serve.pair.context_task import STYLES, make_examples, sample_doc
+from scd_serve.quality.data import read_records
+
+LITERAL = re.compile(r"^\s*([a-z]+) = (\d+)$")
+ADDITION = re.compile(r"^\s*([a-z]+) = (\d+) \+ ([a-z]+)$")
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("context")
+    cfg = ContextPairConfig(seed=3).shrunk()
+    for name in ("a", "b"):
+        make_context_pair(cfg, root / name, probe_n=0, log=lambda _: None)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_pool():
+    splits = load_splits(0)
+    tok = train_bpe(tokenizer_texts(splits, ContextPairConfig().shrunk()), 1024)
+    return splits, tok, single_token_words(tok)
+
+
+def interpret(prompt: str) -> dict[str, tuple[int, int]]:
+    """name -> (value, additions since its literal) from the statements a prompt holds; a name
+    used before its assignment, or assigned twice, fails the test."""
+    env: dict[str, tuple[int, int]] = {}
+    for line in prompt.splitlines():
+        if m := LITERAL.match(line):
+            assert m.group(1) not in env, f"{m.group(1)} assigned twice"
+            env[m.group(1)] = (int(m.group(2)), 0)
+        elif m := ADDITION.match(line):
+            name, add, source = m.group(1), int(m.group(2)), m.group(3)
+            assert source in env and name not in env, line
+            env[name] = (env[source][0] + add, env[source][1] + 1)
+    return env
+
+
+def test_same_seed_same_tokenizer_and_weights_and_a_real_fine_tune(made):
+    for side in ("producer", "consumer"):
+        wa, wb = load_file(str(made / "a" / side / "model.safetensors")), load_file(str(made / "b" / side / "model.safetensors"))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), side
+        assert (made / "a" / side / "tokenizer.json").read_bytes() == (made / "b" / side / "tokenizer.json").read_bytes()
+    prod = load_file(str(made / "a" / "producer" / "model.safetensors"))
+    cons = load_file(str(made / "a" / "consumer" / "model.safetensors"))
+    assert any(not torch.equal(prod[k], cons[k]) for k in prod)
+    assert any(k.endswith("k_proj.bias") for k in prod)  # Qwen2: q/k/v biases
+    for name in ("heldout.jsonl", "heldout-base.jsonl", "calibration.jsonl", "heldout-text.jsonl"):
+        assert (made / "a" / "eval" / name).read_text() == (made / "b" / "eval" / name).read_text()
+        assert read_records(made / "a" / "eval" / name)  # the format eval/calibrate --data read
+
+
+def test_answers_are_computed_through_chains_never_written(tokenizer_and_pool):
+    splits, tok, pool = tokenizer_and_pool
+    examples = make_examples(splits["heldout"], pool, tok, STYLES["expert"], 12, "test", lengths=(128, 512),
+                             depths=(1, 3), num_chains=(2, 4))
+    depths = set()
+    for ex in examples:
+        assert ex["prompt"].endswith("\n") and ex["prompt"].splitlines()[-1].startswith(">>> ")
+        asked = ex["prompt"].splitlines()[-1].removeprefix(">>> ")
+        value, depth = interpret(ex["prompt"])[asked]
+        assert ex["answer"] == str(value) and 1 <= depth <= 3 and ex["id"].endswith(f"depth{depth}")
+        assert not re.search(rf"\b{asked} = {value}\b", ex["prompt"])  # no line states the answer
+        depths.add(depth)
+        ids = tok(ex["prompt"])["input_ids"]
+        assert 128 <= len(ids) <= 512
+        # the answer's tokens alone are the tokens that follow the prompt (eval scores those)
+        both = tok(ex["prompt"] + ex["answer"])["input_ids"]
+        assert both == ids + tok(ex["answer"], add_special_tokens=False)["input_ids"]
+    assert len(depths) > 1
+
+
+def test_training_documents_ask_every_chain_in_the_producer_style(tokenizer_and_pool):
+    splits, _, pool = tokenizer_and_pool
+    rng = random.Random(0)
+    doc = sample_doc(rng, splits["base"], pool, STYLES["base"], 300, [0, 2, 1], [2, 0, 1])
+    env = interpret(doc.text)
+    for (name, value, depth), (start, end) in zip(doc.asked, doc.answers):
+        assert doc.text[:start].endswith(f"assert {name} == ") and doc.text[start:end] == str(value)
+        assert env[name] == (value, depth)
+    assert sorted(d for _, _, d in doc.asked) == [0, 1, 2]
+
+
+def test_up_pair_context_picks_the_context_pair_unless_a_flag_says_otherwise():
+    from scd_serve.cli import build_parser
+    from scd_serve.cluster.up import resolve_pair
+
+    args = build_parser("up").parse_args(["up", "--pair", "context", "--consumer", "elsewhere/consumer"])
+    resolve_pair(args)
+    assert (args.producer, args.consumer, args.codebook) == (
+        "models/context-pair/producer", "elsewhere/consumer", "models/context-pair/codebook")
+    args = build_parser("up").parse_args(["up"])
+    resolve_pair(args)
+    assert args.producer == "models/demo-pair/producer"
