@@ -139,14 +139,20 @@ class ContextPairConfig:
     consumer_rope_theta: float = 1e6
     max_position_embeddings: int = 4096
     threads: int = 1
+    # progressive stacking (scd_serve/pair/grow.py): a shallow_layers-deep model learns the
+    # lookup on short documents first, then grows to num_layers; 0 trains num_layers from scratch
+    shallow_layers: int = 2
+    shallow: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
+        style="base", split="base", steps=450, lr=3e-3, batch_tokens=2560, min_len=64, start_max_len=256,
+        max_len=256, ramp_frac=0.0, warmup=20, chains=(4, 8), start_max_depth=0, max_depth=0))
     producer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="base", split="base", steps=800, lr=2e-3, batch_tokens=2560, min_len=96, start_max_len=256,
-        max_len=768, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=30, chains=(3, 8),
-        start_max_depth=1, max_depth=3, comment_prob=0.3, comment_until=0.4))
+        style="base", split="base", steps=350, lr=2e-3, batch_tokens=2560, min_len=128, start_max_len=256,
+        max_len=640, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=20, chains=(3, 8),
+        start_max_depth=1, max_depth=2, comment_prob=0.3, comment_until=0.4))
     consumer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="expert", split="expert", steps=150, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
-        max_len=1024, ramp_frac=0.2, long_frac=0.15, long_len=2048, warmup=20, chains=(2, 6),
-        start_max_depth=3, max_depth=3))
+        style="expert", split="expert", steps=100, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
+        max_len=1024, ramp_frac=0.2, long_frac=0.15, long_len=2048, warmup=10, chains=(2, 6),
+        start_max_depth=2, max_depth=2))
     # the files under eval/: held-out task prompts, plain held-out text, calibration prompts
     eval_lengths: tuple[int, int] = (512, 2048)  # prompt tokens, <bos> included
     eval_depths: tuple[int, int] = (1, 2)  # depth of the asked chain
@@ -158,6 +164,8 @@ class ContextPairConfig:
     def __post_init__(self):
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ConfigError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
+        if self.shallow_layers < 0 or (self.shallow_layers and self.num_layers % self.shallow_layers):
+            raise ConfigError("shallow_layers must be 0 or divide num_layers")
         if self.threads < 1 or self.vocab_size < 300:
             raise ConfigError("threads must be >= 1 and vocab_size >= 300 (bytes + specials)")
 
@@ -167,5 +175,6 @@ class ContextPairConfig:
                      long_len=0, warmup=1, chains=(1, 2))
         return replace(self, vocab_size=1024, tokenizer_chars=400_000, num_layers=2, hidden_size=32, num_heads=4,
                        num_kv_heads=2, intermediate_size=64, threads=1,
+                       shallow_layers=1 if self.shallow_layers else 0, shallow=replace(self.shallow, **small),
                        producer=replace(self.producer, **small), consumer=replace(self.consumer, **small),
                        eval_lengths=(128, 384), eval_chains=(2, 3), num_heldout=4, num_text=2, num_calibration=4)

@@ -5,7 +5,8 @@
 3. eval/: held-out variable-tracking prompts (expert style, 512-2048 tokens), the same task
    in the producer's style, plain held-out source for perplexity, calibration prompts;
 4. producer: a Qwen2 (GQA, q/k/v biases, rope_theta 1e4) trained from the seed on the base
-   split with `assert x == ` questions;
+   split with `assert x == ` questions (optionally first as a shallow model on plain lookups,
+   then grown: grow.py);
 5. consumer: the producer's weights with rope_theta 1e6, fine-tuned on the expert split
    with doctest questions (`>>> x`).
 `report.json` records the settings, the corpus, the times and a greedy probe of both models.
@@ -17,7 +18,7 @@ import json
 import platform
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +30,7 @@ from scd_serve.pair.bpe import single_token_words, train_bpe
 from scd_serve.pair.context_corpus import load_splits, sample_lines, stdlib_root, training_text
 from scd_serve.pair.context_task import STYLES, make_examples
 from scd_serve.pair.context_train import build_model, train_stage
+from scd_serve.pair.grow import grow
 from scd_serve.quality.metrics import exact_match
 
 
@@ -116,7 +118,13 @@ def make_context_pair(cfg: ContextPairConfig, out: Path, probe_n: int = 100,
     report["eval_files"] = write_eval_files(cfg, splits, tokenizer, pool, out / "eval")
     log(f"tokenizer {len(tokenizer)} tokens, {len(pool)} variable names; eval files {report['eval_files']}")
     torch.manual_seed(cfg.seed)
-    producer = build_model(cfg, tokenizer)
+    if cfg.shallow_layers:
+        shallow = build_model(replace(cfg, num_layers=cfg.shallow_layers), tokenizer)
+        report["shallow_train"] = train_stage(shallow, cfg.shallow, tokenizer, splits[cfg.shallow.split], pool,
+                                              cfg.seed, log=log)
+        producer = grow(shallow, cfg.num_layers)
+    else:
+        producer = build_model(cfg, tokenizer)
     report["params"] = sum(p.numel() for p in producer.parameters())
     report["producer_train"] = train_stage(producer, cfg.producer, tokenizer, splits[cfg.producer.split], pool,
                                            cfg.seed + 1, log=log)

@@ -113,7 +113,7 @@ def build_doc(rng: random.Random, lines: list[str], pool: list[str], style: Styl
     num_statements = sum(d + 1 for d in depths)
     if len(names) < num_statements or len(points) < num_statements:
         return None
-    rng.shuffle(names)
+    names = rng.sample(names, num_statements)
     chains, start = [], 0
     for d in depths:
         chains.append(make_chain(rng, names[start:start + d + 1], d, comment=rng.random() < comment_prob))

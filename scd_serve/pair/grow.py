@@ -1,4 +1,4 @@
-"""Progressive stacking: grow a trained shallow Llama into a deeper one that computes the same function.
+"""Progressive stacking: grow a trained shallow Llama (or Qwen2) into a deeper one that computes the same function.
 
 A 2-layer model finds the induction circuit (the in-context lookup) in a few hundred
 cheap steps; an 8-layer one from scratch takes far longer on two cores. Each layer of
@@ -13,12 +13,12 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import PreTrainedModel
 
 from scd_serve.errors import ConfigError
 
 
-def grow(small: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+def grow(small: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     have = small.config.num_hidden_layers
     if num_layers % have:
         raise ConfigError(f"cannot grow {have} layers to {num_layers}: not a multiple")
@@ -27,7 +27,7 @@ def grow(small: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = [cfg.layer_types[0]] * num_layers
-    big = LlamaForCausalLM(cfg)
+    big = type(small)(cfg)  # LlamaForCausalLM, Qwen2ForCausalLM: same layer layout
     src = small.state_dict()
     dst = {}
     for name, tensor in big.state_dict().items():
