@@ -111,6 +111,8 @@ class ContextStageConfig:
     comment_until: float = 0.5  # fraction of the steps after which no chain carries comments
     lm_weight: float = 0.1  # loss weight of a scored non-answer token (answer tokens weigh 1)
     lm_frac: float = 0.15  # share of non-answer tokens scored (the 8k-wide head is the costly part)
+    copy_frac: float = 0.0  # share of documents that are copy practice: random tokens, a span repeated
+    copy_vocab: int = 256  # copy practice draws token ids 4 .. 4 + copy_vocab (after the special tokens)
 
     def __post_init__(self):
         if self.style not in ("base", "expert"):
@@ -143,14 +145,14 @@ class ContextPairConfig:
     # lookup on short documents first, then grows to num_layers; 0 trains num_layers from scratch
     shallow_layers: int = 2
     shallow: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="base", split="base", steps=450, lr=3e-3, batch_tokens=2560, min_len=64, start_max_len=256,
-        max_len=256, ramp_frac=0.0, warmup=20, chains=(4, 8), start_max_depth=0, max_depth=0))
+        style="base", split="base", steps=600, lr=3e-3, batch_tokens=2560, min_len=64, start_max_len=192,
+        max_len=192, ramp_frac=0.0, warmup=20, chains=(4, 8), start_max_depth=0, max_depth=0, copy_frac=0.5))
     producer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="base", split="base", steps=350, lr=2e-3, batch_tokens=2560, min_len=128, start_max_len=256,
+        style="base", split="base", steps=300, lr=2e-3, batch_tokens=2560, min_len=128, start_max_len=256,
         max_len=640, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=20, chains=(3, 8),
         start_max_depth=1, max_depth=2, comment_prob=0.3, comment_until=0.4))
     consumer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="expert", split="expert", steps=100, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
+        style="expert", split="expert", steps=80, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
         max_len=1024, ramp_frac=0.2, long_frac=0.15, long_len=2048, warmup=10, chains=(2, 6),
         start_max_depth=2, max_depth=2))
     # the files under eval/: held-out task prompts, plain held-out text, calibration prompts

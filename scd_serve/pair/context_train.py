@@ -60,6 +60,9 @@ def batches(stage: ContextStageConfig, tokenizer, files: tuple[SourceFile, ...],
         length, max_depth, comments = _schedule(rng, stage, step / stage.steps)
         rows = []
         for _ in range(max(1, stage.batch_tokens // length)):
+            if rng.random() < stage.copy_frac:
+                rows.append(copy_document(rng, tokenizer.bos_token_id, length, stage.copy_vocab))
+                continue
             depths = [rng.randint(0, max_depth) for _ in range(rng.randint(*stage.chains))]
             asked = rng.sample(range(len(depths)), len(depths))
             doc = sample_doc(rng, files, pool, style, length, depths, asked, comments)
@@ -81,6 +84,21 @@ def batches(stage: ContextStageConfig, tokenizer, files: tuple[SourceFile, ...],
             weights[i, : len(w)] = torch.tensor(w)
             depth[i, : len(d)] = torch.tensor(d)
         yield input_ids, weights, depth
+
+
+COPY_DEPTH = 7  # the "depth" copy-practice tokens are logged under
+
+
+def copy_document(rng: random.Random, bos: int, length: int, vocab: int) -> tuple[list[int], list[float], list[int]]:
+    """Random tokens with a span of them repeated later; the repeat is scored. A tiny model forms
+    induction heads on this far sooner than on the task, whose lookup then reuses them."""
+    span = rng.randint(8, 16)
+    body = [rng.randrange(4, 4 + vocab) for _ in range(max(span + 2, length - span - 1))]
+    start = rng.randint(0, len(body) - span)
+    cut = rng.randint(start + span, len(body))
+    ids = [bos] + body[:cut] + body[start:start + span]
+    scored = [False] * (cut + 2) + [True] * (span - 1)  # the repeat's first token is not predictable
+    return ids, [1.0 if m else 0.0 for m in scored], [COPY_DEPTH if m else -1 for m in scored]
 
 
 def sparse_loss(model: Qwen2ForCausalLM, input_ids: Tensor, weights: Tensor,
