@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("scd_serve.cluster.up", "start a local prefill + decode + gateway cluster"),
     "bench": ("scd_serve.bench.main", "benchmarks: ttft over a shaped link, serving load"),
     "plan": ("scd_serve.bench.plan", "project payload and TTFT for real model shapes"),
+    "make-shaped-pair": ("scd_serve.bench.shaped_pair", "random-weight pair with a real model's shape (cost only)"),
 }
 
 

@@ -1,0 +1,57 @@
+"""Which dtype is faster for this CPU's matmuls: a one-minute check before choosing `--dtype`.
+
+    python -m scd_serve.bench.matmul_dtype [--tokens 1024] [--hidden 896] [--inter 4864] [--threads 1]
+
+bfloat16 halves weight memory, but on CPUs without native bf16 instructions (no AVX512_BF16
+or AMX) torch converts it to float32 inside the kernels, which can cost more than it saves;
+float16 is usually worse still. The shapes default to one Qwen2.5-0.5B MLP projection over a
+1k-token prompt (the bulk of prefill FLOPs); medians of --repeat, after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def median_matmul_s(tokens: int, hidden: int, inter: int, dtype: torch.dtype, repeat: int) -> float:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)  # [T, hidden]: a prompt's activations
+    w = torch.randn(inter, hidden, generator=gen).to(dtype)  # [inter, hidden]: as nn.Linear stores it
+    torch.nn.functional.linear(x, w)  # warm-up: packing, allocator
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--inter", type=int, default=4864)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    flops = 2.0 * args.tokens * args.hidden * args.inter
+    print(f"linear [{args.tokens}x{args.hidden}] x [{args.inter}x{args.hidden}]^T, {args.threads} thread(s), "
+          f"median of {args.repeat}")
+    base = None
+    for name in args.dtypes:
+        t = median_matmul_s(args.tokens, args.hidden, args.inter, DTYPES[name], args.repeat)
+        base = base or t
+        print(f"{name:<10}{t * 1e3:>10.1f} ms{flops / t / 1e9:>10.1f} GFLOP/s{t / base:>8.2f}x float32")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
