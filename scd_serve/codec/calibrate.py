@@ -247,7 +247,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "matrix, refused up front when that will not fit) or none (codes only)")
     parser.add_argument("--prior-taps", type=int, default=3,
                         help="prompt tokens (current and previous) the token prior reads; 0: codes only")
-    parser.add_argument("--prior-width", type=int, default=1024, help="random features of the feature prior")
+    parser.add_argument("--prior-width", type=int, default=512, help="random features per token of the feature prior")
     parser.add_argument("--prior-rank", type=int, default=64,
                         help="columns of the feature prior's shared basis (its codebook size grows with it)")
     parser.add_argument("--prior-ridge", type=float, default=None,

@@ -3,11 +3,13 @@ from the consumer's own embeddings, so that its size does not grow with the voca
 
 The decode node holds the prompt's token ids and the consumer's weights. Per position t:
   e_t   = the consumer's layer-0 attention input, rms_norm(embed[x_t]) (token ids alone fix it)
-  x_t   = [e_t, e_{t-1}, ..., e_{t-taps+1}]               (zeros before the prompt) [taps*hidden]
-  phi_t = [x_t, silu(scale * x_t R)]                                                 [m]
-R [taps*hidden, width] is a Gaussian matrix drawn from a seed (random features: one fixed
-nonlinear map, so that pairs of neighbouring tokens can act together); it is regenerated, not
-stored, and the manifest holds its checksum. One reduced-rank ridge regression serves every
+  g_t   = [e_t, silu(scale * e_t R)]                             per token [hidden + width]
+  phi_t = [g_t, g_{t-1}, ..., g_{t-taps+1}]           (zeros before the prompt) [m]
+R [hidden, width] is a Gaussian matrix drawn from a seed (random features: a fixed nonlinear
+map of each token, so that the fit can give each token a vector of its own, as a table would);
+it is regenerated, not stored, and the manifest holds its checksum. Features of one token
+(not of the window) make the prior additive over taps like a dense table: on the embedded
+pair it explains the consumer's keys better than random features of the whole window. One reduced-rank ridge regression serves every
 target (layer, stream):  prior_t = ((phi_t - mean) U) H_target + bias_target,
 with U [m, rank] shared and H [rank, dB] per target: the codebook holds m*rank plus rank*dB
 numbers per target, whatever the vocabulary.
@@ -35,7 +37,7 @@ KIND = "features"
 @dataclass(frozen=True)
 class FeatureSpec:
     taps: int = 3  # prompt tokens read: the current one and taps - 1 before it
-    width: int = 1024  # random features (0: the linear embedding features only)
+    width: int = 512  # random features per token (0: the linear embedding features only)
     rank: int = 64  # shared basis U's columns
     seed: int = 0
     scale: float = 2.0  # of the random projection, before the silu
@@ -43,13 +45,12 @@ class FeatureSpec:
 
     @property
     def num_features(self) -> int:
-        return self.taps * self.hidden + self.width
+        return self.taps * (self.hidden + self.width)
 
     def projection(self) -> Tensor:
-        """R [taps*hidden, width], float32 on the CPU: the same numbers on every machine."""
+        """R [hidden, width], float32 on the CPU: the same numbers on every machine."""
         gen = torch.Generator().manual_seed(self.seed)
-        x = self.taps * self.hidden
-        return torch.randn(x, self.width, generator=gen) / max(x, 1) ** 0.5
+        return torch.randn(self.hidden, self.width, generator=gen) / max(self.hidden, 1) ** 0.5
 
 
 def _checksum(t: Tensor) -> str:
@@ -59,12 +60,10 @@ def _checksum(t: Tensor) -> str:
 def features(spec: FeatureSpec, inputs: Tensor, proj: Tensor) -> Tensor:
     """inputs: the consumer's layer-0 attention inputs e [T, hidden] -> phi [T, m] float32."""
     e = inputs.float()
-    t = e.shape[0]
-    lagged = [e] + [torch.cat([e.new_zeros(min(j, t), e.shape[1]), e[: max(t - j, 0)]]) for j in range(1, spec.taps)]
-    x = torch.cat(lagged, dim=1)  # [T, taps*hidden]
-    if spec.width == 0:
-        return x
-    return torch.cat([x, torch.nn.functional.silu(spec.scale * (x @ proj.to(x.device)))], dim=1)
+    g = e if spec.width == 0 else torch.cat([e, torch.nn.functional.silu(spec.scale * (e @ proj.to(e.device)))], dim=1)
+    t = g.shape[0]  # g: [T, hidden + width]
+    lagged = [g] + [torch.cat([g.new_zeros(min(j, t), g.shape[1]), g[: max(t - j, 0)]]) for j in range(1, spec.taps)]
+    return torch.cat(lagged, dim=1)  # [T, taps * (hidden + width)]
 
 
 def token_inputs(consumer: Any, tokens: Any, device: Any = None) -> Tensor:

@@ -36,7 +36,7 @@ class CalibrateConfig:
     # mean feature variance (None: 0.1 and 1e-3).
     prior: str = "features"
     prior_taps: int = 3
-    prior_width: int = 1024
+    prior_width: int = 512
     prior_rank: int = 64
     prior_ridge: float | None = None
     seed: int = 0
