@@ -83,6 +83,7 @@ class PairConfig:
                      long_frac=0.0, long_len=0, warmup=1)
         return replace(self, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
                        intermediate_size=64, threads=1, shallow_layers=1,
+                       copy=replace(self.copy, **small),
                        shallow=replace(self.shallow, **small),
                        producer=replace(self.producer, **small), consumer=replace(self.consumer, **small))
 
@@ -144,15 +145,19 @@ class ContextPairConfig:
     # progressive stacking (scd_serve/pair/grow.py): a shallow_layers-deep model learns the
     # lookup on short documents first, then grows to num_layers; 0 trains num_layers from scratch
     shallow_layers: int = 2
-    shallow: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="base", split="base", steps=600, lr=3e-3, batch_tokens=2560, min_len=64, start_max_len=192,
-        max_len=192, ramp_frac=0.0, warmup=20, chains=(4, 8), start_max_depth=0, max_depth=0, copy_frac=0.5))
+    copy: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(  # copy practice only
+        style="base", split="base", steps=700, lr=3e-3, batch_tokens=2048, min_len=48, start_max_len=96,
+        max_len=96, ramp_frac=0.0, warmup=20, copy_frac=1.0, copy_vocab=64))
+    shallow: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(  # then plain lookups
+        style="base", split="base", steps=250, lr=2e-3, batch_tokens=2560, min_len=64, start_max_len=192,
+        max_len=192, ramp_frac=0.0, warmup=10, chains=(4, 8), start_max_depth=0, max_depth=0, copy_frac=0.3,
+        copy_vocab=64))
     producer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="base", split="base", steps=300, lr=2e-3, batch_tokens=2560, min_len=128, start_max_len=256,
+        style="base", split="base", steps=250, lr=2e-3, batch_tokens=2560, min_len=128, start_max_len=256,
         max_len=640, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=20, chains=(3, 8),
         start_max_depth=1, max_depth=2, comment_prob=0.3, comment_until=0.4))
     consumer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="expert", split="expert", steps=80, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
+        style="expert", split="expert", steps=60, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
         max_len=1024, ramp_frac=0.2, long_frac=0.15, long_len=2048, warmup=10, chains=(2, 6),
         start_max_depth=2, max_depth=2))
     # the files under eval/: held-out task prompts, plain held-out text, calibration prompts
@@ -177,6 +182,7 @@ class ContextPairConfig:
                      long_len=0, warmup=1, chains=(1, 2))
         return replace(self, vocab_size=1024, tokenizer_chars=400_000, num_layers=2, hidden_size=32, num_heads=4,
                        num_kv_heads=2, intermediate_size=64, threads=1,
-                       shallow_layers=1 if self.shallow_layers else 0, shallow=replace(self.shallow, **small),
+                       shallow_layers=1 if self.shallow_layers else 0, copy=replace(self.copy, **small),
+                       shallow=replace(self.shallow, **small),
                        producer=replace(self.producer, **small), consumer=replace(self.consumer, **small),
                        eval_lengths=(128, 384), eval_chains=(2, 3), num_heldout=4, num_text=2, num_calibration=4)

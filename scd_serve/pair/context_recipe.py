@@ -120,6 +120,8 @@ def make_context_pair(cfg: ContextPairConfig, out: Path, probe_n: int = 100,
     torch.manual_seed(cfg.seed)
     if cfg.shallow_layers:
         shallow = build_model(replace(cfg, num_layers=cfg.shallow_layers), tokenizer)
+        report["copy_train"] = train_stage(shallow, cfg.copy, tokenizer, splits[cfg.copy.split], pool,
+                                           cfg.seed + 10, log=log)
         report["shallow_train"] = train_stage(shallow, cfg.shallow, tokenizer, splits[cfg.shallow.split], pool,
                                               cfg.seed, log=log)
         producer = grow(shallow, cfg.num_layers)
