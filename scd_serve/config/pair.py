@@ -83,7 +83,6 @@ class PairConfig:
                      long_frac=0.0, long_len=0, warmup=1)
         return replace(self, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
                        intermediate_size=64, threads=1, shallow_layers=1,
-                       copy=replace(self.copy, **small),
                        shallow=replace(self.shallow, **small),
                        producer=replace(self.producer, **small), consumer=replace(self.consumer, **small))
 
