@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--data: the first N records (default all)")
     parser.add_argument("--text-limit", type=int, default=30, help="held-out texts for perplexity (built-in data)")
     parser.add_argument("--table", action="store_true", help="run every registered method, print a table")
+    parser.add_argument("--locality", type=int, default=0, metavar="TAPS",
+                        help="also print, per layer, how much of the consumer's K/V (held-out R^2) the last TAPS "
+                             "prompt tokens explain (quality/locality.py; 0: not)")
     parser.add_argument("--split", default="heldout", choices=["heldout", "smoke"],
                         help="built-in QA split ('smoke': short prompts for quick checks)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype the models are loaded in")
@@ -219,10 +222,31 @@ def run(args: argparse.Namespace) -> int:
     if args.table:
         doc["table"] = format_table(rows)
         print(doc["table"])
+    if args.locality > 0:
+        doc["locality"] = print_locality(args, records, rt_b)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
+
+
+def print_locality(args: argparse.Namespace, records: list | None, consumer) -> list[dict[str, float]]:
+    """--locality TAPS on the same prompts as the table (a held-out quarter scores the fit)."""
+    from scd_serve.quality.locality import format_locality, locality
+
+    if records is not None:
+        from scd_serve.quality.data import tokenize
+
+        items = tokenize(records, consumer.tokenizer, args.max_tokens or consumer.spec.max_position_embeddings,
+                         str(args.data)).items
+        prompts = [torch.cat([p.ids, p.reference]) if p.reference is not None else p.ids for p in items]
+    else:
+        from scd_serve.codec.calibrate import load_prompts
+
+        prompts = [p for p, _ in load_prompts(consumer.tokenizer, args.split, args.limit, seed=0)]
+    rows = locality(consumer, prompts, taps=args.locality)
+    print(format_locality(rows, args.locality), flush=True)
+    return rows
 
 
 def eval_data(args: argparse.Namespace, records: list, rt_a, rt_b, methods: list[tuple[str, str | None]]) -> list[dict]:
