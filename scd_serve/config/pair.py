@@ -134,8 +134,8 @@ class ContextPairConfig:
     tokenizer_chars: int = 0  # characters of training text the BPE sees (0: all of base + expert)
     num_layers: int = 8
     hidden_size: int = 128
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    num_heads: int = 8  # head_dim 16: with 4 heads of 32, copying had not formed after 700 steps
+    num_kv_heads: int = 4
     intermediate_size: int = 384
     producer_rope_theta: float = 1e4
     consumer_rope_theta: float = 1e6
@@ -145,8 +145,8 @@ class ContextPairConfig:
     # lookup on short documents first, then grows to num_layers; 0 trains num_layers from scratch
     shallow_layers: int = 2
     copy: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(  # copy practice only
-        style="base", split="base", steps=700, lr=3e-3, batch_tokens=2048, min_len=48, start_max_len=96,
-        max_len=96, ramp_frac=0.0, warmup=20, copy_frac=1.0, copy_vocab=64))
+        style="base", split="base", steps=700, lr=1e-3, batch_tokens=3072, min_len=32, start_max_len=64,
+        max_len=64, ramp_frac=0.0, warmup=10, copy_frac=1.0, copy_vocab=16))
     shallow: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(  # then plain lookups
         style="base", split="base", steps=250, lr=2e-3, batch_tokens=2560, min_len=64, start_max_len=192,
         max_len=192, ramp_frac=0.0, warmup=10, chains=(4, 8), start_max_depth=0, max_depth=0, copy_frac=0.3,
