@@ -24,7 +24,7 @@ from scd_serve.codec.candidates import Candidates
 from scd_serve.codec.curve import plot_tradeoff
 from scd_serve.codec.fit import collect_rows, fit_layer, subtract_priors, train_aligner
 from scd_serve.codec.memory import DTYPES, check_fits, estimate
-from scd_serve.codec.features import FeatureFit, FeatureSpec
+from scd_serve.codec.features import FeatureFit, FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
 from scd_serve.codec.probe import KLProbe, make_examples
 from scd_serve.codec.search import PlanSearch, SearchPoint
@@ -80,7 +80,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     # Token priors absorb how differently two models mix nearby tokens; for one model the
     # codes alone are exact at full rank (same-model mode stays lossless), so none are fitted.
     same_model = bool(pspec.fingerprint and pspec.fingerprint == cspec.fingerprint)
-    prior_fit = prior_fitter(cfg, consumer) if cfg.uses_prior and not same_model else None
+    prior_fit = prior_fitter(cfg, consumer, fit_prompts) if cfg.uses_prior and not same_model else None
     with tqdm(total=len(fit_prompts), desc="collect states", disable=not show_progress) as bar:
         rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update, prior=prior_fit)
     prior, priors = prior_fit.solve(cfg.ridge) if prior_fit else (None, {})
@@ -154,13 +154,13 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     return Calibration(book, curve, methods)
 
 
-def prior_fitter(cfg: CalibrateConfig, consumer: Any) -> Any:
+def prior_fitter(cfg: CalibrateConfig, consumer: Any, fit_prompts: list) -> Any:
     """The streamed fit of the chosen token prior (features.py or prior.py)."""
     if cfg.prior == "dense":
         return PriorFit(consumer.spec.vocab_size, cfg.prior_taps)
     spec = FeatureSpec(taps=cfg.prior_taps, width=cfg.prior_width, rank=cfg.prior_rank, seed=cfg.seed,
-                       hidden=spec_of(consumer).hidden_size)
-    return FeatureFit(spec)
+                       hidden=spec_of(consumer).hidden_size, frequent=cfg.prior_frequent)
+    return FeatureFit(spec, most_frequent(fit_prompts, cfg.prior_frequent) if cfg.prior_frequent else None)
 
 
 def droidspeak_layers(probe: KLProbe, cands: Candidates, num_layers: int, count: int,
@@ -248,6 +248,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prior-taps", type=int, default=3,
                         help="prompt tokens (current and previous) the token prior reads; 0: codes only")
     parser.add_argument("--prior-width", type=int, default=512, help="random features per token of the feature prior")
+    parser.add_argument("--prior-frequent", type=int, default=0,
+                        help="tokens of the fit prompts (the most frequent) that get a column of their own in the "
+                             "feature prior, as in a dense table (0: none; the count is fixed, not the vocabulary)")
     parser.add_argument("--prior-rank", type=int, default=64,
                         help="columns of the feature prior's shared basis (its codebook size grows with it)")
     parser.add_argument("--prior-ridge", type=float, default=None,
@@ -271,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
                           num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
                           max_patches=args.max_patches, aligner_steps=args.aligner_steps, seed=args.seed,
                           prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
-                          prior_rank=args.prior_rank, prior_ridge=args.prior_ridge)
+                          prior_frequent=args.prior_frequent, prior_rank=args.prior_rank, prior_ridge=args.prior_ridge)
     if args.greedy_tokens < 1:
         raise ConfigError(f"--greedy-tokens must be >= 1, got {args.greedy_tokens}", field="greedy_tokens")
     # nothing is loaded before the memory estimate and the data file are checked

@@ -3,13 +3,16 @@ from the consumer's own embeddings, so that its size does not grow with the voca
 
 The decode node holds the prompt's token ids and the consumer's weights. Per position t:
   e_t   = the consumer's layer-0 attention input, rms_norm(embed[x_t]) (token ids alone fix it)
-  g_t   = [e_t, silu(scale * e_t R)]                             per token [hidden + width]
+  g_t   = [e_t, silu(scale * e_t R), onehot_F(x_t)]         per token [hidden + width + F]
   phi_t = [g_t, g_{t-1}, ..., g_{t-taps+1}]           (zeros before the prompt) [m]
 R [hidden, width] is a Gaussian matrix drawn from a seed (random features: a fixed nonlinear
 map of each token, so that the fit can give each token a vector of its own, as a table would);
 it is regenerated, not stored, and the manifest holds its checksum. Features of one token
 (not of the window) make the prior additive over taps like a dense table: on the embedded
-pair it explains the consumer's keys better than random features of the whole window. One reduced-rank ridge regression serves every
+pair it explains the consumer's keys better than random features of the whole window.
+onehot_F marks the F tokens seen most often in the calibration prompts (their ids ship in
+the codebook; F is fixed, not the vocabulary): those tokens get a vector of their own, as in
+a dense table, and the rest share what their embeddings say. One reduced-rank ridge regression serves every
 target (layer, stream):  prior_t = ((phi_t - mean) U) H_target + bias_target,
 with U [m, rank] shared and H [rank, dB] per target: the codebook holds m*rank plus rank*dB
 numbers per target, whatever the vocabulary.
@@ -42,10 +45,11 @@ class FeatureSpec:
     seed: int = 0
     scale: float = 2.0  # of the random projection, before the silu
     hidden: int = 0  # the consumer's hidden size (set by the fit)
+    frequent: int = 0  # F: tokens with a one-hot column of their own (the most frequent in the fit)
 
     @property
     def num_features(self) -> int:
-        return self.taps * (self.hidden + self.width)
+        return self.taps * (self.hidden + self.width + self.frequent)
 
     def projection(self) -> Tensor:
         """R [hidden, width], float32 on the CPU: the same numbers on every machine."""
@@ -57,13 +61,29 @@ def _checksum(t: Tensor) -> str:
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def features(spec: FeatureSpec, inputs: Tensor, proj: Tensor) -> Tensor:
-    """inputs: the consumer's layer-0 attention inputs e [T, hidden] -> phi [T, m] float32."""
+def most_frequent(prompts: list, count: int) -> Tensor:
+    """The `count` token ids seen most often in the prompts (ties: lower id first). -> [<= count]"""
+    ids = torch.cat([torch.as_tensor(p).reshape(-1).long() for p in prompts])
+    found, counts = torch.unique(ids, return_counts=True)
+    order = sorted(range(found.shape[0]), key=lambda i: (-int(counts[i]), int(found[i])))[:count]
+    return found[sorted(order)].clone()
+
+
+def features(spec: FeatureSpec, inputs: Tensor, proj: Tensor, ids: Tensor | None = None,
+             frequent: Tensor | None = None) -> Tensor:
+    """inputs: the consumer's layer-0 attention inputs e [T, hidden], ids [T] the tokens (needed
+    with frequent-token columns), frequent [F] -> phi [T, m] float32."""
     e = inputs.float()
-    g = e if spec.width == 0 else torch.cat([e, torch.nn.functional.silu(spec.scale * (e @ proj.to(e.device)))], dim=1)
-    t = g.shape[0]  # g: [T, hidden + width]
+    parts = [e]
+    if spec.width:
+        parts.append(torch.nn.functional.silu(spec.scale * (e @ proj.to(e.device))))
+    if spec.frequent:
+        onehot = ids.reshape(-1, 1).to(e.device) == frequent.to(e.device).reshape(1, -1)  # [T, F]
+        parts.append(torch.cat([onehot.float(), e.new_zeros(e.shape[0], spec.frequent - onehot.shape[1])], dim=1))
+    g = torch.cat(parts, dim=1)
+    t = g.shape[0]  # g: [T, hidden + width + F]
     lagged = [g] + [torch.cat([g.new_zeros(min(j, t), g.shape[1]), g[: max(t - j, 0)]]) for j in range(1, spec.taps)]
-    return torch.cat(lagged, dim=1)  # [T, taps * (hidden + width)]
+    return torch.cat(lagged, dim=1)  # [T, taps * (hidden + width + F)]
 
 
 def token_inputs(consumer: Any, tokens: Any, device: Any = None) -> Tensor:
@@ -77,9 +97,10 @@ class FeaturePrior:
 
     kind = KIND
 
-    def __init__(self, spec: FeatureSpec, basis: Tensor, mean: Tensor):
+    def __init__(self, spec: FeatureSpec, basis: Tensor, mean: Tensor, frequent: Tensor | None = None):
         self.spec = spec
         self.basis, self.mean = basis, mean  # U [m, rank], phi's mean [m]
+        self.frequent = frequent if frequent is not None else torch.zeros(0, dtype=torch.long)  # [F] token ids
         self._proj = spec.projection()
         self._on: dict[Any, tuple[Tensor, Tensor, Tensor]] = {}
 
@@ -98,7 +119,7 @@ class FeaturePrior:
         """The prompt's reduced features F [T, rank], computed once per prompt."""
         e = token_inputs(consumer, tokens, device)
         _, _, proj = self._moved(e.device)
-        return self.reduce(features(self.spec, e, proj))
+        return self.reduce(features(self.spec, e, proj, torch.as_tensor(tokens), self.frequent))
 
     @staticmethod
     def apply(head: Tensor, bias: Tensor, ctx: Tensor) -> Tensor:
@@ -112,7 +133,10 @@ class FeaturePrior:
         return {"kind": KIND, **asdict(self.spec), "projection_sha256": _checksum(self._proj)}
 
     def tensors(self) -> dict[str, Tensor]:
-        return {"prior.basis": self.basis.to(torch.float16).contiguous(), "prior.mean": self.mean.float().contiguous()}
+        out = {"prior.basis": self.basis.to(torch.float16).contiguous(), "prior.mean": self.mean.float().contiguous()}
+        if self.spec.frequent:
+            out["prior.frequent"] = self.frequent.long().contiguous()
+        return out
 
     @classmethod
     def from_codebook(cls, manifest: dict[str, Any], tensors: dict[str, Tensor]) -> FeaturePrior:
@@ -125,7 +149,10 @@ class FeaturePrior:
         if tuple(basis.shape) != (spec.num_features, spec.rank) or tuple(mean.shape) != (spec.num_features,):
             raise CodebookError(f"feature prior tensors have shapes {list(basis.shape)} and {list(mean.shape)}, "
                                 f"expected [{spec.num_features}, {spec.rank}] and [{spec.num_features}]")
-        prior = cls(spec, basis, mean)
+        frequent = tensors.get("prior.frequent")
+        if spec.frequent and (frequent is None or frequent.dim() != 1 or frequent.shape[0] > spec.frequent):
+            raise CodebookError(f"codebook tensor 'prior.frequent' must hold at most {spec.frequent} token ids")
+        prior = cls(spec, basis, mean, frequent)
         want = manifest.get("projection_sha256")
         if want and want != _checksum(prior._proj):
             raise CodebookError("this torch build draws another random projection from the feature prior's seed "
@@ -136,8 +163,10 @@ class FeaturePrior:
 class FeatureFit:
     """Streamed normal equations of the feature prior, shared by every target (layer, stream)."""
 
-    def __init__(self, spec: FeatureSpec):
+    def __init__(self, spec: FeatureSpec, frequent: Tensor | None = None):
+        """frequent: the token ids with columns of their own ([<= spec.frequent], most_frequent)."""
         self.spec = spec
+        self.frequent = frequent if frequent is not None else torch.zeros(0, dtype=torch.long)
         self._proj = spec.projection()
         m = spec.num_features
         self.gram = torch.zeros(m, m, dtype=torch.float64)
@@ -151,7 +180,8 @@ class FeatureFit:
     def add_tokens(self, tokens: Tensor, consumer: Any) -> Tensor:
         """Count one prompt's features into the Gram matrix. -> phi [T, m] (float32, CPU)."""
         self._flush()
-        phi = features(self.spec, token_inputs(consumer, tokens).cpu(), self._proj).contiguous()
+        phi = features(self.spec, token_inputs(consumer, tokens).cpu(), self._proj, torch.as_tensor(tokens).cpu(),
+                       self.frequent).contiguous()
         # one prompt's sums in float32 (a few thousand terms), the running totals in float64
         self.gram += (phi.T @ phi).double()
         self.col_sum += phi.sum(0).double()
@@ -210,7 +240,7 @@ class FeatureFit:
         q = (a.T @ p) / s  # [sum d, rank] right singular vectors
         basis = w @ q  # U [m, rank]
         # the codebook stores U in fp16: fit the heads' users to the very numbers shipped
-        prior = FeaturePrior(self.spec, basis.half().float(), mean.float())
+        prior = FeaturePrior(self.spec, basis.half().float(), mean.float(), self.frequent)
         out, col = {}, 0
         for k, scale in zip(keys, scales):
             d = self.y_sum[k].shape[0]

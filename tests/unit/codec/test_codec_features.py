@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from scd_serve.codec.features import FeatureFit, FeaturePrior, FeatureSpec, features
+from scd_serve.codec.features import FeatureFit, FeaturePrior, FeatureSpec, features, most_frequent
 from scd_serve.errors import CodebookError
 
 
@@ -135,3 +135,29 @@ def test_calibration_at_a_152k_vocabulary_allocates_nothing_vocab_sized(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     grew_kb = int(done.stdout.split("GREW_KB")[1])
     assert grew_kb < 1_000_000, f"calibration grew the peak RSS by {grew_kb} kB"
+
+
+def test_frequent_tokens_get_vectors_of_their_own():
+    """A target that is an arbitrary table of the current token: a linear map of 6-dim random
+    embeddings cannot hold 40 arbitrary vectors; one-hot columns for the frequent tokens can."""
+    consumer, prompts = _data(seed=4, vocab=40)
+    table = torch.randn(40, 3, generator=torch.Generator().manual_seed(9))
+    scores = {}
+    for frequent in (0, 40):
+        spec = FeatureSpec(taps=1, width=0, rank=3, hidden=6, frequent=frequent)
+        fit = FeatureFit(spec, most_frequent(prompts, frequent) if frequent else None)
+        for ids in prompts:
+            fit.add_target("t", fit.add_tokens(ids, consumer), table[ids])
+        prior, heads = fit.solve(ridge=1e-6)
+        loaded = FeaturePrior.from_codebook(prior.manifest(), prior.tensors())
+        ids = torch.cat(prompts)
+        pred = loaded.apply(*heads["t"], loaded.context(ids, consumer))
+        y = table[ids]
+        scores[frequent] = 1 - float((pred - y).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+    assert scores[40] > 0.99 and scores[0] < 0.6, scores
+
+
+def test_most_frequent_counts_over_all_prompts():
+    prompts = [torch.tensor([5, 5, 7, 1]), torch.tensor([7, 7, 2, 5])]
+    assert most_frequent(prompts, 2).tolist() == [5, 7]  # 5 and 7 thrice each, ids ascending
+    assert sorted(most_frequent(prompts, 10).tolist()) == [1, 2, 5, 7]
