@@ -83,7 +83,11 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     prior_fit = prior_fitter(cfg, consumer, fit_prompts) if cfg.uses_prior and not same_model else None
     with tqdm(total=len(fit_prompts), desc="collect states", disable=not show_progress) as bar:
         rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update, prior=prior_fit)
-    prior, priors = prior_fit.solve(cfg.ridge) if prior_fit else (None, {})
+    prior, priors = None, {}
+    if prior_fit is not None:  # one dense solve: minutes at real shapes, and the fit's memory peak
+        with tqdm(total=1, desc=f"solve token prior ({cfg.prior})", disable=not show_progress) as bar:
+            prior, priors = prior_fit.solve(cfg.ridge)
+            bar.update()
     if prior is not None:  # every layer's rows share one context tensor: reduce it once
         ctx = prior.reduce(rows[0]["ctx"])
         for r in rows:
