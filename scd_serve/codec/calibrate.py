@@ -135,6 +135,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         "kl_budget": cfg.kl_budget, "config": asdict(cfg), "feasible": best.feasible, "plan_kl": stats_kl,
         "probe_positions": probe.num_positions, "fit_prompts": len(fit_prompts),
         "kv_rank_grid": kv_grid, "h_rank_grid": h_grid, "prior_only_kl": prior_only_kl,
+        "prior_ridge": getattr(prior_fit, "ridge", cfg.ridge),
         "patch_benefit": {str(k): v for k, v in benefit.items()},
         "curve": [{"patches": p.num_patches, "patch_layers": list(p.plan.patch_layers),
                    "code_width": p.plan.code_width(), "kl": p.kl, "kl_full_rank": p.kl_full_rank,
@@ -259,7 +260,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="columns of the feature prior's shared basis (its codebook size grows with it)")
     parser.add_argument("--prior-ridge", type=float, default=None,
                         help="ridge of the token prior: dense in token counts (default 0.1), features relative "
-                             "to the mean feature variance (default 1e-3)")
+                             "to the mean feature variance (default: the grid value of least generalized "
+                             "cross-validation error)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
                         help="dtype the models are loaded in (fits and statistics stay float32/float64)")

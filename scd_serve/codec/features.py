@@ -215,24 +215,32 @@ class FeatureFit:
             self.y_sq[key] += float(y.double().pow(2).sum())
             col += d
 
-    def solve(self, ridge: float = 1e-3) -> tuple[FeaturePrior, dict[object, tuple[Tensor, Tensor]]]:
-        """-> (the prior, {key: (head [rank, d], bias [d])}); ridge relative to the mean variance."""
+    def solve(self, ridge: float | None = None) -> tuple[FeaturePrior, dict[object, tuple[Tensor, Tensor]]]:
+        """-> (the prior, {key: (head [rank, d], bias [d])}). ridge: relative to the mean feature
+        variance; None picks it by generalized cross-validation (few rows and many features
+        overfit at a small ridge, and the codes then carry the prior's noise)."""
         self._flush()
         n, m = max(self.rows, 1), self.spec.num_features
         mean = self.col_sum / n
         gram = self.gram - n * torch.outer(mean, mean)  # Xc^T Xc
-        gram.diagonal().add_(ridge * float(gram.diagonal().mean().clamp_min(1e-12)))
-        chol = torch.linalg.cholesky(gram)
         keys = list(self.xty)
-        scales, cols = [], []
+        scales, cols, energy = [], [], 0.0
         for k in keys:  # each block to unit RMS (centred), so the SVD weighs targets alike
             d = self.y_sum[k].shape[0]
             var = (self.y_sq[k] - float(self.y_sum[k].pow(2).sum()) / n) / (n * d)
             scales.append(max(var, 1e-24) ** 0.5)
             cols.append((self.xty[k] - torch.outer(mean, self.y_sum[k])) / scales[-1])
-        w = torch.cholesky_solve(torch.cat(cols, dim=1), chol)  # [m, sum d] full-rank ridge solution
+            energy += n * d * var / scales[-1] ** 2  # ||Y_c||^2 of the scaled block
+        s, v = torch.linalg.eigh(gram)  # Xc^T Xc = V diag(s) V^T
+        s = s.clamp_min(0.0)
+        c = v.T @ torch.cat(cols, dim=1)  # [m, sum d] in the eigenbasis
         del cols
-        a = chol.T @ w  # fitted values' covariance is a^T a
+        unit = float(gram.diagonal().mean().clamp_min(1e-12))
+        self.ridge = ridge if ridge is not None else gcv_ridge(s, c.pow(2).sum(1), energy, n, unit)
+        inv = 1.0 / (s + self.ridge * unit)
+        w = v @ (inv[:, None] * c)  # [m, sum d] full-rank ridge solution
+        a = inv.sqrt()[:, None] * c  # fitted values' covariance (in the ridge metric) is a^T a
+        del c
         evals, evecs = torch.linalg.eigh(a @ a.T)  # [m, m]
         rank = min(self.spec.rank, m)
         top = torch.argsort(evals, descending=True)[:rank]
@@ -248,3 +256,24 @@ class FeatureFit:
             out[k] = (head.float(), (self.y_sum[k] / n).float())  # phi is centred by the prior
             col += d
         return prior, out
+
+
+RIDGE_GRID = tuple(10.0 ** e for e in range(-6, 2))
+
+
+def gcv_ridge(s: Tensor, c2: Tensor, energy: float, n: int, unit: float) -> float:
+    """The relative ridge of RIDGE_GRID with the least generalized cross-validation error
+    n * SSE / (n - df)^2, from the Gram's eigenvalues s [m] and the squared norms c2 [m] of
+    X^T Y's rows in its eigenbasis (every target at once): no second pass over the data."""
+    best, best_score = RIDGE_GRID[0], float("inf")
+    for r in RIDGE_GRID:
+        lam = r * unit
+        shrink = s / (s + lam)
+        sse = energy - float(((2 - shrink) / (s + lam) * c2).sum())  # ||Y - X W||^2
+        df = float(shrink.sum())
+        if df >= n:
+            continue
+        score = n * max(sse, 0.0) / (n - df) ** 2
+        if score < best_score:
+            best, best_score = r, score
+    return best

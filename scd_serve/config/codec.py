@@ -33,7 +33,8 @@ class CalibrateConfig:
     # the vocabulary), "dense" (codec/prior.py: one-hot tables of taps * (vocab + 1) rows), or
     # "none". taps: recent prompt tokens it reads (0: none). width and rank: the feature prior's
     # random features and shared basis. ridge: dense in token counts, features relative to the
-    # mean feature variance (None: 0.1 and 1e-3).
+    # mean feature variance (None: 0.1, and for features the ridge of least generalized
+    # cross-validation error).
     prior: str = "features"
     prior_taps: int = 3
     prior_width: int = 512
@@ -68,7 +69,8 @@ class CalibrateConfig:
         return self.prior != "none" and self.prior_taps > 0
 
     @property
-    def ridge(self) -> float:
+    def ridge(self) -> float | None:
+        """None: the feature prior picks its ridge by generalized cross-validation."""
         if self.prior_ridge is not None:
             return self.prior_ridge
-        return 0.1 if self.prior == "dense" else 1e-3
+        return 0.1 if self.prior == "dense" else None

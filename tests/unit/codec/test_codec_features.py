@@ -161,3 +161,28 @@ def test_most_frequent_counts_over_all_prompts():
     prompts = [torch.tensor([5, 5, 7, 1]), torch.tensor([7, 7, 2, 5])]
     assert most_frequent(prompts, 2).tolist() == [5, 7]  # 5 and 7 thrice each, ids ascending
     assert sorted(most_frequent(prompts, 10).tolist()) == [1, 2, 5, 7]
+
+
+def test_the_default_ridge_is_picked_by_cross_validation_and_beats_a_tiny_one_on_held_out_rows():
+    """Few rows, many features, a noisy target: a tiny ridge fits the noise; GCV's choice does
+    better on prompts the fit never saw."""
+    consumer = Embedder(vocab=50, hidden=6, seed=0)
+    gen = torch.Generator().manual_seed(11)
+    truth = torch.randn(6, 2, generator=gen)
+    train = [torch.randint(0, 50, (30,), generator=gen) for _ in range(4)]
+    test = [torch.randint(0, 50, (30,), generator=gen) for _ in range(8)]
+
+    def target(ids):
+        return consumer.token_inputs(ids) @ truth + 2.0 * torch.randn(ids.shape[0], 2, generator=gen)
+
+    errors = {}
+    for ridge in (1e-6, None):
+        fit = FeatureFit(FeatureSpec(taps=2, width=64, rank=2, hidden=6))
+        for ids in train:
+            fit.add_target("t", fit.add_tokens(ids, consumer), target(ids))
+        prior, heads = fit.solve(ridge=ridge)
+        errors[ridge] = sum(float((prior.apply(*heads["t"], prior.context(ids, consumer)) - target(ids)).pow(2).sum())
+                            for ids in test)
+        if ridge is None:
+            assert fit.ridge > 1e-3, fit.ridge  # 140 features on 120 rows: a strong ridge
+    assert errors[None] < errors[1e-6], errors
