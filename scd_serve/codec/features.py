@@ -12,15 +12,17 @@ it is regenerated, not stored, and the manifest holds its checksum. Features of 
 pair it explains the consumer's keys better than random features of the whole window.
 onehot_F marks the F tokens seen most often in the calibration prompts (their ids ship in
 the codebook; F is fixed, not the vocabulary): those tokens get a vector of their own, as in
-a dense table, and the rest share what their embeddings say. One reduced-rank ridge regression serves every
-target (layer, stream):  prior_t = ((phi_t - mean) U) H_target + bias_target,
+a dense table, and the rest share what their embeddings say.
+One reduced-rank ridge regression serves every target (layer, stream):
+  prior_t = ((phi_t - mean) U) H_target + bias_target,
 with U [m, rank] shared and H [rank, dB] per target: the codebook holds m*rank plus rank*dB
 numbers per target, whatever the vocabulary.
 
 Fit: normal equations streamed over every position of the fit prompts (one [m, m] Gram
 matrix, X^T Y per target), never a vocabulary-sized matrix. Reduced rank: the truncated SVD of
 the fitted values, each target block scaled to unit RMS first so that wide blocks (h) do not
-drown narrow ones (k, v), computed in the m-dimensional space from the Gram's Cholesky factor.
+drown narrow ones (k, v), computed in the m-dimensional space from the Gram's eigenbasis,
+which also gives the ridge of least generalized cross-validation error without a second pass.
 """
 
 from __future__ import annotations
