@@ -11,7 +11,6 @@ each line's value at the line where it has to be computed, then fade out.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from typing import Callable, Iterator
@@ -22,6 +21,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from scd_serve.config.pair import ContextPairConfig, ContextStageConfig
 from scd_serve.pair.context_corpus import SourceFile
 from scd_serve.pair.context_task import STYLES, answer_token_mask, sample_doc
+from scd_serve.pair.train import lr_at, make_optimizer
 
 Tensor = torch.Tensor
 
@@ -122,16 +122,7 @@ def train_stage(model: Qwen2ForCausalLM, stage: ContextStageConfig, tokenizer, f
     """Runs one stage in place; returns {"steps", "seconds", "final_loss", "answer_acc_by_depth"}."""
     rng = random.Random(f"context-train:{stage.style}:{seed}")
     torch.manual_seed(seed)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=stage.lr, betas=(0.9, 0.98), eps=1e-8)
-
-    def lr_at(step: int) -> float:  # linear warmup, cosine down to 10%
-        if step < stage.warmup:
-            return stage.lr * (step + 1) / stage.warmup
-        t = (step - stage.warmup) / max(1, stage.steps - stage.warmup)
-        return stage.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    opt = make_optimizer(model, stage.lr)
 
     model.train()
     start, running = time.time(), None
@@ -139,7 +130,7 @@ def train_stage(model: Qwen2ForCausalLM, stage: ContextStageConfig, tokenizer, f
     acc_by_depth: dict[int, float] = {}
     for step, (input_ids, weights, depth) in enumerate(batches(stage, tokenizer, files, pool, rng)):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(stage, step)
         loss, right, depths = sparse_loss(model, input_ids, weights, depth)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -81,27 +81,34 @@ def weighted_loss(model: LlamaForCausalLM, input_ids: torch.Tensor,
     return (nll * w).sum() / w.sum().clamp_min(1e-6), accuracy
 
 
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms and biases)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.98), eps=1e-8)
+
+
+def lr_at(stage, step: int) -> float:
+    """A stage's learning rate at `step` (it has lr, warmup, steps): linear warmup, cosine down to 10%."""
+    if step < stage.warmup:
+        return stage.lr * (step + 1) / stage.warmup
+    t = (step - stage.warmup) / max(1, stage.steps - stage.warmup)
+    return stage.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
 def train_stage(model: LlamaForCausalLM, stage: StageConfig, tokenizer, seed: int,
                 log: Callable[[str], None] = print, log_every: int = 50) -> dict:
     """Runs one stage in place; returns {"steps", "seconds", "final_loss"}."""
     rng = random.Random(f"train:{stage.style}:{seed}")
     torch.manual_seed(seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=stage.lr, betas=(0.9, 0.98), eps=1e-8)
-
-    def lr_at(step: int) -> float:  # linear warmup, cosine down to 10%
-        if step < stage.warmup:
-            return stage.lr * (step + 1) / stage.warmup
-        t = (step - stage.warmup) / max(1, stage.steps - stage.warmup)
-        return stage.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    opt = make_optimizer(model, stage.lr)
 
     model.train()
     start, running, acc = time.time(), None, None
     for step, (input_ids, weights) in enumerate(batches(stage, tokenizer, rng)):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(stage, step)
         loss, accuracy = weighted_loss(model, input_ids, weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
