@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from scd_serve.bench.shapes import CONFIG_DIR, available
+from scd_serve.bench.shapes import available, config_path
 from scd_serve.errors import ConfigError
 from scd_serve.model.spec import SUPPORTED
 from scd_serve.pair.bpe import train_bpe
@@ -61,14 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_config(name_or_path: str, layers: int | None = None) -> dict:
     """A shipped name or a config.json path -> the HF config dict to build from."""
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        path = CONFIG_DIR / f"{name_or_path.lower()}.json"
-    if not path.exists():
-        raise ConfigError(f"model config {name_or_path!r} not found; give a path or one of: {', '.join(available())}",
-                          field="config")
+    path = config_path(name_or_path, "config")
     cfg = {k: v for k, v in json.loads(path.read_text()).items() if k not in NOT_HF_KEYS}
     if cfg.get("model_type") not in SUPPORTED:  # only what ModelRuntime loads is worth making
         raise ConfigError(f"{path}: model_type {cfg.get('model_type')!r} is not one of {', '.join(SUPPORTED)}",

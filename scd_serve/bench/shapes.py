@@ -59,19 +59,23 @@ def available() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
-def load_shape(name_or_path: str) -> ModelShape:
-    """A shipped name ('mistral-7b', case-insensitive), a config.json, or a model directory."""
+def config_path(name_or_path: str, field: str) -> Path:
+    """A shipped name ('mistral-7b', case-insensitive), a config.json or a model directory -> its
+    config.json (ConfigError naming `field` when none is found)."""
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
-        shipped = CONFIG_DIR / f"{name_or_path.lower()}.json"
-        if not shipped.exists():
-            raise ConfigError(
-                f"model config {name_or_path!r} not found; give a path or one of: {', '.join(available())}",
-                field="model_config",
-            )
-        path = shipped
+        path = CONFIG_DIR / f"{name_or_path.lower()}.json"
+    if not path.exists():
+        raise ConfigError(f"model config {name_or_path!r} not found; give a path or one of: {', '.join(available())}",
+                          field=field)
+    return path
+
+
+def load_shape(name_or_path: str) -> ModelShape:
+    """A shipped name ('mistral-7b', case-insensitive), a config.json, or a model directory."""
+    path = config_path(name_or_path, "model_config")
     try:
         cfg = json.loads(path.read_text())
         heads = int(cfg["num_attention_heads"])
