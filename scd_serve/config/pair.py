@@ -7,6 +7,16 @@ from dataclasses import dataclass, field, replace
 from scd_serve.errors import ConfigError
 
 
+def check_stage(stage) -> None:
+    """What both recipes' stages need: a known style, a positive schedule, ordered lengths."""
+    if stage.style not in ("base", "expert"):
+        raise ConfigError(f"stage style must be 'base' or 'expert', got {stage.style!r}")
+    if stage.steps < 1 or stage.lr <= 0 or stage.batch_tokens < 16:
+        raise ConfigError("stage needs steps >= 1, lr > 0 and batch_tokens >= 16")
+    if not 16 <= stage.min_len <= stage.start_max_len <= stage.max_len:
+        raise ConfigError("stage lengths must satisfy 16 <= min_len <= start_max_len <= max_len")
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """One training stage: the producer's pretraining or the consumer's fine-tune."""
@@ -29,12 +39,7 @@ class StageConfig:
     copy_vocab: int = 0  # copy practice draws from this many words (0: all keys and values)
 
     def __post_init__(self):
-        if self.style not in ("base", "expert"):
-            raise ConfigError(f"stage style must be 'base' or 'expert', got {self.style!r}")
-        if self.steps < 1 or self.lr <= 0 or self.batch_tokens < 16:
-            raise ConfigError("stage needs steps >= 1, lr > 0 and batch_tokens >= 16")
-        if not 16 <= self.min_len <= self.start_max_len <= self.max_len:
-            raise ConfigError("stage lengths must satisfy 16 <= min_len <= start_max_len <= max_len")
+        check_stage(self)
         if not 0.0 <= self.long_frac <= 1.0 or (self.long_frac > 0 and self.long_len < self.max_len):
             raise ConfigError("long_frac must be in [0, 1] and long_len >= max_len when used")
 
@@ -115,12 +120,7 @@ class ContextStageConfig:
     copy_vocab: int = 256  # copy practice draws token ids 4 .. 4 + copy_vocab (after the special tokens)
 
     def __post_init__(self):
-        if self.style not in ("base", "expert"):
-            raise ConfigError(f"stage style must be 'base' or 'expert', got {self.style!r}")
-        if self.steps < 1 or self.lr <= 0 or self.batch_tokens < 16:
-            raise ConfigError("stage needs steps >= 1, lr > 0 and batch_tokens >= 16")
-        if not 16 <= self.min_len <= self.start_max_len <= self.max_len:
-            raise ConfigError("stage lengths must satisfy 16 <= min_len <= start_max_len <= max_len")
+        check_stage(self)
         if not 0 <= self.start_max_depth <= self.max_depth or not 1 <= self.chains[0] <= self.chains[1]:
             raise ConfigError("stage needs 0 <= start_max_depth <= max_depth and 1 <= chains[0] <= chains[1]")
 
