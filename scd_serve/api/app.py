@@ -42,6 +42,7 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
     app.state.metrics = metrics or Metrics()
     app.state.model_names = list(config.served_model_names or (config.model_name or backend.model_name,))
     app.state.model_name = app.state.model_names[0]
+    app.state.metrics.model_name = app.state.metrics.model_name or app.state.model_name
     app.state.draining = False
     app.add_middleware(RequestGuard, config=config)
 

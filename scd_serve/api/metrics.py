@@ -4,34 +4,64 @@ The API records request latencies (TTFT, inter-token, end to end) and outcomes; 
 transfer side records what it moved through `observe_transfer` (bytes, ratio to raw
 KV, encode / rebuild / transfer time); engine gauges are read from `stats()` at scrape.
 Pass one Metrics object to `create_app(..., metrics=m)` and to the transfer client.
+
+The request and engine series carry vLLM's names and its `model_name` label
+(`vllm:time_to_first_token_seconds`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`,
+...), so a dashboard or alert written for vLLM works unchanged; `scd_*` series add what vLLM
+has no name for (latency by transfer method, the transfers themselves, KV blocks).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _RATIO = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5)
 
 
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_MODEL = ["model_name"]
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = ""):
         self.registry = registry or CollectorRegistry()
+        self.model_name = model_name  # create_app sets the served name when it is not given here
         r = self.registry
         self.requests = Counter("scd_requests_total", "HTTP generation requests by route and status",
                                 ["route", "status"], registry=r)
+        # vLLM's names and labels (its docs: "Production Metrics")
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "request received -> first token", _MODEL,
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.vllm_inter_token = Histogram("vllm:inter_token_latency_seconds", "gap between consecutive tokens",
+                                          _MODEL, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.vllm_per_output_token = Histogram(  # the older name of the same series; older dashboards query it
+            "vllm:time_per_output_token_seconds", "gap between consecutive tokens", _MODEL,
+            buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "request received -> last token", _MODEL,
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens of finished requests", _MODEL,
+                                          registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "tokens generated", _MODEL, registry=r)
+        self.vllm_request_prompt = Histogram("vllm:request_prompt_tokens", "prompt tokens per finished request",
+                                             _MODEL, buckets=_TOKENS, registry=r)
+        self.vllm_request_generation = Histogram("vllm:request_generation_tokens",
+                                                 "generated tokens per finished request", _MODEL, buckets=_TOKENS,
+                                                 registry=r)
+        self.vllm_success = Counter("vllm:request_success", "finished requests by finish reason",
+                                    _MODEL + ["finished_reason"], registry=r)
+        self.vllm_running = Gauge("vllm:num_requests_running", "sequences in the decode batch", _MODEL, registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting",
+                                  "admitted requests waiting for KV blocks or a KV fill", _MODEL, registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV pool blocks in use (1 = full)", _MODEL,
+                                   registry=r)
         self.ttft = Histogram("scd_time_to_first_token_seconds", "request received -> first token",
-                              ["method"], buckets=_LATENCY, registry=r)
+                              ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("scd_inter_token_latency_seconds", "gap between consecutive tokens",
-                                     ["method"], buckets=_TOKEN_GAP, registry=r)
+                                     ["method"], buckets=TOKEN_GAP_BUCKETS, registry=r)
         self.e2e = Histogram("scd_e2e_request_latency_seconds", "request received -> last token",
-                             ["method"], buckets=_LATENCY, registry=r)
-        self.prompt_tokens = Counter("scd_prompt_tokens_total", "prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("scd_generation_tokens_total", "tokens generated", registry=r)
-        self.running = Gauge("scd_num_requests_running", "sequences in the decode batch", registry=r)
-        self.waiting = Gauge("scd_num_requests_waiting", "admitted requests waiting for KV blocks or a fill",
-                             registry=r)
+                             ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.free_blocks = Gauge("scd_kv_blocks_free", "free KV pool blocks", registry=r)
         self.total_blocks = Gauge("scd_kv_blocks_total", "KV pool blocks", registry=r)
         self.transfer_bytes = Counter("scd_transfer_bytes_total", "payload bytes received for KV fills",
@@ -41,11 +71,11 @@ class Metrics:
         self.payload_ratio = Histogram("scd_transfer_payload_ratio", "payload bytes / raw KV bytes per transfer",
                                        ["method"], buckets=_RATIO, registry=r)
         self.encode_seconds = Histogram("scd_transfer_encode_seconds", "producer-side encode time per transfer",
-                                        ["method"], buckets=_LATENCY, registry=r)
+                                        ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.rebuild_seconds = Histogram("scd_transfer_rebuild_seconds", "consumer-side rebuild time per transfer",
-                                         ["method"], buckets=_LATENCY, registry=r)
+                                         ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.transfer_seconds = Histogram("scd_transfer_seconds", "fill start -> last layer written",
-                                          ["method"], buckets=_LATENCY, registry=r)
+                                          ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.transfers = Counter("scd_transfers_total", "KV fills by outcome (ok, failed, fallback)",
                                  ["method", "outcome"], registry=r)
 
@@ -63,12 +93,39 @@ class Metrics:
             if value is not None:
                 hist.labels(method).observe(value)
 
+    def observe_first_token(self, method: str, seconds: float) -> None:
+        self.ttft.labels(method).observe(seconds)
+        self.vllm_ttft.labels(self.model_name).observe(seconds)
+
+    def observe_token_gap(self, method: str, seconds: float) -> None:
+        self.inter_token.labels(method).observe(seconds)
+        self.vllm_inter_token.labels(self.model_name).observe(seconds)
+        self.vllm_per_output_token.labels(self.model_name).observe(seconds)
+
+    def observe_finished(self, method: str, seconds: float, finish_reason: str,
+                         prompt_tokens: int | None, generated_tokens: int | None) -> None:
+        """One request's last token (`*_tokens` None when the event carried no usage)."""
+        model = self.model_name
+        self.e2e.labels(method).observe(seconds)
+        self.vllm_e2e.labels(model).observe(seconds)
+        self.vllm_success.labels(model, finish_reason).inc()
+        if prompt_tokens is not None and generated_tokens is not None:
+            self.vllm_prompt_tokens.labels(model).inc(prompt_tokens)
+            self.vllm_generation_tokens.labels(model).inc(generated_tokens)
+            self.vllm_request_prompt.labels(model).observe(prompt_tokens)
+            self.vllm_request_generation.labels(model).observe(generated_tokens)
+
     def update_from_stats(self, stats: dict) -> None:
-        for gauge, key in ((self.running, "num_running"), (self.free_blocks, "num_free_blocks"),
-                           (self.total_blocks, "num_total_blocks")):
+        model = self.model_name
+        for gauge, key in ((self.free_blocks, "num_free_blocks"), (self.total_blocks, "num_total_blocks")):
             if key in stats:
                 gauge.set(stats[key])
-        self.waiting.set(stats.get("num_waiting", 0) + stats.get("num_filling", 0))
+        if "num_running" in stats:
+            self.vllm_running.labels(model).set(stats["num_running"])
+        self.vllm_waiting.labels(model).set(stats.get("num_waiting", 0) + stats.get("num_filling", 0))
+        total = stats.get("num_total_blocks", 0)
+        if total:
+            self.vllm_kv_usage.labels(model).set(1.0 - stats.get("num_free_blocks", total) / total)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -219,15 +219,15 @@ async def _timed(events: AsyncIterator[TokenEvent], metrics, method: str, t0: fl
         async for event in events:
             now = time.perf_counter()
             if last is None:
-                metrics.ttft.labels(method).observe(now - t0)
+                metrics.observe_first_token(method, now - t0)
             else:
-                metrics.inter_token.labels(method).observe(now - last)
+                metrics.observe_token_gap(method, now - last)
             last = now
             if event.finish_reason is not None:
-                metrics.e2e.labels(method).observe(now - t0)
-                if event.usage is not None:
-                    metrics.prompt_tokens.inc(event.usage.prompt_tokens)
-                    metrics.generation_tokens.inc(event.usage.completion_tokens)
+                usage = event.usage
+                metrics.observe_finished(method, now - t0, event.finish_reason,
+                                         usage.prompt_tokens if usage else None,
+                                         usage.completion_tokens if usage else None)
             yield event
     finally:
         await events.aclose()

@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.background import BackgroundTask
 
 from scd_serve import __version__
@@ -33,34 +32,12 @@ from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
 from scd_serve.control.registry import Registry
 from scd_serve.errors import Unavailable
+from scd_serve.gateway.metrics import GatewayMetrics, RequestClock
 from scd_serve.gateway.relay import ClientWatch, Upstream, relay
 
 log = logging.getLogger("scd_serve.gateway")
 FORWARD_HEADERS = ("authorization", "content-type", "accept")
 RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control")
-
-
-class GatewayMetrics:
-    def __init__(self):
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("scd_gateway_requests_total", "requests proxied, by decode worker and status",
-                                ["worker", "status"], registry=r)
-        self.unreachable = Counter("scd_gateway_worker_errors_total", "decode workers that could not be reached",
-                                   ["worker"], registry=r)
-        self.broken = Counter("scd_gateway_upstream_broken_total", "responses whose upstream broke mid-body",
-                              ["worker"], registry=r)
-        self.workers = Gauge("scd_gateway_workers", "registered workers by role and readiness",
-                             ["role", "ready"], registry=r)
-        self.load = Gauge("scd_worker_load", "load each worker reported in its last heartbeat",
-                          ["role", "worker", "key"], registry=r)
-
-    def refresh(self, registry: Registry) -> None:
-        self.workers.clear()
-        self.load.clear()
-        for rec in registry.workers():
-            self.workers.labels(rec.role, str(rec.ready).lower()).inc()
-            for key, value in rec.load.items():
-                self.load.labels(rec.role, rec.address, key).set(value)
 
 
 def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks=None) -> FastAPI:
@@ -95,17 +72,19 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
             cands.setdefault(address, Candidate(address))
         return list(cands.values())
 
-    async def proxy(request: Request, method: str, path: str) -> Response:
+    async def proxy(request: Request, method: str, path: str, timed: bool = False) -> Response:
+        """`timed`: a generation request, whose latency the gateway's histograms record."""
         rid = request.scope.get("state", {}).get("request_id")
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         watch = ClientWatch(request.receive)  # the body was read: the next message is the disconnect
         try:
-            return await forward(watch, rid, method, path, body, headers)
+            return await forward(watch, rid, method, path, body, headers, metrics.clock(body) if timed else None)
         finally:
             await watch.close()
 
-    async def forward(watch: ClientWatch, rid, method: str, path: str, body: bytes, headers: dict) -> Response:
+    async def forward(watch: ClientWatch, rid, method: str, path: str, body: bytes, headers: dict,
+                      clock: RequestClock | None) -> Response:
         tried: list[str] = []
         for _ in range(config.max_attempts):
             pick = balancer.choose(candidates(), exclude=tried)
@@ -128,10 +107,12 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
                 balancer.release(pick.address)
                 break
             metrics.requests.labels(pick.address, str(resp.status_code)).inc()
+            if clock is not None:
+                clock.status = str(resp.status_code)
             done = Upstream(resp, lambda a=pick.address: balancer.release(a))
             broken = metrics.broken.labels(pick.address).inc
             # background: also runs when the client left before the body started streaming
-            return StreamingResponse(relay(resp, done, pick.address, rid, broken), status_code=resp.status_code,
+            return StreamingResponse(relay(resp, done, pick.address, rid, broken, clock), status_code=resp.status_code,
                                      background=BackgroundTask(done),
                                      headers={k: v for k, v in resp.headers.items() if k.lower() in RETURN_HEADERS})
         if watch.gone:
@@ -143,11 +124,11 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await proxy(request, "POST", "/v1/completions")
+        return await proxy(request, "POST", "/v1/completions", timed=True)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await proxy(request, "POST", "/v1/chat/completions")
+        return await proxy(request, "POST", "/v1/chat/completions", timed=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -187,8 +168,8 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        metrics.refresh(registry)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        content, media_type = metrics.render(registry)
+        return Response(content, media_type=media_type)
 
     return app
 

@@ -24,10 +24,12 @@ import httpx
 
 from scd_serve.api.sse import data
 from scd_serve.errors import DeadlineExceeded, ScdError, Unavailable
+from scd_serve.gateway.metrics import RequestClock
 
 log = logging.getLogger("scd_serve.gateway")
 T = TypeVar("T")
 SSE_END = b"\n\n"  # what ends an event in the workers' streams (api/sse.py)
+SSE_DONE = b"data: [DONE]"
 
 
 class ClientWatch:
@@ -83,8 +85,9 @@ def broken_stream_error(exc: httpx.TransportError, worker: str) -> ScdError:
 
 
 async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: str | None,
-                on_broken: Callable[[], None]) -> AsyncIterator[bytes]:
-    """The upstream body; an SSE stream that breaks ends with an error event and [DONE]."""
+                on_broken: Callable[[], None], clock: RequestClock | None = None) -> AsyncIterator[bytes]:
+    """The upstream body; an SSE stream that breaks ends with an error event and [DONE].
+    `clock` is told of each relayed event and of the body's end."""
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
     pending = b""  # SSE: the bytes of an event not yet complete
     try:
@@ -96,6 +99,10 @@ async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: s
             cut = pending.rfind(SSE_END) + len(SSE_END)
             if cut >= len(SSE_END):
                 yield pending[:cut]
+                if clock is not None:
+                    for event in pending[:cut].split(SSE_END)[:-1]:
+                        if event.strip() != SSE_DONE:
+                            clock.event()
                 pending = pending[cut:]
         if pending:
             yield pending
@@ -107,4 +114,6 @@ async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: s
             raise
         yield (data(broken_stream_error(exc, worker).to_body(request_id)) + data("[DONE]")).encode()
     finally:
+        if clock is not None:
+            clock.end()
         await done()

@@ -13,6 +13,7 @@ Tolerance: LOGPROB_TOL 1e-4 (float32 paged path vs one full forward; measured ~3
 import asyncio
 from contextlib import asynccontextmanager
 
+import httpx
 import openai
 import pytest
 import torch
@@ -73,7 +74,8 @@ async def serve_http(app) -> tuple[uvicorn.Server, asyncio.Task, str]:
 
 @asynccontextmanager
 async def cluster(rt, codebook):
-    """prefill worker -> decode worker -> gateway; yields (gateway base URL, the decode side's fill)."""
+    """prefill worker -> decode worker -> gateway; yields (gateway base URL, the decode side's fill,
+    the decode worker's base URL)."""
     from scd_serve import codec as codec_registry
     from scd_serve.codec.codebook import Codebook
     from scd_serve.prefill.service import PrefillServicer
@@ -104,7 +106,7 @@ async def cluster(rt, codebook):
     gw, gw_task, gw_address = await serve_http(
         create_gateway_app(GatewayConfig(port=0, decode=(worker_address,)), Registry(ttl_s=30)))
     try:
-        yield f"http://{gw_address}", fill
+        yield f"http://{gw_address}", fill, f"http://{worker_address}"
     finally:
         for server, task in ((gw, gw_task), (worker, worker_task)):
             server.should_exit = True
@@ -121,7 +123,7 @@ async def test_loglikelihood_through_the_gateway_equals_the_forward_pass_for_scd
     ids = rt.tokenizer.encode(PROMPT)
     ref = torch.log_softmax(rt.prefill(ids, capture=False).logits.float(), dim=-1)  # row i predicts ids[i + 1]
     want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
-    async with cluster(rt, codebook) as (base, fill):
+    async with cluster(rt, codebook) as (base, fill, _):
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         r = await client.completions.create(model="tiny", prompt="a plain request transfers", max_tokens=3,
                                             temperature=0, extra_body={"scd_method": "scd"})
@@ -139,3 +141,24 @@ async def test_loglikelihood_through_the_gateway_equals_the_forward_pass_for_scd
             assert best == pytest.approx(ref[:-1].max(dim=-1).values.tolist(), abs=LOGPROB_TOL), method
         assert fill.stats.num_transfers == transfers  # prompt logprobs: the consumer's own prefill, no transfer
         await client.close()
+
+
+async def test_after_one_streamed_request_gateway_and_worker_export_latency_under_vllm_names(pair):
+    rt, codebook = pair
+    async with cluster(rt, codebook) as (base, _, worker):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = await client.completions.create(model="tiny", prompt="count the tokens", max_tokens=4,
+                                                 temperature=0, stream=True)
+        chunks = [c async for c in stream]
+        await client.close()
+        async with httpx.AsyncClient(timeout=10) as http:
+            gateway_text = (await http.get(base + "/metrics")).text
+            worker_text = (await http.get(worker + "/metrics")).text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert 'scd_gateway_time_to_first_token_seconds_count{model_name="tiny"} 1.0' in gateway_text
+    # one gap per event after the first (bytes of one character leave as one event)
+    assert f'scd_gateway_inter_token_latency_seconds_count{{model_name="tiny"}} {len(chunks) - 1:.1f}' in gateway_text
+    for series in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert f'{series}{{model_name="tiny"}} 1.0' in worker_text
+    assert 'vllm:generation_tokens_total{model_name="tiny"} 4.0' in worker_text
+    assert 'vllm:kv_cache_usage_perc{model_name="tiny"}' in worker_text

@@ -119,7 +119,27 @@ async def test_metrics_record_latencies_and_transfer_hooks(client):
     assert 'scd_requests_total{route="/v1/completions",status="400"} 1.0' in text
     assert 'scd_transfer_payload_ratio_sum{method="scd"} 0.1' in text
     assert 'scd_transfer_bytes_total{method="scd"} 100.0' in text
-    assert "scd_kv_blocks_free 10.0" in text and "scd_num_requests_running 0.0" in text
+    assert "scd_kv_blocks_free 10.0" in text
+
+
+async def test_metrics_carry_vllm_names_and_model_label(client):
+    """An existing vLLM dashboard queries these names with a model_name label."""
+    await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True})
+    text = (await client.get("/metrics")).text
+    label = '{model_name="fake-model"}'
+    for series in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert f"{series}{label} 2.0" in text
+    for series in ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"):
+        assert f"{series}{label} 4.0" in text  # 3 tokens: 2 gaps per request
+    usage = (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})).json()["usage"]
+    text = (await client.get("/metrics")).text
+    assert f"vllm:prompt_tokens_total{label} {3.0 * usage['prompt_tokens']}" in text
+    assert f"vllm:generation_tokens_total{label} 9.0" in text
+    assert f"vllm:request_generation_tokens_count{label} 3.0" in text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"} 3.0' in text
+    assert f"vllm:num_requests_running{label} 0.0" in text and f"vllm:num_requests_waiting{label} 0.0" in text
+    assert f"vllm:kv_cache_usage_perc{label} 0.0" in text  # the fake reports 10 of 10 blocks free
 
 
 async def test_wrong_model_name_is_404_naming_both(client):
