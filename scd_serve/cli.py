@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from scd_serve.config.env import apply_env_defaults
 from scd_serve.errors import ScdError
 
 # name -> (module, one-line help)
@@ -27,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("scd_serve.bench.plan", "project payload and TTFT for real model shapes"),
     "make-shaped-pair": ("scd_serve.bench.shaped_pair", "random-weight pair with a real model's shape (cost only)"),
 }
+# the serving roles: each option also from SCD_<OPTION> (scd_serve/config/env.py)
+ENV_CONFIGURED = ("prefill", "decode", "gateway", "up")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -36,13 +39,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text)
         if name == only:  # only the chosen command's module is imported
             importlib.import_module(module_name).add_arguments(sp)
+            if name in ENV_CONFIGURED:
+                apply_env_defaults(sp)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if a in COMMANDS), None)
-    args = build_parser(chosen).parse_args(argv)
+    try:
+        args = build_parser(chosen).parse_args(argv)
+    except ScdError as exc:  # a bad SCD_* variable
+        print(f"scd-serve {chosen}: error: {exc.message}", file=sys.stderr)
+        return 2
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)

@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from scd_serve.config.control import SECRET_ENV
+from scd_serve.control.lifecycle import DTYPES
 from scd_serve.errors import ConfigError, Unavailable
 
 PAIRS = {"demo": "models/demo-pair", "context": "models/context-pair"}  # --pair NAME -> its directory
@@ -56,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV dtype of every worker")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="longest prompt + completion of the decode workers, longest prompt of the prefill "
+                             "workers (0 = their defaults)")
+    parser.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                        help="name(s) clients may put in `model` (default: the consumer directory's name)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0, help="how long to wait for workers")
     parser.add_argument("--insecure", action="store_true",
                         help="let the gateway listen beyond loopback without an API key ($SCD_API_KEY)")
@@ -179,12 +186,14 @@ def run(args) -> int:
         m = gateway.wait_line(r"gateway serving (http://\S+), control plane (tcp://\S+)", deadline)
         url, control = m.group(1), m.group(2)
         common = ["--host", "127.0.0.1", "--port", "0", "--control-url", control, "--device", args.device,
-                  "--codebook", args.codebook]
+                  "--dtype", args.dtype, "--codebook", args.codebook, "--max-model-len", str(args.max_model_len)]
         for i in range(args.prefill_workers):
             prefill.append(Child(f"prefill-{i}", ["prefill", "--model", args.producer, *common], env))
-        method = ["--method", args.method] if args.method else []
+        decode_only = ["--method", args.method] if args.method else []
+        if args.served_model_name:
+            decode_only += ["--served-model-name", *args.served_model_name]
         for i in range(args.decode_workers):
-            decode.append(Child(f"decode-{i}", ["decode", "--model", args.consumer, *common, *method], env))
+            decode.append(Child(f"decode-{i}", ["decode", "--model", args.consumer, *common, *decode_only], env))
         children += prefill + decode
         wait_ready(url, args.decode_workers, children, deadline)
         print(f"scd-serve is up: {url}/v1 (OpenAI API; try `curl {url}/v1/models`). Ctrl-C stops it.", flush=True)

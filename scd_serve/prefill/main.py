@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent", type=int, default=4, help="transfers at once; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--cache-mb", type=int, default=256, help="code cache for repeated prompts (MiB, 0 = off)")
     parser.add_argument("--transfer-lease-s", type=float, default=60.0)
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="longest prompt accepted, in tokens (0 = the model's max_position_embeddings)")
     parser.add_argument("--chunk-bytes", type=int, default=PrefillConfig.chunk_bytes,
                         help="cached codes resent in chunks of up to this size, the first and the last "
                              "layer alone (1 = one layer per chunk)")
@@ -40,7 +42,8 @@ def check_exposure(config: PrefillConfig, control: ControlConfig, insecure: bool
 def config_from_args(args) -> PrefillConfig:
     return PrefillConfig(model=args.model, codebook=args.codebook, device=args.device, dtype=args.dtype,
                          host=args.host, port=args.port, control_url=args.control_url, advertise=args.advertise,
-                         max_concurrent=args.max_concurrent, cache_bytes=args.cache_mb << 20,
+                         max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_model_len,
+                         cache_bytes=args.cache_mb << 20,
                          transfer_lease_s=args.transfer_lease_s, chunk_bytes=args.chunk_bytes,
                          transport=transport_config_from_args(args))
 

@@ -73,6 +73,7 @@ class Cluster:
     port: int
     extra_env: dict | None = None
     api_key: str = ""
+    env_file: str = ""  # compose --env-file (variables for the compose file itself)
 
     @property
     def env(self) -> dict[str, str]:
@@ -95,7 +96,8 @@ class Cluster:
         return f"http://127.0.0.1:{self.port}"
 
     def compose(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-        return run("docker", "compose", "-p", self.project, "-f", str(ROOT / "docker-compose.yml"), *args,
+        env_file = ["--env-file", self.env_file] if self.env_file else []
+        return run("docker", "compose", "-p", self.project, "-f", str(ROOT / "docker-compose.yml"), *env_file, *args,
                    timeout=timeout, check=check, env=self.env)
 
     def up(self, *args: str) -> None:
@@ -319,10 +321,23 @@ def test_mtls_switch():
         pytest.fail(f"SCD_REQUIRE_DOCKER=1 but {why}")
     if why:
         pytest.skip(why)
-    c = Cluster(project=f"scd-e2e-mtls-{uuid.uuid4().hex[:8]}", port=free_port(), extra_env={"SCD_MTLS": "1"})
+    # Settings from an env file, as users put them in .env: the switch, their own API key, and
+    # one option of the roles by its SCD_<OPTION> name. No file of the project is edited.
+    env_file = LOG_ROOT / f"mtls-{uuid.uuid4().hex[:8]}.env"
+    env_file.parent.mkdir(parents=True, exist_ok=True)
+    key = uuid.uuid4().hex
+    env_file.write_text(f"SCD_MTLS=1\nSCD_API_KEY={key}\nSCD_MAX_MODEL_LEN=64\n")
+    c = Cluster(project=f"scd-e2e-mtls-{uuid.uuid4().hex[:8]}", port=free_port(),
+                extra_env={"SCD_ENV_FILE": str(env_file)}, env_file=str(env_file))
     try:
         c.up()
-        c.read_api_key()
+        assert httpx.get(f"{c.url}/v1/models", timeout=10).status_code == 401
+        c.api_key = key
+        assert httpx.get(f"{c.url}/v1/models", headers=c.headers, timeout=10).status_code == 200
+        too_long = httpx.post(f"{c.url}/v1/completions", headers=c.headers, timeout=30,
+                              json={"prompt": "hi", "max_tokens": 64})
+        assert too_long.status_code == 400, too_long.text  # SCD_MAX_MODEL_LEN=64 reached the decode worker
+        assert "maximum context length 64" in too_long.json()["error"]["message"], too_long.text
         listing = c.compose("exec", "-T", "prefill", "ls", "/var/lib/scd-secrets/tls").stdout.split()
         assert sorted(listing) == ["ca.pem", "decode-key.pem", "decode.pem", "prefill-key.pem", "prefill.pem"]
         oc = openai_client(c)

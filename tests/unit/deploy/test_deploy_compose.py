@@ -209,3 +209,15 @@ def test_mtls_switch_adds_the_certificates():
                                                        "--tls-ca": f"{SECRETS_DIR}/tls/ca.pem"}
     assert hc.flag_values(["scd-serve", "prefill", "--tls-ca=/x/ca.pem"]) == {"--tls-ca": "/x/ca.pem"}
     assert hc.flag_values(["scd-serve", "prefill", "--port", "1"]) == {}
+
+
+def test_every_role_takes_its_options_from_dotenv_without_an_edit():
+    """SCD_<OPTION> lines in .env (or $SCD_ENV_FILE) reach every role's container; a missing file is fine."""
+    from scd_serve.cli import ENV_CONFIGURED
+
+    for name, svc in SERVICES.items():
+        (entry,) = svc["env_file"]
+        assert entry["required"] is False, name
+        assert interpolate(entry["path"], {}) == ".env"
+        assert interpolate(entry["path"], {"SCD_ENV_FILE": "/etc/scd.env"}) == "/etc/scd.env"
+        assert name in ENV_CONFIGURED  # the role reads SCD_* for its options
