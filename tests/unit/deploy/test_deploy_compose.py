@@ -221,3 +221,25 @@ def test_every_role_takes_its_options_from_dotenv_without_an_edit():
         assert interpolate(entry["path"], {}) == ".env"
         assert interpolate(entry["path"], {"SCD_ENV_FILE": "/etc/scd.env"}) == "/etc/scd.env"
         assert name in ENV_CONFIGURED  # the role reads SCD_* for its options
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_gpu_profile_runs_each_worker_on_a_gpu_in_bfloat16(role):
+    """The `gpu` profile's workers: the CPU role's command with --device cuda --dtype bfloat16,
+    the CUDA image built from TORCH_VARIANT, one GPU reserved; everything else the same."""
+    from scd_serve.cli import build_parser
+
+    services = COMPOSE["services"]
+    gpu, cpu = services[f"{role}-gpu"], services[role]
+    assert gpu["profiles"] == ["gpu"]
+    assert gpu["build"]["args"]["TORCH_VARIANT"] == "${SCD_TORCH_VARIANT:-cu128}"
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert gpu["command"][0].replace("--device cuda --dtype bfloat16", "--device cpu") == cpu["command"][0]
+    script = interpolate(gpu["command"][0], {})
+    script = re.sub(r"\$\{\w+:\+[^}]*\}", "", script).replace("$(hostname -i | cut -d' ' -f1)", "172.18.0.5")
+    argv = shlex.split(script)[1:]
+    args = build_parser(role).parse_args(argv[1:])
+    assert (args.device, args.dtype) == ("cuda", "bfloat16")
+    same = ("entrypoint", "volumes", "healthcheck", "env_file", "expose")
+    assert {k: gpu.get(k) for k in same} == {k: cpu.get(k) for k in same}

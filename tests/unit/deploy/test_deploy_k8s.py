@@ -15,6 +15,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
 K8S_MTLS = ROOT / "deploy" / "k8s-mtls"
+K8S_GPU = ROOT / "deploy" / "k8s-gpu"
+K8S_MONITORING = ROOT / "deploy" / "k8s-monitoring"
 K8S_VERSION = "1.37.0"
 # The kustomization fields this renderer applies; anything else must fail loudly, not be skipped.
 KNOWN_KUSTOMIZE_KEYS = {"apiVersion", "kind", "labels", "resources", "patches"}
@@ -49,7 +51,7 @@ def render(root: Path = K8S) -> list[dict]:
 
 def json_patch(obj: dict, op: dict) -> None:
     """One RFC 6902 add or replace (the operations the overlays use)."""
-    *parents, last = op["path"].lstrip("/").split("/")
+    *parents, last = [k.replace("~1", "/").replace("~0", "~") for k in op["path"].lstrip("/").split("/")]
     node = obj
     for key in parents:
         node = node[int(key)] if isinstance(node, list) else node[key]
@@ -57,7 +59,8 @@ def json_patch(obj: dict, op: dict) -> None:
         node.insert(len(node) if last == "-" else int(last), op["value"])
     elif op["op"] in ("add", "replace"):
         if op["op"] == "replace":
-            assert last in node, f"replace of a missing {op['path']}"
+            present = int(last) < len(node) if isinstance(node, list) else last in node
+            assert present, f"replace of a missing {op['path']}"
         node[int(last) if isinstance(node, list) else last] = op["value"]
     else:
         raise AssertionError(f"renderer does not apply op {op['op']}")
@@ -305,7 +308,7 @@ def test_mtls_overlay_wires_certificates_and_probes():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl to compare with")
-@pytest.mark.parametrize("root", [K8S, K8S_MTLS], ids=["base", "mtls"])
+@pytest.mark.parametrize("root", [K8S, K8S_MTLS, K8S_GPU, K8S_MONITORING], ids=["base", "mtls", "gpu", "monitoring"])
 def test_renderer_agrees_with_kustomize(root):
     out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -339,3 +342,25 @@ for a in "$@"; do case "$a" in --from-file=*) ls "${{a#--from-file=}}" >> {log} 
     for name in ("ca.pem", "prefill.pem", "prefill-key.pem", "decode.pem", "decode-key.pem"):
         assert f"\n{name}\n" in calls
     assert "ca-key.pem" not in calls
+
+
+GPU_OBJECTS = render(K8S_GPU)
+
+
+@pytest.mark.parametrize("obj", GPU_OBJECTS, ids=lambda o: f"{o['kind']}/{o['metadata']['name']}")
+def test_gpu_overlay_matches_schema_strictly(obj):
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_gpu_overlay_puts_workers_on_a_gpu_with_cuda_and_bfloat16():
+    base = by_kind("Deployment")
+    gpu = {o["metadata"]["name"]: o for o in GPU_OBJECTS if o["kind"] == "Deployment"}
+    for role in ("prefill", "decode"):
+        (c,) = gpu[role]["spec"]["template"]["spec"]["containers"]
+        assert c["image"] == "scd-serve:cuda" and c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert "--device=cuda" in c["args"] and "--device=cpu" not in c["args"], c["args"]
+        assert "--dtype=bfloat16" in c["args"]
+        (b,) = base[role]["spec"]["template"]["spec"]["containers"]
+        changed = {a for a in c["args"]} ^ {a for a in b["args"]}
+        assert changed == {"--device=cpu", "--device=cuda", "--dtype=bfloat16"}, changed  # the patch hit --device
+    assert gpu["gateway"] == base["gateway"]

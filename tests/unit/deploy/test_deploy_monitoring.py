@@ -62,15 +62,15 @@ def test_prometheus_scrapes_the_compose_services_on_their_ports():
         assert job["authorization"]["credentials_file"] == "/tmp/api-key", job["job_name"]  # /metrics needs the key
         targets += [t for sc in job.get("static_configs", []) for t in sc["targets"]]
         targets += [f"{n}:{sd['port']}" for sd in job.get("dns_sd_configs", []) for n in sd["names"]]
-    assert sorted(targets) == ["decode:8001", "gateway:8000"]
+    assert sorted(targets) == ["decode-gpu:8001", "decode:8001", "gateway:8000"]
     for target in targets:
         name, port = target.split(":")
-        assert "profiles" not in services[name]
+        assert services[name].get("profiles", ["gpu"]) == ["gpu"]  # a role, or its GPU variant
         assert f"--port {port}" in services[name]["command"][0]
 
 
 def test_monitoring_profile_is_opt_in_loopback_only_and_mounts_what_exists():
-    monitoring = {n: s for n, s in COMPOSE["services"].items() if "profiles" in s}
+    monitoring = {n: s for n, s in COMPOSE["services"].items() if "monitoring" in s.get("profiles", [])}
     assert set(monitoring) == {"prometheus", "grafana"}
     for name, svc in monitoring.items():
         assert svc["profiles"] == ["monitoring"], name
