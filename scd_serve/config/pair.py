@@ -145,12 +145,12 @@ class ContextPairConfig:
     # lookup on short documents first, then grows to num_layers; 0 trains num_layers from scratch
     shallow_layers: int = 2
     copy: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(  # copy practice only
-        style="base", split="base", steps=700, lr=1e-3, batch_tokens=3072, min_len=32, start_max_len=64,
-        max_len=64, ramp_frac=0.0, warmup=10, copy_frac=1.0, copy_vocab=16))
+        style="base", split="base", steps=200, lr=3e-3, batch_tokens=3072, min_len=64, start_max_len=64,
+        max_len=64, ramp_frac=0.0, warmup=20, copy_frac=1.0, copy_vocab=256))
     shallow: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(  # then plain lookups
-        style="base", split="base", steps=250, lr=2e-3, batch_tokens=2560, min_len=64, start_max_len=192,
-        max_len=192, ramp_frac=0.0, warmup=10, chains=(4, 8), start_max_depth=0, max_depth=0, copy_frac=0.3,
-        copy_vocab=64))
+        style="base", split="base", steps=400, lr=1e-3, batch_tokens=2560, min_len=64, start_max_len=192,
+        max_len=192, ramp_frac=0.0, warmup=50, chains=(4, 8), start_max_depth=0, max_depth=0, copy_frac=0.3,
+        copy_vocab=256))
     producer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
         style="base", split="base", steps=250, lr=2e-3, batch_tokens=2560, min_len=128, start_max_len=256,
         max_len=640, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=20, chains=(3, 8),

@@ -87,17 +87,17 @@ def batches(stage: ContextStageConfig, tokenizer, files: tuple[SourceFile, ...],
 
 
 COPY_DEPTH = 7  # the "depth" copy-practice tokens are logged under
+COPY_HALF = 32  # longest copied run: induction formed at this length, and longer runs broke it (run 6)
 
 
 def copy_document(rng: random.Random, bos: int, length: int, vocab: int) -> tuple[list[int], list[float], list[int]]:
-    """Random tokens with a span of them repeated later; the repeat is scored. A tiny model forms
-    induction heads on this far sooner than on the task, whose lookup then reuses them."""
-    span = rng.randint(8, 16)
-    body = [rng.randrange(4, 4 + vocab) for _ in range(max(span + 2, length - span - 1))]
-    start = rng.randint(0, len(body) - span)
-    cut = rng.randint(start + span, len(body))
-    ids = [bos] + body[:cut] + body[start:start + span]
-    scored = [False] * (cut + 2) + [True] * (span - 1)  # the repeat's first token is not predictable
+    """Random tokens (at most COPY_HALF), then the same tokens again; the repeat is scored (all but its
+    first token).
+    A tiny model forms induction heads on this within ~100 steps (a span repeated once inside
+    random text, scored sparsely, had not formed them after 700), and the task's lookups reuse them."""
+    half = [rng.randrange(4, 4 + vocab) for _ in range(max(2, min(COPY_HALF, (length - 1) // 2)))]
+    ids = [bos] + half + half
+    scored = [False] * (len(half) + 2) + [True] * (len(half) - 1)
     return ids, [1.0 if m else 0.0 for m in scored], [COPY_DEPTH if m else -1 for m in scored]
 
 
