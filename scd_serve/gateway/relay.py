@@ -98,11 +98,11 @@ async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: s
             pending += chunk
             cut = pending.rfind(SSE_END) + len(SSE_END)
             if cut >= len(SSE_END):
-                yield pending[:cut]
-                if clock is not None:
+                if clock is not None:  # before the yield, which returns only when the next chunk is wanted
                     for event in pending[:cut].split(SSE_END)[:-1]:
                         if event.strip() != SSE_DONE:
                             clock.event()
+                yield pending[:cut]
                 pending = pending[cut:]
         if pending:
             yield pending
