@@ -49,6 +49,14 @@ class Metrics:
         self.vllm_request_generation = Histogram("vllm:request_generation_tokens",
                                                  "generated tokens per finished request", _MODEL, buckets=_TOKENS,
                                                  registry=r)
+        self.vllm_max_generation = Histogram("vllm:request_max_num_generation_tokens",
+                                             "generated tokens per finished engine request (one per choice)",
+                                             _MODEL, buckets=_TOKENS, registry=r)
+        phases = (("queue", "arrival at the engine -> first admitted to the batch"),
+                  ("prefill", "first admitted -> first token (prefill or KV transfer)"),
+                  ("decode", "first token -> last token"), ("inference", "first admitted -> last token"))
+        self.vllm_phase = {name: Histogram(f"vllm:request_{name}_time_seconds", why, _MODEL,
+                                           buckets=LATENCY_BUCKETS, registry=r) for name, why in phases}
         self.vllm_success = Counter("vllm:request_success", "finished requests by finish reason",
                                     _MODEL + ["finished_reason"], registry=r)
         self.vllm_running = Gauge("vllm:num_requests_running", "sequences in the decode batch", _MODEL, registry=r)
@@ -102,18 +110,27 @@ class Metrics:
         self.vllm_inter_token.labels(self.model_name).observe(seconds)
         self.vllm_per_output_token.labels(self.model_name).observe(seconds)
 
-    def observe_finished(self, method: str, seconds: float, finish_reason: str,
-                         prompt_tokens: int | None, generated_tokens: int | None) -> None:
-        """One request's last token (`*_tokens` None when the event carried no usage)."""
+    def observe_finished(self, method: str, seconds: float, first_token_s: float, finish_reason: str,
+                         prompt_tokens: int | None, generated_tokens: int | None,
+                         queue_s: float | None = None) -> None:
+        """One engine request's last token, `seconds` and `first_token_s` after it was received
+        (`*_tokens` None when the event carried no usage; `queue_s` as the engine measured it)."""
         model = self.model_name
         self.e2e.labels(method).observe(seconds)
         self.vllm_e2e.labels(model).observe(seconds)
         self.vllm_success.labels(model, finish_reason).inc()
+        self.vllm_phase["decode"].labels(model).observe(seconds - first_token_s)
+        if queue_s is not None:
+            queue_s = min(queue_s, first_token_s)  # two clocks: never a negative prefill
+            self.vllm_phase["queue"].labels(model).observe(queue_s)
+            self.vllm_phase["prefill"].labels(model).observe(first_token_s - queue_s)
+            self.vllm_phase["inference"].labels(model).observe(seconds - queue_s)
         if prompt_tokens is not None and generated_tokens is not None:
             self.vllm_prompt_tokens.labels(model).inc(prompt_tokens)
             self.vllm_generation_tokens.labels(model).inc(generated_tokens)
             self.vllm_request_prompt.labels(model).observe(prompt_tokens)
             self.vllm_request_generation.labels(model).observe(generated_tokens)
+            self.vllm_max_generation.labels(model).observe(generated_tokens)
 
     def update_from_stats(self, stats: dict) -> None:
         model = self.model_name

@@ -214,20 +214,21 @@ async def _close(streams: list[AsyncIterator]) -> None:
 
 
 async def _timed(events: AsyncIterator[TokenEvent], metrics, method: str, t0: float) -> AsyncIterator[TokenEvent]:
-    last = None
+    first = last = None
     try:
         async for event in events:
             now = time.perf_counter()
             if last is None:
+                first = now
                 metrics.observe_first_token(method, now - t0)
             else:
                 metrics.observe_token_gap(method, now - last)
             last = now
             if event.finish_reason is not None:
                 usage = event.usage
-                metrics.observe_finished(method, now - t0, event.finish_reason,
+                metrics.observe_finished(method, now - t0, first - t0, event.finish_reason,
                                          usage.prompt_tokens if usage else None,
-                                         usage.completion_tokens if usage else None)
+                                         usage.completion_tokens if usage else None, event.queue_s)
             yield event
     finally:
         await events.aclose()

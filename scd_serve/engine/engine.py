@@ -342,7 +342,7 @@ class Engine:
         delta += h.detok.flush()
         usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
         self._outbox.append((h, TokenEvent(token, delta, seq.finish_reason, usage, stop_reason=seq.stop_reason,
-                                           **extra)))
+                                           queue_s=seq.queue_s, **extra)))
         del self._live[seq.seq_id]
         log.debug("finished request_id=%s reason=%s output_tokens=%d", seq.request.request_id,
                   seq.finish_reason, seq.num_output_tokens)

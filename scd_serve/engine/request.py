@@ -147,6 +147,7 @@ class TokenEvent:
     # first event only, with params.prompt_logprobs: one per prompt token (None for the first)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     stop_reason: int | str | None = None  # last event: the stop string or stop_token_id that ended it
+    queue_s: float | None = None  # last event: seconds from arrival to first admission to the batch
 
 
 # A KV fill writes the K/V of prompt tokens 0..T-2 into the request's blocks through the sink

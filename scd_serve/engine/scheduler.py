@@ -154,6 +154,8 @@ class Scheduler:
                 break  # FIFO: no overtaking, so a long prompt is not starved by short ones
             self.waiting.popleft()
             self.block_manager.allocate(seq)
+            if seq.queue_s is None:
+                seq.queue_s = time.monotonic() - seq.waiting_since
             if seq.needs_fill:
                 seq.status = SequenceStatus.FILLING
                 self.filling[seq.seq_id] = seq

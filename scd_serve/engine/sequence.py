@@ -37,6 +37,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.needs_fill = needs_fill  # cleared after a preemption: recompute is local
         self.waiting_since = time.monotonic()  # the queue timeout counts from here; reset on preemption
+        self.queue_s: float | None = None  # arrival -> first admission (set once; vLLM's queue time)
         self.finish_reason: str | None = None
         self.sampler_state: Any = None  # the sampler's per-sequence RNG; opaque here
         self.num_preemptions = 0

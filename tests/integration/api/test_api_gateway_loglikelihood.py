@@ -162,3 +162,5 @@ async def test_after_one_streamed_request_gateway_and_worker_export_latency_unde
         assert f'{series}{{model_name="tiny"}} 1.0' in worker_text
     assert 'vllm:generation_tokens_total{model_name="tiny"} 4.0' in worker_text
     assert 'vllm:kv_cache_usage_perc{model_name="tiny"}' in worker_text
+    for phase in ("queue", "prefill", "decode", "inference"):  # the real engine reports its queue time
+        assert f'vllm:request_{phase}_time_seconds_count{{model_name="tiny"}} 1.0' in worker_text, phase

@@ -140,6 +140,7 @@ async def test_metrics_carry_vllm_names_and_model_label(client):
     assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"} 3.0' in text
     assert f"vllm:num_requests_running{label} 0.0" in text and f"vllm:num_requests_waiting{label} 0.0" in text
     assert f"vllm:kv_cache_usage_perc{label} 0.0" in text  # the fake reports 10 of 10 blocks free
+    assert f"vllm:request_decode_time_seconds_count{label} 3.0" in text
 
 
 async def test_wrong_model_name_is_404_naming_both(client):
