@@ -1,16 +1,18 @@
 # Two entry points for a fresh Debian 12 machine: `make run` and `make test`.
-# Each creates .venv, installs the project with its pinned dependencies, then runs.
+# Each creates .venv, installs the project with the tested versions (constraints.txt), then runs.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-stress test-fast test-docker clean
+.PHONY: install run test test-stress test-fast test-docker proto clean
 
-$(STAMP): pyproject.toml
+# pyproject.toml declares ranges; constraints.txt pins the versions the suite was run with
+# (torch 2.13.0: the CPU wheel on disk; anything else downloads CUDA).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,5 +35,10 @@ test-stress: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
+# Regenerate the committed gRPC modules (scd_serve/_proto) after changing proto/*.proto;
+# tests/unit/test_packaging.py fails while they differ from a fresh generation.
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info scd_serve/_proto
+	rm -rf $(VENV) build dist *.egg-info

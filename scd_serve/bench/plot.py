@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from scd_serve.errors import ConfigError
+
 
 def _plt():
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("bench --plot needs matplotlib, which is not installed: pip install 'scd-serve[bench]'") from None
     matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
 

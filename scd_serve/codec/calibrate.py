@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
 from scd_serve.codec.assemble import build_codebook, size_stats
 from scd_serve.codec.base import payload_bytes
@@ -37,6 +36,15 @@ from scd_serve.errors import ConfigError
 PROBE_SCORED_TOKENS = 64
 KV_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
 H_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
+
+
+def tqdm(*args, **kwargs):
+    """tqdm's progress bar, imported when first shown (the calibrate extra)."""
+    try:
+        from tqdm import tqdm as bar
+    except ImportError:
+        raise ConfigError("calibrate needs tqdm, which is not installed: pip install 'scd-serve[calibrate]'") from None
+    return bar(*args, **kwargs)
 
 
 def rank_grid(width: int, fractions: tuple[float, ...]) -> list[int]:

@@ -6,13 +6,17 @@ from pathlib import Path
 
 from scd_serve.codec.plan import PATCH, Plan
 from scd_serve.codec.search import SearchPoint
+from scd_serve.errors import ConfigError
 
 
 def plot_tradeoff(curve: list[SearchPoint], chosen: Plan, raw_width: int, budget: float, path: Path) -> Path:
     """Left: payload (fraction of raw 16-bit KV) and measured KL per patch count at the budget.
     Right: the chosen plan's ranks per layer."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("calibrate's trade-off figure needs matplotlib, which is not installed: "
+                          "pip install 'scd-serve[calibrate]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

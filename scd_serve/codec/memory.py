@@ -100,7 +100,11 @@ def estimate(producer: str | Path, consumer: str | Path, dtype: str, cfg=None) -
 
 def available_bytes(device: str) -> tuple[int, int]:
     """(host RAM available now, free memory where the models go)."""
-    import psutil
+    try:
+        import psutil
+    except ImportError:
+        raise ConfigError("the memory check of calibrate and eval needs psutil, which is not installed: "
+                          "pip install 'scd-serve[calibrate]'") from None
 
     host = int(psutil.virtual_memory().available)
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
