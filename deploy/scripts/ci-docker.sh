@@ -99,8 +99,9 @@ build_base_image() {
     rm -rf "$rootfs"
 }
 
-# The wheelhouse holds every runtime dependency (and the build backend) as wheels; it is
-# rebuilt only when the requirement list derived from pyproject.toml changes.
+# The wheelhouse holds every runtime dependency (and the build backend) as wheels, at the
+# versions of constraints.txt (the Dockerfile installs with the same constraints); it is
+# rebuilt only when the requirement list derived from pyproject.toml or the constraints change.
 build_wheelhouse() {
     local wanted
     wanted="$("$PYTHON" - <<'PY'
@@ -109,7 +110,8 @@ meta = tomllib.load(open("pyproject.toml", "rb"))
 print("\n".join(meta["build-system"]["requires"] + meta["project"]["dependencies"]))
 PY
 )"
-    if [ -f "$WHEELHOUSE/requirements.txt" ] && [ "$(cat "$WHEELHOUSE/requirements.txt")" = "$wanted" ]; then
+    if [ -f "$WHEELHOUSE/requirements.txt" ] && [ "$(cat "$WHEELHOUSE/requirements.txt")" = "$wanted" ] \
+        && cmp -s constraints.txt "$WHEELHOUSE/constraints.stamp"; then
         return
     fi
     log "building wheelhouse in $WHEELHOUSE"
@@ -117,9 +119,10 @@ PY
     partial="$(mktemp -d /tmp/scd-wheelhouse.XXXXXX)"
     printf '%s\n' "$wanted" >"$partial/requirements.in"
     # pip wheel takes binary wheels as they are (torch from the on-disk CPU wheel, since
-    # torch is pinned to 2.13.0) and builds any sdist into a wheel.
-    quiet pip-wheel "$PYTHON" -m pip wheel --wheel-dir "$partial" -r "$partial/requirements.in"
+    # constraints.txt pins torch to 2.13.0) and builds any sdist into a wheel.
+    quiet pip-wheel "$PYTHON" -m pip wheel --wheel-dir "$partial" -c constraints.txt -r "$partial/requirements.in"
     mv "$partial/requirements.in" "$partial/requirements.txt"
+    cp constraints.txt "$partial/constraints.stamp"  # what the wheels were chosen with
     rm -rf "$WHEELHOUSE"
     mv "$partial" "$WHEELHOUSE"
     chmod 755 "$WHEELHOUSE"
