@@ -116,8 +116,9 @@ class ContextStageConfig:
     comment_until: float = 0.5  # fraction of the steps after which no chain carries comments
     lm_weight: float = 0.1  # loss weight of a scored non-answer token (answer tokens weigh 1)
     lm_frac: float = 0.15  # share of non-answer tokens scored (the 8k-wide head is the costly part)
-    copy_frac: float = 0.0  # share of documents that are copy practice: random tokens, a span repeated
+    copy_frac: float = 0.0  # share of documents that are copy practice: random tokens, then the same again
     copy_vocab: int = 256  # copy practice draws token ids 4 .. 4 + copy_vocab (after the special tokens)
+    recall_frac: float = 0.0  # share of documents that are recall practice: chains without code, all asked
 
     def __post_init__(self):
         check_stage(self)
@@ -149,12 +150,12 @@ class ContextPairConfig:
         max_len=64, ramp_frac=0.0, warmup=20, copy_frac=1.0, copy_vocab=256))
     shallow: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(  # then plain lookups
         style="base", split="base", steps=400, lr=1e-3, batch_tokens=2560, min_len=64, start_max_len=192,
-        max_len=192, ramp_frac=0.0, warmup=50, chains=(4, 8), start_max_depth=0, max_depth=0, copy_frac=0.3,
-        copy_vocab=256))
+        max_len=192, ramp_frac=0.0, warmup=50, chains=(4, 8), start_max_depth=0, max_depth=0, copy_frac=0.2,
+        copy_vocab=256, recall_frac=0.6))
     producer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
         style="base", split="base", steps=250, lr=2e-3, batch_tokens=2560, min_len=128, start_max_len=256,
         max_len=640, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=20, chains=(3, 8),
-        start_max_depth=1, max_depth=2, comment_prob=0.3, comment_until=0.4))
+        start_max_depth=1, max_depth=2, comment_prob=0.3, comment_until=0.4, recall_frac=0.3))
     consumer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
         style="expert", split="expert", steps=60, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
         max_len=1024, ramp_frac=0.2, long_frac=0.15, long_len=2048, warmup=10, chains=(2, 6),

@@ -20,7 +20,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from scd_serve.config.pair import ContextPairConfig, ContextStageConfig
 from scd_serve.pair.context_corpus import SourceFile
-from scd_serve.pair.context_task import STYLES, answer_token_mask, sample_doc
+from scd_serve.pair.context_task import STYLES, answer_token_mask, build_doc, sample_doc
 from scd_serve.pair.train import lr_at, make_optimizer
 
 Tensor = torch.Tensor
@@ -63,9 +63,12 @@ def batches(stage: ContextStageConfig, tokenizer, files: tuple[SourceFile, ...],
             if rng.random() < stage.copy_frac:
                 rows.append(copy_document(rng, tokenizer.bos_token_id, length, stage.copy_vocab))
                 continue
-            depths = [rng.randint(0, max_depth) for _ in range(rng.randint(*stage.chains))]
-            asked = rng.sample(range(len(depths)), len(depths))
-            doc = sample_doc(rng, files, pool, style, length, depths, asked, comments)
+            if rng.random() < stage.recall_frac:
+                doc = recall_document(rng, pool, style, length, max_depth)
+            else:
+                depths = [rng.randint(0, max_depth) for _ in range(rng.randint(*stage.chains))]
+                asked = rng.sample(range(len(depths)), len(depths))
+                doc = sample_doc(rng, files, pool, style, length, depths, asked, comments)
             ids, mask = answer_token_mask(tokenizer, doc)
             weights = [1.0 if m else (stage.lm_weight if rng.random() < stage.lm_frac else 0.0) for m in mask]
             weights[0] = 0.0  # <bos> is given, never predicted
@@ -99,6 +102,21 @@ def copy_document(rng: random.Random, bos: int, length: int, vocab: int) -> tupl
     ids = [bos] + half + half
     scored = [False] * (len(half) + 2) + [True] * (len(half) - 1)
     return ids, [1.0 if m else 0.0 for m in scored], [COPY_DEPTH if m else -1 for m in scored]
+
+
+RECALL_TOKENS_PER_CHAIN = 16  # about: a statement, its filler line and its question
+
+
+def recall_document(rng: random.Random, pool: list[str], style, length: int, max_depth: int):
+    """The task without the code: chains between filler lines, every chain asked. Six times
+    the answers per token of a real excerpt, so a small model learns where a name's value sits
+    relative to the name (the question's tokens before the value differ from the statement's)."""
+    num = max(1, length // (RECALL_TOKENS_PER_CHAIN * (1 + max_depth)))
+    depths = [rng.randint(0, max_depth) for _ in range(num)]
+    filler = ["    pass"] * (sum(d + 1 for d in depths) + 1)
+    doc = build_doc(rng, filler, pool, style, depths, rng.sample(range(num), num))
+    assert doc is not None  # every filler line is an insertion point; the pool has thousands of names
+    return doc
 
 
 def sparse_loss(model: Qwen2ForCausalLM, input_ids: Tensor, weights: Tensor,
