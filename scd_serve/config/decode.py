@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from scd_serve.config.transport import TransportConfig
@@ -11,6 +12,40 @@ from scd_serve.errors import ConfigError
 DEFAULT_CONSUMER = "models/demo-pair/consumer"
 DEFAULT_CODEBOOK = "models/demo-pair/codebook"
 FALLBACKS = ("local", "none")
+AUTO = "auto"  # the method that picks, per request, the fastest one the quality budget allows
+
+
+@dataclass(frozen=True)
+class ChooserConfig:
+    """The `auto` method (decode/chooser.py): which methods it may pick, how it learns."""
+
+    # Transfer methods whose calibrated KL (the codebook manifest's calibration.methods) is at
+    # most this may be picked; None = the KL budget the codebook was calibrated for. `raw` and
+    # `identity` count as lossless (KL 0) only where producer == consumer; `local` always is.
+    quality_budget: float | None = None
+    # Weight of the newest measurement in each smoothed estimate (link, rebuild, prefill speed).
+    smoothing: float = 0.5
+    # An estimate not refreshed for this long is stale: the next request that would not
+    # refresh it on its own re-measures it (a transfer over that link, or a local prefill).
+    stale_s: float = 30.0
+    # A stale local estimate is re-measured only while its prediction is within this factor
+    # of the best option's (a transfer is always re-probed: its link may have recovered).
+    probe_ratio: float = 3.0
+    # Prompts this worker remembers as cached at a prefill worker (it fetched their codes).
+    cache_entries: int = 4096
+
+    def __post_init__(self) -> None:
+        b = self.quality_budget
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0):
+            raise ConfigError(f"decode.chooser.quality_budget must be a finite KL >= 0 (or unset), got {b!r}")
+        if not 0 < self.smoothing <= 1:
+            raise ConfigError(f"decode.chooser.smoothing must be in (0, 1], got {self.smoothing}")
+        if not 0.1 <= self.stale_s <= 3600:
+            raise ConfigError(f"decode.chooser.stale_s must be in [0.1, 3600], got {self.stale_s}")
+        if not 1 <= self.probe_ratio <= 100:
+            raise ConfigError(f"decode.chooser.probe_ratio must be in [1, 100], got {self.probe_ratio}")
+        if not 0 <= self.cache_entries <= 1_000_000:
+            raise ConfigError(f"decode.chooser.cache_entries must be in [0, 1000000], got {self.cache_entries}")
 
 
 def split_peers(value: str) -> tuple[str, ...]:
@@ -35,7 +70,8 @@ class DecodeConfig:
     control_url: str = ""  # "" = no control plane (static peers only)
     advertise: str = ""  # HOST:PORT the gateway should dial; "" = host:bound port
     prefill: tuple[str, ...] = ()  # static prefill peers (HOST:PORT), besides those the registry names
-    # Server default transfer method ("local" = no transfer); requests override with scd_method.
+    # Server default transfer method ("local" = no transfer, "auto" = the fastest within the
+    # quality budget, per request); requests override with scd_method.
     method: str = "scd"
     # When a transfer fails: "local" prefills on this worker, "none" fails the request (503).
     fallback: str = "local"
@@ -53,6 +89,7 @@ class DecodeConfig:
     expect_producer: str = ""
     shutdown_grace_s: float = 10.0
     transport: TransportConfig = field(default_factory=TransportConfig)
+    chooser: ChooserConfig = field(default_factory=ChooserConfig)  # the `auto` method
 
     def __post_init__(self) -> None:
         if not self.model:
