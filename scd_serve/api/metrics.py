@@ -18,6 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _RATIO = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5)
+# |predicted - actual| / actual TTFT of an `auto` choice (0.25 is a bound: the share at or below it is exact)
+_ERROR = (0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.75, 1.0, 2.0, 5.0)
 
 
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
@@ -86,6 +88,12 @@ class Metrics:
                                           ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.transfers = Counter("scd_transfers_total", "KV fills by outcome (ok, failed, fallback)",
                                  ["method", "outcome"], registry=r)
+        self.auto_choices = Counter("scd_auto_choice", "methods the `auto` method picked (local = no transfer)",
+                                    ["method"], registry=r)  # exposed as scd_auto_choice_total
+        self.auto_error = Histogram("scd_auto_prediction_error_ratio",
+                                    "|predicted - actual| / actual time to first token of an `auto` choice "
+                                    "(from the choice; fixed-method requests are not counted)",
+                                    ["method"], buckets=_ERROR, registry=r)
 
     def observe_transfer(self, method: str, *, payload_bytes: int, raw_bytes: int | None = None,
                          encode_s: float | None = None, rebuild_s: float | None = None,
@@ -100,6 +108,12 @@ class Metrics:
                             (self.transfer_seconds, transfer_s)):
             if value is not None:
                 hist.labels(method).observe(value)
+
+    def observe_auto_choice(self, method: str) -> None:
+        self.auto_choices.labels(method).inc()
+
+    def observe_auto_prediction(self, method: str, error_ratio: float) -> None:
+        self.auto_error.labels(method).observe(error_ratio)
 
     def observe_first_token(self, method: str, seconds: float) -> None:
         self.ttft.labels(method).observe(seconds)

@@ -96,12 +96,14 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     streams = [_timed(backend.generate(r), state.metrics, method, t0) for r in reqs]
     route = request.url.path
     num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+    served: dict = {}  # the `scd` field once known (the method `auto` picked)
 
     def on_end(status: int) -> None:
         state.metrics.requests.labels(route, str(status)).inc()
+        shown = method if served.get("method", method) == method else f"{method}->{served['method']}"
         log.info("request_id=%s route=%s status=%d prompts=%d prompt_tokens=%d choices=%d max_tokens=%d method=%s "
                  "seconds=%.3f", rid, route, status, len(prompts), num_prompt_tokens, len(reqs), params.max_tokens,
-                 method, time.perf_counter() - t0)
+                 shown, time.perf_counter() - t0)
 
     firsts = None
     try:  # a transfer may run first: watch the client
@@ -115,10 +117,14 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     render = Render(Shape(rid, model, chat, include_usage=include_usage), plan, prompts, backend.tokenizer,
                     body.return_tokens_as_token_ids)
+    picked = method_choice(backend, method, [r.request_id for r in reqs])  # known now: the first tokens are in
+    served.update(picked or {})
     if body.stream:
-        return StreamingResponse(sse_stream(render.stream(firsts, streams), rid, on_end),
+        chunks = render.stream(firsts, streams)
+        return StreamingResponse(sse_stream(_first_with(chunks, picked) if picked else chunks, rid, on_end),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          **choice_headers(picked)})
     outcomes = [Outcome(k // plan.best_of) for k in range(len(reqs))]
     try:  # errors: counted by the app's handler
         done = await _unless_gone(request, all_or_none([rest(f, s, o) for f, s, o in zip(firsts, streams, outcomes)]))
@@ -127,7 +133,50 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     on_end(200 if done is not None else 499)
     if done is None:  # the client left; nobody reads this
         return Response(status_code=499)
-    return JSONResponse(render.whole(best(done, plan.n, plan.best_of)))
+    return JSONResponse(render.whole(best(done, plan.n, plan.best_of)) | ({SCD_FIELD: picked} if picked else {}),
+                        headers=choice_headers(picked))
+
+
+SCD_FIELD = "scd"  # response extension: how the prompt's KV reached the decode worker
+
+
+def method_choice(backend, requested: str, request_ids: list[str]) -> dict | None:
+    """The response's `scd` field: the method that served (for `auto`, the one picked, and
+    why); None for a backend that does not say (methods of several engine requests are
+    listed in order, joined by commas, when they differ)."""
+    choice_of = getattr(backend, "choice_of", None)
+    picked = [c for c in (choice_of(r) for r in request_ids) if c is not None] if choice_of else []
+    if not picked:
+        return None
+    first = picked[0]
+    field = {"method": ",".join(dict.fromkeys(c.method for c in picked)), "requested": requested,
+             "reason": first.reason}
+    if first.detail:
+        field["detail"] = first.detail
+    if first.predicted_s is not None:
+        field["predicted_ttft_ms"] = round(first.predicted_s * 1e3, 2)
+    return field
+
+
+def choice_headers(picked: dict | None) -> dict[str, str]:
+    """x-scd-method: the method that served; x-scd-method-reason: why (ASCII, bounded)."""
+    if not picked:
+        return {}
+    why = picked["reason"] + (f"; {picked['detail']}" if picked.get("detail") else "")
+    return {"x-scd-method": picked["method"],
+            "x-scd-method-reason": why.encode("ascii", "replace").decode()[:300]}
+
+
+async def _first_with(chunks: AsyncIterator[dict], picked: dict) -> AsyncIterator[dict]:
+    """The stream's chunks, the first carrying the `scd` field."""
+    first = True
+    try:
+        async for chunk in chunks:
+            if first:
+                chunk, first = chunk | {SCD_FIELD: picked}, False
+            yield chunk
+    finally:
+        await chunks.aclose()
 
 
 class Render:

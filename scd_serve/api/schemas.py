@@ -49,7 +49,9 @@ class _Generation(BaseModel):
         False, description="extension, as in vLLM: logprob tokens as 'token_id:<id>' instead of text")
     scd_method: StrictStr | None = Field(
         None, description="extension: how the prompt's KV cache reaches the decode worker "
-                          "('local' = no transfer, 'raw', 'scd', ...); default from the server config")
+                          "('local' = no transfer, 'raw', 'scd', ..., 'auto' = the fastest the server's quality "
+                          "budget allows, picked per request); default from the server config. The response "
+                          "says which method served, and why, in its `scd` field and x-scd-method headers")
     # accepted, ignored: they do not change what is generated
     user: StrictStr | None = None
     store: StrictBool | None = None

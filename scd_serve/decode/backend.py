@@ -2,25 +2,71 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from scd_serve import codec as codec_registry
 from scd_serve.api.backend import LOCAL, EngineBackend
+from scd_serve.config.decode import AUTO
+from scd_serve.decode.auto import fixed
+from scd_serve.decode.chooser import Choice
+from scd_serve.engine.request import GenerationRequest, TokenEvent
+from scd_serve.errors import InvalidRequest
 
 
 class DecodeBackend(EngineBackend):
     """EngineBackend whose transfer methods all go through one RemoteKVFill (it reads
     req.method), ready only while the engine runs and - unless the default method is
     "local" or a failed transfer falls back to a local prefill - at least one compatible
-    prefill worker answers. Ready on the fallback alone, /ready's body says so."""
+    prefill worker answers. Ready on the fallback alone, /ready's body says so.
+    With an AutoMethod, `auto` picks each request's method (decode/auto.py); `choice_of`
+    tells the routes what was picked and why."""
 
-    def __init__(self, engine, model_name: str, fill, peers, default_method: str):
+    def __init__(self, engine, model_name: str, fill, peers, default_method: str, auto=None):
         self.needs_peer = default_method != LOCAL
         must_have_peer = self.needs_peer and peers.config.fallback != "local"
         super().__init__(engine, model_name, fills={m: fill for m in codec_registry.METHODS},
                          peers_ready=(lambda: peers.ready()) if must_have_peer else (lambda: not peers.dead))
         self.fill = fill
         self.peers = peers
+        self.auto = auto  # AutoMethod or None (then `auto` is refused)
+        self._choices: dict[str, Choice] = {}  # request_id -> its method's choice, while it runs
+
+    @property
+    def methods(self) -> list[str]:
+        return sorted([*self.fills, *([AUTO] if self.auto is not None else [])])
+
+    def choice_of(self, request_id: str) -> Choice | None:
+        """How a running request's method was picked (None once it ended)."""
+        return self._choices.get(request_id)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        rid = req.request_id
+        if req.method == AUTO:
+            if self.auto is None:
+                raise InvalidRequest(f"scd_method must be one of {self.methods}, got 'auto'", field="scd_method")
+            choice = self.auto.choose(req)
+            req = dataclasses.replace(req, method=choice.method)
+            if choice.peer:
+                self.fill.preferred[rid] = choice.peer
+        else:
+            choice = fixed(req.method)
+        self._choices[rid] = choice
+        start, first = time.perf_counter(), True
+        try:
+            async for event in super().generate(req):
+                if first:
+                    first = False
+                    if self.auto is not None:
+                        self.auto.outcome(req, choice, time.perf_counter() - start)
+                yield event
+        finally:
+            self.fill.preferred.pop(rid, None)
+            self._choices.pop(rid, None)
+            if first and self.auto is not None:
+                self.auto.forget(rid)
 
     def ready_detail(self) -> dict[str, Any]:
         """What /ready adds to {"status": "ready"}: a worker serving on its fallback alone says so."""
@@ -36,7 +82,8 @@ class DecodeBackend(EngineBackend):
         return "" if self.ready() else self.peers.why_not_ready()
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats() | {"transfer": self.fill.snapshot(), "prefill_peers": self.peers.status()}
+        auto = {"auto": self.auto.chooser.snapshot()} if self.auto is not None else {}
+        return self.engine.stats() | {"transfer": self.fill.snapshot(), "prefill_peers": self.peers.status()} | auto
 
     def load(self) -> dict[str, float]:
         """What heartbeats report to the control plane (numbers only)."""

@@ -19,15 +19,21 @@ def compat_problems(info, consumer_spec, method: str, codecs, expect_producer: s
             problems.append(f"{field}: producer {getattr(info, field)} != consumer {ours}")
     if expect_producer and info.producer_fingerprint != expect_producer:
         problems.append(f"producer_fingerprint: {info.producer_fingerprint} != expected {expect_producer}")
-    if method == "local" or problems:
+    if method in ("local", "auto") or problems:  # auto: each method is checked when the chooser asks
         return problems
+    return problems + method_problems(info, method, codecs)
+
+
+def method_problems(info, method: str, codecs) -> list[str]:
+    """[] if this worker can rebuild `method` from the producer `info` describes."""
+    problems = []
     offered = {c.codec_id: c for c in info.codecs}
     theirs = offered.get(method)
     if theirs is None:
-        return problems + [f"codecs: method {method!r} not offered (offers {sorted(offered)})"]
+        return [f"codecs: method {method!r} not offered (offers {sorted(offered)})"]
     why = codecs.can_build(info, method)
     if why:
-        return problems + [f"codecs: cannot build consumer half of {method!r}: {why}"]
+        return [f"codecs: cannot build consumer half of {method!r}: {why}"]
     ours = codecs.get(info, method)
     if theirs.codec_version != ours.version:
         problems.append(f"codec_version[{method}]: {theirs.codec_version} != {ours.version}")

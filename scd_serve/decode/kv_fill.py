@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -26,7 +27,7 @@ from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import consume_exception
 from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.codecs import PromptCodec
-from scd_serve.decode.receive import drain, receive
+from scd_serve.decode.receive import Received, drain, receive
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               TransferTimedOut, Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
@@ -67,6 +68,9 @@ class RemoteKVFill:
         self._freed = asyncio.Event()  # set whenever a transfer ends and frees a peer slot
         self._threads = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="scd-transfer")
         self._jobs: set[_Job] = set()
+        self.preferred: dict[str, str] = {}  # request_id -> prefill address to try first (the `auto` choice)
+        # Told of every completed transfer: (prefill address, request, Received, wall seconds).
+        self.on_transfer: Callable[[str, object, Received, float], None] | None = None
 
     async def __call__(self, req, sink) -> dict:
         tokens = list(req.prompt_token_ids[:-1])  # the last prompt token is our first decode step
@@ -116,6 +120,9 @@ class RemoteKVFill:
         """A peer with a free slot, waiting (until the request's deadline) while all are busy;
         None when no usable peer serves the method at all."""
         deadline = req.deadline or time.monotonic() + self.config.transport.prefill_timeout_s
+        first = self._preferred(req, num_tokens, tried)
+        if first is not None:
+            return first
         while True:
             peer = self.peers.choose(req.method, num_tokens, exclude=tried)
             if peer is not None or not [p for p in self.peers.serving(req.method, num_tokens)
@@ -129,6 +136,16 @@ class RemoteKVFill:
                 await asyncio.wait_for(self._freed.wait(), timeout=min(left, SLOT_POLL_S))
             except TimeoutError:
                 pass
+
+    def _preferred(self, req, num_tokens: int, tried: list[str]):
+        """The peer the request was routed to (the `auto` choice) when it still serves the
+        method and has a free slot; else None (the load-aware choice decides)."""
+        address = self.preferred.pop(req.request_id, "")
+        peer = self.peers.peers.get(address)
+        if peer is None or address in tried or all(p is not peer for p in self.peers.serving(req.method, num_tokens)):
+            return None
+        limit = peer.info.max_concurrent
+        return peer if not limit or self.peers.balancer.inflight[address] < limit else None
 
     def _final_error(self, req, tried: list[str], errors: list[ScdError]) -> ScdError:
         if not errors:
@@ -197,6 +214,11 @@ class RemoteKVFill:
         if self.metrics is not None:
             self.metrics.observe_transfer(req.method, payload_bytes=got.payload_bytes, raw_bytes=raw,
                                           encode_s=got.encode_us / 1e6, rebuild_s=got.rebuild_s, transfer_s=elapsed)
+        if self.on_transfer is not None:
+            try:
+                self.on_transfer(peer.address, req, got, elapsed)
+            except Exception:  # noqa: BLE001 - bookkeeping must never fail a transfer that succeeded
+                log.exception("request_id=%s: recording the transfer failed", rid)
         return {"prefill": peer.address, "payload_bytes": got.payload_bytes, "raw_kv_bytes": raw,
                 "cache_hit": got.cache_hit, "rebuild_s": got.rebuild_s}
 

@@ -8,7 +8,8 @@ import logging
 import os
 
 from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
-from scd_serve.config.decode import DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, DecodeConfig, split_peers
+from scd_serve.config.decode import (AUTO, DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, ChooserConfig,
+                                     DecodeConfig, split_peers)
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
 from scd_serve.control.lifecycle import (add_worker_arguments, advertised, bound_port, exit_now, setup_logging,
                                          stop_event, torch_dtype)
@@ -25,7 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          codebook=DEFAULT_CODEBOOK, listener="HTTP", port=8100, dialer="the gateway should")
     parser.add_argument("--prefill", default="", help="static prefill peer(s): HOST:PORT[,HOST:PORT]")
     parser.add_argument("--method", default=None,
-                        help="default transfer method (default: scd when a codebook loads, else raw)")
+                        help="default transfer method: auto (the fastest the quality budget allows, per request), "
+                             "local, or a method name (default: auto when a codebook loads, else raw)")
+    parser.add_argument("--quality-budget", type=float, default=None,
+                        help="auto picks only transfer methods whose calibrated KL (codebook manifest) is at most "
+                             "this (default: the KL budget the codebook was calibrated for; raw/identity only "
+                             "where producer == consumer)")
     parser.add_argument("--fallback", default="local", choices=FALLBACKS,
                         help="when a transfer fails: prefill locally, or fail the request (503)")
     parser.add_argument("--max-attempts", type=int, default=2, help="prefill workers tried per request")
@@ -57,17 +63,19 @@ def check_exposure(config: DecodeConfig, api_key: str, control: ControlConfig, i
 def config_from_args(args) -> DecodeConfig:
     return DecodeConfig(model=args.model, codebook=args.codebook, device=args.device, dtype=args.dtype,
                         host=args.host, port=args.port, control_url=args.control_url, advertise=args.advertise,
-                        prefill=split_peers(args.prefill), method=args.method or PREFERRED_METHOD,
+                        prefill=split_peers(args.prefill), method=args.method or AUTO,
                         fallback=args.fallback, max_attempts=args.max_attempts,
                         breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown_s,
                         allow_incompatible=args.allow_incompatible, expect_producer=args.expect_producer,
-                        transport=transport_config_from_args(args))
+                        transport=transport_config_from_args(args),
+                        chooser=ChooserConfig(quality_budget=args.quality_budget))
 
 
 def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
-    """The server default method: `scd` needs a codebook calibrated for this consumer;
-    without one an implicit default drops to `raw` with a warning, an explicit --method scd
-    is a configuration error. codebook: a directory or None."""
+    """The server default method: `scd` (and the default `auto`) need a codebook calibrated
+    for this consumer; without one an implicit default drops to `raw` with a warning, an
+    explicit --method scd is a configuration error (an explicit --method auto then picks
+    among the lossless methods and local). codebook: a directory or None."""
     from scd_serve import codec as codec_registry
     from scd_serve.codec.codebook import Codebook
 
@@ -78,11 +86,15 @@ def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
         if codebook is not None:  # the producer is the one the codebook was calibrated for
             codebook = Codebook.load(codebook, consumer=rt)
             producer = codebook.side_spec("producer")
+        if method == AUTO:
+            if codebook is None and not explicit:
+                raise ConfigError("no codebook loaded")
+            return method
         codec_registry.build(method, producer=producer, consumer=rt, codebook=codebook)
         return method
     except (ScdError, ValueError, OSError) as exc:
         why = getattr(exc, "message", str(exc))
-        if explicit or method != PREFERRED_METHOD:
+        if explicit or method not in (PREFERRED_METHOD, AUTO):
             raise ConfigError(f"--method {method} cannot be used here: {why}") from None
         log.warning("method %s unavailable (%s); serving %s by default", method, why, PLAIN_METHOD)
         return PLAIN_METHOD
@@ -101,6 +113,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     from scd_serve.config.api import ApiConfig
     from scd_serve.config.engine import EngineConfig
     from scd_serve.control.heartbeat import HeartbeatClient
+    from scd_serve.decode.auto import AutoMethod, Calibration
     from scd_serve.decode.backend import DecodeBackend
     from scd_serve.decode.codecs import ConsumerCodecs, codebook_arg
     from scd_serve.decode.kv_fill import RemoteKVFill
@@ -121,10 +134,11 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     await peers.check_all()
     peers.start()
     fill = RemoteKVFill(rt, peers, codecs, config, metrics)
+    auto = AutoMethod(rt.spec, rt.fingerprint, peers, fill, config, Calibration.load(codecs.codebook), metrics)
     engine = Engine(rt, engine_cfg)
     engine.start()
     model_name = os.path.basename(os.path.normpath(config.model))
-    backend = DecodeBackend(engine, model_name, fill, peers, method)
+    backend = DecodeBackend(engine, model_name, fill, peers, method, auto)
     api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, api_key=api_key,
                         served_model_names=served_model_names,
                         max_model_len=max_len, max_tokens_cap=max_len, default_method=method)
@@ -144,7 +158,8 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
                                     control or ControlConfig(), on_peers=peers.update_from_registry)
         heartbeat.start()
     print(f"decode worker serving http://{config.host}:{port} (advertised {address}), consumer {rt.fingerprint}, "
-          f"default method {method}, fallback {config.fallback}", flush=True)
+          f"default method {method}, fallback {config.fallback}"
+          + (f", quality budget {auto.chooser.budget:g}" if method == AUTO else ""), flush=True)
     if not peers.ready() and method != "local":
         log.warning("not ready yet: %s", peers.why_not_ready())
     died = await first_of(stop.wait(), engine_death(engine))

@@ -18,7 +18,7 @@ from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
 from scd_serve.control.lifecycle import consume_exception, supervise
 from scd_serve.decode.breaker import Breaker
-from scd_serve.decode.compat import compat_problems
+from scd_serve.decode.compat import compat_problems, method_problems
 from scd_serve.transport.client import PrefillClient
 
 log = logging.getLogger("scd_serve.decode")
@@ -35,6 +35,7 @@ class Peer:
     load: dict = field(default_factory=dict)
     missed_checks: int = 0  # consecutive failed health checks
     breaker: Breaker = field(default_factory=Breaker)  # transfers, not health checks: grey failures
+    methods: tuple[str, ...] | None = None  # offered methods this worker can rebuild (checked on first need)
 
     @property
     def usable(self) -> bool:
@@ -77,7 +78,7 @@ class PeerSet:
             peer.info, peer.problem = None, "unreachable (its Prefill stream channel did not connect)"
             return
         problems = compat_problems(info, self.rt.spec, self.config.method, self.codecs, self.config.expect_producer)
-        peer.info = info
+        peer.info, peer.methods = info, None
         if problems and not self.config.allow_incompatible:
             problem = "incompatible: " + "; ".join(problems)
             if problem != peer.problem:
@@ -173,6 +174,16 @@ class PeerSet:
                  if not p.info.max_concurrent or self.balancer.inflight[p.address] < p.info.max_concurrent]
         pick = self.balancer.choose(cands, exclude)
         return None if pick is None else self.peers[pick.address]
+
+    def usable_methods(self, peer: Peer) -> tuple[str, ...]:
+        """The methods `peer` offers that this worker can rebuild (each checked as the
+        handshake checks the default method; once per handshake)."""
+        if peer.info is None:
+            return ()
+        if peer.methods is None:
+            peer.methods = tuple(c.codec_id for c in peer.info.codecs
+                                 if not method_problems(peer.info, c.codec_id, self.codecs))
+        return peer.methods
 
     def ready(self) -> bool:
         return not self.dead and any(p.usable and p.breaker.available() for p in self.peers.values())

@@ -31,6 +31,8 @@ class Received:
     last_chunk_at: float | None = None
     rebuilt_at: float | None = None  # the last layer written
     cache_hit: bool = False  # the producer served its code cache
+    first_chunk_bytes: int = 0  # code bytes of the first chunk (the rest crossed between first and last)
+    wait_s: float = 0.0  # time the reader waited for messages after the first chunk (the link's share)
 
 
 def rebuild_chunk(chunk, rebuild_layer: Callable[[int, dict], None]) -> None:
@@ -54,18 +56,24 @@ def receive(call: Iterable, verifier: StreamVerifier, prepare: Callable[[], None
     got = Received()
     t0 = time.perf_counter()
     prepare()
-    got.rebuild_s += time.perf_counter() - t0
+    waiting = time.perf_counter()
+    got.rebuild_s += waiting - t0
     for msg in call:
         now = time.perf_counter()
+        if got.first_chunk_at is not None:
+            got.wait_s += now - waiting
         chunk = verifier.on_message(msg)
         if chunk is None:
+            waiting = time.perf_counter()
             continue
-        got.first_chunk_at = got.first_chunk_at or now
+        nbytes = sum(len(t.data) for t in chunk.tensors)
+        if got.first_chunk_at is None:
+            got.first_chunk_at, got.first_chunk_bytes = now, nbytes
         got.last_chunk_at = now
-        got.payload_bytes += sum(len(t.data) for t in chunk.tensors)
+        got.payload_bytes += nbytes
         got.encode_us += chunk.encode_us
         rebuild_chunk(chunk, rebuild_layer)
-        got.rebuilt_at = time.perf_counter()
+        got.rebuilt_at = waiting = time.perf_counter()
         got.rebuild_s += got.rebuilt_at - now
         if verifier.complete:
             break

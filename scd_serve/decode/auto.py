@@ -1,0 +1,113 @@
+"""The `auto` method's wiring: live state -> the chooser, its choice -> the request, outcomes -> back.
+
+The chooser (chooser.py) is plain Python and sees only what this adapter hands it: each
+usable prefill worker's methods with their calibrated KL (the codebook manifest), its load
+(heartbeat) and our transfers in flight to it. The transfer client reports every completed
+transfer here (RemoteKVFill.on_transfer), the backend every request's first token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scd_serve.config.decode import DecodeConfig
+from scd_serve.decode.chooser import LOCAL, Choice, Chooser, PeerView, method_kl, prompt_key
+
+log = logging.getLogger("scd_serve.decode")
+LINK_BOUND_SHARE = 0.5  # a transfer whose reader waited this share of its first-to-last-chunk time was link-bound
+PAYLOAD_RATIO = {"raw": 1.0, "identity": 2.0}  # payload / 16-bit K+V of the codebook-free methods (float32 identity)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the codebook manifest says about each method for the pair it was calibrated on."""
+
+    kl: dict[str, float] = field(default_factory=dict)
+    payload_ratio: dict[str, float] = field(default_factory=dict)
+    producer: str = ""  # the producer fingerprint it was calibrated for
+    budget: float | None = None  # the KL budget it was calibrated to meet
+
+    @classmethod
+    def load(cls, codebook: str | None) -> Calibration:
+        """From DIR/manifest.json; empty without a codebook (lossless methods only)."""
+        if not codebook or not (Path(codebook) / "manifest.json").is_file():
+            return cls()
+        manifest = json.loads((Path(codebook) / "manifest.json").read_text())
+        cal = manifest.get("calibration", {})
+        methods = {m: v for m, v in cal.get("methods", {}).items() if isinstance(v, dict)}
+        return cls(kl={m: float(v["kl"]) for m, v in methods.items() if "kl" in v},
+                   payload_ratio={m: float(v["payload_ratio"]) for m, v in methods.items() if "payload_ratio" in v},
+                   producer=manifest.get("producer", {}).get("fingerprint", ""), budget=cal.get("kl_budget"))
+
+
+class AutoMethod:
+    def __init__(self, spec, fingerprint: str, peers, fill, config: DecodeConfig, calibration: Calibration,
+                 metrics=None, clock: Callable[[], float] = time.monotonic):
+        cfg = config.chooser
+        budget = cfg.quality_budget if cfg.quality_budget is not None else (calibration.budget or 0.0)
+        raw = 2 * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim  # 16-bit K and V, one token
+        self.chooser = Chooser(cfg, budget, raw, PAYLOAD_RATIO | calibration.payload_ratio, clock)
+        self.fingerprint, self.peers, self.calibration, self.metrics = fingerprint, peers, calibration, metrics
+        fill.on_transfer = self.observe_transfer
+
+    def views(self, num_tokens: int) -> list[PeerView]:
+        """Every prefill worker a transfer could go to now, with the methods the pair allows."""
+        out = []
+        for peer in self.peers.peers.values():
+            if not (peer.usable and peer.breaker.available()) or num_tokens > (peer.info.max_prompt_tokens or num_tokens):
+                continue
+            pair = method_kl(peer.info.producer_fingerprint, self.fingerprint, self.calibration.kl,
+                             self.calibration.producer)
+            kl = {m: pair[m] for m in self.peers.usable_methods(peer) if m in pair}
+            running = max(_number(peer.load.get("running")), self.peers.balancer.inflight[peer.address])
+            out.append(PeerView(peer.address, kl, running, int(peer.info.max_concurrent)))
+        return out
+
+    def choose(self, req) -> Choice:
+        n = req.num_prompt_tokens
+        if n < 2 or req.params.prompt_logprobs is not None:
+            why = "prompt_logprobs need the consumer's own prefill" if n >= 2 else "a one-token prompt has no KV to fill"
+            choice = Choice(LOCAL, reason="needs-local", detail=why)
+        else:
+            choice = self.chooser.choose(prompt_key(req.prompt_token_ids[:-1]), n, self.views(n))
+        if self.metrics is not None:
+            self.metrics.observe_auto_choice(choice.method)
+        log.debug("request_id=%s prompt_tokens=%d auto -> %s (%s: %s)", req.request_id, n, choice.method,
+                  choice.reason, choice.detail)
+        return choice
+
+    def observe_transfer(self, address: str, req, got, wall_s: float) -> None:
+        """RemoteKVFill.on_transfer: one completed transfer (any method, auto or not)."""
+        link_s = (got.last_chunk_at - got.first_chunk_at) if got.first_chunk_at is not None else 0.0
+        self.chooser.observe_transfer(
+            address, req.method, prompt_key(req.prompt_token_ids[:-1]), req.num_prompt_tokens,
+            payload_bytes=got.payload_bytes, rebuild_s=got.rebuild_s, producer_s=got.encode_us / 1e6,
+            cache_hit=got.cache_hit, wall_s=wall_s, link_bytes=got.payload_bytes - got.first_chunk_bytes,
+            link_s=link_s, link_bound=link_s > 0 and got.wait_s >= LINK_BOUND_SHARE * link_s,
+            request_id=req.request_id)
+
+    def outcome(self, req, choice: Choice, ttft_s: float) -> None:
+        """The request's first token came ttft_s after its choice."""
+        error = self.chooser.observe_outcome(req.request_id, choice, req.num_prompt_tokens, ttft_s)
+        if error is not None and choice.reason != "fixed":
+            if self.metrics is not None:
+                self.metrics.observe_auto_prediction(choice.method, error)
+            log.debug("request_id=%s auto %s predicted %.1f ms, took %.1f ms", req.request_id, choice.method,
+                      choice.predicted_s * 1e3, ttft_s * 1e3)
+
+    def forget(self, request_id: str) -> None:
+        self.chooser.forget(request_id)
+
+
+def fixed(method: str) -> Choice:
+    """The record of a request whose method was named (by it or the server's default): no choice made."""
+    return Choice(method, reason="fixed")
+
+
+def _number(x) -> int:
+    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else 0

@@ -1,0 +1,156 @@
+"""`scd_method: "auto"` through a real gRPC prefill worker and a decode worker (DecodeBackend,
+RemoteKVFill, engine, the HTTP app): it picks a transfer method within the quality budget,
+says which and why (header, `scd` field, metrics), and learns from what it measured."""
+
+import contextlib
+import json
+import time
+
+import httpx
+import pytest
+import torch
+from asgi_lifespan import LifespanManager
+
+from scd_serve.api.app import create_app
+from scd_serve.api.metrics import Metrics
+from scd_serve.codec.assemble import build_codebook
+from scd_serve.codec.fit import collect_rows, fit_layer
+from scd_serve.codec.plan import REUSE, LayerPlan, Plan
+from scd_serve.codec.spec import spec_of
+from scd_serve.config.api import ApiConfig
+from scd_serve.config.decode import ChooserConfig, DecodeConfig
+from scd_serve.decode.auto import AutoMethod, Calibration
+from scd_serve.decode.backend import DecodeBackend
+from scd_serve.decode.codecs import ConsumerCodecs
+from scd_serve.decode.kv_fill import RemoteKVFill
+from scd_serve.decode.main import resolve_method
+from scd_serve.decode.peers import PeerSet
+
+from serving_helpers import engine_for, prompts, start_prefill, tiny_runtime
+
+pytestmark = pytest.mark.timeout(120)
+PROMPT = list(range(3, 43))  # 40 tokens
+
+
+class SlowPrefill:
+    """The consumer runtime with a slow local prefill (2 ms per prompt token), so that a
+    transfer is the fastest option on loopback; everything else passes through."""
+
+    def __init__(self, rt):
+        self._rt = rt
+
+    def __getattr__(self, name):
+        return getattr(self._rt, name)
+
+    def extend(self, pool, items):
+        time.sleep(0.002 * sum(len(tokens) for _, _, tokens in items))
+        return self._rt.extend(pool, items)
+
+
+@contextlib.asynccontextmanager
+async def auto_worker(consumer, producer, methods, codebook="", budget=None):
+    """A prefill worker offering `methods` and a decode worker whose default is auto; yields
+    (HTTP client, the decode backend)."""
+    book = None
+    if codebook:
+        from scd_serve.codec.codebook import Codebook
+
+        book = Codebook.load(codebook, producer=producer)
+    node = await start_prefill(producer, methods=methods, codebook=book)
+    config = DecodeConfig(model="unused", codebook=codebook, prefill=(node.address,), method="auto", fallback="none",
+                          chooser=ChooserConfig(quality_budget=budget))
+    codecs = ConsumerCodecs(consumer, codebook)
+    peers = PeerSet(consumer, codecs, config)
+    await peers.check_all()
+    assert peers.ready(), peers.why_not_ready()
+    metrics = Metrics()
+    fill = RemoteKVFill(consumer, peers, codecs, config, metrics)
+    auto = AutoMethod(consumer.spec, consumer.fingerprint, peers, fill, config, Calibration.load(codebook or None),
+                      metrics)
+    engine = engine_for(SlowPrefill(consumer))
+    backend = DecodeBackend(engine, "tiny", fill, peers, "auto", auto)
+    app = create_app(ApiConfig(max_model_len=256, max_tokens_cap=64, default_method="auto"), backend, metrics)
+    try:
+        async with LifespanManager(app) as manager:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url="http://t",
+                                         timeout=60) as client:
+                yield client, backend
+    finally:
+        await engine.stop(grace_s=1)
+        fill.close()
+        await peers.close()
+        await node.stop()
+
+
+async def complete(client, **extra):
+    r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                                   "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    return r
+
+
+async def test_auto_explores_then_picks_a_lossless_transfer_and_says_so(tmp_path):
+    rt = tiny_runtime(tmp_path / "model")  # producer == consumer: raw and identity are lossless
+    async with auto_worker(rt, rt, ("identity", "raw")) as (client, backend):
+        seen = [await complete(client) for _ in range(6)]
+        fields = [r.json()["scd"] for r in seen]
+        assert [(f["method"], f["reason"]) for f in fields[:2]] == [("raw", "explore"), ("identity", "explore")]
+        assert fields[2]["method"] == "local"  # measured once (its first estimate is the producer's speed)
+        for r, f in zip(seen[3:], fields[3:]):  # local prefill is slow here: a transfer is the fastest
+            assert f["reason"] == "fastest" and f["method"] in ("raw", "identity") and f["requested"] == "auto"
+            assert r.headers["x-scd-method"] == f["method"]
+            assert r.headers["x-scd-method-reason"].startswith("fastest; ") and "local" in f["detail"]
+            assert f["predicted_ttft_ms"] > 0
+        assert backend.fill.stats.num_transfers == 5  # every choice but local transferred
+        assert backend.stats()["auto"]["link_mbit_s"]  # it measured the link
+
+        fixed = await complete(client, scd_method="identity")  # a named method is reported as such
+        assert fixed.json()["scd"] == {"method": "identity", "requested": "identity", "reason": "fixed"}
+
+        async with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True,
+                                                                  "temperature": 0, "ignore_eos": True}) as r:
+            assert r.headers["x-scd-method"] in ("raw", "identity")
+            events = [json.loads(line[5:]) for line in [x async for x in r.aiter_lines()]
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        assert events[0]["scd"]["method"] == r.headers["x-scd-method"]
+        assert len(events) > 1 and all("scd" not in e for e in events[1:])  # the first chunk says it, once
+
+        metrics = (await client.get("/metrics")).text
+        assert 'scd_auto_choice_total{method="local"} 1.0' in metrics
+        picked = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("scd_auto_choice_total{") and "local" not in line)
+        assert picked == 6
+        errors = [line for line in metrics.splitlines() if line.startswith("scd_auto_prediction_error_ratio_count")]
+        assert errors and sum(float(line.split()[-1]) for line in errors) >= 3  # the "fastest" ones were predicted
+
+
+@pytest.fixture(scope="module")
+def cross_pair(tmp_path_factory):
+    """Producer != consumer with a codebook whose manifest calibrates scd within 0.05, reuse and raw not."""
+    root = tmp_path_factory.mktemp("auto")
+    a, b = tiny_runtime(root / "producer", seed=0), tiny_runtime(root / "consumer", seed=1)
+    rows = collect_rows(a, b, [torch.tensor(p) for p in prompts(6, seed=11)], max_rows=4096)
+    fits = [fit_layer(r, spec_of(b).kv_width, (8, 32), aligner_width=32) for r in rows]
+    plan = Plan(tuple(LayerPlan(REUSE, 8, 16) for _ in range(spec_of(b).num_layers)))
+    path = build_codebook(fits, {"scd": plan, "reuse": plan}, spec_of(a), spec_of(b)).save(root / "book")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["calibration"] = {"kl_budget": 0.05, "methods": {"scd": {"kl": 0.04, "payload_ratio": 0.3},
+                                                              "reuse": {"kl": 0.09, "payload_ratio": 0.25},
+                                                              "raw": {"kl": 5.0, "payload_ratio": 1.0}}}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return a, b, str(path)
+
+
+async def test_auto_keeps_to_the_codebooks_quality_budget(cross_pair):
+    a, b, book = cross_pair
+    assert resolve_method(b, book, "auto", explicit=False) == "auto"  # the default when a codebook loads
+    assert resolve_method(b, None, "auto", explicit=False) == "raw"  # none: raw, as before
+    assert resolve_method(b, None, "auto", explicit=True) == "auto"  # asked for: lossless methods and local
+    async with auto_worker(b, a, ("scd", "reuse", "raw"), codebook=book) as (client, backend):
+        assert backend.auto.chooser.budget == 0.05  # the manifest's own
+        methods = [(await complete(client)).json()["scd"]["method"] for _ in range(5)]
+        assert set(methods) <= {"scd", "local"} and methods[0] == "scd", methods  # reuse (0.09), raw (5.0) never
+        assert methods[-1] == "scd"
+    async with auto_worker(b, a, ("scd", "raw"), codebook=book, budget=0.0) as (client, _):
+        f = (await complete(client)).json()["scd"]
+        assert (f["method"], f["reason"]) == ("local", "only") and "quality budget 0" in f["detail"]
