@@ -42,9 +42,9 @@ class FaultyRuntime:
         if self.fail_after_steps is not None and self.num_steps > self.fail_after_steps:
             raise RuntimeError("injected forward failure (faults.FaultyRuntime)")
 
-    def extend(self, pool, items):
+    def extend(self, pool, items, logits="all"):
         self._step()
-        return self._rt.extend(pool, items)
+        return self._rt.extend(pool, items, logits=logits)
 
     def decode_step(self, pool, items):
         self._step()

@@ -41,7 +41,9 @@ class Runner:
         if batch.prefills:
             items = [(seq.block_ids, seq.num_cached, seq.token_ids[seq.num_cached:seq.num_cached + n])
                      for seq, n in batch.prefills]
-            outs = self.runtime.extend(self.pool, items)  # the last prompt token is a decode step
+            # the last prompt token is a decode step: a chunk's logits serve prompt log-probabilities only
+            wants = ["all" if seq.prompt_logprobs is not None else "none" for seq, _ in batch.prefills]
+            outs = self.runtime.extend(self.pool, items, logits=wants)
             for (seq, _), logits in zip(batch.prefills, outs, strict=True):
                 if seq.prompt_logprobs is not None:
                     self._record_prompt_logprobs(seq, logits)

@@ -112,16 +112,19 @@ class ToyRuntime:
         if self.fail_after_steps is not None and self.num_steps > self.fail_after_steps:
             raise RuntimeError("injected forward failure")
 
-    def extend(self, pool: ToyPool, items) -> list[torch.Tensor]:
+    def extend(self, pool: ToyPool, items, logits="all") -> list[torch.Tensor | None]:
+        """As ModelRuntime.extend, `logits` included ("all", "last", "none"; one or one per item)."""
         self._step()
+        wants = [logits] * len(items) if isinstance(logits, str) else list(logits)
         out = []
-        for block_ids, num_cached, tokens in items:
+        for (block_ids, num_cached, tokens), want in zip(items, wants, strict=True):
             tokens = list(map(int, tokens))
             kv = self.kv(tokens, start=num_cached)
             for layer in range(self.spec.num_layers):
                 self.write_kv(pool, block_ids, layer, kv[layer], kv[layer], start=num_cached)
             cached = self._read_v(pool, block_ids, num_cached + len(tokens))
-            out.append(torch.stack([self._logits(cached[:, :num_cached + i], t) for i, t in enumerate(tokens)]))
+            rows = [self._logits(cached[:, :num_cached + i], t) for i, t in enumerate(tokens)]
+            out.append(None if want == "none" else torch.stack(rows[-1:] if want == "last" else rows))
         return out
 
     def decode_step(self, pool: ToyPool, items) -> torch.Tensor:

@@ -20,6 +20,7 @@ from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv
 from scd_serve.model.step import DecodeStep
 
 Tensor = torch.Tensor
+LOGIT_ROWS = frozenset({"all", "last", "none"})  # what extend returns per item
 
 
 @dataclass
@@ -152,16 +153,23 @@ class ModelRuntime:
                         self.rotary.tables(torch.arange(start, start + num_tokens, device=self.device)))
 
     @torch.no_grad()
-    def extend(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, Tensor]]) -> list[Tensor]:
+    def extend(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, Tensor]],
+               logits: str | Sequence[str] = "all") -> list[Tensor | None]:
         """Run each item's new tokens over its cached prefix, writing their K/V to the pool.
-        items: (block_ids, num_cached, tokens [n]) -> logits [n, vocab] float32 per item."""
+        items: (block_ids, num_cached, tokens [n]) -> per item, by `logits` (one for all items or
+        one per item): "all" [n, vocab] float32, "last" [1, vocab] (the next token's), "none" None.
+        At a real vocabulary the output head costs as much as several layers and its float32
+        rows ~0.6 MB per token, so callers ask only for the rows they read."""
+        wants = [logits] * len(items) if isinstance(logits, str) else list(logits)
+        if len(wants) != len(items) or not set(wants) <= LOGIT_ROWS:
+            raise ValueError(f"logits must be one of {sorted(LOGIT_ROWS)} or one per item, got {logits!r}")
         out = []
-        for block_ids, num_cached, tokens in items:
+        for (block_ids, num_cached, tokens), want in zip(items, wants):
             ids = self._check_ids(tokens, offset=int(num_cached))
-            out.append(self._extend_one(pool, list(block_ids), int(num_cached), ids))
+            out.append(self._extend_one(pool, list(block_ids), int(num_cached), ids, want))
         return out
 
-    def _extend_one(self, pool: KVPool, block_ids: list[int], cached: int, ids: Tensor) -> Tensor:
+    def _extend_one(self, pool: KVPool, block_ids: list[int], cached: int, ids: Tensor, want: str) -> Tensor | None:
         spec, rot, bs = self.spec, self.rotary, pool.block_size
         n = ids.shape[0]
         slots = pool.slots(block_ids, cached, n)
@@ -178,7 +186,9 @@ class ModelRuntime:
             kc, vc = pool.gather(layer, table)  # [1, S, kv_heads, hd]
             q = rope.apply(project_q(lw, spec, x), cos, sin)
             h = finish_layer(lw, spec, h, attend(q[None], kc, vc, masks[spec.window(layer)])[0])
-        return self._logits(h)
+        if want == "none":
+            return None
+        return self._logits(h[-1:] if want == "last" else h)
 
     def decode_step(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, int]]) -> Tensor:
         """One token for each of B sequences in ONE batched forward.
@@ -205,7 +215,7 @@ class ModelRuntime:
             return []
         num_blocks = -(-(t + max_new_tokens) // block_size)
         pool, blocks = self.new_kv_pool(num_blocks, block_size), list(range(num_blocks))
-        token = int(self.extend(pool, [(blocks, 0, ids)])[0][-1].argmax())
+        token = int(self.extend(pool, [(blocks, 0, ids)], logits="last")[0][-1].argmax())
         out = [token]
         while len(out) < max_new_tokens and token != eos_token_id:
             token = int(self.decode_step(pool, [(blocks, t + len(out) - 1, token)])[0].argmax())

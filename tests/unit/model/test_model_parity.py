@@ -171,3 +171,20 @@ def test_chunked_extend_matches_one_shot(pair):
     blocks = [7, 0, 5, 2, 6, 1, 4, 3]
     chunks = [rt.extend(pool, [(blocks, a, ids[a:b])])[0] for a, b in ((0, 7), (7, 20), (20, 30))]
     assert (torch.cat(chunks) - one).abs().max() <= cross_path_tol(one)  # extend in chunks vs prefill (model_tol)
+
+
+def test_extend_returns_only_the_logit_rows_asked_for(pair):
+    """"last" is the last row of "all", "none" is None; the K/V written are the same either way."""
+    rt, _ = pair
+    ids = prompt(12, 9)
+    pools = [rt.new_kv_pool(4, 4) for _ in range(3)]
+    blocks = [2, 0, 3, 1]
+    (full,) = rt.extend(pools[0], [(blocks, 0, ids)], logits="all")
+    (last,) = rt.extend(pools[1], [(blocks, 0, ids)], logits=["last"])
+    (none,) = rt.extend(pools[2], [(blocks, 0, ids)], logits="none")
+    assert full.shape == (12, rt.spec.vocab_size) and last.shape == (1, rt.spec.vocab_size) and none is None
+    torch.testing.assert_close(last[0], full[-1], rtol=1e-5, atol=1e-5)  # one row vs twelve: GEMM blocking
+    for pool in pools[1:]:
+        assert torch.equal(pool.k, pools[0].k) and torch.equal(pool.v, pools[0].v)
+    with pytest.raises(ValueError, match="logits must be"):
+        rt.extend(pools[0], [(blocks, 0, ids)], logits=["all", "last"])
