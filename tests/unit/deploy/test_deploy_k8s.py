@@ -17,6 +17,7 @@ K8S = ROOT / "deploy" / "k8s"
 K8S_MTLS = ROOT / "deploy" / "k8s-mtls"
 K8S_GPU = ROOT / "deploy" / "k8s-gpu"
 K8S_MONITORING = ROOT / "deploy" / "k8s-monitoring"
+K8S_MODELS = ROOT / "deploy" / "k8s-models"
 K8S_VERSION = "1.37.0"
 # The kustomization fields this renderer applies; anything else must fail loudly, not be skipped.
 KNOWN_KUSTOMIZE_KEYS = {"apiVersion", "kind", "labels", "resources", "patches"}
@@ -146,26 +147,115 @@ def test_runs_as_the_image_user():
         assert spec["securityContext"]["runAsUser"] == uid, role
 
 
-def test_volumes_claims_and_config_references_resolve():
-    claims = set(by_kind("PersistentVolumeClaim"))
-    configmaps = by_kind("ConfigMap")
-    for role, spec in pod_specs().items():
+def pod_templates(objects: list[dict]) -> dict[str, dict]:
+    """name -> pod spec of every Deployment and Job."""
+    return {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects if o["kind"] in ("Deployment", "Job")}
+
+
+def check_references(objects: list[dict]) -> None:
+    """Claims, volumes, ConfigMaps and $(VAR)s that the pod specs use all exist."""
+    claims = {o["metadata"]["name"] for o in objects if o["kind"] == "PersistentVolumeClaim"}
+    configmaps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+    for name, spec in pod_templates(objects).items():
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for v in volumes.values():
             if "persistentVolumeClaim" in v:
-                assert v["persistentVolumeClaim"]["claimName"] in claims
-        for c in spec["containers"]:
+                assert v["persistentVolumeClaim"]["claimName"] in claims, name
+        for c in spec["containers"] + spec.get("initContainers", []):
             for m in c.get("volumeMounts", []):
-                assert m["name"] in volumes, f"{role} mounts unknown volume {m['name']}"
+                assert m["name"] in volumes, f"{name} mounts unknown volume {m['name']}"
             defined = {e["name"] for e in c.get("env", [])}
             for src in c.get("envFrom", []):
                 defined |= set(configmaps[src["configMapRef"]["name"]]["data"])
             for arg in c.get("args", []):
                 for var in re.findall(r"\$\((\w+)\)", arg):
-                    assert var in defined, f"{role}: args use $({var}) but no env defines it"
+                    assert var in defined, f"{name}: args use $({var}) but no env defines it"
+
+
+def test_volumes_and_config_references_resolve_and_the_base_needs_no_claim():
+    check_references(OBJECTS)
+    assert not by_kind("PersistentVolumeClaim"), "the base must start on any cluster: no claim"
+    for role, spec in pod_specs().items():
+        assert all("persistentVolumeClaim" not in v for v in spec.get("volumes", [])), role
+
+
+def restricted_violations(spec: dict) -> list[str]:
+    """The Pod Security Standards' "restricted" level (kubernetes.io/docs/concepts/security/
+    pod-security-standards), checked rule by rule on one pod spec; [] when it passes."""
+    out = []
+    pod_sc = spec.get("securityContext", {})
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}
+    for v in spec.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= allowed_volumes:
+            out.append(f"volume {v['name']}: {kinds - allowed_volumes}")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            out.append(key)
+    for c in spec["containers"] + spec.get("initContainers", []):
+        sc = c.get("securityContext", {})
+        if sc.get("privileged"):
+            out.append(f"{c['name']}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{c['name']}: allowPrivilegeEscalation must be false")
+        if not (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True):
+            out.append(f"{c['name']}: runAsNonRoot")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            out.append(f"{c['name']}: runAsUser 0")
+        seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{c['name']}: seccompProfile {seccomp}")
+        caps = sc.get("capabilities", {})
+        if caps.get("drop") != ["ALL"] or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{c['name']}: capabilities must drop ALL")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{c['name']}: hostPort")
+    return out
+
+
+@pytest.mark.parametrize("root", [K8S, K8S_MTLS, K8S_GPU, K8S_MONITORING, K8S_MODELS],
+                         ids=["base", "mtls", "gpu", "monitoring", "models"])
+def test_every_pod_passes_the_restricted_pod_security_level_with_a_read_only_root(root):
+    for name, spec in pod_templates(render(root)).items():
+        assert restricted_violations(spec) == [], name
+        for c in spec["containers"] + spec.get("initContainers", []):
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True, f"{name}/{c['name']}"
+        if name != "scd-models-fill":  # writable scratch for every serving container
+            mounts = {m["mountPath"]: m["name"] for c in spec["containers"] for m in c["volumeMounts"]}
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            assert "emptyDir" in volumes[mounts["/tmp"]], name
+
+
+def test_a_disruption_budget_per_role():
+    budgets = by_kind("PodDisruptionBudget")
+    for role in ("gateway", "prefill", "decode"):
+        labels = pod_specs_labels()[role]
+        hits = [b for b in budgets.values() if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        assert len(hits) == 1 and hits[0]["spec"]["maxUnavailable"] == 1, role
+
+
+def test_models_overlay_fills_a_claim_and_workers_wait_then_mount_it_read_only():
+    objects = render(K8S_MODELS)
+    check_references(objects)
+    specs = pod_templates(objects)
+    (claim,) = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]  # what kind/minikube/k3s provisioners offer
+    job = specs["scd-models-fill"]
+    assert {m["mountPath"]: m.get("readOnly", False) for m in job["containers"][0]["volumeMounts"]}["/models/user"] is False
+    (config,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "scd-serve"]
+    assert config["data"]["SCD_PRODUCER"] == "/models/user/producer"
+    assert config["data"]["SCD_CONSUMER"] == "/models/user/consumer"
     for role in ("prefill", "decode"):
-        mounts = [m for c in pod_specs()[role]["containers"] for m in c.get("volumeMounts", [])]
-        assert any(m["readOnly"] for m in mounts), f"{role} has no read-only models volume"
+        spec = specs[role]
+        (init,) = spec["initContainers"]
+        assert ".complete" in init["args"][0] and ".complete" in job["containers"][0]["args"][0]
+        mounts = {m["mountPath"]: m for m in spec["containers"][0]["volumeMounts"]}
+        assert mounts["/models/user"]["readOnly"] is True
+        compile(init["args"][0], "wait-for-models", "exec")  # the inline scripts are valid Python
+    compile(job["containers"][0]["args"][0], "fill", "exec")
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
 def expanded_args(role: str) -> list[str]:
@@ -308,7 +398,8 @@ def test_mtls_overlay_wires_certificates_and_probes():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl to compare with")
-@pytest.mark.parametrize("root", [K8S, K8S_MTLS, K8S_GPU, K8S_MONITORING], ids=["base", "mtls", "gpu", "monitoring"])
+@pytest.mark.parametrize("root", [K8S, K8S_MTLS, K8S_GPU, K8S_MONITORING, K8S_MODELS],
+                         ids=["base", "mtls", "gpu", "monitoring", "models"])
 def test_renderer_agrees_with_kustomize(root):
     out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
