@@ -29,6 +29,7 @@ from scd_serve.config.decode import ChooserConfig
 LOCAL = "local"
 LOSSLESS = ("identity", "raw")  # exact where the producer is the consumer (16-bit raw: as good as exact)
 MIN_LINK_BYTES = 32 * 1024  # smaller transfers say more about latency than about the link
+LINK_JUMP = 1.5  # a link-bound pace this far from the estimate replaces it (the link changed) instead of smoothing
 _REMEMBERED = 1024  # transfers awaiting their outcome (request id -> measured core)
 
 
@@ -200,7 +201,8 @@ class Chooser:
         if link_bytes > 0 and link_s > 0:
             pace = link_s / link_bytes
             if link_bound and cache_hit and link_bytes >= MIN_LINK_BYTES:
-                link.update(pace, w, now)
+                jump = link.value is None or not 1 / LINK_JUMP <= pace / link.value <= LINK_JUMP
+                link.update(pace, 1.0 if jump else w, now)  # a link that changed by LINK_JUMP is followed at once
                 wire = payload_bytes * pace
             elif link.value is None or pace < link.value:  # at least this fast: the estimate was too slow
                 link.update(pace, 1.0, now)

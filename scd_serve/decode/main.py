@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto picks only transfer methods whose calibrated KL (codebook manifest) is at most "
                              "this (default: the KL budget the codebook was calibrated for; raw/identity only "
                              "where producer == consumer)")
+    parser.add_argument("--auto-stale-s", type=float, default=ChooserConfig.stale_s,
+                        help="auto re-measures a link (or its own prefill speed) not measured for this long")
     parser.add_argument("--fallback", default="local", choices=FALLBACKS,
                         help="when a transfer fails: prefill locally, or fail the request (503)")
     parser.add_argument("--max-attempts", type=int, default=2, help="prefill workers tried per request")
@@ -68,7 +70,7 @@ def config_from_args(args) -> DecodeConfig:
                         breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown_s,
                         allow_incompatible=args.allow_incompatible, expect_producer=args.expect_producer,
                         transport=transport_config_from_args(args),
-                        chooser=ChooserConfig(quality_budget=args.quality_budget))
+                        chooser=ChooserConfig(quality_budget=args.quality_budget, stale_s=args.auto_stale_s))
 
 
 def resolve_method(rt, codebook, method: str, explicit: bool) -> str:

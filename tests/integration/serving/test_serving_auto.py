@@ -42,9 +42,9 @@ class SlowPrefill:
     def __getattr__(self, name):
         return getattr(self._rt, name)
 
-    def extend(self, pool, items):
+    def extend(self, pool, items, **kw):
         time.sleep(0.002 * sum(len(tokens) for _, _, tokens in items))
-        return self._rt.extend(pool, items)
+        return self._rt.extend(pool, items, **kw)
 
 
 @contextlib.asynccontextmanager

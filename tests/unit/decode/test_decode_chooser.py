@@ -160,6 +160,18 @@ def test_a_compute_bound_transfer_only_says_the_link_is_at_least_that_fast():
     assert chooser.link[PEER].value == pytest.approx(0.002 / 280_000)
 
 
+def test_a_link_that_changed_is_followed_at_once_small_changes_are_smoothed():
+    chooser = make(smoothing=0.5)
+    common = dict(rebuild_s=0.01, producer_s=0.0, cache_hit=True, wall_s=0.05, link_bound=True)
+    sample = lambda s: chooser.observe_transfer(PEER, "scd", 1, N, payload_bytes=100_000,  # noqa: E731
+                                                link_bytes=100_000, link_s=s, **common)
+    sample(0.010)
+    sample(0.012)  # 1.2x: within the noise, smoothed
+    assert chooser.link[PEER].value == pytest.approx(0.011 / 100_000)
+    sample(0.040)  # ~3.6x: the link changed, followed at once
+    assert chooser.link[PEER].value == pytest.approx(0.040 / 100_000)
+
+
 def test_a_prompt_not_cached_there_pays_the_producer_and_a_busy_producer_more():
     from scd_serve.decode.chooser import Choice
 
