@@ -19,12 +19,17 @@ import httpx
 from scd_serve.bench.stats import RequestResult
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, timeout_s: float) -> RequestResult:
-    """POST `body` (stream=True) to `url`/v1/completions and time every streamed token."""
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, timeout_s: float,
+                            meta: dict | None = None) -> RequestResult:
+    """POST `body` (stream=True) to `url`/v1/completions and time every streamed token.
+    `meta`, when given, receives the response's x-scd-* headers and its `scd` field (how the
+    prompt's KV reached the decode worker: for scd_method auto, the method picked and why)."""
     res = RequestResult(sent=time.perf_counter())
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+                if meta is not None:
+                    meta["headers"] = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-scd-")}
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")[:200]
                     res.error = f"HTTP {resp.status_code}: {text}"
@@ -40,6 +45,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, tim
                         res.error = str(event["error"].get("type") or event["error"])
                         return res
                     now = time.perf_counter()
+                    if meta is not None and "scd" in event:
+                        meta["scd"] = event["scd"]
                     usage = event.get("usage") or {}
                     if usage.get("completion_tokens") is not None:
                         res.reported_tokens = int(usage["completion_tokens"])
@@ -106,3 +113,65 @@ async def closed_loop(url: str, concurrency: int, num_requests: int, make_body: 
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results, time.perf_counter() - t0
+
+
+# ---- `python -m scd_serve.bench.loadgen`: a client that runs where the decode worker is --------------
+# (`bench ttft` starts it in the consumer's network namespace and asks it JSON lines on stdin)
+
+async def timed_requests(client: httpx.AsyncClient, url: str, body: dict, count: int, timeout_s: float) -> list[dict]:
+    """`count` streamed requests one after another; -> per request: TTFT, the method that served
+    and why (the response's `scd` field), the server's predicted TTFT when it made one."""
+    out = []
+    for i in range(count):
+        meta: dict = {}
+        res = await stream_completion(client, url, body, timeout_s, meta)
+        if not res.ok:
+            raise RuntimeError(f"request {i}: {res.error or 'no token'}")
+        scd = meta.get("scd") or {}
+        predicted = scd.get("predicted_ttft_ms")
+        out.append({"ttft_s": res.ttft, "method": scd.get("method"), "reason": scd.get("reason"),
+                    "detail": scd.get("detail", ""), "predicted_s": None if predicted is None else predicted / 1e3,
+                    "header_method": meta.get("headers", {}).get("x-scd-method")})
+    return out
+
+
+async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
+    url, timeout = cmd["url"], float(cmd.get("timeout_s", 120.0))
+    if cmd["cmd"] == "ready":
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
+                    return {"ready": True}
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.3)
+        raise RuntimeError(f"decode worker at {url} not ready within {timeout:.0f}s")
+    if cmd["cmd"] == "metrics":
+        r = await client.get(f"{url}/metrics", timeout=timeout)
+        r.raise_for_status()
+        return {"text": r.text}
+    if cmd["cmd"] == "requests":
+        return {"samples": await timed_requests(client, url, cmd["body"], int(cmd["count"]), timeout)}
+    raise ValueError(f"unknown command {cmd['cmd']!r}")
+
+
+async def _serve_commands() -> None:
+    import sys
+
+    loop = asyncio.get_running_loop()
+    print(json.dumps({"ready": True}), flush=True)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            cmd = json.loads(line)
+            if cmd.get("cmd") == "quit":
+                break
+            try:
+                answer = await _answer(client, cmd)
+            except Exception as exc:  # reported to the driver, which decides what to do
+                answer = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve_commands())

@@ -14,7 +14,7 @@ from pathlib import Path
 from scd_serve.errors import ConfigError
 
 DEMO = "models/demo-pair"
-ALL_METHODS = ("oracle", "raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8")
+ALL_METHODS = ("oracle", "raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8", "auto")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +39,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "1 = one layer per chunk")
     t.add_argument("--worker", action="store_true",
                    help="also time the real decode worker (`scd-serve decode`, HTTP, max_tokens=1) at every rate, "
-                        "warm, reference length, per method and its own local prefill")
+                        "warm, reference length, per method and its own local prefill; `auto` (the worker picks "
+                        "per request) is timed only here, first at each rate")
+    t.add_argument("--quality-budget", type=float, default=None,
+                   help="the decode worker's --quality-budget for auto (default: the codebook's KL budget)")
+    t.add_argument("--rate-change", nargs="+", metavar="RATE",
+                   help="instead of the sweep: the decode worker alone, --phase-requests auto requests at each "
+                        "rate in turn (the link re-shaped between two requests), then the allowed fixed methods "
+                        "at that rate; prints the sequence of auto's choices")
+    t.add_argument("--phase-requests", type=int, default=15, help="auto requests per rate of --rate-change")
+    t.add_argument("--auto-stale-s", type=float, default=None,
+                   help="the decode worker's --auto-stale-s (default: its own, 30 s)")
     t.add_argument("--no-netns", action="store_true", help="use the userspace token-bucket proxy")
     t.add_argument("--quick", action="store_true", help="tiny setting: one length, one rep, two bandwidths")
     t.add_argument("--seed", type=int, default=0)
@@ -105,10 +115,14 @@ def _ttft(args) -> dict:
         raise ConfigError("--prompt-tokens must be >= 2 and --reps >= 1", field="prompt_tokens")
     if not args.codebook or not Path(args.codebook).exists():
         needs = [m for m in args.methods if m in ("reuse", "scd", "scd-int8")]
-        if needs:
+        if needs and not args.rate_change:
             print(f"bench ttft: no codebook at {args.codebook!r}; skipping {needs}", file=sys.stderr)
             args.methods = [m for m in args.methods if m not in needs]
         args.codebook = None
+    if args.rate_change:
+        return _rate_change(args)
+    if "auto" in args.methods and not args.worker:
+        print("bench ttft: auto is a choice of the decode worker: timed only with --worker", file=sys.stderr)
     ref = args.ref_tokens if args.ref_tokens in args.prompt_tokens else max(args.prompt_tokens)
     doc = run_ttft(args)
     f1 = _load_f1(args.quality) if args.quality else None
@@ -120,6 +134,36 @@ def _ttft(args) -> dict:
         if f1:
             doc["plots"].append(str(plot.pareto(doc, f1, png.with_suffix(".pareto.png"), ref)))
     _print_table(doc, ref)
+    return doc
+
+
+def _rate_change(args) -> dict:
+    from scd_serve.bench.ttft import run_rate_change
+
+    if args.phase_requests < 1:
+        raise ConfigError("--phase-requests must be >= 1", field="phase_requests")
+    if args.ref_tokens < 2:
+        raise ConfigError("--ref-tokens must be >= 2", field="ref_tokens")
+    if args.quick:
+        args.ref_tokens = min(args.prompt_tokens)
+    doc = run_rate_change(args)
+    print(f"link: {doc['link']['kind']}; prompt {doc['prompt_tokens']} tokens; auto within quality budget "
+          f"{doc['allowed']['budget']:g}: {', '.join(doc['allowed']['methods'])}")
+    print(f"{'#':>3} {'bandwidth':>10} {'method':<10}{'reason':<9}{'TTFT ms':>9}{'predicted':>10}")
+    for s in doc["sequence"]:
+        pred = f"{s['predicted_s'] * 1e3:.1f}" if s.get("predicted_s") is not None else "-"
+        print(f"{s['index']:>3} {s['bandwidth']:>10} {s['method'] or '-':<10}{s['reason'] or '-':<9}"
+              f"{s['ttft_s'] * 1e3:>9.1f}{pred:>10}")
+    for ph in doc["phases"]:
+        fixed = ", ".join(f"{m} {t * 1e3:.1f}" for m, t in ph["fixed_ttft_s"].items())
+        print(f"{ph['bandwidth']}: fixed methods (ms, median of {doc['reps']}): {fixed}; within 10% of the best: "
+              f"{', '.join(ph['good_enough'])}; auto first picked one at request {ph['first_good_request']} of the "
+              f"phase, then {ph['share_good_from_then']:.0%} of the time" if ph["first_good_request"] else
+              f"{ph['bandwidth']}: fixed {fixed}; auto never picked one of {ph['good_enough']}")
+    err = doc["prediction_error"]
+    if err["median"] is not None:
+        print(f"prediction error (|predicted - client TTFT| / client TTFT): median {err['median']:.1%} over "
+              f"{err['num']} predictions; worker's histogram: {doc['server_prediction_error']}")
     return doc
 
 
@@ -143,4 +187,10 @@ def _print_table(doc: dict, tokens: int) -> None:
             print(f"{p['bandwidth']:>10} {r['method']:<11}{r['mode']:<6}{ms('ttft_s'):>9}{ms('producer_s'):>9}"
                   f"{ms('wire_s'):>8}{ms('rebuild_s'):>9}{ms('first_step_s'):>7}"
                   f"{r['payload_bytes'] / 1e6:>10.3f}M{ms('lower_bound_s'):>8}{ratio:>7}{floor:>7}")
+    for p in doc["sweep"]:
+        if p.get("worker_rows"):
+            cells = ", ".join(f"{r['method']} {r['ttft_s'] * 1e3:.1f}" for r in p["worker_rows"])
+            auto = next((r for r in p["worker_rows"] if r["method"] == "auto"), None)
+            picked = f"; auto picked {' '.join(auto['chosen'])}" if auto else ""
+            print(f"{p['bandwidth']:>10} decode worker (ms): {cells}{picked}")
     print(json.dumps(doc["targets"], indent=1))

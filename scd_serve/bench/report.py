@@ -83,6 +83,12 @@ def worker_rows(samples: list[dict], probe_rows: list[dict]) -> list[dict]:
     for r in samples:
         row = {"method": r["method"], "prompt_tokens": r["prompt_tokens"], "mode": r["mode"],
                "ttft_s": _med(r["samples"], "ttft_s"), "ttft_samples_s": [x["ttft_s"] for x in r["samples"]]}
+        if r["method"] == "auto":  # what it picked, why, and how well it predicted
+            row["chosen"] = [x["method"] for x in r["samples"]]
+            row["reasons"] = [x["reason"] for x in r["samples"]]
+            row["uncounted"] = r.get("uncounted", [])
+            row["prediction_error"] = prediction_errors(r["samples"])
+            row["samples"] = r["samples"]
         probe = next((x for x in probe_rows if x["method"] == r["method"] and x["prompt_tokens"] == r["prompt_tokens"]
                       and x["mode"] == r["mode"]), None)
         if probe is not None:
@@ -93,6 +99,38 @@ def worker_rows(samples: list[dict], probe_rows: list[dict]) -> list[dict]:
             row["speedup_vs_worker_local"] = local / row["ttft_s"]
         out.append(row)
     return out
+
+
+def prediction_errors(samples: list[dict]) -> dict:
+    """|predicted - measured| / measured TTFT of the requests that carried a prediction, the
+    measurement being the client's (it includes HTTP; the worker's own histogram does not)."""
+    errs = sorted(abs(s["predicted_s"] - s["ttft_s"]) / s["ttft_s"] for s in samples
+                  if s.get("predicted_s") is not None and s.get("ttft_s"))
+    return {"num": len(errs), "median": median(errs) if errs else None,
+            "share_within_0.25": (sum(e <= 0.25 for e in errs) / len(errs)) if errs else None}
+
+
+def auto_targets(doc: dict) -> dict:
+    """`auto` against the best fixed method the budget allows, per rate (worker rows, warm,
+    medians), and its prediction error pooled over the run."""
+    allowed = set(doc["auto"]["methods"])
+    per, pooled = {}, []
+    for p in doc["sweep"]:
+        rows = {r["method"]: r for r in p.get("worker_rows", [])}
+        auto = rows.get("auto")
+        fixed = {m: r["ttft_s"] for m, r in rows.items() if m in allowed and r["ttft_s"]}
+        if not auto or not fixed:
+            continue
+        best = min(fixed, key=fixed.get)
+        per[p["bandwidth"]] = {"auto_s": auto["ttft_s"], "best": best, "best_s": fixed[best],
+                               "ratio": auto["ttft_s"] / fixed[best], "chosen": auto["chosen"],
+                               "prediction_error_median": auto["prediction_error"]["median"]}
+        pooled += auto["samples"]
+    return {"budget": doc["auto"]["budget"], "allowed": sorted(allowed), "per_bandwidth": per,
+            "met_at": [b for b, x in per.items() if x["ratio"] <= 1.10],
+            "met": bool(per) and all(x["ratio"] <= 1.10 for x in per.values()),
+            "prediction_error": prediction_errors(pooled),
+            "server_prediction_error": doc["auto"].get("server_prediction_error")}
 
 
 def pick(doc: dict, bw_index: int, method: str, tokens: int, mode: str) -> dict | None:
@@ -150,4 +188,7 @@ def check_targets(doc: dict, f1: dict[str, float] | None, tokens: int = 1024) ->
             if ok:
                 dom.append(p["bandwidth"])
         out["scd_pareto_dominates_quant4_droidspeak"] = {"at": dom, "met": len(dom) >= 2, "f1": f1}
+    # 4. auto: within 10% of the best method the quality budget allows, at every rate
+    if doc.get("auto"):
+        out["auto_vs_best_allowed"] = auto_targets(doc)
     return out

@@ -9,6 +9,12 @@ The default sweep is chosen from measurements on this machine: the oracle's TTFT
 reference prompt length and the raw-KV payload give the bandwidth at which raw transfer
 takes a given share of the oracle's time; the sweep spans shares from negligible to
 dominant (RAW_SHARES).
+
+`auto` (the decode worker picks each request's method) is a row of the real decode worker
+(--worker): at every rate its requests go first, before the fixed methods' at that rate, so
+what it knows of the new rate it learned from its own requests. `--rate-change R1 R2 ...`
+is the other mode: no sweep, only the worker, the link re-shaped between runs of `auto`
+requests, and the sequence of its choices printed (run_rate_change).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed
 RAW_SHARES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)  # raw wire time / oracle TTFT at the reference length
 CEILING_SHARE = 0.6  # a tbf rate above this share of the unshaped throughput is not what limits the wire
 TRANSFER_METHODS = ("raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8")
+AUTO, LOCAL = "auto", "local"
+WITHIN = 1.10  # `auto` counts as following the link when within 10% of the best method allowed there
 
 
 class ProbeProcess:
@@ -85,13 +93,55 @@ def choose_sweep(oracle_s: float, raw_bytes: float, shares=RAW_SHARES) -> list[f
     return sorted((raw_bytes / (share * oracle_s) for share in shares), reverse=True)
 
 
+def bench_prompt(consumer_dir: str, n: int, seed: int) -> list[int]:
+    """The probe's prompt (probe.Probe.prompt): the same ids, so `auto` and the fixed methods
+    are warm on the same codes at the prefill worker."""
+    import random
+
+    from scd_serve.bench.shapes import load_shape
+
+    rng = random.Random(seed)
+    hi = min(load_shape(consumer_dir).vocab_size, 30000)
+    return [rng.randrange(3, hi) for _ in range(n)]
+
+
+def allowed_methods(args) -> dict:
+    """What the worker's `auto` may pick here: the budget in force and the methods within it
+    (the codebook manifest's calibrated KL; raw/identity where producer and consumer are one
+    model; local always)."""
+    from scd_serve.decode.auto import Calibration
+    from scd_serve.decode.chooser import LOSSLESS
+
+    cal = Calibration.load(args.codebook)
+    budget = args.quality_budget if args.quality_budget is not None else (cal.budget or 0.0)
+    kl = dict(cal.kl)
+    if Path(args.producer).resolve() == Path(args.consumer).resolve():
+        kl.update({m: 0.0 for m in LOSSLESS})
+    return {"budget": budget, "kl": kl, "methods": sorted(m for m, v in kl.items() if v <= budget) + [LOCAL]}
+
+
+def start_client(link, logs: Path, deadline_s: float) -> ProbeProcess:
+    """An HTTP client in the decode worker's namespace (bench/loadgen.py's command loop)."""
+    return ProbeProcess([*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.bench.loadgen"],
+                        logs / "client.log", deadline_s)
+
+
+def auto_body(args, n: int, method: str = AUTO) -> dict:
+    return {"prompt": bench_prompt(args.consumer, n, args.seed), "max_tokens": 1, "temperature": 0.0,
+            "ignore_eos": True, "scd_method": method}
+
+
 def start_worker(args, link, address: str, logs: Path) -> tuple[subprocess.Popen, str]:
     """The real `scd-serve decode` beside the probe, listening -> (process, URL); the probe
-    then waits for /ready (peers handshaken)."""
+    then waits for /ready (peers handshaken). Its default method is auto (a codebook) or raw."""
     port = procs.free_port()
     cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.consumer,
            "--codebook", args.codebook or "", "--host", "127.0.0.1", "--port", str(port), "--prefill", address,
            "--fallback", "none"]  # a failed transfer is an error here, never a silent local prefill
+    if getattr(args, "quality_budget", None) is not None:
+        cmd += ["--quality-budget", str(args.quality_budget)]
+    if getattr(args, "auto_stale_s", None) is not None:
+        cmd += ["--auto-stale-s", str(args.auto_stale_s)]
     proc = procs.spawn(cmd, logs / "decode.log")
     procs.wait_tcp("127.0.0.1", port, proc, args.start_timeout, link.exec_prefix("consumer"), logs / "decode.log")
     return proc, f"http://127.0.0.1:{port}"
@@ -105,9 +155,10 @@ def run_ttft(args) -> dict:
         if not (Path(d) / "config.json").exists():
             raise ConfigError(f"model directory {d} has no config.json; run `scd-serve make-demo-pair` or pass "
                               f"--producer/--consumer", field="model")
-    methods = [m for m in args.methods if m != "oracle"]
+    methods = [m for m in args.methods if m not in ("oracle", AUTO)]
+    with_auto = AUTO in args.methods and args.worker
     link = open_link(force_fallback=args.no_netns)
-    server = probe = worker_proc = None
+    server = probe = worker_proc = client = None
     try:
         port = procs.free_port()
         server_cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
@@ -156,22 +207,121 @@ def run_ttft(args) -> dict:
             points.append({"bandwidth_bytes_per_s": bw, "bandwidth": fmt_bandwidth(bw), "rows": rows,
                            "measured_tcp_bytes_per_s": measured, "elapsed_s": time.monotonic() - t0})
             print(f"  {fmt_bandwidth(bw)} done in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+        auto = None
         if args.worker:  # after the probe's points, so that an idle worker never shares the CPU with them
             worker_proc, worker = start_worker(args, link, address, logs)
+            if with_auto:
+                client = start_client(link, logs, args.start_timeout)
+                client.ask({"cmd": "ready", "url": worker, "timeout_s": args.start_timeout}, args.start_timeout + 10)
             for point in points:
                 link.set_rate(point["bandwidth_bytes_per_s"])
-                point["worker_rows"] = probe.ask({**base, "worker": worker, "prompt_tokens": [ref],
-                                                  "methods": [*methods, "local"], "ready_timeout_s": args.start_timeout},
-                                                 args.point_timeout)["rows"]
+                rows = []
+                if with_auto:  # first: what it knows of this rate, it learns from its own requests
+                    got = client.ask({"cmd": "requests", "url": worker, "body": auto_body(args, ref),
+                                      "count": args.reps + 1}, args.point_timeout)["samples"]
+                    rows.append({"method": AUTO, "prompt_tokens": ref, "mode": "warm", "samples": got[1:],
+                                 "uncounted": got[:1]})
+                point["worker_rows"] = rows + probe.ask(
+                    {**base, "worker": worker, "prompt_tokens": [ref], "methods": [*methods, LOCAL],
+                     "ready_timeout_s": args.start_timeout}, args.point_timeout)["rows"]
                 print(f"  {point['bandwidth']}: decode worker done", file=sys.stderr)
+            if with_auto:
+                auto = {**allowed_methods(args), "server_prediction_error": prediction_error_histogram(
+                    client.ask({"cmd": "metrics", "url": worker}, 60)["text"])}
         link_info = {**link.describe(), "unshaped_tcp_bytes_per_s": ceiling, "notes": notes}
     finally:
+        if client:
+            client.close()
         if probe:
             probe.close()
         procs.stop(worker_proc)
         procs.stop(server)
         link.down()
-    return summarize_rows(calib, points, link_info, ref, args)
+    doc = summarize_rows(calib, points, link_info, ref, args)
+    if auto is not None:
+        doc["auto"] = auto
+    return doc
+
+
+def prediction_error_histogram(metrics_text: str) -> dict:
+    """The worker's scd_auto_prediction_error_ratio over all methods: count, and the share of
+    predictions within each bucket bound (the share within 0.25 is exact: 0.25 is a bound)."""
+    buckets: dict[float, float] = {}
+    count = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("scd_auto_prediction_error_ratio_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            if le != "+Inf":
+                buckets[float(le)] = buckets.get(float(le), 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("scd_auto_prediction_error_ratio_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return {"count": int(count), "share_within": {f"{b:g}": (v / count if count else None)
+                                                  for b, v in sorted(buckets.items())}}
+
+
+def run_rate_change(args) -> dict:
+    """The worker alone, `auto` requests on the same warm prompt while the link changes: for each
+    rate of args.rate_change, args.phase_requests auto requests, then the allowed fixed methods
+    (args.reps each, after an uncounted one) to say which was best at that rate. -> the sequence."""
+    out_dir = Path(args.json).resolve().parent
+    logs = out_dir / "bench-ttft-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    allowed = allowed_methods(args)
+    ref = args.ref_tokens
+    link = open_link(force_fallback=args.no_netns)
+    server = worker_proc = client = None
+    sequence, phases = [], []
+    try:
+        port = procs.free_port()
+        server = procs.spawn([*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
+                              "--chunk-bytes", str(args.resend_chunk_bytes), "--model", args.producer, "--host", link.producer_bind(), "--port", str(port),
+                              "--codebook", args.codebook or ""], logs / "prefill.log")
+        procs.wait_tcp(link.producer_bind(), port, server, args.start_timeout, link.exec_prefix("producer"),
+                       logs / "prefill.log")
+        worker_proc, worker = start_worker(args, link, link.producer_addr(port), logs)
+        client = start_client(link, logs, args.start_timeout)
+        client.ask({"cmd": "ready", "url": worker, "timeout_s": args.start_timeout}, args.start_timeout + 10)
+        for phase, rate in enumerate(parse_bandwidth(r) for r in args.rate_change):
+            link.set_rate(rate)
+            got = client.ask({"cmd": "requests", "url": worker, "body": auto_body(args, ref),
+                              "count": args.phase_requests}, args.point_timeout)["samples"]
+            for s in got:
+                sequence.append({"index": len(sequence), "phase": phase, "bandwidth": fmt_bandwidth(rate), **s})
+            fixed = {}
+            for m in allowed["methods"]:
+                xs = client.ask({"cmd": "requests", "url": worker, "body": auto_body(args, ref, m),
+                                 "count": args.reps + 1}, args.point_timeout)["samples"][1:]
+                fixed[m] = _median([x["ttft_s"] for x in xs])
+            phases.append(judge_phase(phase, fmt_bandwidth(rate), got, fixed))
+            print(f"  {fmt_bandwidth(rate)}: {len(got)} auto requests, best fixed {phases[-1]['best']}",
+                  file=sys.stderr)
+        histogram = prediction_error_histogram(client.ask({"cmd": "metrics", "url": worker}, 60)["text"])
+    finally:
+        if client:
+            client.close()
+        procs.stop(worker_proc)
+        procs.stop(server)
+        link.down()
+    from scd_serve.bench.report import machine, prediction_errors
+
+    return {"benchmark": "ttft-rate-change", "machine": machine(), "link": link.describe(), "prompt_tokens": ref,
+            "allowed": allowed, "phase_requests": args.phase_requests, "reps": args.reps, "phases": phases,
+            "sequence": sequence, "prediction_error": prediction_errors(sequence),
+            "server_prediction_error": histogram,
+            "models": {"producer": args.producer, "consumer": args.consumer, "codebook": args.codebook}}
+
+
+def judge_phase(phase: int, bandwidth: str, samples: list[dict], fixed: dict[str, float]) -> dict:
+    """Which methods were good enough at this rate (within WITHIN of the best fixed one), and
+    after how many requests `auto` first picked one of them."""
+    best = min(fixed, key=fixed.get)
+    good = sorted(m for m, t in fixed.items() if t <= WITHIN * fixed[best])
+    first = next((i + 1 for i, s in enumerate(samples) if s["method"] in good), None)
+    after = samples[first - 1:] if first else []
+    return {"phase": phase, "bandwidth": bandwidth, "fixed_ttft_s": fixed, "best": best, "good_enough": good,
+            "auto_methods": [s["method"] for s in samples], "first_good_request": first,
+            "share_good_from_then": (sum(s["method"] in good for s in after) / len(after)) if after else None,
+            "auto_median_ttft_s": _median([s["ttft_s"] for s in samples[len(samples) // 2:]])}
 
 
 def _median(xs: list[float]) -> float:

@@ -55,3 +55,36 @@ def test_bench_serve_quick_compares_engine_and_baseline(pair, tmp_path):
         assert t["concurrent"]["throughput_tokens_per_s"] > 0
         assert t["concurrent"]["ttft_s"]["p50"] is not None
     assert doc["batching_speedup_tokens_per_s"] > 0
+
+
+def test_bench_ttft_auto_row_and_rate_change_mode(pair, tmp_path, capsys):
+    """`auto` is a row of the decode worker at every rate, and --rate-change prints its choices
+    while the link changes. Producer == consumer here, so raw is lossless and within the budget."""
+    model = pair[0]
+    out = tmp_path / "auto.json"
+    rc = main(["bench", "ttft", "--quick", "--json", str(out), "--producer", model, "--consumer", model,
+               "--codebook", "", "--prompt-tokens", "32", "--methods", "oracle", "raw", "auto",
+               "--bandwidths", "1gbit", "--worker"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    worker = {r["method"]: r for r in doc["sweep"][0]["worker_rows"]}
+    assert set(worker) == {"auto", "raw", "local"}
+    auto = worker["auto"]
+    assert len(auto["chosen"]) == len(auto["ttft_samples_s"]) == 1 and len(auto["uncounted"]) == 1
+    assert set(auto["chosen"]) <= {"raw", "identity", "local"} and auto["reasons"][0]
+    target = doc["targets"]["auto_vs_best_allowed"]
+    assert target["allowed"] == ["identity", "local", "raw"] and "1Gbit" in target["per_bandwidth"]
+    assert "share_within" in target["server_prediction_error"]
+
+    out = tmp_path / "rate.json"
+    rc = main(["bench", "ttft", "--quick", "--json", str(out), "--producer", model, "--consumer", model,
+               "--codebook", "", "--prompt-tokens", "32", "--rate-change", "1gbit", "100mbit",
+               "--phase-requests", "3", "--auto-stale-s", "5"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [s["bandwidth"] for s in doc["sequence"]] == ["1Gbit"] * 3 + ["100Mbit"] * 3
+    assert all(s["method"] in ("raw", "identity", "local") and s["ttft_s"] > 0 for s in doc["sequence"])
+    assert [p["bandwidth"] for p in doc["phases"]] == ["1Gbit", "100Mbit"]
+    assert set(doc["phases"][0]["fixed_ttft_s"]) == {"identity", "raw", "local"}
+    printed = capsys.readouterr().out
+    assert "100Mbit" in printed and ("within 10% of the best" in printed or "never picked" in printed)
