@@ -53,7 +53,8 @@ class AutoMethod:
         raw = 2 * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim  # 16-bit K and V, one token
         self.chooser = Chooser(cfg, budget, raw, PAYLOAD_RATIO | calibration.payload_ratio, clock)
         self.fingerprint, self.peers, self.calibration, self.metrics = fingerprint, peers, calibration, metrics
-        fill.on_transfer = self.observe_transfer
+        self.switched: dict[str, Choice] = {}  # request_id -> what it became when its peer had no cached codes
+        fill.on_transfer, fill.on_cold = self.observe_transfer, self.observe_cold
 
     def views(self, num_tokens: int) -> list[PeerView]:
         """Every prefill worker a transfer could go to now, with the methods the pair allows."""
@@ -91,6 +92,16 @@ class AutoMethod:
             link_s=link_s, link_bound=link_s > 0 and got.wait_s >= LINK_BOUND_SHARE * link_s,
             request_id=req.request_id)
 
+    def observe_cold(self, address: str, req) -> None:
+        """RemoteKVFill.on_cold: the peer's first message said it holds no codes for the prompt,
+        and the request goes to the local prefill (the choice had said so: Choice.local_if_cold)."""
+        self.chooser.observe_cold(address, req.method, prompt_key(req.prompt_token_ids[:-1]))
+        self.switched[req.request_id] = Choice(
+            LOCAL, reason="cold-switch", detail=f"{req.method}@{address} had no cached codes for the prompt (its "
+                                                f"first message said so): a local prefill beats a cold transfer")
+        if self.metrics is not None:
+            self.metrics.observe_auto_choice(LOCAL)
+
     def outcome(self, req, choice: Choice, ttft_s: float) -> None:
         """The request's first token came ttft_s after its choice."""
         error = self.chooser.observe_outcome(req.request_id, choice, req.num_prompt_tokens, ttft_s)
@@ -102,6 +113,7 @@ class AutoMethod:
 
     def forget(self, request_id: str) -> None:
         self.chooser.forget(request_id)
+        self.switched.pop(request_id, None)
 
 
 def fixed(method: str) -> Choice:

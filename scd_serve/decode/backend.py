@@ -40,7 +40,8 @@ class DecodeBackend(EngineBackend):
 
     def choice_of(self, request_id: str) -> Choice | None:
         """How a running request's method was picked (None once it ended)."""
-        return self._choices.get(request_id)
+        switched = self.auto.switched.get(request_id) if self.auto is not None else None
+        return switched or self._choices.get(request_id)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         rid = req.request_id
@@ -51,6 +52,8 @@ class DecodeBackend(EngineBackend):
             req = dataclasses.replace(req, method=choice.method)
             if choice.peer:
                 self.fill.preferred[rid] = choice.peer
+            if choice.local_if_cold and self.peers.config.fallback == "local":  # the engine then prefills here
+                self.fill.local_if_cold.add(rid)
         else:
             choice = fixed(req.method)
         self._choices[rid] = choice
@@ -64,8 +67,9 @@ class DecodeBackend(EngineBackend):
                 yield event
         finally:
             self.fill.preferred.pop(rid, None)
+            self.fill.local_if_cold.discard(rid)
             self._choices.pop(rid, None)
-            if first and self.auto is not None:
+            if self.auto is not None and (first or rid in self.auto.switched):
                 self.auto.forget(rid)
 
     def ready_detail(self) -> dict[str, Any]:

@@ -61,6 +61,8 @@ class Choice:
     reason: str = "fixed"  # fixed (named by the request or the server) | fastest | explore | reprobe | only | needs-local
     detail: str = ""
     cached: bool = False  # the chooser expected the peer to hold the prompt's codes
+    # ... and, should the peer say it does not (its first message), the local prefill beats a cold transfer
+    local_if_cold: bool = False
 
 
 @dataclass
@@ -131,7 +133,12 @@ class Chooser:
                 return self._probe(o, now, "reprobe", f"its {what} estimate is stale", known)
         if best is None:  # nothing predictable and everything tried recently: the safe option
             return Choice(LOCAL, reason="only", detail="no prediction yet for any option")
-        return Choice(best.method, best.peer, best.predicted, "fastest", _ranking(known), best.cached)
+        local_if_cold = False
+        if best.cached and local.predicted is not None:  # what if the peer evicted it?
+            view = next(p for p in peers if p.address == best.peer)
+            cold = self._transfer(view, best.method, key, num_tokens, cached=False)
+            local_if_cold = cold.predicted is None or local.predicted < cold.predicted
+        return Choice(best.method, best.peer, best.predicted, "fastest", _ranking(known), best.cached, local_if_cold)
 
     def allowed(self, peer: PeerView) -> list[str]:
         """Methods at `peer` within the budget, smallest expected payload first."""
@@ -151,9 +158,9 @@ class Chooser:
             return _Option(LOCAL, "", min(prior) * n, stale=True)
         return _Option(LOCAL, "", None, missing="local prefill speed")
 
-    def _transfer(self, p: PeerView, method: str, key: int, n: int) -> _Option:
+    def _transfer(self, p: PeerView, method: str, key: int, n: int, cached: bool | None = None) -> _Option:
         now = self.clock()
-        cached = (p.address, method, key) in self._cached
+        cached = (p.address, method, key) in self._cached if cached is None else cached
         link, rebuild = self.link.get(p.address), self.rebuild.get(method)
         if link is None or link.value is None:
             return _Option(method, p.address, None, cached, missing=f"link to {p.address}")
@@ -187,8 +194,9 @@ class Chooser:
 
         link_bytes over link_s is the pace from the first chunk to the last. When the reader
         mostly waited for bytes (link_bound), the codes were cached there and enough crossed,
-        that is the link's pace; otherwise the rebuild, the producer or the latency set it,
-        and it only shows the link is at least that fast."""
+        that is the link's pace; otherwise the rebuild or the latency set it, and it only shows
+        the link is at least that fast. A cold transfer is paced by the producer: it only
+        gives a first guess (its producer time taken out) to a link not measured yet."""
         now, w, n = self.clock(), self.config.smoothing, max(1, num_tokens)
         self.payload.setdefault(method, Estimate()).update(payload_bytes / n, w, now)
         self.rebuild.setdefault(method, Estimate()).update(rebuild_s / n, w, now)
@@ -198,9 +206,12 @@ class Chooser:
         wire, link = 0.0, self.link.setdefault(peer, Estimate())
         if link_bytes <= 0 or link_s <= 0:  # one chunk: only the whole transfer bounds the link
             link_bytes, link_s, link_bound = payload_bytes, wall_s, False
-        if link_bytes > 0 and link_s > 0:
+        if not cache_hit:  # the producer paced the chunks: a first guess at most, its time taken out
+            if link.value is None and payload_bytes > 0:
+                link.update(max(0.0, wall_s - producer_s) / payload_bytes, 1.0, now)
+        elif link_bytes > 0 and link_s > 0:
             pace = link_s / link_bytes
-            if link_bound and cache_hit and link_bytes >= MIN_LINK_BYTES:
+            if link_bound and link_bytes >= MIN_LINK_BYTES:
                 jump = link.value is None or not 1 / LINK_JUMP <= pace / link.value <= LINK_JUMP
                 link.update(pace, 1.0 if jump else w, now)  # a link that changed by LINK_JUMP is followed at once
                 wire = payload_bytes * pace
@@ -234,6 +245,18 @@ class Chooser:
     def forget(self, request_id: str) -> None:
         """A request that ended without an outcome (failed, cancelled)."""
         self._measured.pop(request_id, None)
+
+    def observe_cold(self, peer: str, method: str, key: int) -> None:
+        """The peer said it does not hold this prompt's codes (evicted, or it restarted): nor, in
+        a least-recently-used cache, those this worker had it make before them."""
+        entry = (peer, method, key)
+        if entry not in self._cached:
+            return
+        for older in list(self._cached):
+            if older[0] == peer:
+                del self._cached[older]
+            if older == entry:
+                break
 
     def _remember(self, peer: str, method: str, key: int) -> None:
         if self.config.cache_entries <= 0:

@@ -41,6 +41,15 @@ SLOT_POLL_S = 0.25
 TRANSFER_THREADS = 16  # transfers in flight at once; more wait for a thread (within their deadline)
 
 
+class ColdAtPeer(Unavailable):
+    """The prefill worker's first message says it has not cached the prompt's codes, which the
+    `auto` choice counted on, and the local prefill beats a cold transfer: the transfer stops
+    and the engine prefills here. Armed only with fallback "local" (the engine's fallback turns
+    this into a local prefill, so no client sees it)."""
+
+    retryable = False
+
+
 @dataclass
 class TransferStats:
     num_transfers: int = 0  # completed
@@ -69,6 +78,9 @@ class RemoteKVFill:
         self._threads = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="scd-transfer")
         self._jobs: set[_Job] = set()
         self.preferred: dict[str, str] = {}  # request_id -> prefill address to try first (the `auto` choice)
+        self.local_if_cold: set[str] = set()  # request ids to prefill locally when the codes are not cached there
+        self.num_cold_switches = 0  # transfers stopped at their header for a local prefill (ColdAtPeer)
+        self.on_cold: Callable[[str, object], None] | None = None  # told (prefill address, request) of each
         # Told of every completed transfer: (prefill address, request, Received, wall seconds).
         self.on_transfer: Callable[[str, object, Received, float], None] | None = None
 
@@ -90,6 +102,14 @@ class RemoteKVFill:
                     got = await self._transfer(peer, req, tokens, sink)
                 peer.breaker.succeeded()
                 return got
+            except ColdAtPeer as err:
+                log.info("request_id=%s: %s", req.request_id, err.message)
+                self.num_cold_switches += 1
+                if self.on_cold is not None:
+                    self.on_cold(peer.address, req)
+                if self.metrics is not None:
+                    self.metrics.observe_transfer(req.method, payload_bytes=0, outcome="cold-local")
+                raise
             except ScdError as err:
                 self.stats.num_failed += 1
                 errors.append(err)
@@ -168,8 +188,12 @@ class RemoteKVFill:
         request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
                                     consumer_fingerprint=self.rt.fingerprint)
         prompt_codec = PromptCodec(codec, tokens)  # decode_layer sees the prompt's token ids
-        verifier = StreamVerifier(rid, req.method, len(tokens), self.rt.spec.num_layers,
-                                  check_header=lambda h: self._check_header(h, peer, codec))
+
+        def check_header(header) -> None:
+            self._check_header(header, peer, codec)
+            self._check_cold(header, peer, rid)
+
+        verifier = StreamVerifier(rid, req.method, len(tokens), self.rt.spec.num_layers, check_header=check_header)
         job = _Job(peer, request, deadline)
         self._jobs.add(job)
         self.inflight[rid] = peer.address
@@ -243,6 +267,13 @@ class RemoteKVFill:
             raise IncompatiblePeer(f"prefill {peer.address} sent codec_version {header.codec_version}, "
                                    f"this worker decodes {codec.version}")
 
+    def _check_cold(self, header, peer, rid: str) -> None:
+        """The prefill side says early whether it holds the codes: stop a cold transfer the
+        `auto` choice would rather have prefilled here (local_if_cold)."""
+        if not header.cache_hit and rid in self.local_if_cold:
+            raise ColdAtPeer(f"prefill {peer.address} has no cached codes for this prompt ({header.codec_id}); "
+                             f"a local prefill is predicted faster than a cold transfer")
+
     def _prepare(self, codec, sink) -> None:
         """The rebuild's prompt-only work (token contexts, the request's slots and rotary
         tables) while the first chunk is on its way."""
@@ -283,7 +314,8 @@ class RemoteKVFill:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def snapshot(self) -> dict:
-        return asdict(self.stats) | {"per_prefill": dict(self.per_peer), "inflight": len(self.inflight)}
+        return asdict(self.stats) | {"per_prefill": dict(self.per_peer), "inflight": len(self.inflight),
+                                     "cold_switches": self.num_cold_switches}
 
 
 class _Job:

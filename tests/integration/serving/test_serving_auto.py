@@ -26,7 +26,7 @@ from scd_serve.decode.kv_fill import RemoteKVFill
 from scd_serve.decode.main import resolve_method
 from scd_serve.decode.peers import PeerSet
 
-from serving_helpers import engine_for, prompts, start_prefill, tiny_runtime
+from serving_helpers import SlowRuntime, engine_for, prompts, start_prefill, tiny_runtime
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = list(range(3, 43))  # 40 tokens
@@ -48,16 +48,18 @@ class SlowPrefill:
 
 
 @contextlib.asynccontextmanager
-async def auto_worker(consumer, producer, methods, codebook="", budget=None):
+async def auto_worker(consumer, producer, methods, codebook="", budget=None, fallback="none", nodes=None):
     """A prefill worker offering `methods` and a decode worker whose default is auto; yields
-    (HTTP client, the decode backend)."""
+    (HTTP client, the decode backend); `nodes`, a list, receives the prefill node."""
     book = None
     if codebook:
         from scd_serve.codec.codebook import Codebook
 
         book = Codebook.load(codebook, producer=producer)
     node = await start_prefill(producer, methods=methods, codebook=book)
-    config = DecodeConfig(model="unused", codebook=codebook, prefill=(node.address,), method="auto", fallback="none",
+    if nodes is not None:
+        nodes.append(node)
+    config = DecodeConfig(model="unused", codebook=codebook, prefill=(node.address,), method="auto", fallback=fallback,
                           chooser=ChooserConfig(quality_budget=budget))
     codecs = ConsumerCodecs(consumer, codebook)
     peers = PeerSet(consumer, codecs, config)
@@ -67,7 +69,7 @@ async def auto_worker(consumer, producer, methods, codebook="", budget=None):
     fill = RemoteKVFill(consumer, peers, codecs, config, metrics)
     auto = AutoMethod(consumer.spec, consumer.fingerprint, peers, fill, config, Calibration.load(codebook or None),
                       metrics)
-    engine = engine_for(SlowPrefill(consumer))
+    engine = engine_for(SlowPrefill(consumer), fallback_to_local=fallback == "local")
     backend = DecodeBackend(engine, "tiny", fill, peers, "auto", auto)
     app = create_app(ApiConfig(max_model_len=256, max_tokens_cap=64, default_method="auto"), backend, metrics)
     try:
@@ -154,3 +156,27 @@ async def test_auto_keeps_to_the_codebooks_quality_budget(cross_pair):
     async with auto_worker(b, a, ("scd", "raw"), codebook=book, budget=0.0) as (client, _):
         f = (await complete(client)).json()["scd"]
         assert (f["method"], f["reason"]) == ("local", "only") and "quality budget 0" in f["detail"]
+
+
+async def test_codes_gone_at_the_peer_send_the_request_to_the_local_prefill(tmp_path):
+    """The prefill worker lost its cached codes (a restart, an eviction): its first message says
+    so, and since a cold transfer from this slow producer would lose to the local prefill, the
+    decode worker stops the transfer and prefills here at once (fallback local)."""
+    from scd_serve.prefill.code_cache import CodeCache
+
+    rt = tiny_runtime(tmp_path / "model")
+    nodes = []
+    async with auto_worker(rt, SlowRuntime(rt, delay=0.15), ("identity", "raw"), fallback="local",
+                           nodes=nodes) as (client, backend):
+        fields = [(await complete(client)).json()["scd"] for _ in range(5)]
+        assert fields[-1]["reason"] == "fastest" and fields[-1]["method"] in ("raw", "identity"), fields
+        node = nodes[0]
+        node.servicer.cache = CodeCache(node.servicer.config.cache_bytes, node.servicer.config.cache_entries)
+        r = await complete(client)
+        f = r.json()["scd"]
+        assert (f["method"], f["reason"]) == ("local", "cold-switch") and r.headers["x-scd-method"] == "local"
+        assert backend.fill.num_cold_switches == 1 and backend.fill.stats.num_failed == 0
+        f = (await complete(client)).json()["scd"]  # it no longer counts on (at least) those codes being there
+        assert f["method"] == "local", f  # a cold transfer from this producer loses to the local prefill
+        metrics = (await client.get("/metrics")).text
+        assert 'scd_transfers_total{method="%s",outcome="cold-local"} 1.0' % fields[-1]["method"] in metrics

@@ -188,6 +188,24 @@ def test_a_prompt_not_cached_there_pays_the_producer_and_a_busy_producer_more():
     assert chooser.choose(1, N, [peer(running=3, capacity=4)]).method != LOCAL  # cached: no producer needed
 
 
+def test_a_warm_choice_says_whether_to_go_local_should_the_codes_be_gone():
+    from scd_serve.decode.chooser import Choice
+
+    chooser, world = make(), World(rate=100e6)
+    warmed(world, chooser, 8, key=1)
+    world.serve(chooser, Choice("scd", PEER), key=2, cached=False, producer_s_per_token=200e-6)  # a slow producer
+    c = chooser.choose(1, N, [peer()])
+    assert c.cached and c.local_if_cold  # cold it would take ~200 ms, local ~61 ms
+    chooser.observe_cold(PEER, c.method, 1)  # the peer said it holds no codes of that method for prompt 1
+    after = chooser.choose(1, N, [peer()])  # nor, then, the other method's (fetched before): cold loses
+    assert after.method == LOCAL and not after.cached
+    fast, world = make(), World(rate=100e6)
+    warmed(world, fast, 8, key=1)
+    world.serve(fast, Choice("scd", PEER), key=2, cached=False, producer_s_per_token=20e-6)  # a fast producer
+    c = fast.choose(1, N, [peer()])
+    assert c.cached and not c.local_if_cold  # cold it still beats local: keep the transfer
+
+
 def test_a_full_peer_adds_the_wait_for_a_slot():
     chooser, world = make(), World(rate=100e6)
     warmed(world, chooser, 8)
@@ -232,6 +250,15 @@ def test_fixed_and_failed_requests():
     assert chooser.observe_outcome("x", Choice("scd"), N, 0.02) is None
     assert chooser.observe_outcome("y", Choice(LOCAL), N, 0.06) is None  # no prediction, but it learns
     assert chooser.local.value == pytest.approx(0.06 / N)
+
+
+def test_codes_reported_gone_take_the_older_ones_at_that_peer_with_them():
+    chooser = make()
+    for peer_, key in ((PEER, 1), ("other:1", 2), (PEER, 3), (PEER, 4)):
+        chooser.observe_transfer(peer_, "scd", key, N, payload_bytes=1, rebuild_s=0.01, producer_s=0.0,
+                                 cache_hit=True, wall_s=0.01)
+    chooser.observe_cold(PEER, "scd", 3)  # an LRU that evicted 3 evicted 1 before it
+    assert list(chooser._cached) == [("other:1", "scd", 2), (PEER, "scd", 4)]
 
 
 def test_the_cache_guess_is_bounded():
