@@ -153,6 +153,12 @@ async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
         return {"text": r.text}
     if cmd["cmd"] == "requests":
         return {"samples": await timed_requests(client, url, cmd["body"], int(cmd["count"]), timeout)}
+    if cmd["cmd"] == "rounds":  # one request per body in turn, `rounds` times: a load swing hits them alike
+        samples: dict[str, list] = {name: [] for name in cmd["bodies"]}
+        for _ in range(int(cmd["rounds"])):
+            for name, body in cmd["bodies"].items():
+                samples[name] += await timed_requests(client, url, body, 1, timeout)
+        return {"samples": samples}
     raise ValueError(f"unknown command {cmd['cmd']!r}")
 
 

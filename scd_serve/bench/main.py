@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--worker", action="store_true",
                    help="also time the real decode worker (`scd-serve decode`, HTTP, max_tokens=1) at every rate, "
                         "warm, reference length, per method and its own local prefill; `auto` (the worker picks "
-                        "per request) is timed only here, first at each rate")
+                        "per request) is timed only here, in rounds with the fixed methods")
     t.add_argument("--quality-budget", type=float, default=None,
                    help="the decode worker's --quality-budget for auto (default: the codebook's KL budget)")
     t.add_argument("--rate-change", nargs="+", metavar="RATE",

@@ -122,8 +122,15 @@ def auto_targets(doc: dict) -> dict:
         if not auto or not fixed:
             continue
         best = min(fixed, key=fixed.get)
+        good = [m for m, t in fixed.items() if t <= 1.10 * fixed[best]]
+        usual = max(set(auto["chosen"]), key=auto["chosen"].count)
         per[p["bandwidth"]] = {"auto_s": auto["ttft_s"], "best": best, "best_s": fixed[best],
                                "ratio": auto["ttft_s"] / fixed[best], "chosen": auto["chosen"],
+                               # which picks were within 10% of the best by the fixed rows' medians, and
+                               # the fixed row of the method auto picked most: the gap between that and
+                               # auto's own median is the same method timed in other slots (noise)
+                               "picks_within_10pct": sum(m in good for m in auto["chosen"]) / len(auto["chosen"]),
+                               "usual_pick": usual, "usual_pick_fixed_s": fixed.get(usual),
                                "prediction_error_median": auto["prediction_error"]["median"]}
         pooled += auto["samples"]
     return {"budget": doc["auto"]["budget"], "allowed": sorted(allowed), "per_bandwidth": per,

@@ -11,8 +11,7 @@ takes a given share of the oracle's time; the sweep spans shares from negligible
 dominant (RAW_SHARES).
 
 `auto` (the decode worker picks each request's method) is a row of the real decode worker
-(--worker): at every rate its requests go first, before the fixed methods' at that rate, so
-what it knows of the new rate it learned from its own requests. `--rate-change R1 R2 ...`
+(--worker), timed in rounds with the fixed methods (worker_rounds). `--rate-change R1 R2 ...`
 is the other mode: no sweep, only the worker, the link re-shaped between runs of `auto`
 requests, and the sequence of its choices printed (run_rate_change).
 """
@@ -215,15 +214,12 @@ def run_ttft(args) -> dict:
                 client.ask({"cmd": "ready", "url": worker, "timeout_s": args.start_timeout}, args.start_timeout + 10)
             for point in points:
                 link.set_rate(point["bandwidth_bytes_per_s"])
-                rows = []
-                if with_auto:  # first: what it knows of this rate, it learns from its own requests
-                    got = client.ask({"cmd": "requests", "url": worker, "body": auto_body(args, ref),
-                                      "count": args.reps + 1}, args.point_timeout)["samples"]
-                    rows.append({"method": AUTO, "prompt_tokens": ref, "mode": "warm", "samples": got[1:],
-                                 "uncounted": got[:1]})
-                point["worker_rows"] = rows + probe.ask(
-                    {**base, "worker": worker, "prompt_tokens": [ref], "methods": [*methods, LOCAL],
-                     "ready_timeout_s": args.start_timeout}, args.point_timeout)["rows"]
+                if with_auto:  # in rounds, auto first in each: see worker_rounds
+                    point["worker_rows"] = worker_rounds(client, worker, args, ref, [AUTO, *methods, LOCAL])
+                else:
+                    point["worker_rows"] = probe.ask(
+                        {**base, "worker": worker, "prompt_tokens": [ref], "methods": [*methods, LOCAL],
+                         "ready_timeout_s": args.start_timeout}, args.point_timeout)["rows"]
                 print(f"  {point['bandwidth']}: decode worker done", file=sys.stderr)
             if with_auto:
                 auto = {**allowed_methods(args), "server_prediction_error": prediction_error_histogram(
@@ -241,6 +237,18 @@ def run_ttft(args) -> dict:
     if auto is not None:
         doc["auto"] = auto
     return doc
+
+
+def worker_rounds(client: ProbeProcess, worker: str, args, n: int, methods: list[str]) -> list[dict]:
+    """The decode worker's warm TTFT per method (auto included) at the current rate, in rounds:
+    each round sends one request of every method in turn, so a load swing on a shared machine
+    hits them alike; the first round is not counted (it fills the producer's code cache and
+    pays first-call costs). `auto` sees the fixed methods' transfers too, as beside other
+    requests on a real server; what it learns from its own alone, --rate-change shows."""
+    got = client.ask({"cmd": "rounds", "url": worker, "bodies": {m: auto_body(args, n, m) for m in methods},
+                      "rounds": args.reps + 1}, args.point_timeout)["samples"]
+    return [{"method": m, "prompt_tokens": n, "mode": "warm", "samples": got[m][1:], "uncounted": got[m][:1]}
+            for m in methods]
 
 
 def prediction_error_histogram(metrics_text: str) -> dict:
