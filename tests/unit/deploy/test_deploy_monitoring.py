@@ -110,3 +110,20 @@ def test_k8s_monitoring_overlay_scrapes_gateway_and_every_decode_pod_with_the_ke
     (policy,) = [o for o in objects if o["metadata"]["name"] == "scd-serve-metrics-ingress"]
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": endpoint["port"]}]
+
+
+def test_decode_scales_on_queue_depth_through_the_adapter_rule():
+    from test_deploy_k8s import K8S_VERSION, render
+
+    import kubernetes_validate
+
+    objects = render(ROOT / "deploy" / "k8s-monitoring")
+    (hpa,) = [o for o in objects if o["kind"] == "HorizontalPodAutoscaler" and o["metadata"]["name"] == "decode"]
+    kubernetes_validate.validate(hpa, K8S_VERSION, strict=True)
+    kinds = [m["type"] for m in hpa["spec"]["metrics"]]
+    assert kinds == ["Resource", "Pods"]  # CPU as before, and the queue
+    metric = hpa["spec"]["metrics"][1]["pods"]["metric"]["name"]
+    rules = yaml.safe_load((ROOT / "deploy" / "k8s-monitoring" / "prometheus-adapter-values.yaml").read_text())
+    (rule,) = [r for r in rules["rules"]["custom"] if r["name"]["as"] == metric]
+    series = rule["seriesQuery"].split("{")[0]
+    assert series == "vllm:num_requests_waiting"  # a series every decode worker exports (api/metrics.py)
