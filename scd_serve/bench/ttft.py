@@ -289,8 +289,9 @@ def run_rate_change(args) -> dict:
     try:
         port = procs.free_port()
         server = procs.spawn([*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
-                              "--chunk-bytes", str(args.resend_chunk_bytes), "--model", args.producer, "--host", link.producer_bind(), "--port", str(port),
-                              "--codebook", args.codebook or ""], logs / "prefill.log")
+                              "--chunk-bytes", str(args.resend_chunk_bytes), "--model", args.producer,
+                              "--host", link.producer_bind(), "--port", str(port), "--codebook", args.codebook or ""],
+                             logs / "prefill.log")
         procs.wait_tcp(link.producer_bind(), port, server, args.start_timeout, link.exec_prefix("producer"),
                        logs / "prefill.log")
         worker_proc, worker = start_worker(args, link, link.producer_addr(port), logs)

@@ -60,7 +60,9 @@ class AutoMethod:
         """Every prefill worker a transfer could go to now, with the methods the pair allows."""
         out = []
         for peer in self.peers.peers.values():
-            if not (peer.usable and peer.breaker.available()) or num_tokens > (peer.info.max_prompt_tokens or num_tokens):
+            if not (peer.usable and peer.breaker.available()):
+                continue
+            if num_tokens > (peer.info.max_prompt_tokens or num_tokens):
                 continue
             pair = method_kl(peer.info.producer_fingerprint, self.fingerprint, self.calibration.kl,
                              self.calibration.producer)
@@ -72,7 +74,8 @@ class AutoMethod:
     def choose(self, req) -> Choice:
         n = req.num_prompt_tokens
         if n < 2 or req.params.prompt_logprobs is not None:
-            why = "prompt_logprobs need the consumer's own prefill" if n >= 2 else "a one-token prompt has no KV to fill"
+            why = ("prompt_logprobs need the consumer's own prefill" if n >= 2
+                   else "a one-token prompt has no KV to fill")
             choice = Choice(LOCAL, reason="needs-local", detail=why)
         else:
             choice = self.chooser.choose(prompt_key(req.prompt_token_ids[:-1]), n, self.views(n))

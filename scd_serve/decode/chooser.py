@@ -58,7 +58,9 @@ class Choice:
     method: str
     peer: str = ""  # prefill address; "" for local
     predicted_s: float | None = None  # None: no prediction (explored, or not chosen here)
-    reason: str = "fixed"  # fixed (named by the request or the server) | fastest | explore | reprobe | only | needs-local
+    # fixed (named by the request or the server) | fastest | explore | reprobe | only | needs-local,
+    # and cold-switch (set by auto.py when the peer turned out not to hold the codes)
+    reason: str = "fixed"
     detail: str = ""
     cached: bool = False  # the chooser expected the peer to hold the prompt's codes
     # ... and, should the peer say it does not (its first message), the local prefill beats a cold transfer
@@ -117,7 +119,8 @@ class Chooser:
         local = self._local(num_tokens, now)
         transfers = [self._transfer(p, m, key, num_tokens) for p in peers for m in self.allowed(p)]
         if not transfers:
-            why = "no usable prefill worker" if not peers else f"no transfer method within quality budget {self.budget:g}"
+            why = ("no usable prefill worker" if not peers
+                   else f"no transfer method within quality budget {self.budget:g}")
             return Choice(LOCAL, predicted_s=local.predicted, reason="only", detail=why)
         options = [*transfers, local]
         known = sorted((o for o in options if o.predicted is not None), key=lambda o: o.predicted)
@@ -127,8 +130,9 @@ class Chooser:
         if unknown:
             return self._probe(unknown[0], now, "explore", f"no estimate of its {unknown[0].missing} yet", known)
         for o in known:  # cheapest first
-            if o.stale and due(o) and not (best.peer == o.peer and o.peer) and best is not o and (
-                    o.peer or o.predicted <= self.config.probe_ratio * best.predicted):
+            measured_anyway = o is best or (o.peer and o.peer == best.peer)  # the pick refreshes that link
+            worth_it = o.peer or o.predicted <= self.config.probe_ratio * best.predicted  # a link may have recovered
+            if o.stale and due(o) and not measured_anyway and worth_it:
                 what = f"link to {o.peer}" if o.peer else "local prefill speed"
                 return self._probe(o, now, "reprobe", f"its {what} estimate is stale", known)
         if best is None:  # nothing predictable and everything tried recently: the safe option
