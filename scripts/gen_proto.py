@@ -12,21 +12,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's scd_serve, installed or not
 
-from scd_serve.transport.proto_build import OUT_DIR, generate, generated_files  # noqa: E402
-
-
-def differences(out_dir: Path = OUT_DIR) -> list[str]:
-    """Paths (relative to out_dir) whose committed bytes differ from a fresh generation."""
-    with tempfile.TemporaryDirectory() as tmp:
-        fresh = generate(Path(tmp))
-        return [str(f.relative_to(tmp)) for f, old in zip(fresh, generated_files(out_dir))
-                if not old.is_file() or old.read_bytes() != f.read_bytes()]
+from scd_serve.transport.proto_build import differences, generate  # noqa: E402
 
 
 def main() -> int:
@@ -35,8 +26,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.check:
         diff = differences()
-        for name in diff:
-            print(f"{OUT_DIR.relative_to(ROOT) / name} differs from a fresh generation: run `make proto`")
+        for path in diff:
+            print(f"{path.relative_to(ROOT)} differs from a fresh generation: run `make proto`")
         return 1 if diff else 0
     for path in generate():
         print(path.relative_to(ROOT))

@@ -67,6 +67,14 @@ def generate(out_dir: Path = OUT_DIR, root: Path | None = None) -> list[Path]:
     return generated_files(out_dir)
 
 
+def differences(out_dir: Path = OUT_DIR) -> list[Path]:
+    """The files under out_dir whose bytes differ from a fresh generation (or are missing)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = generate(Path(tmp) / "_proto")
+        return [old for new, old in zip(fresh, generated_files(out_dir))
+                if not old.is_file() or old.read_bytes() != new.read_bytes()]
+
+
 # ---- the former build-at-import entry point ------------------------------------------------
 # Nothing in the package calls these any more. They remain only for
 # tests/unit/transport/test_transport_proto_build.py, which the byte-for-byte check in
