@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--consumer", default=None, help="consumer model (decode workers; default: the pair's)")
     parser.add_argument("--codebook", default=None,
                         help="SCD codebook directory (default: the pair's; none there: codebook-free methods)")
-    parser.add_argument("--method", default=None, help="default transfer method (default: scd, else raw)")
+    parser.add_argument("--method", default=None, help="default transfer method (default: auto when a codebook loads, else raw)")
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--device", default="cpu")

@@ -37,7 +37,7 @@ from scd_serve.gateway.relay import ClientWatch, Upstream, relay
 
 log = logging.getLogger("scd_serve.gateway")
 FORWARD_HEADERS = ("authorization", "content-type", "accept")
-RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control")
+RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control", "x-scd-method", "x-scd-method-reason")
 
 
 def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks=None) -> FastAPI:
