@@ -71,7 +71,8 @@ def shape_logits(row: torch.Tensor, seq: Sequence, eos_token_ids: Collection[int
         seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
         seen = seen[seen < vocab]
         vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        limit = torch.finfo(row.dtype).max  # an extreme penalty saturates: +-inf would make inf - inf below
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty).clamp(-limit, limit)
     if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:  # OpenAI: output only
         counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
         row -= p.frequency_penalty * counts.float() + p.presence_penalty * (counts > 0).float()

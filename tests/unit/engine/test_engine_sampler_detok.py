@@ -50,6 +50,18 @@ def test_every_legal_extreme_gives_a_distribution(temperature, top_p, top_k):
         assert token in (5, 17)
 
 
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e-30, 1e30, 1e300, 1.7e308])
+@pytest.mark.parametrize("temperature", [0, 1e-300, 1.0])
+def test_an_extreme_repetition_penalty_still_samples(penalty, temperature):
+    """Found by the schema fuzzer: a tiny penalty divided positive logits to +inf, a huge one
+    multiplied negative ones to -inf, and inf - inf made the probabilities NaN (a 500)."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(4)) * 8
+    seen = list(range(50))  # every token in the prompt: all are penalised
+    params = SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=7)
+    (token,) = sample(logits[None], [Sequence(GenerationRequest("r", seen, params))])
+    assert isinstance(token, int) and 0 <= token < 50
+
+
 def test_non_finite_row_fails_alone():
     logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan"), 0.0, 1.0], [0.0, float("inf"), 1.0]])
     out = sample(logits, seqs(SamplingParams(temperature=0), SamplingParams(temperature=0.5),
