@@ -131,6 +131,19 @@ def auto_body(args, n: int, method: str = AUTO) -> dict:
             "ignore_eos": True, "scd_method": method}
 
 
+def start_prefill(args, link, logs: Path) -> tuple[subprocess.Popen, str]:
+    """The bench's prefill worker in the producer's namespace, listening -> (process, the address
+    the consumer side dials)."""
+    port = procs.free_port()
+    cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
+           "--chunk-bytes", str(args.resend_chunk_bytes), "--model", args.producer, "--host", link.producer_bind(),
+           "--port", str(port), "--codebook", args.codebook or ""]
+    proc = procs.spawn(cmd, logs / "prefill.log")
+    procs.wait_tcp(link.producer_bind(), port, proc, args.start_timeout, link.exec_prefix("producer"),
+                   logs / "prefill.log")
+    return proc, link.producer_addr(port)
+
+
 def start_worker(args, link, address: str, logs: Path) -> tuple[subprocess.Popen, str]:
     """The real `scd-serve decode` beside the probe, listening -> (process, URL); the probe
     then waits for /ready (peers handshaken). Its default method is auto (a codebook) or raw."""
@@ -160,14 +173,7 @@ def run_ttft(args) -> dict:
     link = open_link(force_fallback=args.no_netns)
     server = probe = worker_proc = client = None
     try:
-        port = procs.free_port()
-        server_cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
-                      "--chunk-bytes", str(args.resend_chunk_bytes), "--model", args.producer, "--host", link.producer_bind(), "--port", str(port),
-                      "--codebook", args.codebook or ""]
-        server = procs.spawn(server_cmd, logs / "prefill.log")
-        procs.wait_tcp(link.producer_bind(), port, server, args.start_timeout, link.exec_prefix("producer"),
-                       logs / "prefill.log")
-        address = link.producer_addr(port)
+        server, address = start_prefill(args, link, logs)
         probe_cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.bench.probe",
                      "--consumer", args.consumer]
         if args.codebook:
@@ -287,14 +293,8 @@ def run_rate_change(args) -> dict:
     server = worker_proc = client = None
     sequence, phases = [], []
     try:
-        port = procs.free_port()
-        server = procs.spawn([*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
-                              "--chunk-bytes", str(args.resend_chunk_bytes), "--model", args.producer,
-                              "--host", link.producer_bind(), "--port", str(port), "--codebook", args.codebook or ""],
-                             logs / "prefill.log")
-        procs.wait_tcp(link.producer_bind(), port, server, args.start_timeout, link.exec_prefix("producer"),
-                       logs / "prefill.log")
-        worker_proc, worker = start_worker(args, link, link.producer_addr(port), logs)
+        server, address = start_prefill(args, link, logs)
+        worker_proc, worker = start_worker(args, link, address, logs)
         client = start_client(link, logs, args.start_timeout)
         client.ask({"cmd": "ready", "url": worker, "timeout_s": args.start_timeout}, args.start_timeout + 10)
         for phase, rate in enumerate(parse_bandwidth(r) for r in args.rate_change):
