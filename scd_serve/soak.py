@@ -24,13 +24,12 @@ from typing import Any, Callable
 
 import httpx
 
-from scd_serve.errors import ConfigError
+from scd_serve.extras import extra
 
 DEFAULT_ENGINE = dict(num_blocks=128, block_size=8, max_model_len=256, max_num_seqs=16, max_concurrent=32,
                       request_timeout_s=30.0, queue_timeout_s=10.0, stall_timeout_s=2.0)
 DEFAULT_API = dict(max_model_len=256, max_tokens_cap=64, request_timeout_s=30.0)
 
-BENCH_EXTRA = "pip install 'scd-serve[bench]'"  # psutil and asgi-lifespan: imported where used
 
 
 class LocalStack:
@@ -84,10 +83,8 @@ class LocalStack:
 
     # ---- decode side -----------------------------------------------------------------------
     async def start(self, prefill_addresses: tuple[str, ...] | None = None) -> LocalStack:
-        try:
+        with extra("bench", "LocalStack"):
             from asgi_lifespan import LifespanManager
-        except ImportError:
-            raise ConfigError(f"LocalStack needs asgi-lifespan, which is not installed: {BENCH_EXTRA}") from None
 
         from scd_serve.api.app import create_app
         from scd_serve.config.api import ApiConfig
@@ -197,10 +194,8 @@ async def _one(http: httpx.AsyncClient, kind: str, rng: random.Random, method: s
 
 
 async def soak(stack: LocalStack, minutes: float, concurrency: int, max_requests: int, seed: int = 0) -> dict:
-    try:
+    with extra("bench", "the soak's memory samples"):
         import psutil
-    except ImportError:
-        raise ConfigError(f"the soak needs psutil (memory samples), which is not installed: {BENCH_EXTRA}") from None
     base = await stack.serve_http()
     rng, proc = random.Random(seed), psutil.Process()
     kinds = ["normal"] * 60 + ["cancelled"] * 15 + ["invalid"] * 15 + ["timed_out"] * 10

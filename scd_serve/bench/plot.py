@@ -5,18 +5,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from scd_serve.errors import ConfigError
+from scd_serve.extras import pyplot
 
 
 def _plt():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError("bench --plot needs matplotlib, which is not installed: pip install 'scd-serve[bench]'") from None
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot("bench", "bench --plot")
 
 
 def _rows(doc: dict, tokens: int, mode: str):

@@ -30,21 +30,13 @@ from scd_serve.codec.search import PlanSearch, SearchPoint
 from scd_serve.codec.spec import spec_of
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
+from scd_serve.extras import tqdm
 
 # --data FILE: a probe prompt scores at most this many tokens of its reference (every plan the
 # search measures runs them all again; the fit still reads whole records)
 PROBE_SCORED_TOKENS = 64
 KV_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
 H_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
-
-
-def tqdm(*args, **kwargs):
-    """tqdm's progress bar, imported when first shown (the calibrate extra)."""
-    try:
-        from tqdm import tqdm as bar
-    except ImportError:
-        raise ConfigError("calibrate needs tqdm, which is not installed: pip install 'scd-serve[calibrate]'") from None
-    return bar(*args, **kwargs)
 
 
 def rank_grid(width: int, fractions: tuple[float, ...]) -> list[int]:

@@ -6,19 +6,13 @@ from pathlib import Path
 
 from scd_serve.codec.plan import PATCH, Plan
 from scd_serve.codec.search import SearchPoint
-from scd_serve.errors import ConfigError
+from scd_serve.extras import pyplot
 
 
 def plot_tradeoff(curve: list[SearchPoint], chosen: Plan, raw_width: int, budget: float, path: Path) -> Path:
     """Left: payload (fraction of raw 16-bit KV) and measured KL per patch count at the budget.
     Right: the chosen plan's ranks per layer."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError("calibrate's trade-off figure needs matplotlib, which is not installed: "
-                          "pip install 'scd-serve[calibrate]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("calibrate", "calibrate's trade-off figure")
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     ks = [p.num_patches for p in curve]

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from scd_serve.errors import ConfigError
+from scd_serve.extras import extra
 
 GB = 10**9  # decimal units throughout, --max-memory-gb included
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -100,11 +101,8 @@ def estimate(producer: str | Path, consumer: str | Path, dtype: str, cfg=None) -
 
 def available_bytes(device: str) -> tuple[int, int]:
     """(host RAM available now, free memory where the models go)."""
-    try:
+    with extra("calibrate", "the memory check of calibrate and eval"):
         import psutil
-    except ImportError:
-        raise ConfigError("the memory check of calibrate and eval needs psutil, which is not installed: "
-                          "pip install 'scd-serve[calibrate]'") from None
 
     host = int(psutil.virtual_memory().available)
     if torch.device(device).type == "cuda" and torch.cuda.is_available():

@@ -21,21 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from scd_serve.errors import ConfigError
+from scd_serve.extras import tqdm
 from scd_serve.quality.data import Prompt, Prompts
 from scd_serve.quality.metrics import exact_match, kl_and_tv, token_f1
 from scd_serve.quality.transfer import ORACLE, Handoff, teacher_forced, transfer
 
 Tensor = torch.Tensor
-
-
-def tqdm(*args, **kwargs):
-    """tqdm's progress bar, imported when first shown (the calibrate extra, which `eval` shares)."""
-    try:
-        from tqdm import tqdm as bar
-    except ImportError:
-        raise ConfigError("eval needs tqdm, which is not installed: pip install 'scd-serve[calibrate]'") from None
-    return bar(*args, **kwargs)
 
 
 @dataclass
