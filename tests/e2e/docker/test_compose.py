@@ -194,8 +194,13 @@ def openai_client(c: Cluster):
     return OpenAI(base_url=f"{c.url}/v1", api_key=c.api_key, timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
 
-def complete(oc, model: str, prompt: str, max_tokens: int = 8):
-    return oc.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+# A transfer for sure: the workers' default `auto` may prefill locally instead (its choice
+# follows measured speeds), and the tests that count what prefill workers served need transfers.
+TRANSFER = {"scd_method": "scd"}
+
+
+def complete(oc, model: str, prompt: str, max_tokens: int = 8, method: dict | None = None):
+    return oc.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=method)
 
 
 def test_secure_by_default(cluster):
@@ -239,7 +244,7 @@ def test_scaled_roles_all_serve(cluster):
     counts: dict[str, float] = {}
     while time.monotonic() < deadline:
         with ThreadPoolExecutor(4) as pool:
-            outs = list(pool.map(lambda p: complete(oc, model, p), PROMPTS))
+            outs = list(pool.map(lambda p: complete(oc, model, p, method=TRANSFER), PROMPTS))
         assert all(o.choices[0].text is not None for o in outs)
         counts = served_by(cluster.metrics())
         if all(counts.get(a, 0) > 0 for a in prefill | decode):
@@ -266,7 +271,8 @@ def test_killed_prefill_under_traffic(cluster):
         while not stop.is_set():
             start = time.monotonic()
             try:
-                out = complete(oc, model, f"{PROMPTS[(worker + i) % len(PROMPTS)]} {i}", max_tokens=16)
+                out = complete(oc, model, f"{PROMPTS[(worker + i) % len(PROMPTS)]} {i}", max_tokens=16,
+                               method=TRANSFER)
                 outcome = "ok" if out.choices[0].text is not None else "empty"
             except APITimeoutError:
                 outcome = "hung"
@@ -295,7 +301,7 @@ def test_killed_prefill_under_traffic(cluster):
     assert not bad, f"requests neither completed nor failed cleanly: {bad}"
     # The cluster keeps serving, and the surviving prefill worker takes the transfers.
     before = served_by(cluster.metrics()).get(survivor, 0)
-    outs = [complete(oc, model, f"{p} again") for p in PROMPTS]
+    outs = [complete(oc, model, f"{p} again", method=TRANSFER) for p in PROMPTS]
     assert all(o.choices[0].text is not None for o in outs)
     deadline = time.monotonic() + 10  # its next heartbeat carries the new count
     while served_by(cluster.metrics()).get(survivor, 0) <= before and time.monotonic() < deadline:
