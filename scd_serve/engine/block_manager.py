@@ -3,11 +3,15 @@
 A sequence with n token slots in use holds ceil(n / block_size) blocks; position p lives in
 block_ids[p // block_size]. No prefix sharing: every block has exactly one owner, so a
 free is always safe and the pool is back to full once every sequence is released.
+
+A sequence's next block is the one after its last when that is free, else the lowest free
+one: its blocks then form a few long runs of consecutive ids, which attention reads in
+place as views of the pool (model/paged.py) instead of copying them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 from scd_serve.engine.sequence import Sequence
 
@@ -18,7 +22,8 @@ class BlockManager:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: set[int] = set(range(num_blocks))
+        self._lowest: list[int] = list(range(num_blocks))  # min-heap over free ids; stale entries skipped
         self._owner: dict[int, int] = {}  # block id -> seq_id, to catch double frees early
 
     @property
@@ -60,13 +65,21 @@ class BlockManager:
         for block in reversed(seq.block_ids):
             if self._owner.pop(block, None) != seq.seq_id:
                 raise RuntimeError(f"block {block} freed by seq {seq.seq_id} but not owned by it")
-            self._free.appendleft(block)  # reuse hot blocks first
+            self._free.add(block)
+            heapq.heappush(self._lowest, block)
         seq.block_ids = []
+        if len(self._lowest) > 4 * self.num_blocks:  # drop stale entries now and then
+            self._lowest = sorted(self._free)
 
     def _append_need(self, seq: Sequence) -> int:
         return max(0, self.blocks_for(seq.num_cached + 1) - len(seq.block_ids))
 
     def _take(self, seq: Sequence) -> None:
-        block = self._free.popleft()
+        block = seq.block_ids[-1] + 1 if seq.block_ids else -1
+        if block not in self._free:
+            block = heapq.heappop(self._lowest)
+            while block not in self._free:
+                block = heapq.heappop(self._lowest)
+        self._free.remove(block)
         self._owner[block] = seq.seq_id
         seq.block_ids.append(block)

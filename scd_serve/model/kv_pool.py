@@ -58,32 +58,3 @@ class KVPool:
         # slots: [n]; k_rot, v: [n, kv_heads, head_dim]
         self.k[layer].flatten(0, 1)[slots] = k_rot.to(self.k.dtype)
         self.v[layer].flatten(0, 1)[slots] = v.to(self.v.dtype)
-
-    def gather(self, layer: int, table: Tensor) -> tuple[Tensor, Tensor]:
-        """table: [B, max_blocks] block ids -> k, v: [B, max_blocks*block_size, kv_heads, head_dim]."""
-        # index_select over whole blocks (rows of one memcpy each) is far faster than
-        # advanced indexing of a 5-D tensor
-        b, width = table.shape
-        flat = table.reshape(-1)
-        shape = (b, width * self.block_size, self.k.shape[3], self.k.shape[4])
-        k = self.k[layer].flatten(1).index_select(0, flat).view(shape)
-        v = self.v[layer].flatten(1).index_select(0, flat).view(shape)
-        return k, v
-
-    def span(self, layer: int, first_block: int, n: int) -> tuple[Tensor, Tensor]:
-        """The first n token slots of consecutive blocks first_block, first_block+1, ... as
-        views, no copy: k, v [1, n, kv_heads, head_dim]."""
-        blocks = -(-n // self.block_size)
-        k = self.k[layer, first_block:first_block + blocks].flatten(0, 1)[:n]
-        v = self.v[layer, first_block:first_block + blocks].flatten(0, 1)[:n]
-        return k[None], v[None]
-
-
-def block_table(items_blocks: Sequence[Sequence[int]], num_blocks: int, device) -> Tensor:
-    """[B, max_blocks] long, each row padded with block 0 (the mask hides those slots)."""
-    width = max(len(b) for b in items_blocks)
-    rows = [list(b) + [0] * (width - len(b)) for b in items_blocks]
-    table = torch.tensor(rows, dtype=torch.long)
-    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_blocks):
-        raise InvalidRequest(f"block ids must lie in 0..{num_blocks - 1}")
-    return table.to(device)

@@ -15,7 +15,8 @@ import torch
 
 from scd_serve.errors import InvalidRequest, PromptTooLong
 from scd_serve.model import loader, rope
-from scd_serve.model.kv_pool import KVPool, block_table
+from scd_serve.model.kv_pool import KVPool
+from scd_serve.model.paged import attend_paged, stretches
 from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
 from scd_serve.model.step import DecodeStep
 
@@ -173,19 +174,17 @@ class ModelRuntime:
         spec, rot, bs = self.spec, self.rotary, pool.block_size
         n = ids.shape[0]
         slots = pool.slots(block_ids, cached, n)
-        total = cached + n
-        table = block_table([block_ids[: -(-total // bs)]], pool.num_blocks, self.device)  # [1, nb]
-        pos = torch.arange(cached, total, device=self.device)
-        masks = self._masks(pos[None], torch.tensor([total], device=self.device), table.shape[1] * bs, force=True)
+        runs = stretches(block_ids, cached + n, bs)
+        pos = torch.arange(cached, cached + n, device=self.device)
         h = self.weights.embed[ids]  # [n, hidden]
         cos, sin = rot.tables(pos)
         for layer, lw in enumerate(self.weights.layers):
             x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
             k_pre, v = project_kv(lw, spec, x)
             pool.write(layer, slots, rope.apply(k_pre, cos, sin), v)
-            kc, vc = pool.gather(layer, table)  # [1, S, kv_heads, hd]
-            q = rope.apply(project_q(lw, spec, x), cos, sin)
-            h = finish_layer(lw, spec, h, attend(q[None], kc, vc, masks[spec.window(layer)])[0])
+            q = rope.apply(project_q(lw, spec, x), cos, sin)  # [n, heads, hd]
+            attn = attend_paged(pool.k[layer], pool.v[layer], runs, cached + n, q, cached, spec.window(layer))
+            h = finish_layer(lw, spec, h, attn)
         if want == "none":
             return None
         return self._logits(h[-1:] if want == "last" else h)
@@ -227,10 +226,10 @@ class ModelRuntime:
         w = self.weights
         return (rms_norm(h, w.norm, self.spec.rms_norm_eps) @ w.lm_head.T).float()
 
-    def _masks(self, q_pos: Tensor, lengths: Tensor, s: int, force: bool = False) -> dict:
-        """window -> [B, 1, Tq, S] bool mask (None for full causal square attention if not forced)."""
+    def _masks(self, q_pos: Tensor, lengths: Tensor, s: int) -> dict:
+        """window -> [B, 1, Tq, S] bool mask (None for full causal square attention)."""
         windows = {self.spec.window(i) for i in range(self.spec.num_layers)}
-        return {w: (causal_mask(q_pos, lengths, s, w) if (force or w is not None) else None) for w in windows}
+        return {w: (causal_mask(q_pos, lengths, s, w) if w is not None else None) for w in windows}
 
     def _check_ids(self, input_ids, offset: int = 0) -> Tensor:
         ids = torch.as_tensor(input_ids)

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from scd_serve.errors import InvalidRequest
-from scd_serve.model.kv_pool import KVPool, block_table
-from scd_serve.model.layers import attend, attend_all, finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model.kv_pool import KVPool
+from scd_serve.model.layers import finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model.paged import attend_paged, stretches
 from scd_serve.model import rope
 
 if TYPE_CHECKING:
@@ -39,15 +40,13 @@ class DecodeStep:
         rt._check_positions(self.cached, [len(b) for b, _, _ in items], bs)
         if min(tokens) < 0 or max(tokens) >= spec.vocab_size:
             raise InvalidRequest(f"token ids must lie in 0..{spec.vocab_size - 1}")
-        width = -(-(max(self.cached) + 1) // bs)  # blocks the longest sequence needs
-        self.table = block_table([list(b)[:width] for b, _, _ in items], pool.num_blocks, rt.device)  # [B, width]
+        if min(len(b) for b, _, _ in items) < 1 or any(min(b) < 0 or max(b) >= pool.num_blocks for b, _, _ in items):
+            raise InvalidRequest(f"block ids must lie in 0..{pool.num_blocks - 1}")
+        blocks = [list(b) for b, _, _ in items]
+        self.slots = torch.tensor([b[c // bs] * bs + c % bs for b, c in zip(blocks, self.cached)],
+                                  device=rt.device)  # [B] where each new token's K/V goes
+        self.runs = [stretches(b, c + 1, bs) for b, c in zip(blocks, self.cached)]
         pos = torch.tensor(self.cached, device=rt.device)  # [B]
-        rows = torch.arange(len(items), device=rt.device)
-        self.slots = self.table[rows, pos // bs] * bs + pos % bs  # [B]
-        # One sequence on consecutive blocks without a sliding window (the usual first step of
-        # a request): attend over views of its own slots, no gather and no mask. Same values.
-        self.first = _consecutive(items[0][0], width) if len(items) == 1 and not spec.sliding_layers else None
-        self.masks = None if self.first is not None else rt._masks(pos[:, None], pos + 1, width * bs, force=True)
         self.h = rt.weights.embed[torch.tensor(tokens, device=rt.device)]  # [B, hidden]
         self.cos, self.sin = rt.rotary.tables(pos)
         self.layer = 0  # the next layer to run
@@ -67,13 +66,11 @@ class DecodeStep:
         k_pre, v = project_kv(lw, spec, x)  # [B, kv_heads, hd]
         self.pool.write(layer, self.slots, rope.apply(k_pre, self.cos, self.sin), v)
         q = rope.apply(project_q(lw, spec, x), self.cos, self.sin)  # [B, heads, hd]
-        if self.first is not None:
-            kc, vc = self.pool.span(layer, self.first, self.cached[0] + 1)  # [1, T, kv_heads, hd]
-            attn = attend_all(q[:, None], kc, vc)
-        else:
-            kc, vc = self.pool.gather(layer, self.table)  # [B, S, kv_heads, hd]
-            attn = attend(q[:, None], kc, vc, self.masks[spec.window(layer)])
-        self.h = finish_layer(lw, spec, self.h, attn[:, 0])
+        window = spec.window(layer)
+        k_layer, v_layer = self.pool.k[layer], self.pool.v[layer]
+        attn = torch.cat([attend_paged(k_layer, v_layer, runs, c + 1, q[i:i + 1], c, window)
+                          for i, (runs, c) in enumerate(zip(self.runs, self.cached))])  # [B, heads*hd]
+        self.h = finish_layer(lw, spec, self.h, attn)
         self.layer += 1
 
     @torch.no_grad()
@@ -83,8 +80,3 @@ class DecodeStep:
             self.run_layer()
         return self.rt._logits(self.h)
 
-
-def _consecutive(block_ids: Sequence[int], width: int) -> int | None:
-    """The first block id if the first `width` blocks are consecutive, else None."""
-    ids = list(block_ids)[:width]
-    return ids[0] if ids == list(range(ids[0], ids[0] + width)) else None

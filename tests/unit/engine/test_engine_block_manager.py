@@ -54,3 +54,47 @@ def test_blocks_are_never_shared():
     with pytest.raises(RuntimeError):  # a foreign block list is caught, not silently freed twice
         a.block_ids = list(b.block_ids)
         bm.free(a)
+
+
+def test_a_sequence_grows_into_the_block_after_its_last_so_its_blocks_form_few_runs():
+    bm = BlockManager(num_blocks=16, block_size=2)
+    a, b = seq(4), seq(2)
+    bm.allocate(a)  # blocks 0, 1
+    a.num_cached = 4
+    bm.may_append(a)  # 2 is free: a stays one run
+    bm.allocate(b)  # the lowest free: 3
+    for n in (2, 4):
+        b.num_cached = n
+        bm.may_append(b)
+    assert a.block_ids == [0, 1, 2] and b.block_ids == [3, 4, 5]
+    a.num_cached = 6
+    bm.may_append(a)  # 3 is taken: a starts a second run at the lowest free block
+    assert a.block_ids == [0, 1, 2, 6]
+    bm.free(b)
+    c = seq(6)
+    bm.allocate(c)  # the hole b left, lowest first
+    assert c.block_ids == [3, 4, 5] and bm.num_free == 16 - 7
+
+
+def test_random_churn_keeps_ownership_and_counts_exact():
+    import random
+    rng, bm, live = random.Random(0), BlockManager(num_blocks=32, block_size=3), []
+    for _ in range(2000):
+        if live and (rng.random() < 0.3 or bm.num_free < 4):
+            bm.free(live.pop(rng.randrange(len(live))))
+        elif rng.random() < 0.5:
+            s = seq(rng.randint(1, 9))
+            if bm.can_allocate(s):
+                bm.allocate(s)
+                s.num_cached = s.num_tokens - 1
+                live.append(s)
+        elif live:
+            s = rng.choice(live)
+            s.num_cached += 1
+            if bm.can_append(s):
+                bm.may_append(s)
+            else:
+                s.num_cached -= 1
+        held = [blk for s in live for blk in s.block_ids]
+        assert len(held) == len(set(held)) == bm.num_used  # no block shared, none lost
+    assert len(bm._lowest) <= 4 * bm.num_blocks + 32
