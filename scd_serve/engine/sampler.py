@@ -6,6 +6,10 @@ whatever else shares its batch. Every legal parameter value is safe, extremes in
 (temperature 1e-300 or 1e300, top_p 1e-138): a row that still cannot be sampled (the
 model gave non-finite logits) fails that request alone, as a StepFailed in its place.
 
+Everything is batched on the logits' device: the rows' penalties, biases, temperatures and
+top-k/top-p/min-p cuts are tensors, and a row's token is found by inverse CDF from one
+uniform number drawn from the row's own generator; only the B chosen ids come back to the CPU.
+
 Before choosing (greedy rows too) the logits are shaped as OpenAI and vLLM define it:
 repetition penalty over prompt and output, presence/frequency penalties over the output,
 logit_bias, and until min_tokens the end tokens masked. Log-probabilities are reported
@@ -24,72 +28,118 @@ from scd_serve.engine.sequence import Sequence
 from scd_serve.errors import StepFailed
 
 
-def generator_for(params: SamplingParams) -> torch.Generator:
-    g = torch.Generator(device="cpu")
+def generator_for(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
     g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
     return g
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> list[int | StepFailed]:
     # logits: [B, vocab] (any float dtype/device); one row per sequence
-    raw = logits.float().cpu()
+    raw = logits.float()
     finite = torch.isfinite(raw).all(dim=-1).tolist()
-    shaped = [i for i, seq in enumerate(seqs) if seq.request.params.shapes_logits and finite[i]]
+    ok = [i for i in range(len(seqs)) if finite[i]]
+    shaped = [i for i in ok if seqs[i].request.params.shapes_logits]
     logits = raw.clone() if shaped else raw
-    for i in shaped:
-        shape_logits(logits[i], seqs[i], eos_token_ids)
-    out: list[int | StepFailed] = list(torch.argmax(logits, dim=-1).tolist())  # greedy rows are done here
+    if shaped:
+        logits[shaped] = shape_batch(logits[shaped], [seqs[i] for i in shaped], eos_token_ids)
+    chosen = torch.argmax(logits, dim=-1)  # greedy rows are done here
+    drawn = [i for i in ok if not seqs[i].request.params.greedy]
+    try:
+        for group in _by_cut(drawn, [seqs[i].request.params for i in drawn], logits.shape[-1]):
+            probs, ids = candidates(logits[group], [seqs[i].request.params for i in group])
+            picked = draw(probs, [_generator(seqs[i], probs.device) for i in group])
+            chosen[group] = picked if ids is None else ids.gather(1, picked[:, None])[:, 0]
+    except RuntimeError as exc:  # a bug here must cost these requests, never the engine
+        return [StepFailed(f"sampling failed for request {seq.request.request_id}: {exc}") for seq in seqs]
+    out: list[int | StepFailed] = list(chosen.tolist())
     for i, seq in enumerate(seqs):
-        params = seq.request.params
         if not finite[i]:
             out[i] = StepFailed(f"the model produced non-finite logits for request {seq.request.request_id} "
                                 f"at output token {seq.num_output_tokens}")
-            continue
-        if params.greedy:
-            continue
-        if seq.sampler_state is None:
-            seq.sampler_state = generator_for(params)
-        try:
-            probs = probabilities(logits[i], params)
-            out[i] = int(torch.multinomial(probs, 1, generator=seq.sampler_state))
-        except RuntimeError as exc:  # a bug here must cost one request, never the batch
-            out[i] = StepFailed(f"sampling failed for request {seq.request.request_id}: {exc}")
-    wanted = [i for i, seq in enumerate(seqs) if seq.request.params.logprobs is not None and isinstance(out[i], int)]
+    wanted = [i for i in ok if seqs[i].request.params.logprobs is not None]
     if wanted:
-        chosen = [out[i] for i in wanted]
         ks = [seqs[i].request.params.logprobs for i in wanted]
-        for i, lp in zip(wanted, token_logprobs(raw[wanted], chosen, ks), strict=True):
+        for i, lp in zip(wanted, token_logprobs(raw[wanted], [out[i] for i in wanted], ks), strict=True):
             seqs[i].last_logprob = lp
     return out
 
 
+def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
+    if seq.sampler_state is None or seq.sampler_state.device != device:
+        seq.sampler_state = generator_for(seq.request.params, device)
+    return seq.sampler_state
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """probs [B, vocab] -> [B] token ids, row b drawn with probability probs[b] by inverse CDF
+    from one uniform of generators[b] alone, so a seeded row gives the same tokens whatever
+    shares its batch."""
+    u = torch.stack([torch.rand((), generator=g, device=probs.device, dtype=torch.float64) for g in generators])
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    # rounding can land past the last token with mass: the best token instead (never a cut one)
+    return torch.where(probs.gather(1, picked[:, None])[:, 0] > 0, picked, probs.argmax(dim=-1))
+
+
 def shape_logits(row: torch.Tensor, seq: Sequence, eos_token_ids: Collection[int]) -> None:
     """In place, one row [vocab]: penalties, bias, and the min_tokens mask."""
-    p = seq.request.params
-    vocab = row.numel()
-    if p.repetition_penalty != 1:  # HF / vLLM: over every token seen, prompt included
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
-        seen = seen[seen < vocab]
-        vals = row[seen]
-        limit = torch.finfo(row.dtype).max  # an extreme penalty saturates: +-inf would make inf - inf below
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty).clamp(-limit, limit)
-    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:  # OpenAI: output only
-        counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
-        row -= p.frequency_penalty * counts.float() + p.presence_penalty * (counts > 0).float()
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
-        keep = ids < vocab
-        row[ids[keep]] += torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype)[keep]
-    if seq.num_output_tokens < p.min_tokens:
-        ends = [t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-        if ends:
-            row[torch.tensor(ends, dtype=torch.long)] = float("-inf")
+    row.copy_(shape_batch(row[None], [seq], eos_token_ids)[0])
+
+
+def shape_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
+    """logits [B, vocab] float -> shaped [B, vocab]: penalties, bias, and the min_tokens mask."""
+    b, vocab = logits.shape
+    dev = logits.device
+    params = [s.request.params for s in seqs]
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
+    if rep:  # HF / vLLM: over every token seen, prompt included
+        seen = _presence([seqs[i].token_ids for i in rep], vocab, dev) > 0
+        pen = torch.tensor([params[i].repetition_penalty for i in rep], device=dev)[:, None]
+        vals = logits[rep]
+        limit = torch.finfo(logits.dtype).max  # an extreme penalty saturates: +-inf would make inf - inf later
+        scaled = torch.where(vals > 0, vals / pen, vals * pen).clamp(-limit, limit)
+        logits[rep] = torch.where(seen, scaled, vals)
+    pf = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and seqs[i].num_output_tokens]
+    if pf:  # OpenAI: output only
+        counts = _presence([seqs[i].output_token_ids for i in pf], vocab, dev)
+        freq = torch.tensor([params[i].frequency_penalty for i in pf], device=dev)[:, None]
+        pres = torch.tensor([params[i].presence_penalty for i in pf], device=dev)[:, None]
+        logits[pf] -= freq * counts + pres * (counts > 0).float()
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for t, bias in p.logit_bias:
+            if t < vocab:
+                rows.append(i), cols.append(t), vals.append(bias)
+    if rows:
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+    rows, cols = [], []
+    for i, p in enumerate(params):
+        if seqs[i].num_output_tokens < p.min_tokens:
+            ends = {t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab}
+            rows += [i] * len(ends)
+            cols += sorted(ends)
+    if rows:
+        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+    return logits
+
+
+def _presence(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """-> counts [len(token_lists), vocab] float of each id in each list (ids >= vocab ignored)."""
+    width = max(1, max(len(t) for t in token_lists))
+    ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # vocab: a padding column, dropped
+    for r, toks in enumerate(token_lists):
+        ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long).clamp(max=vocab)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprob]:
     """logits [N, vocab] (raw) -> per row the chosen token's logprob and the k best (ks[i])."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    picked = lp.gather(1, torch.tensor(chosen, dtype=torch.long)[:, None])[:, 0].tolist()
+    picked = lp.gather(1, torch.tensor(chosen, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
     k = max(ks)
     top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
@@ -97,29 +147,82 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> li
             for r in range(len(chosen))]
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [vocab] (finite, or -inf where masked) -> probs [vocab] (float64) after temperature,
-    top_k, top_p and min_p.
+def probabilities(logits: torch.Tensor, params: SamplingParams | list[SamplingParams]) -> torch.Tensor:
+    """logits [vocab] with one SamplingParams, or [B, vocab] with one per row (finite, or -inf
+    where masked) -> probs (float64, same shape) after temperature, top_k, top_p and min_p."""
+    if logits.dim() == 1:
+        return probabilities(logits[None], [params])[0]
+    out = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
+    for group in _by_cut(range(len(params)), params, logits.shape[-1]):
+        probs, ids = candidates(logits[group], [params[i] for i in group])
+        out[group] = probs if ids is None else torch.zeros_like(out[group]).scatter_(1, ids, probs)
+    return out
 
-    In float64, from logits shifted so the best is 0: dividing by any temperature > 0 then
-    keeps the best token(s) at exactly 0 and the rest at <= 0 (possibly -inf), so softmax
+
+def _by_cut(rows, params: list[SamplingParams], vocab: int) -> list[list[int]]:
+    """rows split into those with a top_k cut and those without (each group is one candidates() call)."""
+    cut = [r for r, p in zip(rows, params) if 0 < p.top_k < vocab]
+    rest = [r for r, p in zip(rows, params) if not 0 < p.top_k < vocab]
+    return [g for g in (cut, rest) if g]
+
+
+def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [n, vocab] -> (probs [n, C] float64, ids [n, C] or None) after temperature, top_k,
+    top_p and min_p. If every row has a top_k cut, only each row's k best tokens are kept
+    (C = the largest k, ids says which tokens; padding has probability 0): at a real vocabulary
+    that spares every full-row pass after the top-k. Otherwise C is the whole vocabulary (ids None).
+
+    In float64, from logits shifted so each row's best is 0: dividing by any temperature > 0
+    then keeps the best token(s) at exactly 0 and the rest at <= 0 (possibly -inf), so softmax
     never sees inf - inf; and a top_p below float32's smallest value does not round to 0."""
-    shifted = logits.double() - logits.max().double()
-    scaled = shifted / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p, and always the top token
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop = before >= params.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        probs = probs / probs.sum()
-    if params.min_p > 0:  # the best token always survives (its probability is the max)
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
-    return probs
+    dev, vocab = logits.device, logits.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ids = None
+    if max(ks) < vocab:
+        logits, ids = torch.topk(logits, max(ks), dim=-1)  # sorted, descending
+        logits = logits.masked_fill(torch.arange(max(ks), device=dev) >= torch.tensor(ks, device=dev)[:, None],
+                                    float("-inf"))  # past each row's own k; ties at the k-th are kept by topk's order
+    x = logits.double()
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float64)[:, None]
+    probs = torch.softmax((x - x.max(dim=-1, keepdim=True).values) / temps, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float64)[:, None]
+    if bool((top_p < 1).any()):
+        probs = _keep_prefix(probs, None, top_p) if ids is not None else _top_p(probs, top_p)
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float64)[:, None]
+    if bool((min_p > 0).any()):  # the best token always survives (its probability is the max)
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs, ids
+
+
+TOP_P_HEAD = 1024  # tokens sorted first: at a real vocabulary a full sort costs more than the decode step
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [B, vocab], top_p [B, 1] -> the smallest prefix (by probability) whose mass reaches
+    top_p, always the top token, renormalised. Rows whose TOP_P_HEAD best tokens reach top_p are
+    cut within those; only the others sort the whole row."""
+    vals, order = torch.topk(probs, min(TOP_P_HEAD, probs.shape[-1]), dim=-1)  # sorted, descending
+    full = vals.sum(dim=-1) < top_p[:, 0]
+    if bool(full.any()):
+        rows = full.nonzero()[:, 0]
+        all_vals, all_order = torch.sort(probs[rows], dim=-1, descending=True)
+        out = torch.empty_like(probs)
+        out[rows] = _keep_prefix(all_vals, all_order, top_p[rows], probs.shape[-1])
+        head = (~full).nonzero()[:, 0]
+        out[head] = _keep_prefix(vals[head], order[head], top_p[head], probs.shape[-1])
+        return out
+    return _keep_prefix(vals, order, top_p, probs.shape[-1])
+
+
+def _keep_prefix(vals: torch.Tensor, order: torch.Tensor | None, top_p: torch.Tensor,
+                 vocab: int | None = None) -> torch.Tensor:
+    # vals [n, k] sorted descending, at token ids order [n, k] (None: vals are the row itself)
+    # -> [n, vocab] (or [n, k]) with the kept prefix renormalised, 0 elsewhere
+    drop = torch.cumsum(vals, dim=-1) - vals >= top_p
+    drop[:, 0] = False
+    kept = vals.masked_fill(drop, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    if order is None:
+        return kept
+    return torch.zeros(vals.shape[0], vocab, dtype=vals.dtype, device=vals.device).scatter_(1, order, kept)
