@@ -64,7 +64,7 @@ class DecodeConfig:
     model: str = DEFAULT_CONSUMER
     codebook: str = DEFAULT_CODEBOOK  # "" or missing directory = codebook-free methods only
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU
     host: str = "127.0.0.1"
     port: int = 8100  # HTTP; 0 = the OS picks
     control_url: str = ""  # "" = no control plane (static peers only)
@@ -96,8 +96,8 @@ class DecodeConfig:
             raise ConfigError("decode.model must name a model directory")
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"decode.port must be in [0, 65535], got {self.port}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"decode.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"decode.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"decode.fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if not 1 <= self.max_attempts <= 8:

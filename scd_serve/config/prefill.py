@@ -16,7 +16,7 @@ class PrefillConfig:
     model: str = DEFAULT_PRODUCER
     codebook: str = DEFAULT_CODEBOOK  # "" or missing directory = codebook-free methods only
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = the OS picks
     # Control plane: where to register and send heartbeats ("" = standalone), and the
@@ -48,8 +48,8 @@ class PrefillConfig:
             raise ConfigError("prefill.model must name a model directory")
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"prefill.port must be in [0, 65535], got {self.port}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"prefill.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"prefill.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_concurrent", "cache_entries", "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"prefill.{name} must be >= 1, got {getattr(self, name)}")

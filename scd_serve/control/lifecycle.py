@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA (float16 without it), float32 on the CPU
 
 
 def setup_logging(role: str) -> None:
@@ -39,7 +39,9 @@ def add_worker_arguments(parser, *, model: str, model_help: str, codebook: str, 
     parser.add_argument("--control-url", default="", help="registry to join, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--advertise", default="", help=f"HOST:PORT {dialer} dial (default host:port)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="weights and KV pool dtype (auto: bfloat16 on CUDA, float32 on the CPU, where bfloat16 "
+                             "matmuls are slow without native support)")
 
 
 def consume_exception(fut: asyncio.Future) -> None:
@@ -128,7 +130,11 @@ def exit_now(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str, device: str = "cpu"):
     import torch
 
-    return getattr(torch, name)
+    if name != "auto":
+        return getattr(torch, name)
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32

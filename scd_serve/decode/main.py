@@ -49,8 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                         help="name(s) clients may put in `model` (all listed by /v1/models; the first is "
                              "reported); default: the model directory's name")
-    parser.add_argument("--max-model-len", type=int, default=0, help="0 = min(2048, model's context)")
-    parser.add_argument("--num-blocks", type=int, default=0, help="KV pool blocks (0 = fit max_model_len x 8)")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="longest prompt + output (0 = the model's context, lowered to what the KV pool holds)")
+    parser.add_argument("--num-blocks", type=int, default=0, help="KV pool blocks of 16 tokens (0 = sized from memory)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: share of the device's memory this worker may use, weights included; the KV "
+                             "pool gets what is left after the weights and a reserve for activations")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.0,
+                        help="KV pool size in GiB (0 = on CUDA from --gpu-memory-utilization, on the CPU a quarter "
+                             "of the RAM available at start); never more than max_num_seqs full sequences need")
     add_transport_arguments(parser)
     add_control_arguments(parser)
 
@@ -102,8 +109,50 @@ def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
         return PLAIN_METHOD
 
 
-async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_model_len: int,
-                num_blocks: int, control: ControlConfig | None = None,
+def kv_budget(rt, *, num_blocks: int, max_model_len: int, gpu_memory_utilization: float, kv_cache_gib: float,
+              engine_defaults=None):
+    """The pool's blocks and max_model_len from the memory this worker may use (engine/kv_budget.py)."""
+    import torch
+
+    from scd_serve.config.engine import EngineConfig
+    from scd_serve.engine import kv_budget as kb
+
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if kv_cache_gib < 0:
+        raise ConfigError(f"--kv-cache-gib must be >= 0 (0 = automatic), got {kv_cache_gib}")
+    eng = engine_defaults or EngineConfig()
+    spec, size = rt.spec, torch.empty((), dtype=rt.dtype).element_size()
+    if kv_cache_gib:
+        budget, source = int(kv_cache_gib * kb.GIB), f"--kv-cache-gib {kv_cache_gib}"
+    elif rt.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(rt.device)
+        reserve = kb.activation_reserve(spec.hidden_size, spec.intermediate_size, spec.vocab_size,
+                                        eng.max_prefill_tokens, eng.max_num_seqs, size)
+        budget = max(0, int(gpu_memory_utilization * total) - (total - free) - reserve)
+        source = f"--gpu-memory-utilization {gpu_memory_utilization} of {total / kb.GIB:.1f} GiB"
+    else:
+        budget, source = available_ram() // 4, "a quarter of the RAM available at start"
+    return kb.size_pool(token_bytes=kb.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, size),
+                        block_size=eng.block_size, budget_bytes=budget, model_context=spec.max_position_embeddings,
+                        max_num_seqs=eng.max_num_seqs, num_blocks=num_blocks, max_model_len=max_model_len,
+                        budget_from=source)
+
+
+def available_ram() -> int:
+    """Bytes of RAM available now (Linux MemAvailable; elsewhere the physical total)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_args: dict,
+                control: ControlConfig | None = None,
                 served_model_names: tuple[str, ...] = ()) -> bool:
     """Run until SIGINT/SIGTERM (returns False) or until the engine loop dies (returns True)."""
     import dataclasses
@@ -124,11 +173,13 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, max_m
     from scd_serve.model.runtime import ModelRuntime
 
     stop = stop_event()
-    rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype))
+    rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device))
     method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)
     config = dataclasses.replace(config, method=method)
-    max_len = max_model_len or min(2048, rt.spec.max_position_embeddings)
-    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=num_blocks or -(-max_len * 8 // 16),
+    pool = kv_budget(rt, **pool_args)
+    log.info("%s", pool.note)
+    max_len = pool.max_model_len
+    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks,
                               fallback_to_local=config.fallback == "local")
     metrics = Metrics()
     codecs = ConsumerCodecs(rt, config.codebook)
@@ -202,6 +253,8 @@ def run(args) -> int:
     setup_logging("decode")
     config, control = config_from_args(args), control_config_from_args(args)
     check_exposure(config, args.api_key, control, args.insecure)
-    died = asyncio.run(serve(config, args.method is not None, args.api_key, args.max_model_len, args.num_blocks,
-                             control, tuple(args.served_model_name)))
+    pool_args = dict(num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                     gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib)
+    died = asyncio.run(serve(config, args.method is not None, args.api_key, pool_args, control,
+                             tuple(args.served_model_name)))
     exit_now(1 if died else 0)

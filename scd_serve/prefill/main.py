@@ -73,7 +73,7 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
     from scd_serve.transport.server import bind, make_server, set_serving
 
     stop = stop_event()
-    rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype))
+    rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device))
     codecs = build_codecs(rt, config.codebook)
     servicer = PrefillServicer(rt, codecs, config)
     server, health = make_server(config.transport)
