@@ -1,4 +1,4 @@
-"""Weights of one model: read from *.safetensors, checked against the spec, fingerprinted.
+"""Weights of one model: read from its safetensors (model/checkpoint.py), checked against the spec.
 
 Tensors are regrouped per layer for the compact forward: k_proj and v_proj are fused into
 one [2*kv_width, hidden] matrix (one GEMM; recompute_kv uses the very same op, so it
@@ -7,7 +7,6 @@ reproduces prefill's K/V bit for bit), gate and up likewise.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from scd_serve.errors import ModelLoadError
+from scd_serve.model.checkpoint import Checkpoint, weight_files
 from scd_serve.model.spec import ModelSpec
 
 Tensor = torch.Tensor
@@ -77,39 +77,23 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def read_tensors(path: Path, spec: ModelSpec) -> tuple[dict[str, Tensor], str]:
-    """All expected tensors (as stored) and the hex sha256 over config essentials + weights."""
-    from safetensors import SafetensorError, safe_open
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    """All expected tensors (as stored, memory-mapped) and the hex sha256 over config essentials
+    + weights (model/checkpoint.py)."""
+    ckpt = Checkpoint(weight_files(path))
     expected = expected_shapes(spec)
-    found: dict[str, Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if name in expected:
-                        found[name] = f.get_tensor(name)
-                    elif spec.tie_word_embeddings and name == "lm_head.weight":
-                        continue  # tied: HF ignores a stored copy too
-                    elif not name.endswith("rotary_emb.inv_freq"):
-                        raise ModelLoadError(f"{file.name}: unexpected tensor {name!r} for a {spec.family} model")
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
-    missing = [n for n in expected if n not in found]
+    for name, (i, *_) in ckpt.entries.items():
+        skipped = (spec.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+        if name not in expected and not skipped:  # a tied lm_head copy is ignored, as HF does
+            raise ModelLoadError(f"{ckpt.files[i].name}: unexpected tensor {name!r} for a {spec.family} model")
+    missing = [n for n in expected if n not in ckpt.entries]
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelLoadError(f"{path}: weights missing {', '.join(missing[:3])}{more}")
     for name, shape in expected.items():
-        if tuple(found[name].shape) != shape:
-            raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(found[name].shape)}, config says {shape}")
-    digest = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode())
-    for name in sorted(found):
-        t = found[name].contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return found, digest.hexdigest()
+        if tuple(ckpt.entries[name][2]) != shape:
+            raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(ckpt.entries[name][2])}, config says {shape}")
+    found = {name: ckpt.tensor(name) for name in expected}
+    return found, ckpt.fingerprint(json.dumps(asdict(spec), sort_keys=True), list(expected))
 
 
 def group(found: dict[str, Tensor], spec: ModelSpec, device, dtype) -> ModelWeights:
