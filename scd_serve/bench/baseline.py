@@ -1,11 +1,13 @@
-"""The baseline server for `bench serve`: one transformers `generate` call at a time.
+"""The baseline server for `bench serve`: transformers `generate`, one call at a time.
 
 It speaks the same streamed /v1/completions as the real API (enough of it for the load
-generator), so the same Poisson load can be pointed at both. Requests queue FIFO and a
-single worker thread runs `model.generate` for one request after another: this is what
-serving looks like without continuous batching.
+generator), so the same load can be pointed at both. Requests queue FIFO and a single worker
+thread runs `model.generate`: with --batch 1 for one request after another; with --batch N
+on static batches of up to N queued requests (left-padded, SDPA), each batch running until
+its longest request is done before the next starts. This is serving without continuous
+batching.
 
-    python -m scd_serve.bench.baseline --model DIR --port 8100
+    python -m scd_serve.bench.baseline --model DIR --port 8100 [--batch 16]
 """
 
 from __future__ import annotations
@@ -22,40 +24,69 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 
-class _Streamer:
-    """transformers streamer: the first put() is the prompt, every later one is new tokens."""
+BATCH_WAIT_S = 0.05  # how long the worker waits for more queued requests to fill a static batch
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue):
-        self.loop, self.out, self._prompt_seen = loop, out, False
+
+class _Streamer:
+    """transformers streamer for a batch: the first put() is the prompts, every later one holds
+    one new token per row. Row i's stream ends after its own max_tokens (the batch runs on)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, outs: list[asyncio.Queue], max_tokens: list[int]):
+        self.loop, self.outs, self.left = loop, outs, list(max_tokens)
+        self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
         if not self._prompt_seen:
             self._prompt_seen = True
             return
-        for tok in value.reshape(-1).tolist():
-            self.loop.call_soon_threadsafe(self.out.put_nowait, int(tok))
+        for i, tok in enumerate(value.reshape(-1).tolist()):
+            if self.left[i] > 0:
+                self.left[i] -= 1
+                self.loop.call_soon_threadsafe(self.outs[i].put_nowait, int(tok))
+                if self.left[i] == 0:
+                    self.loop.call_soon_threadsafe(self.outs[i].put_nowait, None)
 
-    def end(self) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, None)
+    def end(self) -> None:  # after the batch, or a failure: close the streams still open
+        for i, out in enumerate(self.outs):
+            if self.left[i] > 0:
+                self.left[i] = 0
+                self.loop.call_soon_threadsafe(out.put_nowait, None)
 
 
-def create_app(model_dir: str, threads: int | None = None):
+def take_batch(jobs: queue.Queue, size: int) -> list:
+    """The first queued job (waiting for it), then up to size-1 more arriving within BATCH_WAIT_S."""
+    batch = [jobs.get()]
+    deadline = time.monotonic() + BATCH_WAIT_S
+    while len(batch) < size:
+        try:
+            batch.append(jobs.get(timeout=max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            break
+    return batch
+
+
+def create_app(model_dir: str, threads: int | None = None, batch: int = 1):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     jobs: queue.Queue = queue.Queue()
 
-    def worker() -> None:  # the one place generate runs: strictly sequential
+    def worker() -> None:  # the one place generate runs: one call (one batch) at a time
         while True:
-            ids, max_tokens, streamer = jobs.get()
+            jobs_now = take_batch(jobs, batch)
+            loop = jobs_now[0][2]
+            width = max(len(ids) for ids, _, _, _ in jobs_now)
+            input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids, _, _, _ in jobs_now])  # left padding
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _, _ in jobs_now])
+            longest = max(m for _, m, _, _ in jobs_now)
+            streamer = _Streamer(loop, [out for _, _, _, out in jobs_now], [m for _, m, _, _ in jobs_now])
             try:
                 with torch.inference_mode():
-                    model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                   max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                   streamer=streamer, pad_token_id=0)
+                    model.generate(input_ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                                   do_sample=False, streamer=streamer, pad_token_id=0)
             except Exception:  # a failed request must not kill the worker
                 pass
             finally:
@@ -77,7 +108,7 @@ def create_app(model_dir: str, threads: int | None = None):
         if not ids or max_tokens < 1:
             return JSONResponse({"error": {"type": "invalid_request_error", "message": "empty prompt"}}, 400)
         out: asyncio.Queue = asyncio.Queue()
-        jobs.put((ids, max_tokens, _Streamer(asyncio.get_running_loop(), out)))
+        jobs.put((ids, max_tokens, asyncio.get_running_loop(), out))
         created, rid = int(time.time()), f"base-{id(out):x}"
 
         async def events():
@@ -102,10 +133,13 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--threads", type=int)
+    p.add_argument("--batch", type=int, default=1, help="static batch size (1 = strictly sequential)")
     a = p.parse_args()
+    if a.batch < 1:
+        p.error("--batch must be >= 1")
     import uvicorn
 
-    uvicorn.run(create_app(a.model, a.threads), host=a.host, port=a.port, log_level="warning")
+    uvicorn.run(create_app(a.model, a.threads, a.batch), host=a.host, port=a.port, log_level="warning")
 
 
 if __name__ == "__main__":

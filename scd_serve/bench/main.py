@@ -72,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--streams-rounds", type=int, default=1, help="requests per stream in that comparison")
     s.add_argument("--slo-ttft", type=float, default=2.0, help="SLO: TTFT bound (s)")
     s.add_argument("--slo-itl", type=float, default=0.25, help="SLO: mean inter-token latency bound (s)")
+    s.add_argument("--mixed", action="store_true",
+                   help="the hot path's workload: mixed lengths, engine vs static-batch and sequential generate")
+    s.add_argument("--mixed-requests", type=int, default=64)
+    s.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024], metavar=("LO", "HI"))
+    s.add_argument("--output-range", type=int, nargs=2, default=[16, 256], metavar=("LO", "HI"))
     s.add_argument("--quick", action="store_true", help="tiny setting: one rate, few requests, 2 streams")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--start-timeout", type=float, default=300.0)
@@ -88,14 +93,24 @@ def run(args: argparse.Namespace) -> int:
             args.rates = args.rates or ["1"]
             args.requests, args.concurrency, args.streams_rounds = 3, 2, 1
             args.max_tokens, args.prompt_tokens = min(args.max_tokens, 4), min(args.prompt_tokens, 16)
-        for name in ("requests", "prompt_tokens", "max_tokens", "concurrency", "streams_rounds"):
+            args.mixed_requests, args.prompt_range, args.output_range = 4, [8, 24], [2, 6]
+        for name in ("requests", "prompt_tokens", "max_tokens", "concurrency", "streams_rounds", "mixed_requests"):
             if getattr(args, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1", field=name)
+        for name in ("prompt_range", "output_range"):
+            lo, hi = getattr(args, name)
+            if not 1 <= lo <= hi:
+                raise ConfigError(f"--{name.replace('_', '-')} needs 1 <= LO <= HI, got {lo} {hi}", field=name)
         from scd_serve.bench.serve import run_serve
 
         doc = run_serve(args)
-        print(f"bench serve: {doc['concurrent_streams']} streams, engine/sequential tokens/s = "
-              f"{doc['batching_speedup_tokens_per_s']}")
+        if args.mixed:
+            print(f"bench serve --mixed: {doc['concurrent_streams']} streams, tokens/s {doc['tokens_per_s']}; "
+                  f"engine/static {doc['engine_over_static']:.2f}x, engine/sequential "
+                  f"{doc['engine_over_sequential']:.2f}x")
+        else:
+            print(f"bench serve: {doc['concurrent_streams']} streams, engine/sequential tokens/s = "
+                  f"{doc['batching_speedup_tokens_per_s']}")
     out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}")
     return 0

@@ -7,6 +7,11 @@ Per request rate: TTFT / inter-token / end-to-end p50/p90/p99, throughput and go
 under the stated SLO. Then tokens/s with a fixed number of concurrent streams (16).
 By default the rates are multiples of the baseline's capacity (1 / its single-request
 latency), so the sweep shows where sequential serving saturates.
+
+--mixed: the hot path's workload instead: --mixed-requests seeded requests with prompt and
+output lengths drawn from --prompt-range and --output-range, kept --concurrency at a time
+against the engine, against generate in static batches of --concurrency (each batch waits
+for its longest) and against sequential generate; tokens/s of each and the two ratios.
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ from scd_serve.errors import ConfigError, TransferFailed
 CAPACITY_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 
 
-def make_body_factory(prompt_tokens: int, max_tokens: int, vocab: int, method: str | None, seed: int):
+def make_body_factory(prompt_tokens: int | tuple[int, int], max_tokens: int | tuple[int, int], vocab: int,
+                      method: str | None, seed: int):
+    """Request i's body, the same for every target; a (lo, hi) length is drawn per request."""
     def body(i: int) -> dict:
         rng = random.Random(seed * 100003 + i)
-        b = {"prompt": [rng.randrange(3, min(vocab, 30000)) for _ in range(prompt_tokens)],
-             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        n = prompt_tokens if isinstance(prompt_tokens, int) else rng.randint(*prompt_tokens)
+        m = max_tokens if isinstance(max_tokens, int) else rng.randint(*max_tokens)
+        b = {"prompt": [rng.randrange(3, min(vocab, 30000)) for _ in range(n)],
+             "max_tokens": m, "temperature": 0.0, "ignore_eos": True,
              "stream_options": {"include_usage": True}}  # same length everywhere; count tokens from usage
         if method:
             b["scd_method"] = method
@@ -52,7 +61,7 @@ def start_target(name: str, args, logs: Path):
         ready = "/ready"
     else:
         cmd = [sys.executable, "-m", "scd_serve.bench.baseline", "--model", args.consumer, "--port", str(port),
-               "--threads", "1"]
+               "--threads", "1", "--batch", str(args.concurrency if name == "static" else 1)]
         ready = "/ready"
     log = logs / f"{name}.log"
     proc = procs.spawn(cmd, log)
@@ -84,6 +93,34 @@ def bench_target(name: str, url: str, args, rates: list[float] | None, slo: Slo,
     return out
 
 
+def run_mixed(args, vocab: int, logs: Path, slo: Slo) -> dict:
+    """The three targets, one after the other, on the same seeded mixed requests."""
+    results = {}
+    for name in ("baseline", "static", "engine"):
+        body = make_body_factory(tuple(args.prompt_range), tuple(args.output_range), vocab,
+                                 args.method if name == "engine" else None, args.seed)
+        proc = None
+        try:
+            proc, url = start_target(name, args, logs)
+            warm = make_body_factory(16, 2, vocab, args.method if name == "engine" else None, args.seed + 1)
+            asyncio.run(closed_loop(url, 1, 1, warm, timeout_s=args.request_timeout))
+            res, wall = asyncio.run(closed_loop(url, args.concurrency, args.mixed_requests, body,
+                                                timeout_s=args.request_timeout))
+            results[name] = summarize(res, wall, slo)
+            if results[name]["completed"] < args.mixed_requests:
+                raise TransferFailed(f"{name} completed {results[name]['completed']} of {args.mixed_requests}: "
+                                     f"{results[name]['errors']}")
+            print(f"  {name}: {results[name]['throughput_tokens_per_s']:.2f} tok/s in {wall:.0f} s", file=sys.stderr)
+        finally:
+            procs.stop(proc)
+    tps = {name: r["throughput_tokens_per_s"] for name, r in results.items()}
+    return {"benchmark": "serve-mixed", "machine": machine(), "consumer": args.consumer, "method": args.method,
+            "requests": args.mixed_requests, "prompt_range": args.prompt_range, "output_range": args.output_range,
+            "concurrent_streams": args.concurrency, "targets": results, "tokens_per_s": tps,
+            "engine_over_static": tps["engine"] / tps["static"] if tps["static"] else None,
+            "engine_over_sequential": tps["engine"] / tps["baseline"] if tps["baseline"] else None}
+
+
 def run_serve(args) -> dict:
     cfg = Path(args.consumer) / "config.json"
     if not cfg.exists():
@@ -94,6 +131,8 @@ def run_serve(args) -> dict:
     logs = Path(args.json).resolve().parent / "bench-serve-logs"
     logs.mkdir(parents=True, exist_ok=True)
     slo = Slo(args.slo_ttft, args.slo_itl)
+    if args.mixed:
+        return run_mixed(args, vocab, logs, slo)
     results: dict = {}
     rates = [float(r) for r in args.rates] if args.rates else None
     for name in ("baseline", "engine"):  # the baseline first: its latency sets the default rates

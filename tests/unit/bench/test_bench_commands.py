@@ -88,3 +88,13 @@ def test_bench_ttft_auto_row_and_rate_change_mode(pair, tmp_path, capsys):
     assert set(doc["phases"][0]["fixed_ttft_s"]) == {"identity", "raw", "local"}
     printed = capsys.readouterr().out
     assert "100Mbit" in printed and ("within 10% of the best" in printed or "never picked" in printed)
+
+
+def test_bench_serve_mixed_runs_engine_static_batches_and_sequential(pair, tmp_path):
+    out = tmp_path / "mixed.json"
+    assert main(["bench", "serve", "--quick", "--mixed", "--json", str(out), "--consumer", pair[1]]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["targets"]) == {"baseline", "static", "engine"}
+    for t in doc["targets"].values():
+        assert t["completed"] == t["requests"] == 4 and t["throughput_tokens_per_s"] > 0
+    assert doc["engine_over_static"] > 0 and doc["engine_over_sequential"] > 0
