@@ -37,27 +37,32 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
-        """Cache the scheduled prefill chunks, then one decode step; one sampled token per decode."""
-        if batch.prefills:
-            items = [(seq.block_ids, seq.num_cached, seq.token_ids[seq.num_cached:seq.num_cached + n])
-                     for seq, n in batch.prefills]
-            # the last prompt token is a decode step: a chunk's logits serve prompt log-probabilities only
-            wants = ["all" if seq.prompt_logprobs is not None else "none" for seq, _ in batch.prefills]
-            outs = self.runtime.extend(self.pool, items, logits=wants)
-            for (seq, _), logits in zip(batch.prefills, outs, strict=True):
-                if seq.prompt_logprobs is not None:
-                    self._record_prompt_logprobs(seq, logits)
-        if not batch.decodes:
-            return []
+        """Cache the scheduled prefill chunks and run one decode step, in one forward where the
+        runtime can (mixed_step: the weights are read once); one sampled token per decode."""
+        chunks = [(seq.block_ids, seq.num_cached, seq.token_ids[seq.num_cached:seq.num_cached + n])
+                  for seq, n in batch.prefills]
+        # the last prompt token is a decode step: a chunk's logits serve prompt log-probabilities only
+        wants = ["all" if seq.prompt_logprobs is not None else "none" for seq, _ in batch.prefills]
         rows = [self._take_ready(seq) for seq in batch.decodes]
         todo = [i for i, row in enumerate(rows) if row is None]
-        if todo:
-            items = [(seq.block_ids, seq.num_cached, seq.last_token) for seq in (batch.decodes[i] for i in todo)]
-            logits = self.runtime.decode_step(self.pool, items)  # [len(todo), vocab]
-            if len(todo) == len(rows):
-                return sample(logits, batch.decodes, self.eos_token_ids)  # nothing was made ahead: no copy
-            for i, row in zip(todo, logits, strict=True):
-                rows[i] = row
+        steps = [(batch.decodes[i].block_ids, batch.decodes[i].num_cached, batch.decodes[i].last_token) for i in todo]
+        logits = None
+        mixed = getattr(self.runtime, "mixed_step", None)
+        if chunks and steps and mixed is not None:
+            outs, logits = mixed(self.pool, chunks, wants, steps)
+        else:
+            outs = self.runtime.extend(self.pool, chunks, logits=wants) if chunks else []
+            if steps:
+                logits = self.runtime.decode_step(self.pool, steps)  # [len(todo), vocab]
+        for (seq, _), out in zip(batch.prefills, outs, strict=True):
+            if seq.prompt_logprobs is not None:
+                self._record_prompt_logprobs(seq, out)
+        if not batch.decodes:
+            return []
+        if len(todo) == len(rows):
+            return sample(logits, batch.decodes, self.eos_token_ids)  # nothing was made ahead: no copy
+        for i, row in zip(todo, logits if logits is not None else [], strict=True):
+            rows[i] = row
         return sample(torch.stack(rows), batch.decodes, self.eos_token_ids)
 
     def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:

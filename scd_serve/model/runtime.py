@@ -16,12 +16,10 @@ import torch
 from scd_serve.errors import InvalidRequest, PromptTooLong
 from scd_serve.model import loader, rope
 from scd_serve.model.kv_pool import KVPool
-from scd_serve.model.paged import attend_paged, stretches
 from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
-from scd_serve.model.step import DecodeStep
+from scd_serve.model.step import DecodeStep, Step
 
 Tensor = torch.Tensor
-LOGIT_ROWS = frozenset({"all", "last", "none"})  # what extend returns per item
 
 
 @dataclass
@@ -153,41 +151,16 @@ class ModelRuntime:
         return KVWriter(self, pool, pool.slots(block_ids, start, num_tokens),
                         self.rotary.tables(torch.arange(start, start + num_tokens, device=self.device)))
 
-    @torch.no_grad()
     def extend(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, Tensor]],
                logits: str | Sequence[str] = "all") -> list[Tensor | None]:
-        """Run each item's new tokens over its cached prefix, writing their K/V to the pool.
+        """Run each item's new tokens over its cached prefix, writing their K/V to the pool, all
+        items in one forward (model/step.py).
         items: (block_ids, num_cached, tokens [n]) -> per item, by `logits` (one for all items or
         one per item): "all" [n, vocab] float32, "last" [1, vocab] (the next token's), "none" None.
         At a real vocabulary the output head costs as much as several layers and its float32
         rows ~0.6 MB per token, so callers ask only for the rows they read."""
         wants = [logits] * len(items) if isinstance(logits, str) else list(logits)
-        if len(wants) != len(items) or not set(wants) <= LOGIT_ROWS:
-            raise ValueError(f"logits must be one of {sorted(LOGIT_ROWS)} or one per item, got {logits!r}")
-        out = []
-        for (block_ids, num_cached, tokens), want in zip(items, wants):
-            ids = self._check_ids(tokens, offset=int(num_cached))
-            out.append(self._extend_one(pool, list(block_ids), int(num_cached), ids, want))
-        return out
-
-    def _extend_one(self, pool: KVPool, block_ids: list[int], cached: int, ids: Tensor, want: str) -> Tensor | None:
-        spec, rot, bs = self.spec, self.rotary, pool.block_size
-        n = ids.shape[0]
-        slots = pool.slots(block_ids, cached, n)
-        runs = stretches(block_ids, cached + n, bs)
-        pos = torch.arange(cached, cached + n, device=self.device)
-        h = self.weights.embed[ids]  # [n, hidden]
-        cos, sin = rot.tables(pos)
-        for layer, lw in enumerate(self.weights.layers):
-            x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
-            k_pre, v = project_kv(lw, spec, x)
-            pool.write(layer, slots, rope.apply(k_pre, cos, sin), v)
-            q = rope.apply(project_q(lw, spec, x), cos, sin)  # [n, heads, hd]
-            attn = attend_paged(pool.k[layer], pool.v[layer], runs, cached + n, q, cached, spec.window(layer))
-            h = finish_layer(lw, spec, h, attn)
-        if want == "none":
-            return None
-        return self._logits(h[-1:] if want == "last" else h)
+        return Step(self, pool, items, wants).logits()
 
     def decode_step(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, int]]) -> Tensor:
         """One token for each of B sequences in ONE batched forward.
@@ -197,6 +170,14 @@ class ModelRuntime:
     def begin_decode_step(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, int]]) -> DecodeStep:
         """decode_step, to be run a layer at a time (DecodeStep.run_layer, then .logits())."""
         return DecodeStep(self, pool, items)
+
+    def mixed_step(self, pool: KVPool, chunks: Sequence[tuple[Sequence[int], int, Tensor]], chunk_logits: Sequence[str],
+                   decodes: Sequence[tuple[Sequence[int], int, int]]) -> tuple[list[Tensor | None], Tensor | None]:
+        """Prefill chunks (as extend) and decode tokens (as decode_step) in one forward: the
+        weights are read once for both. -> (per chunk its logits, decode logits [B, vocab] or None)."""
+        items = [*chunks, *((b, c, [int(t)]) for b, c, t in decodes)]
+        out = Step(self, pool, items, [*chunk_logits, *["last"] * len(decodes)]).logits()
+        return out[:len(chunks)], (torch.cat(out[len(chunks):]) if decodes else None)
 
     # ---- convenience ---------------------------------------------------------------------
     def generate_greedy(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None, block_size: int = 16) -> list[int]:
@@ -241,14 +222,6 @@ class ModelRuntime:
         if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
             raise InvalidRequest(f"token ids must lie in 0..{self.spec.vocab_size - 1}")
         return ids.to(self.device, torch.long)
-
-    def _check_positions(self, cached: list[int], num_blocks: list[int], bs: int) -> None:
-        limit = self.spec.max_position_embeddings
-        for c, nb in zip(cached, num_blocks):
-            if c < 0 or c + 1 > nb * bs:
-                raise InvalidRequest(f"num_cached {c} + 1 new token does not fit in {nb} blocks of {bs}")
-            if c + 1 > limit:
-                raise PromptTooLong(f"position {c} is past the model's context of {limit} (max_position_embeddings)")
 
     def _check_kv_shape(self, name: str, k: Tensor) -> None:
         want = (self.spec.num_kv_heads, self.spec.head_dim)

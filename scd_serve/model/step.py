@@ -1,9 +1,13 @@
-"""DecodeStep: one batched decode step that can also run a layer at a time.
+"""Step: one forward over the pool for any mix of prefill chunks and decode tokens.
 
-`ModelRuntime.decode_step` runs it whole. The engine runs the first step of a request whose
-K/V arrives over the wire a layer at a time (engine/runner.py, StepAhead): layer l of the
-step reads only layer l of the cache, so it can run as soon as that layer has landed, and
-when the last layer lands only that layer and the LM head are left.
+Every item (block_ids, num_cached, tokens) feeds its tokens at positions num_cached.., writing
+their K/V there; the rows of all items go through each projection and MLP as one matrix (the
+weights are read once per step, whatever the mix), and each item attends over its own cached
+prefix in place (model/paged.py). `ModelRuntime.extend`, `decode_step` and `mixed_step` run it
+whole. The engine runs the first step of a request whose K/V arrives over the wire a layer at
+a time (engine/runner.py, StepAhead): layer l of the step reads only layer l of the cache, so it
+can run as soon as that layer has landed, and when the last layer lands only that layer and
+the LM head are left.
 """
 
 from __future__ import annotations
@@ -14,41 +18,45 @@ from typing import TYPE_CHECKING
 import torch
 
 from scd_serve.errors import InvalidRequest
+from scd_serve.model import rope
 from scd_serve.model.kv_pool import KVPool
 from scd_serve.model.layers import finish_layer, project_kv, project_q, rms_norm
 from scd_serve.model.paged import attend_paged, stretches
-from scd_serve.model import rope
 
 if TYPE_CHECKING:
     from scd_serve.model.runtime import ModelRuntime
 
 Tensor = torch.Tensor
+LOGIT_ROWS = frozenset({"all", "last", "none"})  # what a step returns per item
 
 
-class DecodeStep:
-    """items: (block_ids, num_cached, token_id) per sequence: feeds token_id at position
-    num_cached, writing its K/V there. Layers run in order; `logits()` once all have run."""
+class Step:
+    """items: (block_ids, num_cached, tokens [n]); wants: per item "all" | "last" | "none".
+    Layers run in order; `logits()` once all have run."""
 
     @torch.no_grad()
-    def __init__(self, rt: ModelRuntime, pool: KVPool, items: Sequence[tuple[Sequence[int], int, int]]):
+    def __init__(self, rt: ModelRuntime, pool: KVPool, items: Sequence[tuple[Sequence[int], int, Tensor]],
+                 wants: Sequence[str]):
         if not items:
-            raise InvalidRequest("decode_step needs at least one item")
-        spec, bs = rt.spec, pool.block_size
-        self.rt, self.pool = rt, pool
-        self.cached = [int(c) for _, c, _ in items]
-        tokens = [int(t) for _, _, t in items]
-        rt._check_positions(self.cached, [len(b) for b, _, _ in items], bs)
-        if min(tokens) < 0 or max(tokens) >= spec.vocab_size:
-            raise InvalidRequest(f"token ids must lie in 0..{spec.vocab_size - 1}")
-        if min(len(b) for b, _, _ in items) < 1 or any(min(b) < 0 or max(b) >= pool.num_blocks for b, _, _ in items):
-            raise InvalidRequest(f"block ids must lie in 0..{pool.num_blocks - 1}")
-        blocks = [list(b) for b, _, _ in items]
-        self.slots = torch.tensor([b[c // bs] * bs + c % bs for b, c in zip(blocks, self.cached)],
-                                  device=rt.device)  # [B] where each new token's K/V goes
-        self.runs = [stretches(b, c + 1, bs) for b, c in zip(blocks, self.cached)]
-        pos = torch.tensor(self.cached, device=rt.device)  # [B]
-        self.h = rt.weights.embed[torch.tensor(tokens, device=rt.device)]  # [B, hidden]
-        self.cos, self.sin = rt.rotary.tables(pos)
+            raise InvalidRequest("a step needs at least one item")
+        if len(wants) != len(items) or not set(wants) <= LOGIT_ROWS:
+            raise ValueError(f"logits must be one of {sorted(LOGIT_ROWS)} or one per item, got {wants!r}")
+        bs = pool.block_size
+        self.rt, self.pool, self.wants = rt, pool, list(wants)
+        self.cached, self.lengths, self.runs, ids, slots, pos = [], [], [], [], [], []
+        for block_ids, num_cached, tokens in items:
+            cached = int(num_cached)
+            t = rt._check_ids(tokens, offset=cached)  # [n]
+            blocks = list(block_ids)
+            slots.append(pool.slots(blocks, cached, t.shape[0]))  # checks the blocks hold every position
+            self.cached.append(cached)
+            self.lengths.append(t.shape[0])
+            self.runs.append(stretches(blocks, cached + t.shape[0], bs))
+            ids.append(t)
+            pos.append(torch.arange(cached, cached + t.shape[0], device=rt.device))
+        self.slots = torch.cat(slots)  # [N] where each row's K/V goes
+        self.h = rt.weights.embed[torch.cat(ids)]  # [N, hidden]: every item's rows, in item order
+        self.cos, self.sin = rt.rotary.tables(torch.cat(pos))
         self.layer = 0  # the next layer to run
 
     @property
@@ -60,23 +68,45 @@ class DecodeStep:
         """Run the next layer; it reads only that layer of the pool."""
         spec, layer = self.rt.spec, self.layer
         if self.done:
-            raise RuntimeError("every layer of this decode step has run")
+            raise RuntimeError("every layer of this step has run")
         lw = self.rt.weights.layers[layer]
         x = rms_norm(self.h, lw.ln1, spec.rms_norm_eps)
-        k_pre, v = project_kv(lw, spec, x)  # [B, kv_heads, hd]
+        k_pre, v = project_kv(lw, spec, x)  # [N, kv_heads, hd]
         self.pool.write(layer, self.slots, rope.apply(k_pre, self.cos, self.sin), v)
-        q = rope.apply(project_q(lw, spec, x), self.cos, self.sin)  # [B, heads, hd]
+        q = rope.apply(project_q(lw, spec, x), self.cos, self.sin)  # [N, heads, hd]
         window = spec.window(layer)
         k_layer, v_layer = self.pool.k[layer], self.pool.v[layer]
-        attn = torch.cat([attend_paged(k_layer, v_layer, runs, c + 1, q[i:i + 1], c, window)
-                          for i, (runs, c) in enumerate(zip(self.runs, self.cached))])  # [B, heads*hd]
-        self.h = finish_layer(lw, spec, self.h, attn)
+        parts, at = [], 0
+        for runs, cached, n in zip(self.runs, self.cached, self.lengths):
+            parts.append(attend_paged(k_layer, v_layer, runs, cached + n, q[at:at + n], cached, window))
+            at += n
+        self.h = finish_layer(lw, spec, self.h, torch.cat(parts) if len(parts) > 1 else parts[0])
         self.layer += 1
 
     @torch.no_grad()
-    def logits(self) -> Tensor:
-        # -> [B, vocab] float32
+    def logits(self) -> list[Tensor | None]:
+        """Per item, by its want: "all" [n, vocab], "last" [1, vocab] (float32), "none" None. The
+        output head runs once, on the rows asked for only (at a real vocabulary it costs as much
+        as several layers)."""
         while not self.done:
             self.run_layer()
-        return self.rt._logits(self.h)
+        rows, spans, at = [], [], 0
+        for n, want in zip(self.lengths, self.wants):
+            pick = {"all": range(at, at + n), "last": range(at + n - 1, at + n), "none": range(0)}[want]
+            spans.append((len(rows), len(pick)))
+            rows.extend(pick)
+            at += n
+        if not rows:
+            return [None] * len(self.wants)
+        out = self.rt._logits(self.h[torch.tensor(rows, device=self.h.device)])  # [R, vocab]
+        return [None if want == "none" else out[start:start + n] for (start, n), want in zip(spans, self.wants)]
 
+
+class DecodeStep(Step):
+    """One token per item (block_ids, num_cached, token_id); logits() -> [B, vocab] float32."""
+
+    def __init__(self, rt: ModelRuntime, pool: KVPool, items: Sequence[tuple[Sequence[int], int, int]]):
+        super().__init__(rt, pool, [(b, c, [int(t)]) for b, c, t in items], ["last"] * len(items))
+
+    def logits(self) -> Tensor:
+        return torch.cat(super().logits())

@@ -155,3 +155,17 @@ async def test_a_layer_written_again_restarts_the_step_ahead(engine, runtime):
     ahead = engine.stats()["num_steps_ahead"]
     assert await run(engine, req("f", ids, 4), retried_fill) == local
     assert engine.stats()["num_steps_ahead"] == ahead + 1  # made ahead, on the K/V as finally written
+
+
+async def test_prefill_chunks_and_decodes_share_one_forward(engine, runtime, monkeypatch):
+    """While one request decodes, a long prompt arrives: its chunks run in the same forward as
+    the decode steps (mixed_step), and both still equal the runtime's own greedy."""
+    calls = []
+    real = type(runtime).mixed_step
+    monkeypatch.setattr(type(runtime), "mixed_step", lambda self, *a: (calls.append(len(a[1])), real(self, *a))[1])
+    short, long = [5, 6, 7], list(range(3, 200))  # 197 tokens: 4 chunks of up to 64
+    first = asyncio.ensure_future(run(engine, req("d", short, 40)))
+    await asyncio.sleep(0.05)
+    second = await run(engine, req("p", long, 8))
+    assert await first == runtime.generate_greedy(short, 40) and second == runtime.generate_greedy(long, 8)
+    assert calls  # at least one step held both a chunk and a decode

@@ -108,3 +108,27 @@ def test_a_step_layer_reads_only_its_own_layer_of_the_cache(model, layout, reque
     assert step.done and torch.equal(step.logits(), want)
     with pytest.raises(RuntimeError, match="every layer"):
         step.run_layer()
+
+
+@pytest.mark.parametrize("model", ["llama", "rt"])  # rt: one full-attention and one sliding-window layer
+def test_mixed_step_equals_extend_then_decode_step(model, request):
+    """Prefill chunks and decode tokens in one forward (one read of the weights) give the same
+    logits and write the same K/V as running them separately."""
+    m = request.getfixturevalue(model)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (9, 14, 6, 20)]
+    blocks = [[0, 1, 2, 3, 4], [9, 5, 6, 7, 8], [10, 11, 17], [12, 13, 14, 15, 16, 18]]
+    pools = [m.new_kv_pool(19, 4) for _ in range(2)]
+    for pool in pools:  # sequences 0 and 1 are decoding; 2 and 3 get their first and a later chunk
+        m.extend(pool, [(blocks[0], 0, prompts[0][:-1]), (blocks[1], 0, prompts[1][:-1]),
+                        (blocks[3], 0, prompts[3][:8])], logits="none")
+    chunks = [(blocks[2], 0, prompts[2]), (blocks[3], 8, prompts[3][8:])]
+    decodes = [(blocks[0], 8, int(prompts[0][-1])), (blocks[1], 13, int(prompts[1][-1]))]
+    sep_chunks = m.extend(pools[0], chunks, logits=["all", "last"])
+    sep_decode = m.decode_step(pools[0], decodes)
+    mix_chunks, mix_decode = m.mixed_step(pools[1], chunks, ["all", "last"], decodes)
+    tol = cross_path_tol(sep_decode)  # one GEMM over all rows vs two: blocking differs (model_tol)
+    assert (mix_decode - sep_decode).abs().max() <= tol
+    for a, b in zip(mix_chunks, sep_chunks):
+        assert a.shape == b.shape and (a - b).abs().max() <= cross_path_tol(b)
+    assert (pools[1].k - pools[0].k).abs().max() <= cross_path_tol(pools[0].k)
