@@ -176,6 +176,19 @@ class ContextPairConfig:
         if self.threads < 1 or self.vocab_size < 300:
             raise ConfigError("threads must be >= 1 and vocab_size >= 300 (bytes + specials)")
 
+    @classmethod
+    def text(cls, seed: int = 0) -> "ContextPairConfig":
+        """`--recipe text`: a plain language-model pair on the same stdlib source, for measuring a
+        codec on real text (issue 17), not the task: every token scored, one depth-0 chain per
+        document, the producer from scratch, the consumer fine-tuned on the expert split with
+        doctest questions and another rope_theta. About 20 minutes on one CPU thread."""
+        lm = dict(min_len=128, start_max_len=512, max_len=512, ramp_frac=0.0, chains=(1, 1), start_max_depth=0,
+                  max_depth=0, lm_frac=1.0, lm_weight=1.0, batch_tokens=4096)
+        return cls(seed=seed, num_layers=4, num_heads=4, num_kv_heads=2, shallow_layers=0,
+                   producer=ContextStageConfig(style="base", split="base", steps=600, lr=2e-3, warmup=30, **lm),
+                   consumer=ContextStageConfig(style="expert", split="expert", steps=200, lr=1e-3, warmup=10, **lm),
+                   num_heldout=20, num_calibration=64)
+
     def shrunk(self) -> "ContextPairConfig":
         """Seconds-long: same code path, a small tokenizer, a tiny model, few short steps."""
         small = dict(steps=3, batch_tokens=512, min_len=64, start_max_len=96, max_len=128, long_frac=0.0,

@@ -31,12 +31,13 @@ from scd_serve.pair.tokenizer import train_tokenizer
 from scd_serve.pair.train import build_model, train_stage
 
 
-RECIPES = {"demo": "models/demo-pair", "context": "models/context-pair"}  # recipe -> default --out
+RECIPES = {"demo": "models/demo-pair", "context": "models/context-pair", "text": "out/text-pair"}  # -> default --out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="demo", choices=list(RECIPES),
-                        help="demo: the synthetic QA pair; context: variable tracking on stdlib source")
+                        help="demo: the synthetic QA pair; context: variable tracking on stdlib source; text: a "
+                             "plain language-model pair on stdlib source (measures a codec on real text)")
     parser.add_argument("--out", default=None, help="directory for producer/ and consumer/ "
                                                      "(default: models/demo-pair or models/context-pair)")
     parser.add_argument("--seed", type=int, default=0)
@@ -94,7 +95,7 @@ def make_pair(cfg: PairConfig, out: Path, probe_n: int = 100, log=print) -> dict
 
 def run(args: argparse.Namespace) -> int:
     args.out = args.out or RECIPES[args.recipe]
-    if args.recipe == "context":
+    if args.recipe in ("context", "text"):
         return run_context(args)
     cfg = PairConfig(seed=args.seed)
     if args.shrunk:
@@ -116,7 +117,7 @@ def run_context(args: argparse.Namespace) -> int:
 
     if args.shallow_steps:
         raise ConfigError("--shallow-steps belongs to the demo recipe; the context recipe has no shallow stage")
-    cfg = ContextPairConfig(seed=args.seed)
+    cfg = ContextPairConfig.text(args.seed) if args.recipe == "text" else ContextPairConfig(seed=args.seed)
     if args.shrunk:
         cfg = cfg.shrunk()
     if args.producer_steps:

@@ -107,3 +107,23 @@ def test_up_pair_context_picks_the_context_pair_unless_a_flag_says_otherwise():
     args = build_parser("up").parse_args(["up"])
     resolve_pair(args)
     assert args.producer == "models/demo-pair/producer"
+
+
+def test_text_recipe_scores_every_token_and_makes_a_rope_changed_fine_tune(tmp_path):
+    """`--recipe text` (the plain language-model pair): the CLI path, shrunk; every token is
+    scored, the producer is trained from scratch, the consumer differs and has its own rope_theta."""
+    import json
+
+    from scd_serve.cli import main
+
+    cfg = ContextPairConfig.text()
+    assert cfg.shallow_layers == 0 and cfg.producer.lm_frac == cfg.producer.lm_weight == 1.0
+    assert main(["make-demo-pair", "--recipe", "text", "--shrunk", "--probe", "0", "--out", str(tmp_path)]) == 0
+    p = json.loads((tmp_path / "producer" / "config.json").read_text())
+    c = json.loads((tmp_path / "consumer" / "config.json").read_text())
+    theta = [cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"] for cfg in (p, c)]
+    assert theta == [1e4, 1e6]
+    prod = load_file(str(tmp_path / "producer" / "model.safetensors"))
+    cons = load_file(str(tmp_path / "consumer" / "model.safetensors"))
+    assert any(not torch.equal(prod[k], cons[k]) for k in prod)
+    assert read_records(tmp_path / "eval" / "heldout-text.jsonl")
