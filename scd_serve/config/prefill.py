@@ -19,6 +19,7 @@ class PrefillConfig:
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = the OS picks
+    metrics_port: int = 0  # HTTP GET /metrics for Prometheus (behind the worker token); 0 = none
     # Control plane: where to register and send heartbeats ("" = standalone), and the
     # HOST:PORT decode workers should dial ("" = host:bound port).
     control_url: str = ""
@@ -46,8 +47,11 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("prefill.model must name a model directory")
-        if not (0 <= self.port <= 65535):
-            raise ConfigError(f"prefill.port must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"prefill.{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ConfigError(f"prefill.metrics_port must differ from the gRPC port {self.port}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"prefill.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_concurrent", "cache_entries", "chunk_bytes"):

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-bytes", type=int, default=PrefillConfig.chunk_bytes,
                         help="cached codes resent in chunks of up to this size, the first and the last "
                              "layer alone (1 = one layer per chunk)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus GET /metrics on this HTTP port, behind the worker token (0 = none)")
     add_transport_arguments(parser)
     add_control_arguments(parser)
 
@@ -35,13 +37,16 @@ def check_exposure(config: PrefillConfig, control: ControlConfig, insecure: bool
 
     t = config.transport
     hint = "set $SCD_WORKER_TOKEN / --worker-token, or mTLS with --tls-cert/--tls-key/--tls-ca"
+    metrics = listener("metrics HTTP", config.host, bool(t.worker_token), "set $SCD_WORKER_TOKEN / --worker-token")
     refuse_open("prefill", [listener("gRPC", config.host, bool(t.worker_token) or bool(t.tls and t.tls_ca), hint),
+                            metrics if config.metrics_port else None,
                             control_plane(config.control_url, control.secret)], insecure)
 
 
 def config_from_args(args) -> PrefillConfig:
     return PrefillConfig(model=args.model, codebook=args.codebook, device=args.device, dtype=args.dtype,
-                         host=args.host, port=args.port, control_url=args.control_url, advertise=args.advertise,
+                         host=args.host, port=args.port, metrics_port=args.metrics_port,
+                         control_url=args.control_url, advertise=args.advertise,
                          max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_model_len,
                          cache_bytes=args.cache_mb << 20,
                          transfer_lease_s=args.transfer_lease_s, chunk_bytes=args.chunk_bytes,
@@ -87,9 +92,22 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
         heartbeat = HeartbeatClient(config.control_url, "prefill", address, lambda: not stop.is_set(),
                                     servicer.load, control or ControlConfig())
         heartbeat.start()
+    metrics_http = None
+    if config.metrics_port:
+        import uvicorn
+
+        from scd_serve.prefill.metrics import metrics_app
+
+        metrics_http = uvicorn.Server(uvicorn.Config(metrics_app(servicer.metrics, config.transport.worker_token),
+                                                     host=config.host, port=config.metrics_port, log_level="warning"))
+        metrics_http.install_signal_handlers = lambda: None  # stop_event() owns SIGINT/SIGTERM
+        metrics_task = asyncio.create_task(metrics_http.serve())
     print(f"prefill worker serving on {config.host}:{port} (advertised {address}), producer {rt.fingerprint}, "
-          f"methods {', '.join(codecs)}", flush=True)
+          f"methods {', '.join(codecs)}" + (f", metrics on :{config.metrics_port}" if metrics_http else ""), flush=True)
     await stop.wait()
+    if metrics_http is not None:
+        metrics_http.should_exit = True
+        await metrics_task
     log.info("shutting down: NOT_SERVING, finishing transfers for up to %.0f s", config.shutdown_grace_s)
     await set_serving(health, SERVICE_NAME, False)  # probes and decode workers see it before the listener closes
     if heartbeat is not None:

@@ -22,6 +22,7 @@ from scd_serve.config.prefill import PrefillConfig
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, InvalidRequest, Overloaded,
                               PayloadTooLarge, ScdError, TransferFailed)
 from scd_serve.prefill.code_cache import CodeCache, cache_key
+from scd_serve.prefill.metrics import PrefillMetrics
 from scd_serve.transport.chunking import chunk_message, group_layers
 from scd_serve.transport.proto import PROTOCOL_VERSION, pb, pb_grpc
 from scd_serve.transport.status import abort_with
@@ -44,6 +45,8 @@ class Transfer:
     task: asyncio.Task | None = None  # the RPC's handler task; Abort cancels it
     stop: threading.Event = field(default_factory=threading.Event)  # tells the producer thread
     aborted: bool = False
+    sent_bytes: int = 0  # chunk messages written so far
+    cache_hit: bool = False
 
     def abort(self) -> None:
         self.stop.set()
@@ -53,7 +56,7 @@ class Transfer:
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, runtime, codecs: dict, config: PrefillConfig):
+    def __init__(self, runtime, codecs: dict, config: PrefillConfig, metrics: PrefillMetrics | None = None):
         self.rt = runtime
         self.codecs = codecs  # method name -> TransferCodec (producer half)
         self.config = config
@@ -64,6 +67,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.num_served = 0  # completed transfers
         self.num_prefills = 0  # producer runs (cache misses that started)
         self.num_failed = 0
+        self.metrics = metrics or PrefillMetrics()
+        self.metrics.watch(self.load)
 
     # ---- handshake -----------------------------------------------------------------------
     async def Info(self, request, context):
@@ -105,22 +110,28 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                   request.timeout_ms / 1e3 if request.timeout_ms else None]
         t = Transfer(rid, time.monotonic() + min(x for x in limits if x is not None), task=asyncio.current_task())
         self.transfers[rid] = t
+        started, outcome = time.perf_counter(), "failed"
         try:
             await self._bounded(request, tokens, codec, t, context)
             self.num_served += 1
+            outcome = "served"
         except ScdError as err:
             self.num_failed += 1
             await abort_with(context, err)
         except Aborted:
             self.num_failed += 1
+            outcome = "aborted"
             await abort_with(context, TransferFailed(f"transfer {rid} aborted by the decode side"))
         except asyncio.CancelledError:  # the client went away or the deadline hit
             self.num_failed += 1
+            outcome = "cancelled"
             log.info("transfer cancelled request_id=%s", rid)
             raise
         finally:
             t.stop.set()
             self.transfers.pop(rid, None)
+            self.metrics.observe(request.method, outcome, len(tokens), t.sent_bytes, time.perf_counter() - started,
+                                 t.cache_hit)
 
     async def _bounded(self, request, tokens: list[int], codec, t: Transfer, context) -> None:
         """The whole stream under one deadline (lease or RPC deadline) and one abort switch.
@@ -180,12 +191,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             num_tokens=len(tokens), num_layers=s.num_layers, total_chunks=len(ranges),
             num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, cache_hit=cached is not None)
         if cached is not None:  # codes ready: the header rides with chunk 0 (one write less before it)
+            t.cache_hit = True
             for seq, (a, b) in enumerate(ranges):
                 tensors = [m for layer in cached[a:b] for m in layer]
-                await context.write(chunk_message(t.request_id, seq, len(ranges), a, b, tensors,
-                                                  header=header if seq == 0 else None))
+                msg = chunk_message(t.request_id, seq, len(ranges), a, b, tensors, header=header if seq == 0 else None)
+                await context.write(msg)
+                t.sent_bytes += msg.ByteSize()
             return
-        await context.write(pb.PrefillChunk(header=header))  # at once: the producer takes a while
+        first = pb.PrefillChunk(header=header)
+        await context.write(first)  # at once: the producer takes a while
+        t.sent_bytes += first.ByteSize()
         layers = await self._produce_and_send(tokens, codec, t, context, len(ranges))
         self.cache.put(key, layers)
 
@@ -210,6 +225,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                       f"({self.config.transport.max_message_bytes}); raise --max-message-mb "
                                       f"or send a shorter prompt")
             await context.write(msg)
+            t.sent_bytes += msg.ByteSize()
             layers.append(tensors)
 
     def close(self) -> None:

@@ -55,18 +55,25 @@ async def test_dashboard_queries_only_exported_series():
 
 
 def test_prometheus_scrapes_the_compose_services_on_their_ports():
+    """Every role and its GPU variant, on the port its command serves /metrics on, with the
+    credential that port asks for: the API key on HTTP APIs, the worker token on prefill's."""
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     services = COMPOSE["services"]
     targets = []
     for job in config["scrape_configs"]:
-        assert job["authorization"]["credentials_file"] == "/tmp/api-key", job["job_name"]  # /metrics needs the key
-        targets += [t for sc in job.get("static_configs", []) for t in sc["targets"]]
-        targets += [f"{n}:{sd['port']}" for sd in job.get("dns_sd_configs", []) for n in sd["names"]]
-    assert sorted(targets) == ["decode-gpu:8001", "decode:8001", "gateway:8000"]
-    for target in targets:
+        prefill = job["job_name"] == "scd-prefill"
+        want = "/tmp/worker-token" if prefill else "/tmp/api-key"
+        assert job["authorization"]["credentials_file"] == want, job["job_name"]
+        targets += [(t, prefill) for sc in job.get("static_configs", []) for t in sc["targets"]]
+        targets += [(f"{n}:{sd['port']}", prefill) for sd in job.get("dns_sd_configs", []) for n in sd["names"]]
+    assert sorted(t for t, _ in targets) == ["decode-gpu:8001", "decode:8001", "gateway:8000", "prefill-gpu:9400",
+                                             "prefill:9400"]
+    for target, prefill in targets:
         name, port = target.split(":")
         assert services[name].get("profiles", ["gpu"]) == ["gpu"]  # a role, or its GPU variant
-        assert f"--port {port}" in services[name]["command"][0]
+        assert (f"--metrics-port {port}" if prefill else f"--port {port}") in services[name]["command"][0]
+    prometheus = " ".join(services["prometheus"]["command"])
+    assert "/tmp/api-key" in prometheus and "/tmp/worker-token" in prometheus
 
 
 def test_monitoring_profile_is_opt_in_loopback_only_and_mounts_what_exists():
@@ -92,7 +99,9 @@ def test_k8s_monitoring_overlay_scrapes_gateway_and_every_decode_pod_with_the_ke
     import kubernetes_validate
 
     objects = render(ROOT / "deploy" / "k8s-monitoring")
-    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    monitors = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ServiceMonitor"}
+    assert set(monitors) == {"scd-serve", "scd-serve-prefill"}
+    monitor = monitors["scd-serve"]
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     selector = monitor["spec"]["selector"]
     (expr,) = selector["matchExpressions"]
@@ -108,6 +117,18 @@ def test_k8s_monitoring_overlay_scrapes_gateway_and_every_decode_pod_with_the_ke
         assert endpoint["port"] in {p["name"] for p in services[name]["spec"]["ports"]}
     assert endpoint["authorization"]["credentials"] == {"name": "scd-serve-secrets", "key": "api-key"}
     (policy,) = [o for o in objects if o["metadata"]["name"] == "scd-serve-metrics-ingress"]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": endpoint["port"]}]
+    # prefill workers: their own metrics port, behind the worker token, opened to monitoring alone
+    prefill = monitors["scd-serve-prefill"]
+    (endpoint,) = prefill["spec"]["endpoints"]
+    assert endpoint["authorization"]["credentials"] == {"name": "scd-serve-secrets", "key": "worker-token"}
+    assert endpoint["port"] in {p["name"] for p in services["prefill"]["spec"]["ports"]}
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "prefill"]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == endpoint["port"])
+    assert f"--metrics-port={port}" in container["args"]
+    (policy,) = [o for o in objects if o["metadata"]["name"] == "scd-serve-prefill-metrics-ingress"]
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": endpoint["port"]}]
 
