@@ -30,6 +30,9 @@ class ControlConfig:
     max_workers: int = 256
     # Seconds the registry waits for a worker's address to answer its handshake.
     verify_timeout_s: float = 2.0
+    # Workers look up the control URL's host again this often: a name that resolves to several
+    # gateways (a headless Service) gets heartbeats at every one, so each holds every worker.
+    resolve_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not (0 < self.heartbeat_s <= 60):
@@ -48,6 +51,8 @@ class ControlConfig:
             raise ConfigError(f"control.max_workers must be in [1, 65536], got {self.max_workers}")
         if not (0 < self.verify_timeout_s <= 60):
             raise ConfigError(f"control.verify_timeout_s must be in (0, 60], got {self.verify_timeout_s}")
+        if not (0 < self.resolve_s <= 3600):
+            raise ConfigError(f"control.resolve_s must be in (0, 3600], got {self.resolve_s}")
 
 
 def add_control_arguments(parser) -> None:

@@ -163,7 +163,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     from scd_serve.api.metrics import Metrics
     from scd_serve.config.api import ApiConfig
     from scd_serve.config.engine import EngineConfig
-    from scd_serve.control.heartbeat import HeartbeatClient
+    from scd_serve.control.fanout import HeartbeatFanout
     from scd_serve.decode.auto import AutoMethod, Calibration
     from scd_serve.decode.backend import DecodeBackend
     from scd_serve.decode.codecs import ConsumerCodecs, codebook_arg
@@ -207,7 +207,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     address = advertised(config.advertise, config.host, port)
     heartbeat = None
     if config.control_url:
-        heartbeat = HeartbeatClient(config.control_url, "decode", address, backend.ready, backend.load,
+        heartbeat = HeartbeatFanout(config.control_url, "decode", address, backend.ready, backend.load,
                                     control or ControlConfig(), on_peers=peers.update_from_registry)
         heartbeat.start()
     print(f"decode worker serving http://{config.host}:{port} (advertised {address}), consumer {rt.fingerprint}, "

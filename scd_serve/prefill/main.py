@@ -71,7 +71,7 @@ def build_codecs(rt, codebook: str) -> dict:
 
 
 async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> None:
-    from scd_serve.control.heartbeat import HeartbeatClient
+    from scd_serve.control.fanout import HeartbeatFanout
     from scd_serve.model.runtime import ModelRuntime
     from scd_serve.prefill.service import PrefillServicer
     from scd_serve.transport.proto import SERVICE_NAME, pb_grpc
@@ -89,7 +89,7 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
     address = advertised(config.advertise, config.host, port)
     heartbeat = None
     if config.control_url:
-        heartbeat = HeartbeatClient(config.control_url, "prefill", address, lambda: not stop.is_set(),
+        heartbeat = HeartbeatFanout(config.control_url, "prefill", address, lambda: not stop.is_set(),
                                     servicer.load, control or ControlConfig())
         heartbeat.start()
     metrics_http = None

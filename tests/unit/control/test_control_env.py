@@ -33,7 +33,7 @@ def test_a_flag_wins_over_the_variable(monkeypatch):
 
 @pytest.mark.parametrize("name, value, says", [
     ("SCD_MAX_MODEL_LEN", "big", "--max-model-len expects int"),
-    ("SCD_DTYPE", "fp8", "--dtype must be one of float32, bfloat16, float16"),
+    ("SCD_DTYPE", "fp8", "--dtype must be one of auto, float32, bfloat16, float16"),
     ("SCD_ALLOW_INCOMPATIBLE", "maybe", "--allow-incompatible is a switch"),
     ("SCD_SERVED_MODEL_NAME", " , ", "needs at least one value"),
 ])

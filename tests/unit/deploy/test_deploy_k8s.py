@@ -92,7 +92,15 @@ def test_every_manifest_file_is_listed():
 def test_roles_and_autoscalers():
     deployments = by_kind("Deployment")
     assert set(deployments) == {"gateway", "prefill", "decode"}
-    assert deployments["gateway"]["spec"]["replicas"] == 1  # one registry for all workers
+    gateway = deployments["gateway"]["spec"]
+    assert gateway["replicas"] == 2 and gateway["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    # every worker heartbeats every gateway: the control URL names a headless Service that lists
+    # not-ready pods too (a new gateway is ready only once workers found it)
+    (config,) = [o for o in OBJECTS if o["kind"] == "ConfigMap"]
+    control = by_kind("Service")[config["data"]["SCD_CONTROL_URL"].split("//")[1].split(":")[0]]["spec"]
+    assert control["clusterIP"] == "None" and control["publishNotReadyAddresses"] is True
+    assert control["selector"] == deployments["gateway"]["spec"]["selector"]["matchLabels"]
     hpas = by_kind("HorizontalPodAutoscaler")
     targets = {h["spec"]["scaleTargetRef"]["name"] for h in hpas.values()}
     assert targets == {"prefill", "decode"}
