@@ -57,7 +57,8 @@ def tokenizer_texts(splits, cfg: ContextPairConfig) -> list[str]:
 
 
 def write_eval_files(cfg: ContextPairConfig, splits, tokenizer, pool: list[str], directory: Path) -> dict:
-    """eval/*.jsonl in formats `scd-serve eval --data` and `calibrate --data` read."""
+    """eval/*.jsonl in formats `scd-serve eval --data` and `calibrate --data` read: the task held out
+    (both styles), task prompts and plain source for calibration, plain held-out source."""
     directory.mkdir(parents=True, exist_ok=True)
     common = dict(lengths=cfg.eval_lengths, depths=cfg.eval_depths, num_chains=cfg.eval_chains)
     sets = {
@@ -68,17 +69,24 @@ def write_eval_files(cfg: ContextPairConfig, splits, tokenizer, pool: list[str],
         "calibration.jsonl": make_examples(splits["calibration"], pool, tokenizer, STYLES["expert"],
                                            cfg.num_calibration, f"calibration:{cfg.seed}", **common),
     }
-    rng = random.Random(f"heldout-text:{cfg.seed}")
-    texts = []
-    while len(texts) < cfg.num_text:  # plain source, about the held-out prompts' lengths
-        lo, hi = cfg.eval_lengths
-        text = "\n".join(sample_lines(rng, splits["heldout"], int(rng.randint(lo, hi) * 3.3)))
-        if len(tokenizer(text)["input_ids"]) >= lo // 2:
-            texts.append({"id": f"heldout-text-{len(texts)}", "text": text})
-    sets["heldout-text.jsonl"] = texts
+    sets["heldout-text.jsonl"] = plain_texts(cfg, splits["heldout"], tokenizer, cfg.num_text, "heldout-text")
+    sets["calibration-text.jsonl"] = plain_texts(cfg, splits["calibration"], tokenizer, cfg.num_calibration,
+                                                 "calibration-text")
     for name, rows in sets.items():
         (directory / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {name: len(rows) for name, rows in sets.items()}
+
+
+def plain_texts(cfg: ContextPairConfig, files, tokenizer, n: int, name: str) -> list[dict]:
+    """`n` plain source excerpts {"id", "text"} of about the held-out prompts' lengths."""
+    rng = random.Random(f"{name}:{cfg.seed}")
+    lo, hi = cfg.eval_lengths
+    texts = []
+    while len(texts) < n:
+        text = "\n".join(sample_lines(rng, files, int(rng.randint(lo, hi) * 3.3)))
+        if len(tokenizer(text)["input_ids"]) >= lo // 2:
+            texts.append({"id": f"{name}-{len(texts)}", "text": text})
+    return texts
 
 
 @torch.no_grad()

@@ -60,7 +60,8 @@ def test_same_seed_same_tokenizer_and_weights_and_a_real_fine_tune(made):
     cons = load_file(str(made / "a" / "consumer" / "model.safetensors"))
     assert any(not torch.equal(prod[k], cons[k]) for k in prod)
     assert any(k.endswith("k_proj.bias") for k in prod)  # Qwen2: q/k/v biases
-    for name in ("heldout.jsonl", "heldout-base.jsonl", "calibration.jsonl", "heldout-text.jsonl"):
+    for name in ("heldout.jsonl", "heldout-base.jsonl", "calibration.jsonl", "heldout-text.jsonl",
+                 "calibration-text.jsonl"):
         assert (made / "a" / "eval" / name).read_text() == (made / "b" / "eval" / name).read_text()
         assert read_records(made / "a" / "eval" / name)  # the format eval/calibrate --data read
 
