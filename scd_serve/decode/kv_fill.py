@@ -28,6 +28,7 @@ from scd_serve.control.lifecycle import consume_exception
 from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.codecs import PromptCodec
 from scd_serve.decode.receive import Received, drain, receive
+from scd_serve.decode.shared import SharedTransfers
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               TransferTimedOut, Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
@@ -71,6 +72,7 @@ class RemoteKVFill:
         self.codecs = codecs
         self.config = config
         self.stats = TransferStats()
+        self.shared = SharedTransfers(runtime.spec.num_layers)  # transfers other requests may copy
         self.per_peer: Counter = Counter()  # completed transfers per prefill address
         self.inflight: dict[str, str] = {}  # request_id -> prefill address (empty when idle)
         self._aborts: set[asyncio.Task] = set()
@@ -85,6 +87,25 @@ class RemoteKVFill:
         self.on_transfer: Callable[[str, object, Received, float], None] | None = None
 
     async def __call__(self, req, sink) -> dict:
+        """Fill `sink` with the prompt's K/V: by a transfer, or by copying the one another request
+        with the same method and prompt runs now (decode/shared.py: `n` > 1, `best_of`)."""
+        key = (req.method, tuple(req.prompt_token_ids))
+        shared, leads = self.shared.join(key)
+        got = None
+        try:
+            if not leads:
+                got = await shared.replay(sink)
+                self.shared.num_shared += got is not None
+                return got if got is not None else await self._fill(req, sink)  # its transfer failed
+            got = await self._fill(req, sink if shared is None else shared.tee(sink))
+            return got
+        finally:
+            if shared is not None:
+                if leads:
+                    shared.end(got)  # None: failed, the readers run their own
+                self.shared.leave(key, shared)
+
+    async def _fill(self, req, sink) -> dict:
         tokens = list(req.prompt_token_ids[:-1])  # the last prompt token is our first decode step
         tried: list[str] = []
         errors: list[ScdError] = []
@@ -315,7 +336,7 @@ class RemoteKVFill:
 
     def snapshot(self) -> dict:
         return asdict(self.stats) | {"per_prefill": dict(self.per_peer), "inflight": len(self.inflight),
-                                     "cold_switches": self.num_cold_switches}
+                                     "cold_switches": self.num_cold_switches, "shared": self.shared.num_shared}
 
 
 class _Job:

@@ -1,6 +1,7 @@
 """L1/L3: over a real gRPC channel, `identity` disaggregated greedy == monolithic greedy."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -86,4 +87,45 @@ async def test_cache_hit_sends_the_header_inside_chunk_zero(rt):
         assert not any(m.chunk.HasField("header") for m in warm[1:])
     finally:
         await client.close()
+        await node.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_requests_for_the_same_prompt_at_once_share_one_transfer(rt):
+    """n > 1 / best_of: three requests with one prompt and method, started together while the
+    producer is slow, make ONE transfer; the other two copy its layers as they land. All equal
+    the local result. If that transfer fails, each waiting request runs its own."""
+    from serving_helpers import SlowRuntime
+
+    node = await start_prefill(SlowRuntime(rt, delay=0.05))
+    peers, fill = await make_decode(rt, [node.address])
+    engine = engine_for(rt)
+    try:
+        p = prompts(1, seed=33)[0]
+        want = await greedy(engine, "l", p)
+        got = await asyncio.gather(*(greedy(engine, f"n{i}", p, "identity", fill) for i in range(3)))
+        assert got == [want] * 3
+        assert fill.stats.num_transfers == 1 and fill.shared.num_shared == 2 and fill.shared.live == {}
+        assert await settled(node, 1)
+
+        real = fill._fill
+        calls = []
+
+        async def first_fails(req, sink):
+            calls.append(req.request_id)
+            if len(calls) == 1:
+                await asyncio.sleep(0.2)  # the others have joined by now
+                from scd_serve.errors import TransferFailed
+                raise TransferFailed("injected: the shared transfer fails")
+            return await real(req, sink)
+
+        fill._fill = first_fails
+        fill.config = dataclasses.replace(fill.config, max_attempts=1)
+        results = await asyncio.gather(*(greedy(engine, f"f{i}", p, "identity", fill) for i in range(3)),
+                                       return_exceptions=True)
+        assert sum(r == want for r in results) == 2 and len(calls) == 3  # the two readers transferred alone
+        assert fill.shared.num_shared == 2 and fill.shared.live == {}
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
         await node.stop()
