@@ -49,14 +49,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return out.transpose(1, 2).flatten(2)
 
 
-def attend_all(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    # q: [B, Tq, heads, hd]; k, v: [B, S, kv_heads, hd], every query sees every key (a decode
-    # step over exactly its own history: no mask to build or apply). -> [B, Tq, heads*hd]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2).flatten(2)
-
-
 def finish_layer(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> Tensor:
     # h: residual [..., hidden]; attn: attention output [..., heads*hd] -> new residual
     h = h + F.linear(attn, lw.wo, lw.bo)

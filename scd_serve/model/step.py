@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from scd_serve.errors import InvalidRequest
+from scd_serve.errors import InvalidRequest, PromptTooLong
 from scd_serve.model import rope
 from scd_serve.model.kv_pool import KVPool
 from scd_serve.model.layers import finish_layer, project_kv, project_q, rms_norm
-from scd_serve.model.paged import attend_paged, stretches
+from scd_serve.model.paged import GATHER_BYTES, attend_gathered, attend_paged, stretches
 
 if TYPE_CHECKING:
     from scd_serve.model.runtime import ModelRuntime
@@ -41,23 +41,50 @@ class Step:
             raise InvalidRequest("a step needs at least one item")
         if len(wants) != len(items) or not set(wants) <= LOGIT_ROWS:
             raise ValueError(f"logits must be one of {sorted(LOGIT_ROWS)} or one per item, got {wants!r}")
-        bs = pool.block_size
+        bs, limit, vocab = pool.block_size, rt.spec.max_position_embeddings, rt.spec.vocab_size
         self.rt, self.pool, self.wants = rt, pool, list(wants)
-        self.cached, self.lengths, self.runs, ids, slots, pos = [], [], [], [], [], []
-        for block_ids, num_cached, tokens in items:
-            cached = int(num_cached)
-            t = rt._check_ids(tokens, offset=cached)  # [n]
-            blocks = list(block_ids)
-            slots.append(pool.slots(blocks, cached, t.shape[0]))  # checks the blocks hold every position
+        self.cached, self.lengths, self.runs, self.blocks = [], [], [], []
+        tokens, slots, positions = [], [], []
+        for block_ids, num_cached, item_tokens in items:  # plain Python: one tensor of each kind below
+            cached, toks = int(num_cached), torch.as_tensor(item_tokens).reshape(-1).tolist()
+            blocks, n = list(block_ids), len(toks)
+            if n == 0 or cached < 0:
+                raise InvalidRequest(f"an item needs tokens and num_cached >= 0, got {n} tokens at {cached}")
+            if cached + n > limit:
+                raise PromptTooLong(f"{cached + n} positions exceed the model's context of {limit} "
+                                    f"(max_position_embeddings)")
+            if cached + n > len(blocks) * bs:
+                raise InvalidRequest(f"positions {cached}..{cached + n - 1} do not fit in {len(blocks)} blocks of {bs}")
+            tokens += toks
+            positions += range(cached, cached + n)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(cached, cached + n)]
             self.cached.append(cached)
-            self.lengths.append(t.shape[0])
-            self.runs.append(stretches(blocks, cached + t.shape[0], bs))
-            ids.append(t)
-            pos.append(torch.arange(cached, cached + t.shape[0], device=rt.device))
-        self.slots = torch.cat(slots)  # [N] where each row's K/V goes
-        self.h = rt.weights.embed[torch.cat(ids)]  # [N, hidden]: every item's rows, in item order
-        self.cos, self.sin = rt.rotary.tables(torch.cat(pos))
+            self.lengths.append(n)
+            self.runs.append(stretches(blocks, cached + n, bs))
+            self.blocks.append(blocks[: -(-(cached + n) // bs)])
+        used = [blk for blocks in self.blocks for blk in blocks]
+        if min(used) < 0 or max(used) >= pool.num_blocks:
+            raise InvalidRequest(f"block ids must lie in 0..{pool.num_blocks - 1}")
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise InvalidRequest(f"token ids must lie in 0..{vocab - 1}")
+        dev = rt.device
+        self.slots = torch.tensor(slots, device=dev)  # [N] where each row's K/V goes
+        self.h = rt.weights.embed[torch.tensor(tokens, device=dev)]  # [N, hidden]: every item's rows, in order
+        self.cos, self.sin = rt.rotary.tables(torch.tensor(positions, device=dev))
+        self.gathered = self._gather_plan(pool)
         self.layer = 0  # the next layer to run
+
+    def _gather_plan(self, pool: KVPool) -> tuple[Tensor, Tensor] | None:
+        """(block table [B, W], key counts [B]) when every item is one decode token and one layer's
+        table is at most GATHER_BYTES (paged.py); else None: attention reads the pool in place."""
+        if len(self.lengths) < 2 or max(self.lengths) > 1:
+            return None
+        width = max(len(b) for b in self.blocks)
+        if len(self.blocks) * width * pool.bytes_per_block // pool.k.shape[0] > GATHER_BYTES:
+            return None
+        table = [b + [b[0]] * (width - len(b)) for b in self.blocks]
+        dev = self.rt.device
+        return torch.tensor(table, device=dev), torch.tensor([c + 1 for c in self.cached], device=dev)
 
     @property
     def done(self) -> bool:
@@ -76,6 +103,10 @@ class Step:
         q = rope.apply(project_q(lw, spec, x), self.cos, self.sin)  # [N, heads, hd]
         window = spec.window(layer)
         k_layer, v_layer = self.pool.k[layer], self.pool.v[layer]
+        if self.gathered is not None:  # small decode-only step: one batched call
+            self.h = finish_layer(lw, spec, self.h, attend_gathered(k_layer, v_layer, *self.gathered, q, window))
+            self.layer += 1
+            return
         parts, at = [], 0
         for runs, cached, n in zip(self.runs, self.cached, self.lengths):
             parts.append(attend_paged(k_layer, v_layer, runs, cached + n, q[at:at + n], cached, window))

@@ -27,7 +27,7 @@ def rt(tmp_path_factory):
 @settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5), block_size=st.sampled_from([1, 3, 4, 16]),
        seed=st.integers(0, 1000))
-def test_decode_step_equals_prefill_for_any_layout(rt, lengths, block_size, seed):
+def test_decode_step_equals_prefill_for_any_layout(rt, attention_path, lengths, block_size, seed):
     rng = random.Random(seed)
     prompts = [torch.tensor([rng.randrange(256) for _ in range(n)]) for n in lengths]
     need = [-(-n // block_size) for n in lengths]

@@ -130,7 +130,7 @@ def test_greedy_32_tokens_match_transformers(pair):
     assert_same_greedy(rt.generate_greedy(ids, 32), hf_greedy(hf, ids, 32))
 
 
-def test_batched_decode_step_matches_transformers(pair):
+def test_batched_decode_step_matches_transformers(pair, attention_path):
     """Three sequences of different lengths share one pool with interleaved, out-of-order
     blocks; after extend for the prompts, every step is ONE decode_step over all three."""
     rt, hf = pair
