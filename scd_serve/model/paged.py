@@ -49,7 +49,7 @@ def attend_paged(k_layer: Tensor, v_layer: Tensor, runs: Sequence[tuple[int, int
             pieces.append((k_layer.flatten(0, 1)[base + start:base + end],
                            v_layer.flatten(0, 1)[base + start:base + end], start))
         pos += count * bs
-    q_pos = torch.arange(first_q, first_q + tq, device=q.device)
+    q_pos = torch.arange(first_q, first_q + tq, device=q.device) if tq > 1 else None
     if len(pieces) == 1 and tq > 1:
         k, v, start = pieces[0]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -68,7 +68,7 @@ def _mask(q_pos: Tensor, start: int, n: int, window: int | None) -> Tensor:
     return ok
 
 
-def _attend_pieces(q: Tensor, q_pos: Tensor, pieces: list[tuple[Tensor, Tensor, int]], window: int | None) -> Tensor:
+def _attend_pieces(q: Tensor, q_pos: Tensor | None, pieces: list[tuple[Tensor, Tensor, int]], window: int | None) -> Tensor:
     tq, heads, hd = q.shape
     kv_heads = pieces[0][0].shape[1]
     group = heads // kv_heads
@@ -82,7 +82,7 @@ def _attend_pieces(q: Tensor, q_pos: Tensor, pieces: list[tuple[Tensor, Tensor, 
             keep = _mask(q_pos, start, k.shape[0], window)  # [Tq, S]
             s = s.view(kv_heads, group, tq, -1).masked_fill(~keep, float("-inf")).view(kv_heads, group * tq, -1)
         scores.append(s)
-    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(q.dtype)
+    probs = torch.softmax(torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0], dim=-1).to(q.dtype)
     out, at = None, 0
     for (_, v, _), s in zip(pieces, scores):  # v: [S, kv_heads, hd]
         part = torch.matmul(probs[..., at:at + s.shape[-1]], v.permute(1, 0, 2))  # [kv_heads, group*Tq, hd]
