@@ -139,16 +139,33 @@ def kv_budget(rt, *, num_blocks: int, max_model_len: int, gpu_memory_utilization
                         budget_from=source)
 
 
+CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # (limit, usage): cgroup v2
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
 def available_ram() -> int:
-    """Bytes of RAM available now (Linux MemAvailable; elsewhere the physical total)."""
+    """Bytes of RAM this process may still use: Linux MemAvailable, lowered to what the cgroup's
+    memory limit leaves (a container sees the host's /proc/meminfo, not its own limit)."""
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                    free = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if free is None:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit, usage in CGROUP_MEMORY:
+        try:
+            with open(limit) as f, open(usage) as g:
+                cap = f.read().strip()
+                if cap.isdigit() and int(cap) < 1 << 60:  # "max" or a huge v1 value: no limit
+                    free = min(free, max(0, int(cap) - int(g.read().strip())))
+                break
+        except (OSError, ValueError):
+            continue
+    return free
 
 
 async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_args: dict,

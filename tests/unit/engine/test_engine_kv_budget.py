@@ -66,3 +66,19 @@ def test_the_decode_worker_sizes_its_pool_from_memory(tmp_path):
     assert "quarter of the RAM" in auto.note and auto.num_blocks * 16 * per_token <= available_ram()
     with pytest.raises(ConfigError, match="gpu-memory-utilization"):
         kv_budget(rt, num_blocks=0, max_model_len=0, gpu_memory_utilization=1.5, kv_cache_gib=0)
+
+
+def test_available_ram_obeys_the_containers_memory_limit(tmp_path, monkeypatch):
+    """In a container /proc/meminfo is the host's: the cgroup limit minus usage bounds the pool."""
+    import scd_serve.decode.main as decode_main
+
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text(f"{4 * GIB}\n")
+    usage.write_text(f"{3 * GIB}\n")
+    monkeypatch.setattr(decode_main, "CGROUP_MEMORY", ((str(limit), str(usage)),))
+    assert decode_main.available_ram() == GIB
+    usage.write_text(f"{1 << 50}\n")  # were it read as a limit, nothing would be left
+    limit.write_text("max\n")  # no limit: the host's figure stands
+    assert decode_main.available_ram() > 0
+    monkeypatch.setattr(decode_main, "CGROUP_MEMORY", ((str(tmp_path / "none"), str(usage)),))
+    assert decode_main.available_ram() > 0  # no cgroup files at all
