@@ -45,19 +45,29 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
         logits[shaped] = shape_batch(logits[shaped], [seqs[i] for i in shaped], eos_token_ids)
     chosen = torch.argmax(logits, dim=-1)  # greedy rows are done here
     drawn = [i for i in ok if not seqs[i].request.params.greedy]
-    try:
-        for group in _by_cut(drawn, [seqs[i].request.params for i in drawn], logits.shape[-1]):
-            probs, ids = candidates(logits[group], [seqs[i].request.params for i in group])
-            picked = draw(probs, [_generator(seqs[i], probs.device) for i in group])
-            chosen[group] = picked if ids is None else ids.gather(1, picked[:, None])[:, 0]
-    except RuntimeError as exc:  # a bug here must cost these requests, never the engine
-        return [StepFailed(f"sampling failed for request {seq.request.request_id}: {exc}") for seq in seqs]
+    failed: dict[int, StepFailed] = {}
+
+    def draw_rows(rows: list[int]) -> None:
+        probs, ids = candidates(logits[rows], [seqs[i].request.params for i in rows])
+        picked = draw(probs, [_generator(seqs[i], probs.device) for i in rows])
+        chosen[rows] = picked if ids is None else ids.gather(1, picked[:, None])[:, 0]
+
+    for group in _by_cut(drawn, [seqs[i].request.params for i in drawn], logits.shape[-1]):
+        try:
+            draw_rows(group)
+        except RuntimeError:  # a bug here must cost the requests it hits, never the batch: row by row
+            for i in group:
+                try:
+                    draw_rows([i])
+                except RuntimeError as exc:
+                    failed[i] = StepFailed(f"sampling failed for request {seqs[i].request.request_id}: {exc}")
     out: list[int | StepFailed] = list(chosen.tolist())
     for i, seq in enumerate(seqs):
         if not finite[i]:
             out[i] = StepFailed(f"the model produced non-finite logits for request {seq.request.request_id} "
                                 f"at output token {seq.num_output_tokens}")
-    wanted = [i for i in ok if seqs[i].request.params.logprobs is not None]
+    out = [failed.get(i, t) for i, t in enumerate(out)]
+    wanted = [i for i in ok if seqs[i].request.params.logprobs is not None and i not in failed]
     if wanted:
         ks = [seqs[i].request.params.logprobs for i in wanted]
         for i, lp in zip(wanted, token_logprobs(raw[wanted], [out[i] for i in wanted], ks), strict=True):

@@ -143,3 +143,23 @@ def test_a_batch_of_rows_samples_each_rows_own_distribution():
         freq = torch.bincount(rows, minlength=4).double() / rows.numel()
         for f, p in zip(freq.tolist(), want):
             assert abs(f - p) <= 5 * math.sqrt(max(p * (1 - p), 1e-12) / rows.numel()) + (0 if p else 1e-12)
+
+
+def test_a_sampling_bug_costs_only_the_row_it_hits(monkeypatch):
+    """The batched draw fails; row by row, only the request whose own draw fails gets StepFailed,
+    and greedy rows and the other sampled rows keep their tokens."""
+    import scd_serve.engine.sampler as sampler
+
+    real = sampler.candidates
+
+    def broken(logits, params):
+        if any(p.seed == 13 for p in params):
+            raise RuntimeError("injected")
+        return real(logits, params)
+
+    monkeypatch.setattr(sampler, "candidates", broken)
+    logits = torch.tensor([[0.0, 9.0, 1.0]] * 3)
+    out = sample(logits, seqs(SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=13),
+                              SamplingParams(temperature=1e-3, seed=1)))
+    assert out[0] == 1 and out[2] == 1
+    assert isinstance(out[1], StepFailed) and "injected" in out[1].message
