@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--mixed", action="store_true",
                    help="the hot path's workload: mixed lengths, engine vs static-batch and sequential generate")
     s.add_argument("--mixed-requests", type=int, default=64)
+    s.add_argument("--mixed-targets", nargs="+", default=["baseline", "static", "engine"],
+                   choices=["baseline", "static", "engine"], help="with --mixed: which targets to run, in order")
     s.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024], metavar=("LO", "HI"))
     s.add_argument("--output-range", type=int, nargs=2, default=[16, 256], metavar=("LO", "HI"))
     s.add_argument("--quick", action="store_true", help="tiny setting: one rate, few requests, 2 streams")
@@ -106,8 +108,7 @@ def run(args: argparse.Namespace) -> int:
         doc = run_serve(args)
         if args.mixed:
             print(f"bench serve --mixed: {doc['concurrent_streams']} streams, tokens/s {doc['tokens_per_s']}; "
-                  f"engine/static {doc['engine_over_static']:.2f}x, engine/sequential "
-                  f"{doc['engine_over_sequential']:.2f}x")
+                  f"engine/static {doc['engine_over_static']}, engine/sequential {doc['engine_over_sequential']}")
         else:
             print(f"bench serve: {doc['concurrent_streams']} streams, engine/sequential tokens/s = "
                   f"{doc['batching_speedup_tokens_per_s']}")

@@ -55,7 +55,8 @@ def start_target(name: str, args, logs: Path):
     port = procs.free_port()
     if name == "engine":
         cmd = [sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.consumer, "--host", "127.0.0.1",
-               "--port", str(port), "--method", args.method, *args.engine_args]
+               "--port", str(port), "--method", args.method, "--request-timeout-s", str(args.request_timeout),
+               *args.engine_args]
         if args.method == "local" and not any(a.startswith("--codebook") for a in args.engine_args):
             cmd += ["--codebook", ""]  # no transfer: the engine alone
         ready = "/ready"
@@ -96,7 +97,7 @@ def bench_target(name: str, url: str, args, rates: list[float] | None, slo: Slo,
 def run_mixed(args, vocab: int, logs: Path, slo: Slo) -> dict:
     """The three targets, one after the other, on the same seeded mixed requests."""
     results = {}
-    for name in ("baseline", "static", "engine"):
+    for name in args.mixed_targets:
         body = make_body_factory(tuple(args.prompt_range), tuple(args.output_range), vocab,
                                  args.method if name == "engine" else None, args.seed)
         proc = None
@@ -114,11 +115,14 @@ def run_mixed(args, vocab: int, logs: Path, slo: Slo) -> dict:
         finally:
             procs.stop(proc)
     tps = {name: r["throughput_tokens_per_s"] for name, r in results.items()}
+
+    def ratio(a: str, b: str) -> float | None:
+        return tps[a] / tps[b] if tps.get(a) and tps.get(b) else None
+
     return {"benchmark": "serve-mixed", "machine": machine(), "consumer": args.consumer, "method": args.method,
             "requests": args.mixed_requests, "prompt_range": args.prompt_range, "output_range": args.output_range,
             "concurrent_streams": args.concurrency, "targets": results, "tokens_per_s": tps,
-            "engine_over_static": tps["engine"] / tps["static"] if tps["static"] else None,
-            "engine_over_sequential": tps["engine"] / tps["baseline"] if tps["baseline"] else None}
+            "engine_over_static": ratio("engine", "static"), "engine_over_sequential": ratio("engine", "baseline")}
 
 
 def run_serve(args) -> dict:

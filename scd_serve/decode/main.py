@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="longest prompt + output (0 = the model's context, lowered to what the KV pool holds)")
     parser.add_argument("--num-blocks", type=int, default=0, help="KV pool blocks of 16 tokens (0 = sized from memory)")
+    parser.add_argument("--request-timeout-s", type=float, default=300.0,
+                        help="a request still running this long after it arrived ends with 504 (its tokens so far "
+                             "streamed); raise it for long generations on slow hardware")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="CUDA: share of the device's memory this worker may use, weights included; the KV "
                              "pool gets what is left after the weights and a reserve for activations")
@@ -193,10 +196,11 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device))
     method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)
     config = dataclasses.replace(config, method=method)
+    timeout_s = pool_args.pop("request_timeout_s", 300.0)
     pool = kv_budget(rt, **pool_args)
     log.info("%s", pool.note)
     max_len = pool.max_model_len
-    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks,
+    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks, request_timeout_s=timeout_s,
                               fallback_to_local=config.fallback == "local")
     metrics = Metrics()
     codecs = ConsumerCodecs(rt, config.codebook)
@@ -211,7 +215,8 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     backend = DecodeBackend(engine, model_name, fill, peers, method, auto)
     api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, api_key=api_key,
                         served_model_names=served_model_names,
-                        max_model_len=max_len, max_tokens_cap=max_len, default_method=method)
+                        max_model_len=max_len, max_tokens_cap=max_len, default_method=method,
+                        request_timeout_s=timeout_s)
     app = create_app(api_cfg, backend, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_keep_alive=api_cfg.timeout_keep_alive_s,
@@ -271,7 +276,8 @@ def run(args) -> int:
     config, control = config_from_args(args), control_config_from_args(args)
     check_exposure(config, args.api_key, control, args.insecure)
     pool_args = dict(num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                     gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib)
+                     gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
+                     request_timeout_s=args.request_timeout_s)
     died = asyncio.run(serve(config, args.method is not None, args.api_key, pool_args, control,
                              tuple(args.served_model_name)))
     exit_now(1 if died else 0)
