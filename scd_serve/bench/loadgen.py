@@ -56,6 +56,10 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, tim
                         res.token_times.extend([now] * n)
                         res.num_tokens += n
         res.done = time.perf_counter()
+        if res.first_token is None and res.reported_tokens:
+            # every token's text was held back to the end (bytes of a character not yet whole,
+            # as random weights produce): the client saw its first token with the last event
+            res.first_token = res.done
     except TimeoutError:
         res.error = f"client deadline of {timeout_s:.0f}s exceeded"
     except (httpx.HTTPError, ValueError) as exc:
