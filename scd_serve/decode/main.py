@@ -112,8 +112,7 @@ def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
         return PLAIN_METHOD
 
 
-def kv_budget(rt, *, num_blocks: int, max_model_len: int, gpu_memory_utilization: float, kv_cache_gib: float,
-              engine_defaults=None):
+def kv_budget(rt, *, num_blocks: int, max_model_len: int, gpu_memory_utilization: float, kv_cache_gib: float):
     """The pool's blocks and max_model_len from the memory this worker may use (engine/kv_budget.py)."""
     import torch
 
@@ -124,7 +123,7 @@ def kv_budget(rt, *, num_blocks: int, max_model_len: int, gpu_memory_utilization
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     if kv_cache_gib < 0:
         raise ConfigError(f"--kv-cache-gib must be >= 0 (0 = automatic), got {kv_cache_gib}")
-    eng = engine_defaults or EngineConfig()
+    eng = EngineConfig()  # the block size, batch bound and prefill chunk the worker runs with
     spec, size = rt.spec, torch.empty((), dtype=rt.dtype).element_size()
     if kv_cache_gib:
         budget, source = int(kv_cache_gib * kb.GIB), f"--kv-cache-gib {kv_cache_gib}"
@@ -171,7 +170,7 @@ def available_ram() -> int:
     return free
 
 
-async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_args: dict,
+async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_args: dict, request_timeout_s: float,
                 control: ControlConfig | None = None,
                 served_model_names: tuple[str, ...] = ()) -> bool:
     """Run until SIGINT/SIGTERM (returns False) or until the engine loop dies (returns True)."""
@@ -196,11 +195,10 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device))
     method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)
     config = dataclasses.replace(config, method=method)
-    timeout_s = pool_args.pop("request_timeout_s", 300.0)
     pool = kv_budget(rt, **pool_args)
     log.info("%s", pool.note)
     max_len = pool.max_model_len
-    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks, request_timeout_s=timeout_s,
+    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks, request_timeout_s=request_timeout_s,
                               fallback_to_local=config.fallback == "local")
     metrics = Metrics()
     codecs = ConsumerCodecs(rt, config.codebook)
@@ -216,7 +214,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, api_key=api_key,
                         served_model_names=served_model_names,
                         max_model_len=max_len, max_tokens_cap=max_len, default_method=method,
-                        request_timeout_s=timeout_s)
+                        request_timeout_s=request_timeout_s)
     app = create_app(api_cfg, backend, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_keep_alive=api_cfg.timeout_keep_alive_s,
@@ -276,8 +274,7 @@ def run(args) -> int:
     config, control = config_from_args(args), control_config_from_args(args)
     check_exposure(config, args.api_key, control, args.insecure)
     pool_args = dict(num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                     gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
-                     request_timeout_s=args.request_timeout_s)
-    died = asyncio.run(serve(config, args.method is not None, args.api_key, pool_args, control,
+                     gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib)
+    died = asyncio.run(serve(config, args.method is not None, args.api_key, pool_args, args.request_timeout_s, control,
                              tuple(args.served_model_name)))
     exit_now(1 if died else 0)
