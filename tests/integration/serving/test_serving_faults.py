@@ -14,14 +14,9 @@ from scd_serve.config.transport import TransportConfig
 from scd_serve.transport.proto import pb
 
 from serving_helpers import (SlowRuntime, decode_stack, engine_for, greedy, make_decode, prompts, start_prefill,
-                             tiny_runtime, wait_until)
+                             wait_until)
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def rt(tmp_path_factory):
-    return tiny_runtime(tmp_path_factory.mktemp("tiny"))
 
 
 def dying_runtime(rt, holder):

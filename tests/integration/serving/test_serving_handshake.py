@@ -20,11 +20,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
-def rt(tmp_path_factory):
-    return tiny_runtime(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
 def rt3(tmp_path_factory):
     return tiny_runtime(tmp_path_factory.mktemp("tiny3"), num_hidden_layers=3)
 

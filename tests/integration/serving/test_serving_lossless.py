@@ -5,12 +5,7 @@ import dataclasses
 
 import pytest
 
-from serving_helpers import engine_for, greedy, make_decode, prompts, settled, start_prefill, tiny_runtime
-
-
-@pytest.fixture(scope="module")
-def rt(tmp_path_factory):
-    return tiny_runtime(tmp_path_factory.mktemp("tiny"))
+from serving_helpers import engine_for, greedy, make_decode, prompts, settled, start_prefill
 
 
 @pytest.mark.timeout(60)

@@ -10,12 +10,7 @@ from scd_serve.config.prefill import PrefillConfig
 from scd_serve.errors import ConfigError
 from scd_serve.prefill.metrics import metrics_app
 
-from serving_helpers import engine_for, greedy, make_decode, prompts, settled, start_prefill, tiny_runtime
-
-
-@pytest.fixture(scope="module")
-def rt(tmp_path_factory):
-    return tiny_runtime(tmp_path_factory.mktemp("tiny"))
+from serving_helpers import engine_for, greedy, make_decode, prompts, settled, start_prefill
 
 
 def value(text: str, series: str) -> float:
