@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -22,26 +23,47 @@ class DecodeBackend(EngineBackend):
     "local" or a failed transfer falls back to a local prefill - at least one compatible
     prefill worker answers. Ready on the fallback alone, /ready's body says so.
     With an AutoMethod, `auto` picks each request's method (decode/auto.py); `choice_of`
-    tells the routes what was picked and why."""
+    tells the routes what was picked and why, and what served when a transfer failed and the
+    engine prefilled the prompt here instead."""
 
     def __init__(self, engine, model_name: str, fill, peers, default_method: str, auto=None):
         self.needs_peer = default_method != LOCAL
         must_have_peer = self.needs_peer and peers.config.fallback != "local"
-        super().__init__(engine, model_name, fills={m: fill for m in codec_registry.METHODS},
+        super().__init__(engine, model_name, fills={m: self._watched_fill for m in codec_registry.METHODS},
                          peers_ready=(lambda: peers.ready()) if must_have_peer else (lambda: not peers.dead))
         self.fill = fill
         self.peers = peers
         self.auto = auto  # AutoMethod or None (then `auto` is refused)
         self._choices: dict[str, Choice] = {}  # request_id -> its method's choice, while it runs
+        self._failed: dict[str, str] = {}  # request_id -> why its transfer failed, while it runs
 
     @property
     def methods(self) -> list[str]:
         return sorted([*self.fills, *([AUTO] if self.auto is not None else [])])
 
     def choice_of(self, request_id: str) -> Choice | None:
-        """How a running request's method was picked (None once it ended)."""
+        """How a running request's method was picked (None once it ended); `local` with reason
+        "fallback" when its transfer failed and the engine prefilled the prompt here."""
         switched = self.auto.switched.get(request_id) if self.auto is not None else None
-        return switched or self._choices.get(request_id)
+        choice = switched or self._choices.get(request_id)
+        failed = self._failed.get(request_id)
+        if choice is None or not failed or choice.method == LOCAL or not self.engine.config.fallback_to_local:
+            return choice
+        where = f"{choice.method}@{choice.peer}" if choice.peer else choice.method
+        return Choice(LOCAL, reason="fallback", detail=f"{where} failed ({failed}): prefilled on this worker")
+
+    async def _watched_fill(self, req: GenerationRequest, sink) -> Any:
+        """The transfer, noting a failure (the engine then prefills here or fails the request)."""
+        try:
+            result = await self.fill(req, sink)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failed[req.request_id] = getattr(exc, "type", None) or type(exc).__name__
+            raise
+        if not sink.complete:
+            self._failed[req.request_id] = f"wrote {sink.num_written} of {sink.num_layers} layers"
+        return result
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         rid = req.request_id
@@ -69,6 +91,7 @@ class DecodeBackend(EngineBackend):
             self.fill.preferred.pop(rid, None)
             self.fill.local_if_cold.discard(rid)
             self._choices.pop(rid, None)
+            self._failed.pop(rid, None)
             if self.auto is not None and (first or rid in self.auto.switched):
                 self.auto.forget(rid)
 

@@ -59,7 +59,8 @@ class Choice:
     peer: str = ""  # prefill address; "" for local
     predicted_s: float | None = None  # None: no prediction (explored, or not chosen here)
     # fixed (named by the request or the server) | fastest | explore | reprobe | only | needs-local,
-    # and cold-switch (set by auto.py when the peer turned out not to hold the codes)
+    # cold-switch (set by auto.py when the peer turned out not to hold the codes), and fallback
+    # (set by the backend when the transfer failed and the engine prefilled here)
     reason: str = "fixed"
     detail: str = ""
     cached: bool = False  # the chooser expected the peer to hold the prompt's codes

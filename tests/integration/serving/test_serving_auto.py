@@ -25,6 +25,8 @@ from scd_serve.decode.codecs import ConsumerCodecs
 from scd_serve.decode.kv_fill import RemoteKVFill
 from scd_serve.decode.main import resolve_method
 from scd_serve.decode.peers import PeerSet
+from scd_serve.faults import FaultyServicer
+from scd_serve.prefill.service import PrefillServicer
 
 from serving_helpers import SlowRuntime, engine_for, prompts, start_prefill, tiny_runtime
 
@@ -48,7 +50,8 @@ class SlowPrefill:
 
 
 @contextlib.asynccontextmanager
-async def auto_worker(consumer, producer, methods, codebook="", budget=None, fallback="none", nodes=None):
+async def auto_worker(consumer, producer, methods, codebook="", budget=None, fallback="none", nodes=None,
+                      servicer_cls=PrefillServicer):
     """A prefill worker offering `methods` and a decode worker whose default is auto; yields
     (HTTP client, the decode backend); `nodes`, a list, receives the prefill node."""
     book = None
@@ -56,7 +59,7 @@ async def auto_worker(consumer, producer, methods, codebook="", budget=None, fal
         from scd_serve.codec.codebook import Codebook
 
         book = Codebook.load(codebook, producer=producer)
-    node = await start_prefill(producer, methods=methods, codebook=book)
+    node = await start_prefill(producer, methods=methods, codebook=book, servicer_cls=servicer_cls)
     if nodes is not None:
         nodes.append(node)
     config = DecodeConfig(model="unused", codebook=codebook, prefill=(node.address,), method="auto", fallback=fallback,
@@ -180,3 +183,34 @@ async def test_codes_gone_at_the_peer_send_the_request_to_the_local_prefill(tmp_
         assert f["method"] == "local", f  # a cold transfer from this producer loses to the local prefill
         metrics = (await client.get("/metrics")).text
         assert 'scd_transfers_total{method="%s",outcome="cold-local"} 1.0' % fields[-1]["method"] in metrics
+
+
+async def test_a_failed_transfer_reports_the_local_prefill_that_served(tmp_path):
+    """A transfer that fails (a corrupted chunk, on every attempt) with fallback local: the
+    engine prefills here, and the response names `local` with reason "fallback" and the
+    method that failed, not the method that was picked."""
+    rt = tiny_runtime(tmp_path / "model")
+    faulty = []
+
+    def servicer(*args):
+        faulty.append(FaultyServicer(PrefillServicer(*args), corrupt_seq=0))
+        faulty[-1].armed = False
+        return faulty[-1]
+
+    async with auto_worker(rt, SlowRuntime(rt, delay=0.02), ("identity", "raw"), fallback="local",
+                           servicer_cls=servicer) as (client, backend):
+        fields = [(await complete(client)).json()["scd"] for _ in range(5)]
+        picked = fields[-1]["method"]
+        assert fields[-1]["reason"] == "fastest" and picked in ("raw", "identity"), fields
+        faulty[0].armed = True
+        r = await complete(client)
+        f = r.json()["scd"]
+        assert (f["method"], f["reason"]) == ("local", "fallback") and r.headers["x-scd-method"] == "local", f
+        assert f["detail"].startswith(picked + "@") and "transfer_corrupt" in f["detail"], f
+        assert backend.fill.stats.num_failed >= 1 and backend.engine.num_fallbacks == 1
+        faulty[0].armed = False
+        r = await complete(client, scd_method="identity")  # a named method that served says so
+        assert r.json()["scd"] == {"method": "identity", "requested": "identity", "reason": "fixed"}
+        faulty[0].armed = True
+        r = await complete(client, scd_method="identity")  # ... and one that failed names its fallback
+        assert (r.json()["scd"]["method"], r.json()["scd"]["reason"]) == ("local", "fallback")
