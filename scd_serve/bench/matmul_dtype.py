@@ -16,7 +16,7 @@ import time
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from scd_serve.model.loader import DTYPES
 
 
 def median_matmul_s(tokens: int, hidden: int, inter: int, dtype: torch.dtype, repeat: int) -> float:

@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from scd_serve.config.control import SECRET_ENV
-from scd_serve.control.lifecycle import DTYPES
+from scd_serve.config.model import DTYPE_CHOICES
 from scd_serve.errors import ConfigError, Unavailable
 
 PAIRS = {"demo": "models/demo-pair", "context": "models/context-pair"}  # --pair NAME -> its directory
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="weights and KV dtype of every worker (auto: bfloat16 on CUDA, float32 on the CPU)")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="longest prompt + completion of the decode workers, longest prompt of the prefill "

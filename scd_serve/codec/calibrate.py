@@ -22,7 +22,7 @@ from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.candidates import Candidates
 from scd_serve.codec.curve import plot_tradeoff
 from scd_serve.codec.fit import collect_rows, fit_layer, subtract_priors, train_aligner
-from scd_serve.codec.memory import DTYPES, check_fits, estimate
+from scd_serve.codec.memory import check_fits, estimate
 from scd_serve.codec.features import FeatureFit, FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
 from scd_serve.codec.probe import KLProbe, make_examples
@@ -31,6 +31,7 @@ from scd_serve.codec.spec import spec_of
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
+from scd_serve.model.loader import DTYPES
 
 # --data FILE: a probe prompt scores at most this many tokens of its reference (every plan the
 # search measures runs them all again; the fit still reads whole records)

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 
+from scd_serve.config.model import DTYPE_BYTES
 from scd_serve.errors import ConfigError
 from scd_serve.extras import extra
 
 GB = 10**9  # decimal units throughout, --max-memory-gb included
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def human(nbytes: float) -> str:

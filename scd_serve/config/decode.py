@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from scd_serve.config.model import DTYPE_CHOICES
 from scd_serve.config.transport import TransportConfig
 from scd_serve.control.registry import check_address
 from scd_serve.errors import ConfigError
@@ -96,8 +97,8 @@ class DecodeConfig:
             raise ConfigError("decode.model must name a model directory")
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"decode.port must be in [0, 65535], got {self.port}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"decode.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"decode.dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"decode.fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if not 1 <= self.max_attempts <= 8:

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from scd_serve.errors import ConfigError
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the one dtype table: every --dtype and config reads it
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: bfloat16 on CUDA (float16 without it), float32 on the CPU
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)

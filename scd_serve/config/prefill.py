@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scd_serve.config.model import DTYPE_CHOICES
 from scd_serve.config.transport import MiB, TransportConfig
 from scd_serve.errors import ConfigError
 
@@ -52,8 +53,8 @@ class PrefillConfig:
                 raise ConfigError(f"prefill.{name} must be in [0, 65535], got {getattr(self, name)}")
         if self.metrics_port and self.metrics_port == self.port:
             raise ConfigError(f"prefill.metrics_port must differ from the gRPC port {self.port}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"prefill.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"prefill.dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         for name in ("max_concurrent", "cache_entries", "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"prefill.{name} must be >= 1, got {getattr(self, name)}")

@@ -10,7 +10,8 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA (float16 without it), float32 on the CPU
+from scd_serve.config.model import DTYPE_CHOICES
+
 
 
 def setup_logging(role: str) -> None:
@@ -39,7 +40,7 @@ def add_worker_arguments(parser, *, model: str, model_help: str, codebook: str, 
     parser.add_argument("--control-url", default="", help="registry to join, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--advertise", default="", help=f"HOST:PORT {dialer} dial (default host:port)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="weights and KV pool dtype (auto: bfloat16 on CUDA, float32 on the CPU, where bfloat16 "
                              "matmuls are slow without native support)")
 

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from scd_serve.config.model import DTYPE_NAMES
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or save_tiny_model(tmp, "qwen3", tokenizer=False, **PAIR_SHAPE)

@@ -12,11 +12,12 @@ import torch
 
 from scd_serve.errors import ModelLoadError
 from scd_serve.model.rope import Rotary, inv_freq_and_scaling
+from scd_serve.config.model import DTYPE_NAMES
 from scd_serve.model.spec import ModelSpec, spec_from_config
 from scd_serve.model.weights import ModelWeights, group, read_tensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # name -> torch dtype
 
 
 @dataclass

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from scd_serve.codec.memory import DTYPES, check_fits, estimate
+from scd_serve.codec.memory import check_fits, estimate
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
+from scd_serve.model.loader import DTYPES
 from scd_serve.pair.data import STYLES, load_split
 from scd_serve.quality.data import FORMATS_HELP, add_truncation_arguments
 from scd_serve.quality.metrics import exact_match, kl_and_tv, token_f1
