@@ -1,6 +1,6 @@
 """Rebuild time of each transfer method against the consumer's own prefill, same prompt length.
 
-    python -m scd_serve.codec.timing --producer DIR --consumer DIR --codebook DIR --tokens 1024
+    python -m scd_serve.bench.rebuild_timing --producer DIR --consumer DIR --codebook DIR --tokens 1024
 
 Rebuild = the codec's prompt-only prepare + decode_layer and the KV write of every layer
 (what the decode worker does with codes);

@@ -1,6 +1,6 @@
 """Benchmark of ModelRuntime.decode_step (a command printing figures, not a test).
 
-    python -m scd_serve.model.bench_decode [--batch 1 8 32] [--context 128 2048] [--device cpu]
+    python -m scd_serve.bench.decode_step [--batch 1 8 32] [--context 128 2048] [--device cpu]
 
 Builds a random model of the embedded pair's shape (or --model DIR), fills a pool with
 random K/V for B sequences of about the given context (lengths spread +-25% so padding and
