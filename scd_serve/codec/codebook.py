@@ -35,6 +35,11 @@ MANIFEST, TENSORS = "manifest.json", "codebook.safetensors"
 SPEC_FIELDS = ("num_layers", "hidden_size", "num_kv_heads", "head_dim", "rope_theta")
 
 
+def codebook_arg(path: str) -> str | None:
+    """A worker's --codebook: the directory if it exists, else None (codebook-free methods only)."""
+    return path if path and Path(path).is_dir() else None
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:

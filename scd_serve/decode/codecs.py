@@ -7,9 +7,8 @@ and rotary facts as the handshake (InfoReply) reports them, plus the local codeb
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-
 from scd_serve import codec as codec_registry
+from scd_serve.codec.codebook import codebook_arg
 from scd_serve.errors import ScdError
 
 log = logging.getLogger("scd_serve.decode")
@@ -19,11 +18,6 @@ def producer_spec(info) -> dict:
     """InfoReply -> the dict codec.spec.spec_of() reads."""
     return {"num_layers": info.num_layers, "hidden_size": info.hidden_size, "num_kv_heads": info.num_kv_heads,
             "head_dim": info.head_dim, "rope_theta": info.rope_theta, "fingerprint": info.producer_fingerprint}
-
-
-def codebook_arg(path: str):
-    """The codebook directory if it exists, else None (codebook-free methods only)."""
-    return path if path and Path(path).is_dir() else None
 
 
 class ConsumerCodecs:

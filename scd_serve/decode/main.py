@@ -185,7 +185,8 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     from scd_serve.control.fanout import HeartbeatFanout
     from scd_serve.decode.auto import AutoMethod, Calibration
     from scd_serve.decode.backend import DecodeBackend
-    from scd_serve.decode.codecs import ConsumerCodecs, codebook_arg
+    from scd_serve.codec.codebook import codebook_arg
+    from scd_serve.decode.codecs import ConsumerCodecs
     from scd_serve.decode.kv_fill import RemoteKVFill
     from scd_serve.decode.peers import PeerSet
     from scd_serve.engine.engine import Engine

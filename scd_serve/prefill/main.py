@@ -56,7 +56,7 @@ def config_from_args(args) -> PrefillConfig:
 def build_codecs(rt, codebook: str) -> dict:
     """Every method the registry knows that builds here (scd needs a codebook)."""
     from scd_serve import codec as codec_registry
-    from scd_serve.decode.codecs import codebook_arg
+    from scd_serve.codec.codebook import codebook_arg
     from scd_serve.errors import ScdError
 
     codecs, skipped, book = {}, {}, codebook_arg(codebook)
