@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from scd_serve.config.model import DTYPE_CHOICES
 from scd_serve.config.transport import TransportConfig
-from scd_serve.control.registry import check_address
+from scd_serve.config.address import check_address
 from scd_serve.errors import ConfigError
 
 DEFAULT_CONSUMER = "models/demo-pair/consumer"

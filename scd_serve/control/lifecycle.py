@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn
 
+from scd_serve.config.address import join_host_port
 from scd_serve.config.model import DTYPE_CHOICES
 
 
@@ -98,10 +99,6 @@ class Restarting:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def advertised(advertise: str, host: str, port: int) -> str:

@@ -19,27 +19,17 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+from scd_serve.config.address import check_address
 from scd_serve.control.signing import Rejected, decode_json
 
 ROLES = ("prefill", "decode")
 MAX_ID = 128
-MAX_ADDRESS = 256
 MAX_LOAD_KEYS = 32
 MAX_LOAD = 1e6
 
 
 def encode(msg: dict) -> bytes:
     return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
-
-
-def check_address(address) -> str:
-    """`address` if it is HOST:PORT with a port in 1..65535, else ValueError."""
-    if not isinstance(address, str) or not 0 < len(address) <= MAX_ADDRESS:
-        raise ValueError("address must be a HOST:PORT string")
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address {address!r} is not HOST:PORT")
-    return address
 
 
 def parse(raw: bytes, max_bytes: int) -> dict:

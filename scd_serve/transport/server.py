@@ -6,7 +6,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from scd_serve.config.transport import TransportConfig
-from scd_serve.control.lifecycle import join_host_port
+from scd_serve.config.address import join_host_port
 from scd_serve.transport.security import TokenAuthInterceptor, server_credentials
 
 
