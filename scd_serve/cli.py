@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("scd_serve.model.generate", "greedy completion from one local model"),
     "make-demo-pair": ("scd_serve.pair.make_pair", "train the embedded producer/consumer pair"),
     "eval": ("scd_serve.quality.harness", "quality of a transfer method against the oracle"),
-    "calibrate": ("scd_serve.codec.calibrate", "fit an SCD codebook for a producer/consumer pair"),
+    "calibrate": ("scd_serve.quality.calibrate", "fit an SCD codebook for a producer/consumer pair"),
     "prefill": ("scd_serve.prefill.main", "run a prefill worker (producer model)"),
     "decode": ("scd_serve.decode.main", "run a decode worker (consumer model + HTTP API)"),
     "gateway": ("scd_serve.gateway.main", "run the HTTP gateway in front of decode workers"),

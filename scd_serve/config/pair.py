@@ -21,7 +21,7 @@ def check_stage(stage) -> None:
 class StageConfig:
     """One training stage: the producer's pretraining or the consumer's fine-tune."""
 
-    style: str  # "base" or "expert" (scd_serve/pair/data.py)
+    style: str  # "base" or "expert" (scd_serve/corpus/qa.py)
     steps: int
     lr: float
     batch_tokens: int  # about this many tokens per optimizer step

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from scd_serve.pair.data import STYLES, load_split
+from scd_serve.corpus.qa import STYLES, load_split
 from scd_serve.quality.metrics import exact_match, token_f1
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from scd_serve.pair import lexicon as lx
+from scd_serve.corpus import lexicon as lx
 
 
 def train_tokenizer() -> PreTrainedTokenizerFast:

@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from scd_serve.config.pair import PairConfig, StageConfig
-from scd_serve.pair.data import STYLES, make_copy_document, make_document
+from scd_serve.corpus.qa import STYLES, make_copy_document, make_document
 from scd_serve.pair.tokenizer import encode_words
 
 

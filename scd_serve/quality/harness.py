@@ -23,7 +23,7 @@ from scd_serve.codec.memory import check_fits, estimate
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
 from scd_serve.model.loader import DTYPES
-from scd_serve.pair.data import STYLES, load_split
+from scd_serve.corpus.qa import STYLES, load_split
 from scd_serve.quality.data import FORMATS_HELP, add_truncation_arguments
 from scd_serve.quality.metrics import exact_match, kl_and_tv, token_f1
 from scd_serve.quality.transfer import ORACLE, greedy_after, teacher_forced, transfer
@@ -242,7 +242,7 @@ def print_locality(args: argparse.Namespace, records: list | None, consumer) -> 
                          str(args.data)).items
         prompts = [torch.cat([p.ids, p.reference]) if p.reference is not None else p.ids for p in items]
     else:
-        from scd_serve.codec.calibrate import load_prompts
+        from scd_serve.quality.calibrate import load_prompts
 
         prompts = [p for p, _ in load_prompts(consumer.tokenizer, args.split, args.limit, seed=0)]
     rows = locality(consumer, prompts, taps=args.locality)

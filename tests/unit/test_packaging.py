@@ -99,7 +99,7 @@ for role in ("prefill", "decode", "gateway", "up"):
 
 
 def _tqdm_calibrate():
-    from scd_serve.codec.calibrate import tqdm
+    from scd_serve.quality.calibrate import tqdm
 
     tqdm([], disable=True)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from scd_serve import codec
-from scd_serve.codec.calibrate import calibrate
+from scd_serve.quality.calibrate import calibrate
 from scd_serve.codec.codebook import MANIFEST, TENSORS, Codebook
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import CodebookError, ConfigError

@@ -112,7 +112,7 @@ def test_calibration_at_a_152k_vocabulary_allocates_nothing_vocab_sized(tmp_path
     Gram matrix; the feature prior's whole calibration stays within a few hundred MB."""
     script = textwrap.dedent(f"""
         import resource, torch
-        from scd_serve.codec.calibrate import calibrate
+        from scd_serve.quality.calibrate import calibrate
         from scd_serve.config.codec import CalibrateConfig
         from scd_serve.model import ModelRuntime
         from scd_serve.model.tiny import save_tiny_model

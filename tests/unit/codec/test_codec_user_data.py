@@ -123,10 +123,10 @@ def test_a_file_of_the_builtin_prompts_gives_the_builtin_calibration_prompts(tmp
     """The file path and the built-in path agree: same fit prompts, same probe (prompt, answer)."""
     from types import SimpleNamespace
 
-    from scd_serve.codec.calibrate import load_prompts, user_prompts
+    from scd_serve.quality.calibrate import load_prompts, user_prompts
     from scd_serve.config.codec import CalibrateConfig
     from scd_serve.model.loader import load_tokenizer
-    from scd_serve.pair.data import load_split
+    from scd_serve.corpus.qa import load_split
     from scd_serve.quality.data import read_records
 
     tok = load_tokenizer(Path(__file__).parents[3] / "models" / "demo-pair" / "consumer")

@@ -3,7 +3,7 @@
 import pytest
 
 from scd_serve.errors import InvalidRequest
-from scd_serve.pair.data import STYLES, load_split
+from scd_serve.corpus.qa import STYLES, load_split
 from scd_serve.pair.tokenizer import encode_words, train_tokenizer
 
 
@@ -54,7 +54,7 @@ def test_unknown_split_is_a_clear_error():
 def test_copy_document_repeats_a_span_and_masks_only_the_predictable_part():
     import random
 
-    from scd_serve.pair.data import make_copy_document
+    from scd_serve.corpus.qa import make_copy_document
 
     doc = make_copy_document(random.Random(5), STYLES["base"], 60)
     n = sum(doc.answer_mask)

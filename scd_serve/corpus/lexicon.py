@@ -30,7 +30,7 @@ FILLER_VERBS = (
 FILLER_ADVERBS = "slowly quietly early late softly again often rarely briefly gently".split()
 FILLER_ADJS = "old new red dark bright small large cold warm quiet busy empty".split()
 
-# Template words of the two styles (see scd_serve/pair/data.py for the formats).
+# Template words of the two styles (see scd_serve/corpus/qa.py for the formats).
 TEMPLATE_WORDS = (
     "facts questions ask . the "  # base style
     "records queries find ; note log with"  # expert style

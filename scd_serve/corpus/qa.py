@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 
 from scd_serve.errors import InvalidRequest
-from scd_serve.pair import lexicon as lx
+from scd_serve.corpus import lexicon as lx
 
 
 @dataclass(frozen=True)

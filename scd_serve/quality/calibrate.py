@@ -182,7 +182,7 @@ def droidspeak_layers(probe: KLProbe, cands: Candidates, num_layers: int, count:
 
 def load_prompts(tokenizer: Any, split: str, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(prompt ids with <bos>, answer ids) from the project's deterministic data."""
-    from scd_serve.pair.data import load_split
+    from scd_serve.corpus.qa import load_split
 
     if tokenizer is None:
         raise ConfigError("the consumer model directory has no tokenizer; calibration needs one for its prompts")
@@ -229,7 +229,7 @@ def user_prompts(consumer: Any, data: str, records: list, cfg: CalibrateConfig, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from scd_serve.pair.data import SPLITS
+    from scd_serve.corpus.qa import SPLITS
     from scd_serve.quality.data import FORMATS_HELP, add_truncation_arguments
 
     parser.add_argument("--producer", required=True, help="producer (prefill side) model directory")
@@ -275,7 +275,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from scd_serve.model import ModelRuntime
-    from scd_serve.pair.data import SPLITS
+    from scd_serve.corpus.qa import SPLITS
 
     cfg = CalibrateConfig(kl_budget=args.kl_budget, num_prompts=args.num_prompts,
                           num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
