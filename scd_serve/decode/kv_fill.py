@@ -85,6 +85,9 @@ class RemoteKVFill:
         self.on_cold: Callable[[str, object], None] | None = None  # told (prefill address, request) of each
         # Told of every completed transfer: (prefill address, request, Received, wall seconds).
         self.on_transfer: Callable[[str, object, Received, float], None] | None = None
+        # wrappers of each request's consumer codec, (codec, request_id) -> codec: a public seam for
+        # fault injection and tracing (testing/faults.py), applied in order
+        self.codec_hooks: list[Callable[[object, str], object]] = []
 
     async def __call__(self, req, sink) -> dict:
         """Fill `sink` with the prompt's K/V: by a transfer, or by copying the one another request
@@ -209,6 +212,8 @@ class RemoteKVFill:
         request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
                                     consumer_fingerprint=self.rt.fingerprint)
         prompt_codec = PromptCodec(codec, tokens)  # decode_layer sees the prompt's token ids
+        for hook in self.codec_hooks:
+            prompt_codec = hook(prompt_codec, rid)
 
         def check_header(header) -> None:
             self._check_header(header, peer, codec)
@@ -224,7 +229,7 @@ class RemoteKVFill:
         try:
             job.start()  # the request leaves now, while a transfer thread wakes up to read the answer
             self._threads.submit(job.run, loop, done, verifier, lambda: self._prepare(prompt_codec, sink),
-                                 lambda layer, code: self._rebuild_layer(layer, code, prompt_codec, sink))
+                                 lambda layer, code: self.rebuild_layer(layer, code, prompt_codec, sink))
             got = await self._watch(job, done)
             ok = True
         except grpc.RpcError as exc:
@@ -306,7 +311,9 @@ class RemoteKVFill:
         except Exception as exc:  # a local fault, not the peer's: this transfer fails, the worker lives
             raise TransferFailed(f"preparing the rebuild failed: {type(exc).__name__}: {exc}") from None
 
-    def _rebuild_layer(self, layer: int, code: dict, codec, sink) -> None:
+    def rebuild_layer(self, layer: int, code: dict, codec, sink) -> None:
+        """Decode one layer's code with the request's codec and write it into the sink; a code that
+        does not decode, or rebuilds to non-finite K/V, is refused (TransferCorrupt), never written."""
         try:
             k_pre, v = codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd] each
         except ScdError:

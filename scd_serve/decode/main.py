@@ -256,7 +256,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
 
 async def engine_death(engine) -> bool:
     """Returns True once the engine's step loop has died (it never comes back)."""
-    while engine._loop_alive():  # Engine has no public liveness flag apart from ready(), which also covers stalls
+    while engine.loop_alive():  # not ready(): that also turns false on a stall, which is not death
         await asyncio.sleep(ENGINE_POLL_S)
     return True
 

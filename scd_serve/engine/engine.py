@@ -97,14 +97,14 @@ class Engine:
         with a `shutting_down` error, then stop the loop."""
         self._accepting = False
         end = time.monotonic() + max(0.0, grace_s)
-        while self._num_handles() and time.monotonic() < end and self._loop_alive():
+        while self._num_handles() and time.monotonic() < end and self.loop_alive():
             await asyncio.sleep(0.02)
         with self._lock:
             left = list(self._handles.values())
         for h in left:
             self._send(("abort", h, ShuttingDown("server shut down before the request finished")))
         end = time.monotonic() + 2.0
-        while self._num_handles() and time.monotonic() < end and self._loop_alive():
+        while self._num_handles() and time.monotonic() < end and self.loop_alive():
             await asyncio.sleep(0.02)
         self._stop.set()
         self._wake.set()
@@ -112,7 +112,7 @@ class Engine:
             await asyncio.to_thread(self._thread.join, 5.0)
 
     def ready(self) -> bool:
-        return (self._accepting and self._loop_alive()
+        return (self._accepting and self.loop_alive()
                 and time.monotonic() - self._beat < self.config.stall_timeout_s)
 
     def stats(self) -> dict[str, Any]:
@@ -186,7 +186,7 @@ class Engine:
             try:
                 item = await asyncio.wait_for(h.queue.get(), timeout=min(remaining, _POLL_S))
             except TimeoutError:
-                if not self._loop_alive():  # died, or stopped without hearing of this request
+                if not self.loop_alive():  # died, or stopped without hearing of this request
                     raise EngineDead("the engine loop has stopped") from None
                 continue
             if isinstance(item, BaseException):
@@ -199,10 +199,10 @@ class Engine:
             raise EngineDead("the engine loop has stopped")
         if not self._accepting:
             raise ShuttingDown("server is shutting down")
-        if not self._loop_alive():
+        if not self.loop_alive():
             raise EngineDead("the engine loop is not running")
 
-    def _loop_alive(self) -> bool:
+    def loop_alive(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
     def _num_handles(self) -> int:

@@ -104,7 +104,7 @@ class ModelRuntime:
             attn = attend(q[None], rope.apply(k_pre, cos, sin)[None], v[None], masks[spec.window(layer)])
             h = finish_layer(lw, spec, h, attn[0])
             yield layer, LayerState(keys=k_pre, values=v, attn_input=x)
-        return self._logits(h) if compute_logits else None
+        return self.logits_of(h) if compute_logits else None
 
     @torch.no_grad()
     def token_inputs(self, input_ids) -> Tensor:
@@ -202,10 +202,12 @@ class ModelRuntime:
             out.append(token)
         return out
 
-    # ---- internals -----------------------------------------------------------------------
-    def _logits(self, h: Tensor) -> Tensor:
+    def logits_of(self, h: Tensor) -> Tensor:
+        """h [N, hidden] (last layer's output) -> [N, vocab] float32: the final norm and the head."""
         w = self.weights
         return (rms_norm(h, w.norm, self.spec.rms_norm_eps) @ w.lm_head.T).float()
+
+    # ---- internals -----------------------------------------------------------------------
 
     def _masks(self, q_pos: Tensor, lengths: Tensor, s: int) -> dict:
         """window -> [B, 1, Tq, S] bool mask (None for full causal square attention)."""

@@ -129,7 +129,7 @@ class Step:
             at += n
         if not rows:
             return [None] * len(self.wants)
-        out = self.rt._logits(self.h[torch.tensor(rows, device=self.h.device)])  # [R, vocab]
+        out = self.rt.logits_of(self.h[torch.tensor(rows, device=self.h.device)])  # [R, vocab]
         return [None if want == "none" else out[start:start + n] for (start, n), want in zip(spans, self.wants)]
 
 

@@ -6,7 +6,7 @@ import pytest
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from rel_checks import CLEAN_TIMEOUT_S, Baseline, fresh_request
-from scd_serve.soak import LocalStack
+from scd_serve.testing.soak import LocalStack
 
 
 @pytest.fixture(scope="session")

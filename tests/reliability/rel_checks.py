@@ -4,7 +4,7 @@ import asyncio
 import os
 
 from polls import eventually  # the suite's deadline poll (tests/polls.py), for the rel_* tests too
-from scd_serve.soak import completion
+from scd_serve.testing.soak import completion
 
 # How long the clean-state check waits for leaks to go: a pass returns as soon as it is clean; a
 # leak never goes away, so this only has to outlast a loaded machine (it used to be 2 s).

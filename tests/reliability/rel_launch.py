@@ -1,4 +1,4 @@
-"""Run an `scd-serve` command with fault seams from scd_serve.faults composed in (tests only).
+"""Run an `scd-serve` command with fault seams from scd_serve.testing.faults composed in (tests only).
 
     python tests/reliability/rel_launch.py [--prefill-layer-delay S] [--prefill-exit-at-chunk N]
         [--decode-fail-after-steps N] [--decode-step-delay S] -- prefill --model DIR --port 0 ...
@@ -22,7 +22,7 @@ def main() -> int:
     args = p.parse_args(argv[:split])
     command = argv[split + 1:]
 
-    from scd_serve import faults
+    from scd_serve.testing import faults
     from scd_serve.model import runtime as runtime_mod
 
     real_load = runtime_mod.ModelRuntime.load.__func__

@@ -1,5 +1,5 @@
 """Real `scd-serve` processes for the reliability tests, started through rel_launch.py (which
-composes the fault wrappers of scd_serve.faults into the process)."""
+composes the fault wrappers of scd_serve.testing.faults into the process)."""
 
 import asyncio
 import os

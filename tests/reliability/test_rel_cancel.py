@@ -11,8 +11,8 @@ import pytest
 
 from rel_checks import CLEAN_TIMEOUT_S, Baseline, assert_clean, eventually
 from scd_serve.engine.request import GenerationRequest, SamplingParams
-from scd_serve.faults import FaultyProducer, FaultyRuntime, FaultyServicer
-from scd_serve.soak import completion
+from scd_serve.testing.faults import FaultyProducer, FaultyRuntime, FaultyServicer, on_decode
+from scd_serve.testing.soak import completion
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -165,20 +165,18 @@ async def test_d_cancel_during_rebuild_logs_no_errors(make_stack, caplog):
     stack, base = await make_stack(api={"request_timeout_s": 2.5})  # the stalled rebuild waits 5 s
     caplog.set_level(logging.WARNING)
     release, entered = threading.Event(), threading.Event()
-    real = stack.fill._rebuild_layer
 
-    def slow(layer, *args):  # the rebuild of the first layer is still running when the request ends
+    def slow(layer):  # the rebuild of the first layer is still running when the request ends
         entered.set()
         release.wait(5)
-        return real(layer, *args)
 
-    stack.fill._rebuild_layer = slow
+    remove = on_decode(stack.fill, slow)
     r = await stack.client.post("/v1/completions", json=completion("cut during rebuild", 3, scd_method="identity"))
     assert r.status_code in (200, 504), r.text  # fell back locally, or ran out of time
     assert entered.is_set()
     release.set()
     await asyncio.sleep(0.3)
-    stack.fill._rebuild_layer = real
+    remove()
     gc.collect()
     await asyncio.sleep(0.1)
     errors = [r.getMessage()[:200] for r in caplog.records if r.levelno >= logging.ERROR]

@@ -12,7 +12,7 @@ import torch
 
 from rel_checks import assert_clean
 from scd_serve import codec as codec_registry
-from scd_serve.soak import completion
+from scd_serve.testing.soak import completion
 
 pytestmark = pytest.mark.timeout(120)
 # Documented bounds (docs/reliability.md). On this tiny random model greedy choices have small

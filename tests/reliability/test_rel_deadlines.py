@@ -10,8 +10,8 @@ import pytest
 
 from rel_checks import assert_clean, eventually
 from scd_serve.config.transport import TransportConfig
-from scd_serve.faults import FaultyRuntime, FaultyServicer
-from scd_serve.soak import completion
+from scd_serve.testing.faults import FaultyRuntime, FaultyServicer, on_decode
+from scd_serve.testing.soak import completion
 from scd_serve.transport.client import PrefillClient
 from scd_serve.transport.proto import pb
 
@@ -77,7 +77,7 @@ async def test_c3_queue_timeout_while_the_only_slot_is_busy(make_stack):
 
 
 async def test_c4_lease_frees_prefill_when_the_reader_stops(make_stack):
-    from scd_serve.faults import FaultyProducer
+    from scd_serve.testing.faults import FaultyProducer
     slow = {}
     stack, base = await make_stack(prefill={"transfer_lease_s": 2.0},
                                    producer_wrap=lambda rt: slow.setdefault("p", FaultyProducer(rt)))
@@ -107,13 +107,7 @@ async def test_c4_decode_side_reader_stall_ends_on_both_sides(make_stack):
     stack, base = await make_stack(engine=NO_FALLBACK, api={"request_timeout_s": 1.5},
                                    prefill={"transfer_lease_s": 2.0})
     release = threading.Event()
-    real = stack.fill._rebuild_layer
-
-    def stalled(layer, *args):  # the receiver stops consuming at the first layer
-        release.wait(10)
-        return real(layer, *args)
-
-    stack.fill._rebuild_layer = stalled
+    remove = on_decode(stack.fill, lambda layer: release.wait(10))  # the receiver stops consuming at the first layer
     t0 = time.monotonic()
     r = await stack.client.post("/v1/completions", json=completion("x" * 200, 3, scd_method="identity"))
     assert r.status_code == 504, r.text
@@ -123,5 +117,5 @@ async def test_c4_decode_side_reader_stall_ends_on_both_sides(make_stack):
     assert await eventually(lambda: not stack.servicer.transfers, 2.0 + 4.0 - (time.monotonic() - t0)), \
         "prefill still holds the transfer after its lease"
     release.set()
-    stack.fill._rebuild_layer = real
+    remove()
     await assert_clean(stack, base)

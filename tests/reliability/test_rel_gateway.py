@@ -19,9 +19,9 @@ from rel_checks import CLEAN_TIMEOUT_S, Baseline, assert_clean, eventually
 from rel_procs import Proc
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.registry import Registry
-from scd_serve.faults import FaultyProducer, FaultyRuntime, FaultyServicer
+from scd_serve.testing.faults import FaultyProducer, FaultyRuntime, FaultyServicer
 from scd_serve.gateway.app import create_gateway_app
-from scd_serve.soak import completion
+from scd_serve.testing.soak import completion
 
 pytestmark = pytest.mark.timeout(120)
 GONE_S = 2.0  # the bound: the worker's KV blocks are back this long after the client left

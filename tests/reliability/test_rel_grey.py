@@ -12,8 +12,8 @@ import torch
 from rel_checks import assert_clean
 from scd_serve.config.transport import TransportConfig
 from scd_serve.decode.breaker import CLOSED, OPEN
-from scd_serve.faults import FaultyServicer
-from scd_serve.soak import completion
+from scd_serve.testing.faults import FaultyServicer
+from scd_serve.testing.soak import completion
 from scd_serve.transport.tensors import DTYPES
 
 pytestmark = pytest.mark.timeout(90)

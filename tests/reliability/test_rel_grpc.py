@@ -19,10 +19,10 @@ from scd_serve.config.transport import TransportConfig
 from scd_serve.decode.receive import rebuild_chunk
 from scd_serve.engine.sink import LayerSink
 from scd_serve.errors import ScdError
-from scd_serve.faults import FaultyServicer
+from scd_serve.testing.faults import FaultyServicer, on_decode
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
-from scd_serve.soak import LocalStack, completion
+from scd_serve.testing.soak import LocalStack, completion
 from scd_serve.transport.chunking import StreamVerifier, make_chunk
 from scd_serve.transport.client import PrefillClient
 from scd_serve.transport.proto import pb
@@ -34,8 +34,8 @@ NO_FALLBACK = {"fallback_to_local": False}
 
 def record_decoded(stack) -> list[int]:
     """Layers that reached decode_layer (a cold identity transfer: layer i = chunk i)."""
-    seen, real = [], stack.fill._rebuild_layer
-    stack.fill._rebuild_layer = lambda layer, *a: (seen.append(layer), real(layer, *a))[1]
+    seen: list[int] = []
+    on_decode(stack.fill, seen.append)
     return seen
 
 
@@ -261,7 +261,7 @@ def _parse_and_decode(data: bytes, rt, codec, fill_like) -> None:
             code = decode_code(chunk.tensors, layer)
             del code
     chunk.layer_start, chunk.layer_end = 0, min(max(chunk.layer_end, 1), rt.spec.num_layers)
-    rebuild_chunk(chunk, lambda layer, code: fill_like._rebuild_layer(layer, code, codec, sink))  # the decode path
+    rebuild_chunk(chunk, lambda layer, code: fill_like.rebuild_layer(layer, code, codec, sink))  # the decode path
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from rel_checks import CLEAN_TIMEOUT_S, assert_clean, eventually
 from scd_serve.engine.engine import MAX_FAILED_STEPS
 from scd_serve.engine.request import GenerationRequest, SamplingParams
 from scd_serve.errors import ScdError
-from scd_serve.faults import FaultyRuntime, FaultyServicer, fail_decode_for
-from scd_serve.soak import LocalStack, completion
+from scd_serve.testing.faults import FaultyRuntime, FaultyServicer, fail_decode_for
+from scd_serve.testing.soak import LocalStack, completion
 
 pytestmark = pytest.mark.timeout(60)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

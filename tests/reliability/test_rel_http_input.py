@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from rel_checks import assert_clean
-from scd_serve.faults import FaultyServicer
-from scd_serve.soak import completion
+from scd_serve.testing.faults import FaultyServicer
+from scd_serve.testing.soak import completion
 
 pytestmark = pytest.mark.timeout(60)
 URL = "/v1/completions"

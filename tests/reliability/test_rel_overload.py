@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from rel_checks import Baseline, assert_clean, eventually
-from scd_serve.faults import FaultyProducer, FaultyRuntime, FaultyServicer
-from scd_serve.soak import completion
+from scd_serve.testing.faults import FaultyProducer, FaultyRuntime, FaultyServicer
+from scd_serve.testing.soak import completion
 
 pytestmark = pytest.mark.timeout(90)
 

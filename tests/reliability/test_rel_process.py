@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rel_checks import CLEAN_TIMEOUT_S, Baseline, eventually
 from rel_procs import Proc
 from scd_serve.engine.engine import MAX_FAILED_STEPS
-from scd_serve.soak import LocalStack, completion
+from scd_serve.testing.soak import LocalStack, completion
 from scd_serve.transport.proto import SERVICE_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

@@ -16,8 +16,8 @@ from scd_serve.config.decode import DecodeConfig
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.config.transport import TransportConfig
-from scd_serve.faults import FaultyServicer
-from scd_serve.soak import completion
+from scd_serve.testing.faults import FaultyServicer
+from scd_serve.testing.soak import completion
 from scd_serve.transport.client import PrefillClient
 from scd_serve.transport.proto import pb
 

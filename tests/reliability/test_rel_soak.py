@@ -1,7 +1,7 @@
 """J. Leaks and soak (bounded for the suite), and the issue's 100 client disconnects.
 
 J1 runs the checklist's 1,000 mixed requests; J2 runs 15 s (not 60 s) to keep the suite within
-its time budget on 2 shared cores; `python -m scd_serve.soak` runs the full-length versions
+its time budget on 2 shared cores; `python -m scd_serve.testing.soak` runs the full-length versions
 (docs/reliability.md has the figures)."""
 
 import asyncio
@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from rel_checks import CLEAN_TIMEOUT_S, Baseline, assert_clean
-from scd_serve.faults import FaultyProducer
-from scd_serve.soak import completion, soak
+from scd_serve.testing.faults import FaultyProducer
+from scd_serve.testing.soak import completion, soak
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "scd_serve"
 # workers (decode, prefill) sit on the API, the codec and the runtime below them.
 LAYERS: list[tuple[str, ...]] = [
     ("cli",),
-    ("cluster", "bench", "soak"),
-    ("gateway", "pair", "faults"),
+    ("cluster", "bench", "testing"),
+    ("gateway", "pair"),
     ("decode", "prefill", "quality"),
     ("api", "codec"),
     ("engine", "model", "transport", "control", "corpus"),

@@ -131,7 +131,7 @@ def _bench_figure(tmp_path):
 def _soak_stack(tmp_path):
     import asyncio
 
-    from scd_serve.soak import LocalStack
+    from scd_serve.testing.soak import LocalStack
 
     asyncio.run(LocalStack(None).start(prefill_addresses=("127.0.0.1:1",)))
 
@@ -139,7 +139,7 @@ def _soak_stack(tmp_path):
 def _soak(tmp_path):
     import asyncio
 
-    from scd_serve.soak import soak
+    from scd_serve.testing.soak import soak
 
     asyncio.run(soak(None, 0.0, 1, 0))
 

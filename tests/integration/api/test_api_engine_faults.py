@@ -14,7 +14,7 @@ from asgi_lifespan import LifespanManager
 from polls import eventually, eventually_sync
 
 from scd_serve.engine.engine import MAX_FAILED_STEPS
-from scd_serve.engine.toy import ToyRuntime
+from scd_serve.testing.toy_runtime import ToyRuntime
 
 pytestmark = pytest.mark.timeout(60)
 

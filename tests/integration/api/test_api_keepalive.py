@@ -8,7 +8,7 @@ import pytest
 from api_server import ServerThread, engine_app, stop_engine
 from polls import eventually_sync
 
-from scd_serve.engine.toy import ToyRuntime
+from scd_serve.testing.toy_runtime import ToyRuntime
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 

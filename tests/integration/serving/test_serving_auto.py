@@ -25,7 +25,7 @@ from scd_serve.decode.codecs import ConsumerCodecs
 from scd_serve.decode.kv_fill import RemoteKVFill
 from scd_serve.decode.main import resolve_method
 from scd_serve.decode.peers import PeerSet
-from scd_serve.faults import FaultyServicer
+from scd_serve.testing.faults import FaultyServicer
 from scd_serve.prefill.service import PrefillServicer
 
 from serving_helpers import SlowRuntime, engine_for, prompts, start_prefill, tiny_runtime

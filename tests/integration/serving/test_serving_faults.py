@@ -8,6 +8,7 @@ import pytest
 
 from scd_serve.errors import DeadlineExceeded, TransferCorrupt, Unavailable
 from scd_serve.prefill import service as prefill_service
+from scd_serve.testing.faults import on_decode
 from scd_serve.transport.chunking import chunk_message
 from scd_serve.transport.client import PrefillClient
 from scd_serve.config.transport import TransportConfig
@@ -96,9 +97,8 @@ async def test_corrupt_chunk_is_refused_before_decoding(rt, monkeypatch):
         return msg
     monkeypatch.setattr(prefill_service, "chunk_message", corrupting)
     async with decode_stack(rt) as (node, fill, engine):
-        decoded = []
-        real = fill._rebuild_layer
-        fill._rebuild_layer = lambda layer, *a: (decoded.append(layer), real(layer, *a))[1]
+        decoded: list[int] = []
+        on_decode(fill, decoded.append)
         with pytest.raises(TransferCorrupt, match="xxh64") as info:
             await greedy(engine, "r", prompts(1)[0], "identity", fill)
         assert info.value.http_status == 502 and info.value.grpc_code == "DATA_LOSS"

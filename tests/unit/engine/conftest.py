@@ -4,7 +4,7 @@ import pytest
 from engine_helpers import cfg
 
 from scd_serve.engine.engine import Engine
-from scd_serve.engine.toy import ToyRuntime
+from scd_serve.testing.toy_runtime import ToyRuntime
 
 
 @pytest.fixture

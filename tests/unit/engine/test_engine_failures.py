@@ -8,7 +8,7 @@ import pytest
 from engine_helpers import cfg, collect, req, wait_clean
 
 from scd_serve.engine.engine import MAX_FAILED_STEPS, Engine
-from scd_serve.engine.toy import ToyRuntime
+from scd_serve.testing.toy_runtime import ToyRuntime
 from scd_serve.errors import EngineDead, StepFailed
 
 pytestmark = pytest.mark.timeout(30)

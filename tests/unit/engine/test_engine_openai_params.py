@@ -74,7 +74,7 @@ def test_out_of_range_values_name_their_field(bad):
 
 async def test_min_tokens_holds_past_a_likely_eos():
     from scd_serve.engine.engine import Engine
-    from scd_serve.engine.toy import ToyRuntime
+    from scd_serve.testing.toy_runtime import ToyRuntime
     from engine_helpers import cfg
 
     rt = ToyRuntime(eos_bias=50.0)  # <eos> wins every greedy step
@@ -109,7 +109,7 @@ async def test_prompt_logprobs_equal_the_models_own_forward_pass(engine):
     got = events[0].prompt_logprobs
     assert len(got) == len(prompt) and got[0] is None
     for i in range(1, len(prompt)):
-        want = torch.log_softmax(rt._logits(rt.kv(prompt[:i - 1]), prompt[i - 1]), -1)
+        want = torch.log_softmax(rt.logits(rt.kv(prompt[:i - 1]), prompt[i - 1]), -1)
         assert got[i].logprob == pytest.approx(float(want[prompt[i]]), abs=1e-5)  # float32, 8-wide toy
         assert [t for t, _ in got[i].top] == torch.topk(want, 2).indices.tolist()
     assert events[0].logprob is not None and len(events[0].logprob.top) == 1
@@ -142,7 +142,7 @@ async def test_engine_stops_at_a_generation_config_eos(tmp_path):
     from engine_helpers import cfg
 
     from scd_serve.engine.engine import Engine
-    from scd_serve.engine.toy import ToyRuntime
+    from scd_serve.testing.toy_runtime import ToyRuntime
 
     class Special:  # the toy tokenizer, holding greedy[1] as a special token (as <|eot_id|> is)
         def __init__(self, tok, ids):

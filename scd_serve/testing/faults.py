@@ -7,6 +7,7 @@ does not change to the object it wraps, so the code under test is the real code:
     FaultyProducer(rt, layer_delay_s=0.5)        prefill-side runtime: slow / dying per layer
     FaultyServicer(servicer, corrupt_seq=1)      prefill gRPC servicer: sleep, die, corrupt a
                                                  byte, drop / duplicate a chunk, refuse calls
+    on_decode(fill, before)                      before(layer) ahead of each decode_layer (stall, record)
     fail_decode_for(fill, "req-1")               codec decode_layer raises for one request id
 """
 
@@ -16,6 +17,7 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -195,15 +197,12 @@ class FaultyServicer:
             raise
 
 
-def fail_decode_for(fill: Any, request_id: str) -> list[str]:
-    """Make the consumer codec's decode_layer raise for one request id on a RemoteKVFill.
+def on_decode(fill: Any, before: Callable[[int], None], request_id: str | None = None) -> Callable[[], None]:
+    """Call before(layer) ahead of each decode_layer of a RemoteKVFill's transfers (every request,
+    or one), in the transfer thread: a seam to stall, slow, record or fail the rebuild, through
+    the fill's public `codec_hooks`. It binds at each transfer's start; returns its remover."""
 
-    Wraps the instance's `_rebuild_layer(layer, code, codec, sink)` so the codec it passes is
-    a wrapper that raises inside decode_layer; returns the list of request ids that hit the fault."""
-    hits: list[str] = []
-    real = fill._rebuild_layer
-
-    class _Raising:
+    class _Hooked:
         def __init__(self, codec):
             self._codec = codec
 
@@ -211,11 +210,24 @@ def fail_decode_for(fill: Any, request_id: str) -> list[str]:
             return getattr(self._codec, name)
 
         def decode_layer(self, layer, code, consumer):
-            hits.append(request_id)
-            raise RuntimeError("injected decode_layer failure (faults.fail_decode_for)")
+            before(layer)
+            return self._codec.decode_layer(layer, code, consumer)
 
-    def rebuild_layer(layer, code, codec, sink):
-        return real(layer, code, _Raising(codec) if sink.request_id == request_id else codec, sink)
+    def hook(codec, rid: str):
+        return _Hooked(codec) if request_id is None or rid == request_id else codec
 
-    fill._rebuild_layer = rebuild_layer
+    fill.codec_hooks.append(hook)
+    return lambda: fill.codec_hooks.remove(hook)
+
+
+def fail_decode_for(fill: Any, request_id: str) -> list[str]:
+    """Make the consumer codec's decode_layer raise for one request id on a RemoteKVFill;
+    returns the list of request ids that hit the fault."""
+    hits: list[str] = []
+
+    def fail(layer: int) -> None:
+        hits.append(request_id)
+        raise RuntimeError("injected decode_layer failure (faults.fail_decode_for)")
+
+    on_decode(fill, fail, request_id)
     return hits

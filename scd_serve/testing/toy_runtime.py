@@ -66,7 +66,7 @@ class ToyRuntime:
         rows = self.embed[torch.as_tensor(tokens, dtype=torch.long)] * (1 + 0.01 * pos)
         return torch.stack([rows * (layer + 1) for layer in range(self.spec.num_layers)])[:, :, None, :]
 
-    def _logits(self, cached_v: torch.Tensor, token: int) -> torch.Tensor:
+    def logits(self, cached_v: torch.Tensor, token: int) -> torch.Tensor:
         # cached_v: [layers, n, 1, dim] -> [vocab]
         ctx = cached_v.mean(dim=(0, 1, 2)) if cached_v.shape[1] else torch.zeros(_DIM)
         return self.proj @ (ctx + self.embed[token]) + self.bias
@@ -75,7 +75,7 @@ class ToyRuntime:
         """Reference: the same model without a pool, `n` greedy tokens (stops after <eos>)."""
         tokens, out = list(prompt), []
         for _ in range(n):
-            t = int(torch.argmax(self._logits(self.kv(tokens[:-1]), tokens[-1])))
+            t = int(torch.argmax(self.logits(self.kv(tokens[:-1]), tokens[-1])))
             out.append(t)
             tokens.append(t)
             if t == self.tokenizer.eos_token_id:
@@ -123,7 +123,7 @@ class ToyRuntime:
             for layer in range(self.spec.num_layers):
                 self.write_kv(pool, block_ids, layer, kv[layer], kv[layer], start=num_cached)
             cached = self._read_v(pool, block_ids, num_cached + len(tokens))
-            rows = [self._logits(cached[:, :num_cached + i], t) for i, t in enumerate(tokens)]
+            rows = [self.logits(cached[:, :num_cached + i], t) for i, t in enumerate(tokens)]
             out.append(None if want == "none" else torch.stack(rows[-1:] if want == "last" else rows))
         return out
 
@@ -134,5 +134,5 @@ class ToyRuntime:
             kv = self.kv([int(token)], start=num_cached)
             for layer in range(self.spec.num_layers):
                 self.write_kv(pool, block_ids, layer, kv[layer], kv[layer], start=num_cached)
-            rows.append(self._logits(self._read_v(pool, block_ids, num_cached), int(token)))
+            rows.append(self.logits(self._read_v(pool, block_ids, num_cached), int(token)))
         return torch.stack(rows)  # [B, vocab]

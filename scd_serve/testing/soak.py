@@ -3,11 +3,11 @@
 `LocalStack` wires the real pieces in one event loop: a PrefillServicer behind a grpc.aio
 server on 127.0.0.1:0, the decode side (PeerSet + RemoteKVFill), an Engine and the
 FastAPI app (in-process ASGI client, or uvicorn on 127.0.0.1:0 for real streaming and
-disconnects). Fault wrappers from scd_serve.faults are passed in, never switched on by flags.
+disconnects). Fault wrappers from scd_serve.testing.faults are passed in, never switched on by flags.
 `leaks()` names whatever is still held (KV blocks, transfers on either side, unfinished
 sequences); an empty dict is the clean state.
 
-    python -m scd_serve.soak --minutes 10 --concurrency 8 --out soak.json
+    python -m scd_serve.testing.soak --minutes 10 --concurrency 8 --out soak.json
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m scd_serve.soak", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scd_serve.testing.soak", description=__doc__.splitlines()[0])
     add_arguments(parser)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(run(parser.parse_args()))
