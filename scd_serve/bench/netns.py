@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 
-from scd_serve.bench.units import tc_rate
+from scd_serve.planner.units import tc_rate
 from scd_serve.errors import Unavailable
 
 MIN_BURST = 16 * 1024  # bytes; tbf splits larger GSO packets itself

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from scd_serve.bench.shapes import available, config_path
+from scd_serve.planner.shapes import available, config_path
 from scd_serve.errors import ConfigError
 from scd_serve.model.spec import SUPPORTED
 from scd_serve.pair.bpe import train_bpe

@@ -27,7 +27,7 @@ from pathlib import Path
 from scd_serve.bench import procs
 from scd_serve.bench.link import open_link
 from scd_serve.bench.report import summarize_rows
-from scd_serve.bench.units import fmt_bandwidth, parse_bandwidth
+from scd_serve.planner.units import fmt_bandwidth, parse_bandwidth
 from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed
 
 RAW_SHARES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)  # raw wire time / oracle TTFT at the reference length
@@ -82,7 +82,7 @@ class ProbeProcess:
 
 def raw_payload_bytes(consumer_dir: str, tokens: int) -> float:
     """16-bit K and V of every layer for T-1 tokens: what `raw` ships."""
-    from scd_serve.bench.shapes import load_shape
+    from scd_serve.planner.shapes import load_shape
 
     s = load_shape(consumer_dir)
     return s.num_layers * (tokens - 1) * 2 * s.kv_width * 2
@@ -98,7 +98,7 @@ def bench_prompt(consumer_dir: str, n: int, seed: int) -> list[int]:
     are warm on the same codes at the prefill worker."""
     import random
 
-    from scd_serve.bench.shapes import load_shape
+    from scd_serve.planner.shapes import load_shape
 
     rng = random.Random(seed)
     hi = min(load_shape(consumer_dir).vocab_size, 30000)

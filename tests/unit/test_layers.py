@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("gateway", "pair"),
     ("decode", "prefill", "quality"),
     ("api", "codec"),
-    ("engine", "model", "transport", "control", "corpus"),
+    ("engine", "model", "transport", "control", "corpus", "planner"),
     ("config", "extras"),
     ("errors", "_proto", "__init__"),
 ]

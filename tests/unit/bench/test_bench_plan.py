@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from scd_serve.bench.costs import METHODS, RankPlan, method_cost
-from scd_serve.bench.shapes import available, load_shape
-from scd_serve.bench.units import parse_bandwidth
+from scd_serve.planner.costs import METHODS, RankPlan, method_cost
+from scd_serve.planner.shapes import available, load_shape
+from scd_serve.planner.units import parse_bandwidth
 from scd_serve.cli import main
 from scd_serve.errors import ConfigError
 
@@ -71,7 +71,7 @@ def test_rank_ratios_come_from_the_codebook_manifest(tmp_path, capsys):
              "reuse": [{"mode": "reuse", "r_k": 16, "r_v": 16}] * 4}
     (tmp_path / "manifest.json").write_text(json.dumps({"producer": spec, "consumer": spec, "plans": plans,
                                                         "droidspeak_layers": [0]}))
-    from scd_serve.bench.ranks import rank_plan_from_codebook
+    from scd_serve.planner.ranks import rank_plan_from_codebook
 
     rp = rank_plan_from_codebook(tmp_path)
     assert (rp.k_ratio, rp.v_ratio, rp.patch_fraction, rp.h_ratio) == (0.25, 0.5, 0.25, 0.5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from scd_serve.bench.shapes import CONFIG_DIR, load_shape
+from scd_serve.planner.shapes import CONFIG_DIR, load_shape
 from scd_serve.cli import main
 from scd_serve.model import ModelRuntime
 from scd_serve.model.weights import expected_shapes

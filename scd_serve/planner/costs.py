@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scd_serve.bench.shapes import ModelShape
+from scd_serve.planner.shapes import ModelShape
 
 METHODS = ("oracle", "raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8")
 HALF = 2  # bytes per 16-bit element

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scd_serve.bench.costs import RankPlan
+from scd_serve.planner.costs import RankPlan
 from scd_serve.errors import CodebookError
 
 

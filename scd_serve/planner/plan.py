@@ -14,10 +14,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from scd_serve.bench.costs import METHODS, MethodCost, RankPlan, method_cost
-from scd_serve.bench.ranks import rank_plan_from_codebook
-from scd_serve.bench.shapes import ModelShape, available, load_shape
-from scd_serve.bench.units import fmt_bandwidth, fmt_bytes, parse_bandwidth
+from scd_serve.planner.costs import METHODS, MethodCost, RankPlan, method_cost
+from scd_serve.planner.ranks import rank_plan_from_codebook
+from scd_serve.planner.shapes import ModelShape, available, load_shape
+from scd_serve.planner.units import fmt_bandwidth, fmt_bytes, parse_bandwidth
 from scd_serve.errors import ConfigError
 
 FORMULA = """\
