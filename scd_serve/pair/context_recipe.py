@@ -60,7 +60,8 @@ def write_eval_files(cfg: ContextPairConfig, splits, tokenizer, pool: list[str],
     """eval/*.jsonl in formats `scd-serve eval --data` and `calibrate --data` read: the task held out
     (both styles), task prompts and plain source for calibration, plain held-out source."""
     directory.mkdir(parents=True, exist_ok=True)
-    common = dict(lengths=cfg.eval_lengths, depths=cfg.eval_depths, num_chains=cfg.eval_chains)
+    common = dict(lengths=cfg.eval_lengths, depths=cfg.eval_depths, num_chains=cfg.eval_chains,
+                  one_name=cfg.one_name)
     sets = {
         "heldout.jsonl": make_examples(splits["heldout"], pool, tokenizer, STYLES["expert"], cfg.num_heldout,
                                        f"heldout:{cfg.seed}", **common),

@@ -105,15 +105,19 @@ def insertion_points(lines: list[str]) -> list[int]:
 
 
 def build_doc(rng: random.Random, lines: list[str], pool: list[str], style: Style, depths: list[int],
-              asked: list[int], comment_prob: float = 0.0) -> TaskDoc | None:
+              asked: list[int], comment_prob: float = 0.0, one_name: bool = False) -> TaskDoc | None:
     """Insert one chain per entry of `depths` into `lines`, then ask for the last name of each
-    chain in `asked` (indices into depths). None when the excerpt has too few places or names."""
+    chain in `asked` (indices into depths). With `one_name` a chain assigns one name again and
+    again (x = 41 ... x = 3 + x). None when the excerpt has too few places or names."""
     names = free_names(pool, lines)
     points = insertion_points(lines)
     num_statements = sum(d + 1 for d in depths)
-    if len(names) < num_statements or len(points) < num_statements:
+    if len(names) < (len(depths) if one_name else num_statements) or len(points) < num_statements:
         return None
-    names = rng.sample(names, num_statements)
+    if one_name:
+        names = [n for n, d in zip(rng.sample(names, len(depths)), depths) for _ in range(d + 1)]
+    else:
+        names = rng.sample(names, num_statements)
     chains, start = [], 0
     for d in depths:
         chains.append(make_chain(rng, names[start:start + d + 1], d, comment=rng.random() < comment_prob))
@@ -142,13 +146,14 @@ def build_doc(rng: random.Random, lines: list[str], pool: list[str], style: Styl
 
 
 def sample_doc(rng: random.Random, files: tuple[SourceFile, ...], pool: list[str], style: Style,
-               target_tokens: int, depths: list[int], asked: list[int], comment_prob: float = 0.0) -> TaskDoc:
+               target_tokens: int, depths: list[int], asked: list[int], comment_prob: float = 0.0,
+               one_name: bool = False) -> TaskDoc:
     """A document of about `target_tokens` tokens; redraws the excerpt until the chains fit."""
     num_statements = sum(d + 1 for d in depths)
     num_chars = max(200, int(target_tokens * CHARS_PER_TOKEN) - 14 * num_statements - 16 * len(asked))
     num_chars = max(num_chars, 60 * num_statements)  # about one place per 60 characters of code
     for attempt in range(1, 10_000):
-        doc = build_doc(rng, sample_lines(rng, files, num_chars), pool, style, depths, asked, comment_prob)
+        doc = build_doc(rng, sample_lines(rng, files, num_chars), pool, style, depths, asked, comment_prob, one_name)
         if doc is not None:
             return doc
         if attempt % 10 == 0:  # an excerpt this long rarely has room: allow longer ones
@@ -157,7 +162,8 @@ def sample_doc(rng: random.Random, files: tuple[SourceFile, ...], pool: list[str
 
 
 def make_examples(files: tuple[SourceFile, ...], pool: list[str], tokenizer, style: Style, n: int, seed: str,
-                  lengths: tuple[int, int], depths: tuple[int, int], num_chains: tuple[int, int]) -> list[dict]:
+                  lengths: tuple[int, int], depths: tuple[int, int], num_chains: tuple[int, int],
+                  one_name: bool = False) -> list[dict]:
     """`n` held-out style prompts {"id", "prompt", "answer"}: one question, asked chain of depth in
     `depths`, prompt lengths (tokens, <bos> included) in `lengths`. The id says the depth."""
     out = []
@@ -170,7 +176,7 @@ def make_examples(files: tuple[SourceFile, ...], pool: list[str], tokenizer, sty
             chains.append(rng.randint(*depths))
             rng.shuffle(chains)
             asked = rng.choice([c for c, d in enumerate(chains) if depths[0] <= d])
-            doc = sample_doc(rng, files, pool, style, target, chains, [asked])
+            doc = sample_doc(rng, files, pool, style, target, chains, [asked], one_name=one_name)
             start, end = doc.answers[0]
             prompt, answer = doc.text[:start], doc.text[start:end]
             if lo <= len(tokenizer(prompt)["input_ids"]) <= hi:
@@ -188,3 +194,48 @@ def answer_token_mask(tokenizer, doc: TaskDoc) -> tuple[list[int], list[bool]]:
     for start, end in enc["offset_mapping"]:
         mask.append(end > start and any(a <= start and end <= b for a, b in doc.answers))
     return list(enc["input_ids"]), mask
+
+
+GAP_TOKENS = 100  # document tokens per filler line allowed between two statements (distance grows with length)
+
+
+def block_document(rng: random.Random, files: tuple[SourceFile, ...] | None, pool: list[str], style: Style,
+                   length: int, max_depth: int, comment_prob: float = 0.0) -> TaskDoc:
+    """Variables one after another, each tracked alone: a literal, up to `max_depth` additions to
+    the same name (x = 3 + x) with filler lines between (real code from `files`, or `pass`), then
+    its question and answer; blocks until about `length` tokens, every one asked. The line to
+    read is always the latest one naming the variable, so a small model learns the hop (find
+    it, read its value, add) before it must tell names apart. With comment_prob an addition
+    shows its value (`  # 44`), scored like an answer: the value that line has to compute."""
+    doc, used = TaskDoc(""), set()
+    max_gap = max(3, length // GAP_TOKENS)
+    while len(doc.text) < length * CHARS_PER_TOKEN:
+        depth = rng.randint(0, max_depth)
+        filler = _filler(rng, files, (depth + 1) * max_gap)
+        name = rng.choice([n for n in free_names(pool, filler) if n not in used] or pool)
+        used.add(name)
+        chain = make_chain(rng, [name] * (depth + 1), depth)
+        for i, statement in enumerate(chain.statements):
+            for _ in range(rng.randint(0, max_gap)):
+                doc.text += (filler.pop() if filler else "    pass") + "\n"
+            doc.text += "    " + statement
+            if i and rng.random() < comment_prob:
+                doc.text += "  # "
+                doc.answers.append((len(doc.text), len(doc.text) + len(str(chain.values[i]))))
+                doc.asked.append((name, chain.values[i], i))
+                doc.text += str(chain.values[i])
+            doc.text += "\n"
+        prefix, answer = style.question(name, chain.values[-1])
+        doc.text += prefix
+        doc.answers.append((len(doc.text), len(doc.text) + len(answer)))
+        doc.asked.append((name, chain.values[-1], depth))
+        doc.text += answer + "\n"
+    return doc
+
+
+def _filler(rng: random.Random, files: tuple[SourceFile, ...] | None, n: int) -> list[str]:
+    """Up to n lines to put between statements: indented real code, or `pass` without files."""
+    if not files:
+        return ["    pass"] * n
+    lines = [line for line in sample_lines(rng, files, 60 * n) if line.strip()]
+    return ["    " + line.strip() for line in lines[:n]][::-1]  # popped from the end: source order

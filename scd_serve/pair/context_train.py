@@ -20,7 +20,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from scd_serve.config.pair import ContextPairConfig, ContextStageConfig
 from scd_serve.pair.context_corpus import SourceFile
-from scd_serve.pair.context_task import STYLES, answer_token_mask, build_doc, sample_doc
+from scd_serve.pair.context_task import STYLES, answer_token_mask, block_document, build_doc, sample_doc
 from scd_serve.pair.train import lr_at, make_optimizer
 
 Tensor = torch.Tensor
@@ -63,12 +63,15 @@ def batches(stage: ContextStageConfig, tokenizer, files: tuple[SourceFile, ...],
             if rng.random() < stage.copy_frac:
                 rows.append(copy_document(rng, tokenizer.bos_token_id, length, stage.copy_vocab))
                 continue
-            if rng.random() < stage.recall_frac:
+            if rng.random() < stage.block_frac:
+                doc = block_document(rng, files if rng.random() < stage.code_frac else None, pool, style, length,
+                                     max_depth, comments)
+            elif rng.random() < stage.recall_frac:
                 doc = recall_document(rng, pool, style, length, max_depth)
             else:
                 depths = [rng.randint(0, max_depth) for _ in range(rng.randint(*stage.chains))]
                 asked = rng.sample(range(len(depths)), len(depths))
-                doc = sample_doc(rng, files, pool, style, length, depths, asked, comments)
+                doc = sample_doc(rng, files, pool, style, length, depths, asked, comments, stage.one_name)
             ids, mask = answer_token_mask(tokenizer, doc)
             weights = [1.0 if m else (stage.lm_weight if rng.random() < stage.lm_frac else 0.0) for m in mask]
             weights[0] = 0.0  # <bos> is given, never predicted

@@ -13,11 +13,12 @@ from scd_serve.config.pair import ContextPairConfig
 from scd_serve.pair.bpe import single_token_words, train_bpe
 from scd_serve.pair.context_corpus import load_splits
 from scd_serve.pair.context_recipe import make_context_pair, tokenizer_texts
-from scd_serve.pair.context_task import STYLES, make_examples, sample_doc
+from scd_serve.pair.context_task import STYLES, block_document, make_examples, sample_doc
 from scd_serve.quality.data import read_records
 
 LITERAL = re.compile(r"^\s*([a-z]+) = (\d+)$")
 ADDITION = re.compile(r"^\s*([a-z]+) = (\d+) \+ ([a-z]+)$")
+COMMENTED = re.compile(r"^\s*([a-z]+) = (\d+) \+ \1  # (\d+)$")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,52 @@ def test_training_documents_ask_every_chain_in_the_producer_style(tokenizer_and_
         assert doc.text[:start].endswith(f"assert {name} == ") and doc.text[start:end] == str(value)
         assert env[name] == (value, depth)
     assert sorted(d for _, _, d in doc.asked) == [0, 1, 2]
+
+
+def run_one_name(text: str) -> list[tuple[str, int, int]]:
+    """Executes statements in order, a name reassigned as it goes (x = 41 ... x = 3 + x); ->
+    (name, value, additions) at each question, each comment checked against the value there."""
+    env: dict[str, tuple[int, int]] = {}
+    asked = []
+    for line in text.splitlines():
+        if m := LITERAL.match(line):
+            env[m.group(1)] = (int(m.group(2)), 0)
+        elif (m := COMMENTED.match(line)) or (m := ADDITION.match(line)):
+            name, add = m.group(1), int(m.group(2))
+            source = m.group(3) if m.re is ADDITION else name
+            assert source == name and name in env, line  # one name: it adds to its own latest value
+            env[name] = (env[name][0] + add, env[name][1] + 1)
+            if m.re is COMMENTED:
+                assert int(m.group(3)) == env[name][0], line
+        elif m := re.match(r"^(?:assert ([a-z]+) == |>>> ([a-z]+)$)", line):
+            name = m.group(1) or m.group(2)
+            asked.append((name, *env[name]))
+    return asked
+
+
+def test_blocks_ask_every_variable_and_score_the_values_comments_show(tokenizer_and_pool):
+    splits, _, pool = tokenizer_and_pool
+    for files in (splits["base"], None):
+        doc = block_document(random.Random(1), files, pool, STYLES["base"], 1500, 2, comment_prob=1.0)
+        questions = run_one_name(doc.text)
+        assert len(questions) >= 3 and {d for _, _, d in questions} >= {1, 2}
+        spans = [doc.text[a:b] for a, b in doc.answers]
+        assert all(doc.text[:a].endswith(("== ", "# ")) for a, _ in doc.answers)
+        shown = [v for (_, v, _), (a, _) in zip(doc.asked, doc.answers) if doc.text[:a].endswith("# ")]
+        assert shown and len(shown) == sum(d for _, _, d in questions)  # every addition, with comment_prob 1
+        assert [str(v) for _, v, _ in doc.asked] == spans
+        asked_questions = [x for x, (a, _) in zip(doc.asked, doc.answers) if doc.text[:a].endswith("== ")]
+        assert asked_questions == questions
+
+
+def test_one_name_heldout_chains_are_computed_at_their_lines(tokenizer_and_pool):
+    splits, tok, pool = tokenizer_and_pool
+    examples = make_examples(splits["heldout"], pool, tok, STYLES["expert"], 8, "one", lengths=(128, 512),
+                             depths=(1, 2), num_chains=(1, 1), one_name=True)
+    for ex in examples:
+        ((name, value, depth),) = run_one_name(ex["prompt"])
+        assert ex["answer"] == str(value) and 1 <= depth <= 2 and ex["id"].endswith(f"depth{depth}")
+        assert not re.search(rf"\b{name} = {value}\b", ex["prompt"])  # no line states the answer
 
 
 def test_up_pair_context_picks_the_context_pair_unless_a_flag_says_otherwise():
