@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("scd_serve.gateway.main", "run the HTTP gateway in front of decode workers"),
     "up": ("scd_serve.cluster.up", "start a local prefill + decode + gateway cluster"),
     "bench": ("scd_serve.bench.main", "benchmarks: ttft over a shaped link, serving load"),
-    "plan": ("scd_serve.planner.plan", "project payload and TTFT for real model shapes"),
+    "plan": ("scd_serve.planner.project", "project payload and TTFT for real model shapes"),
     "make-shaped-pair": ("scd_serve.bench.shaped_pair", "random-weight pair with a real model's shape (cost only)"),
 }
 # the serving roles: each option also from SCD_<OPTION> (scd_serve/config/env.py)

@@ -174,7 +174,7 @@ def run_ttft(args) -> dict:
     server = probe = worker_proc = client = None
     try:
         server, address = start_prefill(args, link, logs)
-        probe_cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.bench.probe",
+        probe_cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.bench.transfer_probe",
                      "--consumer", args.consumer]
         if args.codebook:
             probe_cmd += ["--codebook", args.codebook]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from scd_serve.codec.plan import PATCH, REUSE, LayerPlan, Plan
-from scd_serve.codec.probe import KLProbe, LayerKV
+from scd_serve.codec.kl_probe import KLProbe, LayerKV
 
 
 @dataclass

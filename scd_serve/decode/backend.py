@@ -112,7 +112,7 @@ class DecodeBackend(EngineBackend):
         auto = {"auto": self.auto.chooser.snapshot()} if self.auto is not None else {}
         return self.engine.stats() | {"transfer": self.fill.snapshot(), "prefill_peers": self.peers.status()} | auto
 
-    def load(self) -> dict[str, float]:
+    def load_report(self) -> dict[str, float]:
         """What heartbeats report to the control plane (numbers only)."""
         s = self.engine.stats()
         t = self.fill.stats

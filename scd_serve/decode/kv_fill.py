@@ -26,7 +26,7 @@ import torch
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import consume_exception
 from scd_serve.decode.breaker import OPEN
-from scd_serve.decode.codecs import PromptCodec
+from scd_serve.decode.consumer_codecs import PromptCodec
 from scd_serve.decode.receive import Received, drain, receive
 from scd_serve.decode.shared import SharedTransfers
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,

@@ -186,7 +186,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     from scd_serve.decode.auto import AutoMethod, Calibration
     from scd_serve.decode.backend import DecodeBackend
     from scd_serve.codec.codebook import codebook_arg
-    from scd_serve.decode.codecs import ConsumerCodecs
+    from scd_serve.decode.consumer_codecs import ConsumerCodecs
     from scd_serve.decode.kv_fill import RemoteKVFill
     from scd_serve.decode.peers import PeerSet
     from scd_serve.engine.engine import Engine
@@ -228,7 +228,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     address = advertised(config.advertise, config.host, port)
     heartbeat = None
     if config.control_url:
-        heartbeat = HeartbeatFanout(config.control_url, "decode", address, backend.ready, backend.load,
+        heartbeat = HeartbeatFanout(config.control_url, "decode", address, backend.ready, backend.load_report,
                                     control or ControlConfig(), on_peers=peers.update_from_registry)
         heartbeat.start()
     print(f"decode worker serving http://{config.host}:{port} (advertised {address}), consumer {rt.fingerprint}, "

@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from scd_serve.config.pair import ContextPairConfig, PairConfig
 from scd_serve.errors import ConfigError
 from scd_serve.pair.grow import grow
-from scd_serve.pair.probe import probe
+from scd_serve.pair.greedy_probe import probe
 from scd_serve.pair.tokenizer import train_tokenizer
 from scd_serve.pair.train import build_model, train_stage
 

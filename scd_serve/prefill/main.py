@@ -90,7 +90,7 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
     heartbeat = None
     if config.control_url:
         heartbeat = HeartbeatFanout(config.control_url, "prefill", address, lambda: not stop.is_set(),
-                                    servicer.load, control or ControlConfig())
+                                    servicer.load_report, control or ControlConfig())
         heartbeat.start()
     metrics_http = None
     if config.metrics_port:

@@ -68,7 +68,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.num_prefills = 0  # producer runs (cache misses that started)
         self.num_failed = 0
         self.metrics = metrics or PrefillMetrics()
-        self.metrics.watch(self.load)
+        self.metrics.watch(self.load_report)
 
     # ---- handshake -----------------------------------------------------------------------
     async def Info(self, request, context):
@@ -91,7 +91,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             t.abort()
         return pb.AbortReply(was_running=t is not None)
 
-    def load(self) -> dict:
+    def load_report(self) -> dict:
         """What heartbeats report (plain numbers)."""
         return {"running": len(self.transfers), "waiting": 0, "capacity": self.config.max_concurrent,
                 "served": self.num_served, "prefills": self.num_prefills, "failed": self.num_failed,

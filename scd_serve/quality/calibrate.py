@@ -25,7 +25,7 @@ from scd_serve.codec.fit import collect_rows, fit_layer, subtract_priors, train_
 from scd_serve.codec.memory import check_fits, estimate
 from scd_serve.codec.features import FeatureFit, FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
-from scd_serve.codec.probe import KLProbe, make_examples
+from scd_serve.codec.kl_probe import KLProbe, make_examples
 from scd_serve.codec.search import PlanSearch, SearchPoint
 from scd_serve.codec.spec import spec_of
 from scd_serve.config.codec import CalibrateConfig

@@ -91,7 +91,7 @@ class LocalStack:
         from scd_serve.config.decode import DecodeConfig
         from scd_serve.config.engine import EngineConfig
         from scd_serve.decode.backend import DecodeBackend
-        from scd_serve.decode.codecs import ConsumerCodecs
+        from scd_serve.decode.consumer_codecs import ConsumerCodecs
         from scd_serve.decode.kv_fill import RemoteKVFill
         from scd_serve.decode.peers import PeerSet
         from scd_serve.engine.engine import Engine

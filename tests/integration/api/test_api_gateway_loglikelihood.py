@@ -28,7 +28,7 @@ from scd_serve.config.prefill import PrefillConfig
 from scd_serve.config.transport import TransportConfig
 from scd_serve.control.registry import Registry
 from scd_serve.decode.backend import DecodeBackend
-from scd_serve.decode.codecs import ConsumerCodecs
+from scd_serve.decode.consumer_codecs import ConsumerCodecs
 from scd_serve.decode.kv_fill import RemoteKVFill
 from scd_serve.decode.peers import PeerSet
 from scd_serve.engine.engine import Engine

@@ -13,7 +13,7 @@ from scd_serve.config.decode import DecodeConfig
 from scd_serve.config.engine import EngineConfig
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.config.transport import TransportConfig
-from scd_serve.decode.codecs import ConsumerCodecs
+from scd_serve.decode.consumer_codecs import ConsumerCodecs
 from scd_serve.decode.kv_fill import RemoteKVFill
 from scd_serve.decode.peers import PeerSet
 from scd_serve.engine.engine import Engine

@@ -21,7 +21,7 @@ from scd_serve.config.api import ApiConfig
 from scd_serve.config.decode import ChooserConfig, DecodeConfig
 from scd_serve.decode.auto import AutoMethod, Calibration
 from scd_serve.decode.backend import DecodeBackend
-from scd_serve.decode.codecs import ConsumerCodecs
+from scd_serve.decode.consumer_codecs import ConsumerCodecs
 from scd_serve.decode.kv_fill import RemoteKVFill
 from scd_serve.decode.main import resolve_method
 from scd_serve.decode.peers import PeerSet

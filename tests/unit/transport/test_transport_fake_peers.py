@@ -5,7 +5,7 @@ import pytest
 from scd_serve import codec as codec_registry
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.config.prefill import PrefillConfig
-from scd_serve.decode.codecs import ConsumerCodecs
+from scd_serve.decode.consumer_codecs import ConsumerCodecs
 from scd_serve.decode.peers import PeerSet
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model

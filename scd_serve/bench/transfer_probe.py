@@ -18,7 +18,7 @@ With a `worker` URL (a real `scd-serve decode` in this namespace, see `bench ttf
 --worker`) it times what a user sees instead: streamed /v1/completions with max_tokens=1,
 send -> first token event, for the same warm prompt.
 
-    python -m scd_serve.bench.probe --consumer DIR [--codebook DIR]
+    python -m scd_serve.bench.transfer_probe --consumer DIR [--codebook DIR]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from scd_serve.decode.codecs import PromptCodec
+from scd_serve.decode.consumer_codecs import PromptCodec
 from scd_serve.decode.receive import drain, receive
 from scd_serve.engine.runner import StepAhead
 from scd_serve.errors import TransferFailed
@@ -47,7 +47,7 @@ BLOCK = 16
 
 class Probe:
     def __init__(self, consumer_dir: str, codebook: str | None):
-        from scd_serve.decode.codecs import ConsumerCodecs
+        from scd_serve.decode.consumer_codecs import ConsumerCodecs
         from scd_serve.model import ModelRuntime
 
         self.rt = ModelRuntime.load(consumer_dir)
