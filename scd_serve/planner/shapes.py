@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from scd_serve.errors import ConfigError
+from scd_serve.errors import ConfigError, ModelLoadError
+from scd_serve.model.spec import spec_from_config
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 
@@ -74,22 +75,16 @@ def config_path(name_or_path: str, field: str) -> Path:
 
 
 def load_shape(name_or_path: str) -> ModelShape:
-    """A shipped name ('mistral-7b', case-insensitive), a config.json, or a model directory."""
+    """A shipped name ('mistral-7b', case-insensitive), a config.json, or a model directory; parsed
+    by the runtime's own config reader (model/spec.py), so the planner accepts what serving does."""
     path = config_path(name_or_path, "model_config")
     try:
         cfg = json.loads(path.read_text())
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-        return ModelShape(
-            name=str(cfg.get("name") or cfg.get("_name_or_path") or path.parent.name or path.stem),
-            num_layers=int(cfg["num_hidden_layers"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            vocab_size=int(cfg["vocab_size"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except (KeyError, ValueError, TypeError) as exc:
-        raise ConfigError(f"model config {path} lacks a needed field: {exc}", field="model_config") from exc
+        spec = spec_from_config(cfg, where=str(path))
+    except (ValueError, ModelLoadError) as exc:
+        raise ConfigError(f"model config {path}: {exc}", field="model_config") from exc
+    return ModelShape(
+        name=str(cfg.get("name") or cfg.get("_name_or_path") or path.parent.name or path.stem),
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size, tie_word_embeddings=spec.tie_word_embeddings)

@@ -19,8 +19,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("cluster", "bench", "testing"),
     ("gateway", "pair"),
     ("decode", "prefill", "quality"),
-    ("api", "codec"),
-    ("engine", "model", "transport", "control", "corpus", "planner"),
+    ("api", "codec", "planner"),
+    ("engine", "model", "transport", "control", "corpus"),
     ("config", "extras"),
     ("errors", "_proto", "__init__"),
 ]
