@@ -159,11 +159,12 @@ class ContextPairConfig:
         max_len=192, ramp_frac=0.0, warmup=50, chains=(1, 1), start_max_depth=0, max_depth=0, copy_frac=0.15,
         copy_vocab=256, block_frac=0.85, one_name=True))
     # grown: additions (depth 1-2) need a hop per layer; "# value" comments on additions, scored, show
-    # each line's value where it must be computed, then fade out
+    # each line's value where it must be computed, and fade out slowly (run 8 faded them by half-way,
+    # at 400 steps: additions were at 0.30 while the comments lasted, then fell to chance)
     producer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="base", split="base", steps=400, lr=1.5e-3, batch_tokens=2560, min_len=128, start_max_len=256,
-        max_len=640, ramp_frac=0.4, long_frac=0.05, long_len=2048, warmup=30, chains=(1, 1),
-        start_max_depth=1, max_depth=2, comment_prob=0.5, comment_until=0.5, copy_frac=0.05, block_frac=0.6,
+        style="base", split="base", steps=700, lr=1.5e-3, batch_tokens=2560, min_len=128, start_max_len=192,
+        max_len=640, ramp_frac=0.6, long_frac=0.05, long_len=2048, warmup=30, chains=(1, 1),
+        start_max_depth=1, max_depth=2, comment_prob=0.6, comment_until=0.8, copy_frac=0.05, block_frac=0.7,
         code_frac=0.7, one_name=True))
     consumer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
         style="expert", split="expert", steps=80, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
