@@ -38,14 +38,14 @@ def wait_http(url: str, proc: subprocess.Popen, deadline_s: float, log: Path | N
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise DeadlineExceeded(f"process exited with {proc.returncode} before {url} was ready{_tail(log)}")
+            raise DeadlineExceeded(f"process exited with {proc.returncode} before {url} was ready{log_tail(log)}")
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    raise DeadlineExceeded(f"{url} not ready after {deadline_s:.0f}s{_tail(log)}")
+    raise DeadlineExceeded(f"{url} not ready after {deadline_s:.0f}s{log_tail(log)}")
 
 
 def wait_tcp(host: str, port: int, proc: subprocess.Popen, deadline_s: float, prefix: list[str] | None = None,
@@ -56,11 +56,11 @@ def wait_tcp(host: str, port: int, proc: subprocess.Popen, deadline_s: float, pr
              f"import socket; socket.create_connection(({host!r}, {port}), timeout=1).close()"]
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise DeadlineExceeded(f"process exited with {proc.returncode} before {host}:{port} listened{_tail(log)}")
+            raise DeadlineExceeded(f"process exited with {proc.returncode} before {host}:{port} listened{log_tail(log)}")
         if subprocess.run(probe, capture_output=True, timeout=20).returncode == 0:
             return
         time.sleep(0.5)
-    raise DeadlineExceeded(f"{host}:{port} not listening after {deadline_s:.0f}s{_tail(log)}")
+    raise DeadlineExceeded(f"{host}:{port} not listening after {deadline_s:.0f}s{log_tail(log)}")
 
 
 def stop(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
@@ -77,7 +77,7 @@ def stop(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
         pass
 
 
-def _tail(log: Path | None, n: int = 1200) -> str:
+def log_tail(log: Path | None, n: int = 1200) -> str:
     if log is None or not log.exists():
         return ""
     return "; log tail:\n" + log.read_text(errors="replace")[-n:]

@@ -62,13 +62,13 @@ class ProbeProcess:
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise TransferFailed(f"probe exited with {self.proc.returncode}{procs._tail(self.log)}")
+                raise TransferFailed(f"probe exited with {self.proc.returncode}{procs.log_tail(self.log)}")
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
             if ready:
                 line = self.proc.stdout.readline()
                 if line.strip().startswith("{"):
                     return json.loads(line)
-        raise DeadlineExceeded(f"probe gave no answer within {deadline_s:.0f}s{procs._tail(self.log)}")
+        raise DeadlineExceeded(f"probe gave no answer within {deadline_s:.0f}s{procs.log_tail(self.log)}")
 
     def close(self) -> None:
         try:
