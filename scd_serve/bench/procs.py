@@ -56,7 +56,8 @@ def wait_tcp(host: str, port: int, proc: subprocess.Popen, deadline_s: float, pr
              f"import socket; socket.create_connection(({host!r}, {port}), timeout=1).close()"]
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise DeadlineExceeded(f"process exited with {proc.returncode} before {host}:{port} listened{log_tail(log)}")
+            raise DeadlineExceeded(f"process exited with {proc.returncode} before {host}:{port} listened"
+                                   f"{log_tail(log)}")
         if subprocess.run(probe, capture_output=True, timeout=20).returncode == 0:
             return
         time.sleep(0.5)

@@ -18,7 +18,10 @@ cannot know them. Putting the name last lets each hop be one attention read plus
 addition at the line's last token.
 
 Names are single-token lower-case words (`bpe.single_token_words`) that do not occur in the
-excerpt, Python keywords and builtins excluded, each assigned once per document.
+excerpt, Python keywords and builtins excluded, each assigned once per document; or, with
+`one_name` (the recipe's default since run 10), one name per chain, reassigned line by line
+(x = 41 ... x = 3 + x), so the line to read is the variable's latest. `block_document` is the
+training form: one variable at a time, every one asked.
 """
 
 from __future__ import annotations
