@@ -87,36 +87,25 @@ install_compose() {
     docker compose version
 }
 
-build_base_image() {
-    if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+# A minimal Debian rootfs with the packages in $2 (comma-separated), imported as image $1 unless it
+# exists (no registry here); $3 says how long it takes, further arguments are paths (inside the
+# rootfs) to leave out. The apt package cache is never needed at run time.
+debootstrap_image() {
+    local image="$1" packages="$2" duration="$3"
+    shift 3
+    if docker image inspect "$image" >/dev/null 2>&1; then
         return
     fi
-    log "building base image $BASE_IMAGE with debootstrap (about a minute)"
-    local rootfs
+    log "building $image with debootstrap ($duration)"
+    local rootfs path
     rootfs="$(mktemp -d /tmp/scd-rootfs.XXXXXX)"
-    quiet debootstrap debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    quiet "debootstrap-${image%%:*}" debootstrap --variant=minbase --include="$packages" \
         bookworm "$rootfs" http://deb.debian.org/debian
-    # Smaller image: the apt package cache is not needed at run time.
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-    tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null
-    rm -rf "$rootfs"
-}
-
-# Debian's prometheus package (2.42) in a minimal rootfs: /bin/prometheus and /bin/sh, as the
-# compose service's command expects of prom/prometheus. Grafana has no Debian package, so the
-# monitoring test checks the dashboard's queries against this Prometheus instead.
-build_prometheus_image() {
-    if docker image inspect "$PROMETHEUS_IMAGE" >/dev/null 2>&1; then
-        return
-    fi
-    log "building $PROMETHEUS_IMAGE with debootstrap (about a minute and a half)"
-    local rootfs
-    rootfs="$(mktemp -d /tmp/scd-promfs.XXXXXX)"
-    quiet debootstrap-prometheus debootstrap --variant=minbase --include=prometheus \
-        bookworm "$rootfs" http://deb.debian.org/debian
-    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs"/usr/share/doc \
-        "$rootfs"/usr/share/man "$rootfs"/usr/share/locale
-    tar -C "$rootfs" -c . | docker import - "$PROMETHEUS_IMAGE" >/dev/null
+    for path in "$@"; do
+        rm -rf "${rootfs:?}/$path"
+    done
+    tar -C "$rootfs" -c . | docker import - "$image" >/dev/null
     rm -rf "$rootfs"
 }
 
@@ -159,8 +148,11 @@ start=$SECONDS
 install_packages
 start_dockerd
 install_compose
-build_base_image
+debootstrap_image "$BASE_IMAGE" python3,python3-venv,ca-certificates "about a minute"
 build_wheelhouse
 build_image
-build_prometheus_image
+# Debian's prometheus package (2.42): /bin/prometheus and /bin/sh, as the compose service's command
+# expects of prom/prometheus. Grafana has no Debian package: the monitoring test sends the
+# dashboard's queries to this Prometheus instead.
+debootstrap_image "$PROMETHEUS_IMAGE" prometheus "about a minute and a half" usr/share/doc usr/share/man usr/share/locale
 log "ready in $((SECONDS - start))s"
