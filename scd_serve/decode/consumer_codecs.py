@@ -63,3 +63,12 @@ class PromptCodec:
 
     def decode_layer(self, layer: int, code: dict, consumer):
         return self._codec.decode_layer(layer, code, consumer, tokens=self._tokens)
+
+
+def bind_prompt(codec, tokens: list[int], request_id: str, hooks=()) -> object:
+    """A request's consumer codec: bound to its prompt's token ids, then wrapped by each hook,
+    (codec, request_id) -> codec, in order (RemoteKVFill.codec_hooks)."""
+    bound = PromptCodec(codec, tokens)
+    for hook in hooks:
+        bound = hook(bound, request_id)
+    return bound

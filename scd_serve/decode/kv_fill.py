@@ -26,7 +26,7 @@ import torch
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import consume_exception
 from scd_serve.decode.breaker import OPEN
-from scd_serve.decode.consumer_codecs import PromptCodec
+from scd_serve.decode.consumer_codecs import bind_prompt
 from scd_serve.decode.receive import Received, drain, receive
 from scd_serve.decode.shared import SharedTransfers
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
@@ -85,8 +85,7 @@ class RemoteKVFill:
         self.on_cold: Callable[[str, object], None] | None = None  # told (prefill address, request) of each
         # Told of every completed transfer: (prefill address, request, Received, wall seconds).
         self.on_transfer: Callable[[str, object, Received, float], None] | None = None
-        # wrappers of each request's consumer codec, (codec, request_id) -> codec: a public seam for
-        # fault injection and tracing (testing/faults.py), applied in order
+        # (codec, request_id) -> codec wrappers of each request's codec: fault injection, tracing
         self.codec_hooks: list[Callable[[object, str], object]] = []
 
     async def __call__(self, req, sink) -> dict:
@@ -211,9 +210,7 @@ class RemoteKVFill:
             raise DeadlineExceeded(f"request {rid} has no time left for a transfer")
         request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
                                     consumer_fingerprint=self.rt.fingerprint)
-        prompt_codec = PromptCodec(codec, tokens)  # decode_layer sees the prompt's token ids
-        for hook in self.codec_hooks:
-            prompt_codec = hook(prompt_codec, rid)
+        prompt_codec = bind_prompt(codec, tokens, rid, self.codec_hooks)  # decode_layer sees the prompt's ids
 
         def check_header(header) -> None:
             self._check_header(header, peer, codec)
@@ -312,8 +309,6 @@ class RemoteKVFill:
             raise TransferFailed(f"preparing the rebuild failed: {type(exc).__name__}: {exc}") from None
 
     def rebuild_layer(self, layer: int, code: dict, codec, sink) -> None:
-        """Decode one layer's code with the request's codec and write it into the sink; a code that
-        does not decode, or rebuilds to non-finite K/V, is refused (TransferCorrupt), never written."""
         try:
             k_pre, v = codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd] each
         except ScdError:
