@@ -71,7 +71,8 @@ def feature_prior_bytes(spec, cfg) -> int:
     """Peak of a feature prior's fit (codec/features.py): its [m, m] Gram matrix three times
     (counts, centred copy, Cholesky factor), X^T Y of every target and two more of its size
     (the solution and the factor's product), the sampled rows' features."""
-    m = cfg.prior_taps * (spec.hidden_size + cfg.prior_width + cfg.prior_frequent)
+    states = min(cfg.prior_states, spec.num_layers * 2 * spec.kv_width)
+    m = cfg.prior_taps * (spec.hidden_size + states + cfg.prior_width + cfg.prior_frequent)
     targets = spec.num_layers * (2 * spec.kv_width + spec.hidden_size)
     return 3 * m * m * 8 + 3 * m * targets * 8 + cfg.max_rows * m * 4
 

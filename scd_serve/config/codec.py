@@ -38,6 +38,8 @@ class CalibrateConfig:
     prior: str = "features"
     prior_taps: int = 3
     prior_width: int = 512
+    # feature prior: columns of each token's own K/V at every layer, standing alone (0: none)
+    prior_states: int = 512
     prior_frequent: int = 0  # feature prior: most frequent fit tokens with one-hot columns
     prior_rank: int = 64
     prior_ridge: float | None = None
@@ -54,9 +56,9 @@ class CalibrateConfig:
             raise ConfigError(f"prior_taps must be in [0, 8], got {self.prior_taps}")
         if self.prior not in PRIOR_KINDS:
             raise ConfigError(f"prior must be one of {', '.join(PRIOR_KINDS)}, got {self.prior!r}")
-        if self.prior_width < 0 or self.prior_rank < 1 or self.prior_frequent < 0:
-            raise ConfigError(f"prior_width and prior_frequent must be >= 0 and prior_rank >= 1, got "
-                              f"{self.prior_width}, {self.prior_frequent} and {self.prior_rank}")
+        if min(self.prior_width, self.prior_states, self.prior_frequent) < 0 or self.prior_rank < 1:
+            raise ConfigError(f"prior_width, prior_states and prior_frequent must be >= 0 and prior_rank >= 1, got "
+                              f"{self.prior_width}, {self.prior_states}, {self.prior_frequent} and {self.prior_rank}")
         if self.prior_ridge is not None and self.prior_ridge <= 0:
             raise ConfigError(f"prior_ridge must be > 0, got {self.prior_ridge}")
         if self.aligner_steps < 0:

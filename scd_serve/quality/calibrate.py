@@ -164,8 +164,10 @@ def prior_fitter(cfg: CalibrateConfig, consumer: Any, fit_prompts: list) -> Any:
     """The streamed fit of the chosen token prior (features.py or prior.py)."""
     if cfg.prior == "dense":
         return PriorFit(consumer.spec.vocab_size, cfg.prior_taps)
+    cspec = spec_of(consumer)
     spec = FeatureSpec(taps=cfg.prior_taps, width=cfg.prior_width, rank=cfg.prior_rank, seed=cfg.seed,
-                       hidden=spec_of(consumer).hidden_size, frequent=cfg.prior_frequent)
+                       hidden=cspec.hidden_size, frequent=cfg.prior_frequent,
+                       states=min(cfg.prior_states, cspec.num_layers * 2 * cspec.kv_width))
     return FeatureFit(spec, most_frequent(fit_prompts, cfg.prior_frequent) if cfg.prior_frequent else None)
 
 
@@ -254,6 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prior-taps", type=int, default=3,
                         help="prompt tokens (current and previous) the token prior reads; 0: codes only")
     parser.add_argument("--prior-width", type=int, default=512, help="random features per token of the feature prior")
+    parser.add_argument("--prior-states", type=int, default=512,
+                        help="feature prior: columns of each token's own K/V at every layer, computed by the "
+                             "consumer with the token standing alone (0: its embedding only)")
     parser.add_argument("--prior-frequent", type=int, default=0,
                         help="tokens of the fit prompts (the most frequent) that get a column of their own in the "
                              "feature prior, as in a dense table (0: none; the count is fixed, not the vocabulary)")
@@ -281,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
                           num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
                           max_patches=args.max_patches, aligner_steps=args.aligner_steps, seed=args.seed,
                           prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
-                          prior_frequent=args.prior_frequent, prior_rank=args.prior_rank, prior_ridge=args.prior_ridge)
+                          prior_states=args.prior_states, prior_frequent=args.prior_frequent,
+                          prior_rank=args.prior_rank, prior_ridge=args.prior_ridge)
     if args.greedy_tokens < 1:
         raise ConfigError(f"--greedy-tokens must be >= 1, got {args.greedy_tokens}", field="greedy_tokens")
     # nothing is loaded before the memory estimate and the data file are checked

@@ -186,3 +186,81 @@ def test_the_default_ridge_is_picked_by_cross_validation_and_beats_a_tiny_one_on
         if ridge is None:
             assert fit.ridge > 1e-3, fit.ridge  # 140 features on 120 rows: a strong ridge
     assert errors[None] < errors[1e-6], errors
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    from scd_serve.model import ModelRuntime
+    from scd_serve.model.tiny import save_tiny_model
+
+    path = save_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=3, tokenizer=False, vocab_size=64,
+                           hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           intermediate_size=48, num_hidden_layers=3)
+    return ModelRuntime.load(path)
+
+
+def test_token_states_are_the_models_own_kv_of_a_token_standing_alone(qwen2):
+    ids = torch.tensor([3, 40, 3, 17])
+    states = qwen2.token_states(ids, chunk=3)  # [4, layers * 2 * kv_width], chunked as long prompts are
+    assert states.shape == (4, 3 * 2 * 16)
+    for row, token in zip(states, ids):
+        alone = [s for _, s in qwen2.iter_prefill(token.reshape(1), compute_logits=False)]
+        want = torch.cat([torch.cat([s.keys.flatten(), s.values.flatten()]) for s in alone])
+        assert torch.allclose(row, want, atol=1e-5)
+
+
+class Counting:
+    """The runtime, counting the token ids whose states it computes."""
+
+    def __init__(self, runtime):
+        self.runtime, self.computed = runtime, []
+
+    def token_inputs(self, ids):
+        return self.runtime.token_inputs(ids)
+
+    def token_states(self, ids):
+        self.computed += ids.tolist()
+        return self.runtime.token_states(ids)
+
+
+@pytest.mark.parametrize("states", [96, 40])  # all of the 3 x 2 x 16 columns; a seeded projection to 40
+def test_token_rows_are_computed_once_per_distinct_token_and_agree_on_both_sides(qwen2, states):
+    from scd_serve.codec.features import TokenRows
+
+    spec = FeatureSpec(taps=2, width=8, rank=4, hidden=32, states=states)
+    consumer = Counting(qwen2)
+    rows = TokenRows(spec)
+    first = rows(consumer, torch.tensor([5, 9, 5, 5, 12]))
+    assert first.shape == (5, 32 + states)
+    assert sorted(consumer.computed) == [5, 9, 12]  # distinct tokens only
+    again = rows(consumer, torch.tensor([9, 12, 7]))
+    assert consumer.computed[3:] == [7]  # 9 and 12 came from the cache
+    assert torch.equal(again[:2], first[[1, 4]])
+    if states == 96:  # kept whole: the model's own rows
+        assert torch.allclose(first[:, 32:], qwen2.token_states(torch.tensor([5, 9, 5, 5, 12])), atol=1e-6)
+    bounded = TokenRows(spec, max_bytes=2 * (32 + states) * 4)  # room for two tokens: starts over
+    assert torch.allclose(bounded(consumer, torch.tensor([5, 9, 12, 9])), first[[0, 1, 4, 1]], atol=1e-6)
+    # the fit and the decode side (from the codebook) compute the same context from token ids
+    fit = FeatureFit(spec)
+    prompts = [torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for ids in prompts:
+        phi = fit.add_tokens(ids, consumer)
+        fit.add_target("t", phi, phi[:, :5])
+    prior, _ = fit.solve()
+    loaded = FeaturePrior.from_codebook(prior.manifest(), prior.tensors())
+    assert loaded.spec.states == states
+    assert torch.allclose(loaded.context(prompts[0], qwen2), prior.reduce(fit.add_tokens(prompts[0], qwen2)),
+                          atol=1e-5)
+
+
+def test_a_codebook_from_before_token_states_loads_without_them():
+    consumer, prompts = _data()
+    fit = FeatureFit(FeatureSpec(taps=2, width=8, rank=2, hidden=6))
+    for ids in prompts:
+        phi = fit.add_tokens(ids, consumer)
+        fit.add_target("t", phi, phi[:, :2])
+    prior, _ = fit.solve()
+    old = {k: v for k, v in prior.manifest().items() if k != "states"}
+    loaded = FeaturePrior.from_codebook(old, prior.tensors())
+    assert loaded.spec.states == 0
+    assert torch.allclose(loaded.context(prompts[1], consumer), prior.context(prompts[1], consumer))
