@@ -13,7 +13,7 @@ R [hidden + states, width] and S (only where the model's layers * 2 * kv_width c
 map of each token, so that the fit can give each token a vector of its own, as a table would);
 they are regenerated, not stored, and the manifest holds R's checksum. u_t depends on the token
 id alone, so each prompt computes it once per distinct token, and a bounded cache keeps it
-across prompts. On the embedded pair the token states cut the prior's own KL about 4x against
+across prompts. On the embedded pair the token states cut the prior's own KL 5x against
 the embedding alone (docs/results.md). Features of one token
 (not of the window) make the prior additive over taps like a dense table: on the embedded
 pair it explains the consumer's keys better than random features of the whole window.
