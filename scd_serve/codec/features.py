@@ -274,35 +274,39 @@ class FeatureFit:
         n, m = max(self.rows, 1), self.spec.num_features
         mean = self.col_sum / n
         gram = self.gram - n * torch.outer(mean, mean)  # Xc^T Xc
-        keys = list(self.xty)
-        scales, cols, energy = [], [], 0.0
-        for k in keys:  # each block to unit RMS (centred), so the SVD weighs targets alike
-            d = self.y_sum[k].shape[0]
-            var = (self.y_sq[k] - float(self.y_sum[k].pow(2).sum()) / n) / (n * d)
-            scales.append(max(var, 1e-24) ** 0.5)
-            cols.append((self.xty[k] - torch.outer(mean, self.y_sum[k])) / scales[-1])
-            energy += n * d * var / scales[-1] ** 2  # ||Y_c||^2 of the scaled block
         s, v = torch.linalg.eigh(gram)  # Xc^T Xc = V diag(s) V^T
         s = s.clamp_min(0.0)
-        c = v.T @ torch.cat(cols, dim=1)  # [m, sum d] in the eigenbasis
-        del cols
         unit = float(gram.diagonal().mean().clamp_min(1e-12))
+        del gram
+        # X^T Y of every target in the eigenbasis, one block at a time: at real shapes each
+        # [m, sum d] float64 copy is over a GB, so only c is ever whole (the sums are consumed)
+        keys = list(self.xty)
+        dims = [self.y_sum[k].shape[0] for k in keys]
+        c = torch.empty(m, sum(dims), dtype=torch.float64)
+        scales, energy, col = [], 0.0, 0
+        for k, d in zip(keys, dims):  # each block to unit RMS (centred), so the SVD weighs targets alike
+            var = (self.y_sq[k] - float(self.y_sum[k].pow(2).sum()) / n) / (n * d)
+            scales.append(max(var, 1e-24) ** 0.5)
+            c[:, col: col + d] = v.T @ ((self.xty.pop(k) - torch.outer(mean, self.y_sum[k])) / scales[-1])
+            energy += n * d * var / scales[-1] ** 2  # ||Y_c||^2 of the scaled block
+            col += d
         self.ridge = ridge if ridge is not None else gcv_ridge(s, c.pow(2).sum(1), energy, n, unit)
         inv = 1.0 / (s + self.ridge * unit)
-        w = v @ (inv[:, None] * c)  # [m, sum d] full-rank ridge solution
-        a = inv.sqrt()[:, None] * c  # fitted values' covariance (in the ridge metric) is a^T a
-        del c
-        evals, evecs = torch.linalg.eigh(a @ a.T)  # [m, m]
+        # the full-rank ridge solution is W = V diag(inv) c; the fitted values' covariance (in the
+        # ridge metric) is A^T A with A = diag(sqrt(inv)) c. Neither is formed: only [m, m] and
+        # [m, rank] products of c are.
+        root = inv.sqrt()
+        evals, evecs = torch.linalg.eigh(root[:, None] * (c @ c.T) * root[None, :])  # A A^T [m, m]
         rank = min(self.spec.rank, m)
         top = torch.argsort(evals, descending=True)[:rank]
-        p, s = evecs[:, top], evals[top].clamp_min(1e-30).sqrt()
-        q = (a.T @ p) / s  # [sum d, rank] right singular vectors
-        basis = w @ q  # U [m, rank]
+        p, sv = evecs[:, top], evals[top].clamp_min(1e-30).sqrt()
+        q = (c.T @ (root[:, None] * p)) / sv  # [sum d, rank] right singular vectors of A
+        basis = v @ (inv[:, None] * (c @ q))  # U = W q [m, rank]
+        del c
         # the codebook stores U in fp16: fit the heads' users to the very numbers shipped
         prior = FeaturePrior(self.spec, basis.half().float(), mean.float(), self.frequent)
         out, col = {}, 0
-        for k, scale in zip(keys, scales):
-            d = self.y_sum[k].shape[0]
+        for k, d, scale in zip(keys, dims, scales):
             head = q[col: col + d].T * scale  # [rank, d]
             out[k] = (head.float(), (self.y_sum[k] / n).float())  # phi is centred by the prior
             col += d
