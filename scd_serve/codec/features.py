@@ -105,40 +105,41 @@ def features(spec: FeatureSpec, inputs: Tensor, proj: Tensor, ids: Tensor | None
 
 
 class TokenRows:
-    """u [T, hidden + states] of prompt tokens from the consumer's weights, computed once per
-    distinct token and kept (up to `max_bytes`) for later prompts: a token's row never changes."""
+    """u [T, hidden + states] of prompt tokens from the consumer's weights. The token states are
+    computed once per distinct token and kept (up to `max_bytes`) for later prompts: a token's
+    row never changes. e is one embedding gather, not worth a cache."""
 
     def __init__(self, spec: FeatureSpec, max_bytes: int = 64 << 20):
         self.spec, self.max_bytes = spec, max_bytes
-        self._rows: dict[int, Tensor] = {}
+        self._rows: dict[int, Tensor] = {}  # token id -> its state row [states]
         self._state_proj: dict[Any, Tensor | None] = {}
 
-    def _compute(self, consumer: Any, ids: Tensor) -> Tensor:  # ids: [U] -> [U, hidden + states]
-        e = consumer.token_inputs(ids)
-        if not self.spec.states:
-            return e
-        s = consumer.token_states(ids)  # [U, layers * 2 * kv_width]
+    def _states(self, consumer: Any, ids: Tensor) -> Tensor:  # ids: [U] -> [U, states]
+        s = consumer.token_states(ids).float()  # [U, layers * 2 * kv_width]
         if s.device not in self._state_proj:
             proj = self.spec.state_projection(s.shape[1])
             self._state_proj[s.device] = None if proj is None else proj.to(s.device)
         proj = self._state_proj[s.device]
-        return torch.cat([e, s if proj is None else s @ proj], dim=1)
+        return s if proj is None else s @ proj
 
     def __call__(self, consumer: Any, tokens: Any, device: Any = None) -> Tensor:
         ids = torch.as_tensor(tokens).reshape(-1).long()
+        ids = ids if device is None else ids.to(device)
+        e = consumer.token_inputs(ids)  # [T, hidden]
+        if not self.spec.states:
+            return e
         uniq, inverse = torch.unique(ids, return_inverse=True)
         keys = uniq.tolist()
         rows = {i: r for i in keys if (r := self._rows.get(i)) is not None}  # safe beside a clear()
         missing = [i for i in keys if i not in rows]
         if missing:
-            new = torch.as_tensor(missing, dtype=torch.long)
-            computed = self._compute(consumer, new if device is None else new.to(device)).float()
-            rows.update(zip(missing, computed))
-            if (len(self._rows) + len(missing)) * computed.shape[1] * 4 > self.max_bytes:
+            fresh = dict(zip(missing, self._states(consumer, torch.as_tensor(missing, device=ids.device))))
+            rows.update(fresh)
+            if (len(self._rows) + len(fresh)) * self.spec.states * 4 > self.max_bytes:
                 self._rows.clear()  # bounded: start over rather than grow
-            self._rows.update(zip(missing, computed))
-        table = torch.stack([rows[i] for i in keys])  # [U, hidden + states]
-        return table[inverse.to(table.device)]
+            self._rows.update(fresh)
+        table = torch.stack([rows[i] for i in keys])  # [U, states]
+        return torch.cat([e, table[inverse.to(table.device)].to(e.device)], dim=1)
 
 
 class FeaturePrior:

@@ -71,7 +71,7 @@ def feature_prior_bytes(spec, cfg) -> int:
     """Peak of a feature prior's fit (codec/features.py): [m, m] matrices six times (the Gram
     and its eigenvectors, c c^T and its scaled copy, eigh's output and workspace), X^T Y of every
     target twice (the sums while they move into the eigenbasis), the sampled rows' features."""
-    states = min(cfg.prior_states, spec.num_layers * 2 * spec.kv_width)
+    states = cfg.state_columns(spec.num_layers, spec.kv_width)
     m = cfg.prior_taps * (spec.hidden_size + states + cfg.prior_width + cfg.prior_frequent)
     targets = spec.num_layers * (2 * spec.kv_width + spec.hidden_size)
     return 6 * m * m * 8 + 2 * m * targets * 8 + cfg.max_rows * m * 4

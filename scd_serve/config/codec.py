@@ -66,6 +66,11 @@ class CalibrateConfig:
         if self.max_patches is not None and self.max_patches < 0:
             raise ConfigError(f"max_patches must be >= 0, got {self.max_patches}")
 
+    def state_columns(self, num_layers: int, kv_width: int) -> int:
+        """Token-state columns of a feature prior for the consumer: its K and V at every layer,
+        projected down to prior_states where it has more."""
+        return min(self.prior_states, num_layers * 2 * kv_width)
+
     @property
     def uses_prior(self) -> bool:
         return self.prior != "none" and self.prior_taps > 0

@@ -167,7 +167,7 @@ def prior_fitter(cfg: CalibrateConfig, consumer: Any, fit_prompts: list) -> Any:
     cspec = spec_of(consumer)
     spec = FeatureSpec(taps=cfg.prior_taps, width=cfg.prior_width, rank=cfg.prior_rank, seed=cfg.seed,
                        hidden=cspec.hidden_size, frequent=cfg.prior_frequent,
-                       states=min(cfg.prior_states, cspec.num_layers * 2 * cspec.kv_width))
+                       states=cfg.state_columns(cspec.num_layers, cspec.kv_width))
     return FeatureFit(spec, most_frequent(fit_prompts, cfg.prior_frequent) if cfg.prior_frequent else None)
 
 

@@ -238,7 +238,7 @@ def test_token_rows_are_computed_once_per_distinct_token_and_agree_on_both_sides
     assert torch.equal(again[:2], first[[1, 4]])
     if states == 96:  # kept whole: the model's own rows
         assert torch.allclose(first[:, 32:], qwen2.token_states(torch.tensor([5, 9, 5, 5, 12])), atol=1e-6)
-    bounded = TokenRows(spec, max_bytes=2 * (32 + states) * 4)  # room for two tokens: starts over
+    bounded = TokenRows(spec, max_bytes=2 * states * 4)  # room for two tokens' states: starts over
     assert torch.allclose(bounded(consumer, torch.tensor([5, 9, 12, 9])), first[[0, 1, 4, 1]], atol=1e-6)
     # the fit and the decode side (from the codebook) compute the same context from token ids
     fit = FeatureFit(spec)
