@@ -1,6 +1,7 @@
 """Engine on a tiny random llama (scd_serve.model): exactness against the runtime's own greedy."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -159,13 +160,25 @@ async def test_a_layer_written_again_restarts_the_step_ahead(engine, runtime):
 
 async def test_prefill_chunks_and_decodes_share_one_forward(engine, runtime, monkeypatch):
     """While one request decodes, a long prompt arrives: its chunks run in the same forward as
-    the decode steps (mixed_step), and both still equal the runtime's own greedy."""
-    calls = []
-    real = type(runtime).mixed_step
-    monkeypatch.setattr(type(runtime), "mixed_step", lambda self, *a: (calls.append(len(a[1])), real(self, *a))[1])
+    the decode steps (mixed_step), and both still equal the runtime's own greedy. The first decode
+    step is held until the long prompt is in the engine's inbox, so no machine is too fast for it."""
+    calls, entered, release = [], threading.Event(), threading.Event()
+    real_mixed, real_decode = type(runtime).mixed_step, type(runtime).decode_step
+
+    def held_decode(self, *a):
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return real_decode(self, *a)
+
+    monkeypatch.setattr(type(runtime), "mixed_step", lambda self, *a: (calls.append(len(a[1])), real_mixed(self, *a))[1])
+    monkeypatch.setattr(type(runtime), "decode_step", held_decode)
     short, long = [5, 6, 7], list(range(3, 200))  # 197 tokens: 4 chunks of up to 64
     first = asyncio.ensure_future(run(engine, req("d", short, 40)))
-    await asyncio.sleep(0.05)
-    second = await run(engine, req("p", long, 8))
-    assert await first == runtime.generate_greedy(short, 40) and second == runtime.generate_greedy(long, 8)
+    assert await asyncio.to_thread(entered.wait, 30)  # the short request is decoding
+    second = asyncio.ensure_future(run(engine, req("p", long, 8)))
+    while engine.stats()["num_requests"] < 2:  # admitted, so its "add" is queued for the next step
+        await asyncio.sleep(0.005)
+    release.set()
+    assert await first == runtime.generate_greedy(short, 40) and await second == runtime.generate_greedy(long, 8)
     assert calls  # at least one step held both a chunk and a decode
