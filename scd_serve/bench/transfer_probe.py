@@ -6,7 +6,7 @@ loads once while the driver re-shapes the link between sweep points.
 
 Per request it runs the decode worker's own receive loop (decode/receive.py, in a transfer
 thread, as decode/kv_fill.py does) with the first decode step run a layer at a time as the
-K/V lands (engine/runner.py, StepAhead, as the worker's engine does), and times, on this
+K/V lands (engine/step_ahead.py, as the worker's engine does), and times, on this
 side: the first and last chunk's arrival, the rebuild (its prompt-only preparation, done
 while the first chunk is on its way, plus decode_layer and the KV write of every layer as
 its chunk arrives; all of it counts in the bound), all of the first decode step's compute
@@ -37,7 +37,7 @@ import torch
 
 from scd_serve.decode.consumer_codecs import PromptCodec
 from scd_serve.decode.receive import drain, receive
-from scd_serve.engine.runner import StepAhead
+from scd_serve.engine.step_ahead import StepAhead
 from scd_serve.errors import TransferFailed
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
@@ -95,7 +95,7 @@ class Probe:
     def _transfer(self, call, codec, method: str, ids: list[int], t0: float, rid: str) -> dict:
         """Transfer thread: the decode worker's receive loop (decode/receive.py), with the
         first decode step on the last prompt token run ahead as each layer lands, as the
-        engine's runner does (engine/runner.py, StepAhead)."""
+        engine's runner does (engine/step_ahead.py)."""
         shipped, last = ids[:-1], ids[-1]  # the last prompt token is the first decode step
         pool = self.rt.new_kv_pool(-(-len(ids) // BLOCK) + 1, BLOCK)
         blocks = list(range(pool.num_blocks))

@@ -22,8 +22,10 @@ from scd_serve.engine.block_manager import BlockManager
 from scd_serve.engine.detokenizer import Detokenizer
 from scd_serve.engine.fill import run_fill
 from scd_serve.engine.generation_config import GenerationDefaults
+from scd_serve.engine.inbox import Abort, Add, Filled, FillFailed, Message
 from scd_serve.engine.request import GenerationRequest, KVFill, TokenEvent, Usage
 from scd_serve.engine.runner import Runner
+from scd_serve.engine.runtime_protocol import Runtime
 from scd_serve.engine.scheduler import ScheduledBatch, Scheduler
 from scd_serve.engine.sequence import Sequence
 from scd_serve.engine.sink import LayerSink
@@ -53,7 +55,7 @@ class _Handle:
 
 
 class Engine:
-    def __init__(self, runtime: Any, config: EngineConfig):
+    def __init__(self, runtime: Runtime, config: EngineConfig):
         limit = getattr(runtime.spec, "max_position_embeddings", None)
         if limit is not None and config.max_model_len > limit:
             raise ConfigError(f"engine.max_model_len {config.max_model_len} exceeds the model's "
@@ -63,7 +65,7 @@ class Engine:
         self.tokenizer = runtime.tokenizer
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        self.generation_defaults = GenerationDefaults.load(getattr(runtime, "path", None))
+        self.generation_defaults = GenerationDefaults.load(runtime.path)
         self.eos_token_ids = (frozenset([eos] if eos is not None else [])
                               | self.generation_defaults.stop_ids(self.tokenizer))
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
@@ -102,7 +104,7 @@ class Engine:
         with self._lock:
             left = list(self._handles.values())
         for h in left:
-            self._send(("abort", h, ShuttingDown("server shut down before the request finished")))
+            self._send(Abort(h, ShuttingDown("server shut down before the request finished")))
         end = time.monotonic() + 2.0
         while self._num_handles() and time.monotonic() < end and self.loop_alive():
             await asyncio.sleep(0.02)
@@ -156,25 +158,24 @@ class Engine:
         log.debug("admitted request_id=%s prompt_tokens=%d max_tokens=%d method=%s",
                   req.request_id, n, max_tokens, req.method)
         try:
-            self._send(("add", h))
+            self._send(Add(h))
             early: list = []  # events the engine sent while the fill was finishing
             if seq.needs_fill:
                 ready = await self._next(h, deadline)
                 failure, early = await run_fill(kv_fill, req, ready.sink, lambda: self._next(h, deadline))
-                if failure is None:
-                    self._send(("filled", h))  # a no-op when the sink already said so
-                elif self.config.fallback_to_local and not isinstance(failure, DeadlineExceeded):
+                # (on success the sink has told the loop already, as the last layer landed)
+                if failure is not None:
+                    if not self.config.fallback_to_local or isinstance(failure, DeadlineExceeded):
+                        raise failure
                     log.warning("request_id=%s KV fill failed (%s); prefilling locally", req.request_id, failure.type)
-                    self._send(("fallback", h))
-                else:
-                    raise failure
+                    self._send(FillFailed(h))
             while True:
                 event = early.pop(0) if early else await self._next(h, deadline)
                 yield event
                 if event.finish_reason is not None:
                     return
         finally:
-            self._send(("abort", h, None))  # no-op when already finished; frees blocks otherwise
+            self._send(Abort(h))  # no-op when already finished; frees blocks otherwise
             with self._lock:
                 self._handles.pop(req.request_id, None)
 
@@ -209,8 +210,8 @@ class Engine:
         with self._lock:
             return len(self._handles)
 
-    def _send(self, command: tuple) -> None:
-        self._inbox.put(command)
+    def _send(self, message: Message) -> None:
+        self._inbox.put(message)
         self._wake.set()
 
     # ---------------------------------------------------------------- the step loop (its thread)
@@ -221,15 +222,11 @@ class Engine:
                 self._apply_inbox()
                 self._expire(time.monotonic())
                 batch = self.scheduler.schedule()
-                # The first decode step runs ahead of the fill only on an otherwise idle engine: there
-                # it hides in the wait for bytes; under load it would take the CPU from the batch,
-                # which decodes that step for a fraction of what one sequence alone costs.
-                step_ahead = not self.scheduler.num_running and self.scheduler.num_filling == len(batch.filling) == 1
                 for seq in batch.filling:
                     h = self._live[seq.seq_id]
-                    # "filled" straight from the writing thread; the fill's own report repeats it (a no-op)
-                    h.sink = self.runner.sink_for(seq, on_complete=lambda h=h: self._send(("filled", h)),
-                                                  step_ahead=step_ahead)
+                    # Filled straight from the writing thread, as the last layer lands
+                    h.sink = self.runner.sink_for(seq, on_complete=lambda h=h: self._send(Filled(h)),
+                                                  step_ahead=batch.step_ahead)
                     self._outbox.append((h, BlocksReady(h.sink)))
                 if batch.is_empty:
                     self._flush()
@@ -283,24 +280,25 @@ class Engine:
     def _apply_inbox(self) -> None:
         while True:
             try:
-                command = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            kind, h = command[0], command[1]
-            if kind == "add":
-                self._live[h.seq.seq_id] = h
-                self.scheduler.add(h.seq)
-            elif kind == "filled":
-                if h.sink is not None:
-                    h.sink.close()  # every layer is in: a stray late write (an abandoned attempt) is refused
-                self.scheduler.fill_done(h.seq)
-            elif kind == "fallback":
-                if h.sink is not None:
-                    h.sink.close()  # no late writes over the local prefill
-                if self.scheduler.fill_failed(h.seq):
-                    self.num_fallbacks += 1
-            elif kind == "abort":
-                self._end(h, "abort", command[2])
+            h = message.handle
+            match message:
+                case Add():
+                    self._live[h.seq.seq_id] = h
+                    self.scheduler.add(h.seq)
+                case Filled():
+                    if h.sink is not None:
+                        h.sink.close()  # every layer is in: a stray late write (an abandoned attempt) is refused
+                    self.scheduler.fill_done(h.seq)
+                case FillFailed():
+                    if h.sink is not None:
+                        h.sink.close()  # no late writes over the local prefill
+                    if self.scheduler.fill_failed(h.seq):
+                        self.num_fallbacks += 1
+                case Abort(error=error):
+                    self._end(h, "abort", error)
 
     def _expire(self, now: float) -> None:
         for seq, why in self.scheduler.expired(now):

@@ -8,24 +8,20 @@ from the logits that are ready instead of decoding that sequence again.
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from scd_serve.config.engine import EngineConfig
 from scd_serve.engine.sampler import sample, token_logprobs
 from scd_serve.engine.scheduler import ScheduledBatch
 from scd_serve.engine.sequence import Sequence
+from scd_serve.engine.runtime_protocol import Runtime
 from scd_serve.engine.sink import LayerSink
+from scd_serve.engine.step_ahead import StepAhead
 
-log = logging.getLogger("scd_serve.engine")
 
 
 class Runner:
-    def __init__(self, runtime: Any, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, runtime: Runtime, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()):
         self.runtime = runtime
         self.eos_token_ids = eos_token_ids  # masked by the sampler until a request's min_tokens
         self.pool = runtime.new_kv_pool(config.num_blocks, config.block_size)  # allocated once, here
@@ -47,9 +43,8 @@ class Runner:
         todo = [i for i, row in enumerate(rows) if row is None]
         steps = [(batch.decodes[i].block_ids, batch.decodes[i].num_cached, batch.decodes[i].last_token) for i in todo]
         logits = None
-        mixed = getattr(self.runtime, "mixed_step", None)
-        if chunks and steps and mixed is not None:
-            outs, logits = mixed(self.pool, chunks, wants, steps)
+        if chunks and steps and self.runtime.mixed_step is not None:
+            outs, logits = self.runtime.mixed_step(self.pool, chunks, wants, steps)
         else:
             outs = self.runtime.extend(self.pool, chunks, logits=wants) if chunks else []
             if steps:
@@ -95,85 +90,38 @@ class Runner:
         its first decode step runs as the layers land (StepAhead)."""
         spec = self.runtime.spec
         block_ids, num_tokens = list(seq.block_ids), seq.num_tokens - 1
-        writer = []  # the request's KVWriter (slots, rotary tables), made once; LayerSink serializes
         ahead = None
-        if step_ahead and getattr(self.runtime, "begin_decode_step", None) is not None:
+        if step_ahead and self.runtime.begin_decode_step is not None:
             item = (block_ids, num_tokens, seq.last_token)
             ahead = StepAhead(lambda: self.runtime.begin_decode_step(self.pool, [item]), spec.num_layers,
                               lambda logits: self._ready.__setitem__(seq.seq_id, logits[0]),
                               request_id=seq.request.request_id)
-
-        def prepare() -> None:
-            if not writer:
-                with torch.inference_mode():
-                    writer.append(self.runtime.kv_writer(self.pool, block_ids, num_tokens))
-                    if ahead is not None:
-                        ahead.start()
-
-        def write(layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
-            prepare()
-            with torch.inference_mode():
-                writer[0].write(layer, k_pre, v)
-                if ahead is not None:
-                    ahead.landed(layer)
-
-        return LayerSink(write, request_id=seq.request.request_id, num_layers=spec.num_layers,
+        fill = _FillWriter(lambda: self.runtime.kv_writer(self.pool, block_ids, num_tokens), ahead)
+        return LayerSink(fill.write, request_id=seq.request.request_id, num_layers=spec.num_layers,
                          num_tokens=num_tokens, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                         prepare=prepare, on_complete=on_complete)
+                         prepare=fill.prepare, on_complete=on_complete)
 
 
-class StepAhead:
-    """The first decode step of a request whose K/V is being written a layer at a time: it
-    runs each layer of the step as soon as that layer and all before it have landed, and
-    hands the logits to `on_logits` when the last one has. A failure here only gives up the
-    head start (logged): the K/V is intact and the engine decodes the sequence as usual."""
+class _FillWriter:
+    """One fill's writes into the pool: the request's KV writer (slots, rotary tables) made once,
+    before the first layer, and the step ahead told of each layer. LayerSink serializes calls."""
 
-    def __init__(self, begin: Callable[[], Any], num_layers: int, on_logits: Callable[[Any], None],
-                 request_id: str = ""):
-        self._begin = begin  # -> a DecodeStep (runtime.begin_decode_step); its setup runs in start()
-        self._landed = [False] * num_layers
-        self._on_logits = on_logits
-        self._step: Any = None
-        self._failed = False
-        self._delivered = False
-        self.request_id = request_id
-        self.elapsed_s = 0.0  # time spent in the step (setup, layers, head): what it costs the writer
+    def __init__(self, make_writer, ahead: StepAhead | None):
+        self._make_writer = make_writer
+        self._writer = None
+        self._ahead = ahead
 
-    def start(self) -> None:
-        """Set the step up now (while the K/V is still on its way), not at the first layer."""
-        if self._step is None and not self._failed and not self._delivered:
-            self._guard(self._set_up)
+    def prepare(self) -> None:
+        if self._writer is None:
+            with torch.inference_mode():
+                self._writer = self._make_writer()
+                if self._ahead is not None:
+                    self._ahead.start()
 
-    def landed(self, layer: int) -> None:
-        if self._delivered:
-            return  # the logits are out; the engine may be decoding this sequence already
-        if self._step is not None and layer < self._step.layer:
-            # a layer the step already read was written again (a retry from another prefill
-            # worker): start over, on the K/V as it is now
-            self._step, self._landed = None, [False] * len(self._landed)
-        self._landed[layer] = True
-        self.start()
-        if self._step is not None:
-            self._guard(self._advance)
-
-    def _set_up(self) -> None:
-        self._step = self._begin()
-
-    def _advance(self) -> None:
-        step = self._step
-        while not step.done and self._landed[step.layer]:
-            step.run_layer()
-        if step.done:
-            self._step, self._delivered = None, True
-            self._on_logits(step.logits())  # [1, vocab]
-
-    def _guard(self, work: Callable[[], None]) -> None:
-        t0 = time.perf_counter()
-        try:
-            work()
-        except Exception as exc:  # noqa: BLE001 - a lost head start, never a lost request
-            self._step, self._failed = None, True
-            log.warning("request_id=%s first step ahead of the fill failed (%s: %s); decoding it as usual",
-                        self.request_id, type(exc).__name__, exc)
-        finally:
-            self.elapsed_s += time.perf_counter() - t0
+    def write(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
+        # k_pre, v: [tokens, kv_heads, head_dim] of one layer, keys before RoPE
+        self.prepare()
+        with torch.inference_mode():
+            self._writer.write(layer, k_pre, v)
+            if self._ahead is not None:
+                self._ahead.landed(layer)

@@ -5,7 +5,7 @@ their K/V there; the rows of all items go through each projection and MLP as one
 weights are read once per step, whatever the mix), and each item attends over its own cached
 prefix in place (model/paged.py). `ModelRuntime.extend`, `decode_step` and `mixed_step` run it
 whole. The engine runs the first step of a request whose K/V arrives over the wire a layer at
-a time (engine/runner.py, StepAhead): layer l of the step reads only layer l of the cache, so it
+a time (engine/step_ahead.py): layer l of the step reads only layer l of the cache, so it
 can run as soon as that layer has landed, and when the last layer lands only that layer and
 the LM head are left.
 """

@@ -45,6 +45,10 @@ class ToyPool:
 
 
 class ToyRuntime:
+    path = None  # no generation_config.json
+    mixed_step = None  # prompt chunks and decode steps run as two forwards
+    begin_decode_step = None  # no first step ahead of a fill
+
     def __init__(self, seed: int = 0, num_layers: int = 2, eos_bias: float = 0.0):
         self.tokenizer = byte_tokenizer()
         vocab = len(self.tokenizer)
