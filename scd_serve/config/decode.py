@@ -91,6 +91,14 @@ class DecodeConfig:
     shutdown_grace_s: float = 10.0
     transport: TransportConfig = field(default_factory=TransportConfig)
     chooser: ChooserConfig = field(default_factory=ChooserConfig)  # the `auto` method
+    # The OpenAI API and the engine it serves
+    api_key: str = field(default="", repr=False)  # bearer token clients must send ("" = none)
+    served_model_names: tuple[str, ...] = ()  # names clients may put in `model` (() = the directory's name)
+    request_timeout_s: float = 300.0  # a request running this long ends with 504
+    max_model_len: int = 0  # prompt + output (0 = the model's context, lowered to what the KV pool holds)
+    num_blocks: int = 0  # KV pool blocks (0 = sized from memory)
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device this worker may use, weights included
+    kv_cache_gib: float = 0.0  # KV pool size (0 = from gpu_memory_utilization, or a quarter of free RAM)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -111,6 +119,15 @@ class DecodeConfig:
             raise ConfigError(f"decode.health_period_s must be in [0.05, 60], got {self.health_period_s}")
         if not self.method:
             raise ConfigError("decode.method must name a transfer method (or 'local')")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"decode.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_model_len < 0 or self.num_blocks < 0:
+            raise ConfigError(f"decode.max_model_len and num_blocks must be >= 0 (0 = automatic), got "
+                              f"{self.max_model_len} and {self.num_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"decode.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_gib < 0:
+            raise ConfigError(f"decode.kv_cache_gib must be >= 0 (0 = automatic), got {self.kv_cache_gib}")
         if self.control_url and not self.control_url.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"decode.control_url must look like tcp://HOST:PORT, got {self.control_url!r}")
         split_peers(",".join(self.prefill))

@@ -65,10 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_control_arguments(parser)
 
 
-def check_exposure(config: DecodeConfig, api_key: str, control: ControlConfig, insecure: bool) -> None:
+def check_exposure(config: DecodeConfig, control: ControlConfig, insecure: bool) -> None:
     from scd_serve.control.exposure import control_plane, listener, refuse_open
 
-    refuse_open("decode", [listener("HTTP API", config.host, bool(api_key), "set $SCD_API_KEY or --api-key"),
+    refuse_open("decode", [listener("HTTP API", config.host, bool(config.api_key), "set $SCD_API_KEY or --api-key"),
                            control_plane(config.control_url, control.secret)], insecure)
 
 
@@ -80,7 +80,11 @@ def config_from_args(args) -> DecodeConfig:
                         breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown_s,
                         allow_incompatible=args.allow_incompatible, expect_producer=args.expect_producer,
                         transport=transport_config_from_args(args),
-                        chooser=ChooserConfig(quality_budget=args.quality_budget, stale_s=args.auto_stale_s))
+                        chooser=ChooserConfig(quality_budget=args.quality_budget, stale_s=args.auto_stale_s),
+                        api_key=args.api_key, served_model_names=tuple(args.served_model_name),
+                        request_timeout_s=args.request_timeout_s, max_model_len=args.max_model_len,
+                        num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                        kv_cache_gib=args.kv_cache_gib)
 
 
 def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
@@ -170,53 +174,36 @@ def available_ram() -> int:
     return free
 
 
-async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_args: dict, request_timeout_s: float,
-                control: ControlConfig | None = None,
-                served_model_names: tuple[str, ...] = ()) -> bool:
+async def serve(config: DecodeConfig, explicit_method: bool, control: ControlConfig | None = None) -> bool:
     """Run until SIGINT/SIGTERM (returns False) or until the engine loop dies (returns True)."""
     import dataclasses
 
     import uvicorn
 
-    from scd_serve.api.app import create_app
-    from scd_serve.api.metrics import Metrics
+    from scd_serve.codec.codebook import codebook_arg
     from scd_serve.config.api import ApiConfig
     from scd_serve.config.engine import EngineConfig
     from scd_serve.control.fanout import HeartbeatFanout
-    from scd_serve.decode.auto import AutoMethod, Calibration
-    from scd_serve.decode.backend import DecodeBackend
-    from scd_serve.codec.codebook import codebook_arg
-    from scd_serve.decode.consumer_codecs import ConsumerCodecs
-    from scd_serve.decode.kv_fill import RemoteKVFill
-    from scd_serve.decode.peers import PeerSet
-    from scd_serve.engine.engine import Engine
+    from scd_serve.decode.worker import DecodeWorker
     from scd_serve.model.runtime import ModelRuntime
 
     stop = stop_event()
     rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device))
     method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)
     config = dataclasses.replace(config, method=method)
-    pool = kv_budget(rt, **pool_args)
+    pool = kv_budget(rt, num_blocks=config.num_blocks, max_model_len=config.max_model_len,
+                     gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_gib=config.kv_cache_gib)
     log.info("%s", pool.note)
     max_len = pool.max_model_len
-    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks, request_timeout_s=request_timeout_s,
-                              fallback_to_local=config.fallback == "local")
-    metrics = Metrics()
-    codecs = ConsumerCodecs(rt, config.codebook)
-    peers = PeerSet(rt, codecs, config)
-    await peers.check_all()
-    peers.start()
-    fill = RemoteKVFill(rt, peers, codecs, config, metrics)
-    auto = AutoMethod(rt.spec, rt.fingerprint, peers, fill, config, Calibration.load(codecs.codebook), metrics)
-    engine = Engine(rt, engine_cfg)
-    engine.start()
+    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks,
+                              request_timeout_s=config.request_timeout_s, fallback_to_local=config.fallback == "local")
     model_name = os.path.basename(os.path.normpath(config.model))
-    backend = DecodeBackend(engine, model_name, fill, peers, method, auto)
-    api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, api_key=api_key,
-                        served_model_names=served_model_names,
+    api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, api_key=config.api_key,
+                        served_model_names=config.served_model_names,
                         max_model_len=max_len, max_tokens_cap=max_len, default_method=method,
-                        request_timeout_s=request_timeout_s)
-    app = create_app(api_cfg, backend, metrics)
+                        request_timeout_s=config.request_timeout_s)
+    worker = await DecodeWorker(rt, config, engine_cfg, api_cfg, model_name=model_name).start()
+    app, engine, backend, peers, auto = worker.app, worker.engine, worker.backend, worker.peers, worker.auto
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_keep_alive=api_cfg.timeout_keep_alive_s,
                                            timeout_graceful_shutdown=int(config.shutdown_grace_s)))
@@ -244,12 +231,11 @@ async def serve(config: DecodeConfig, explicit_method: bool, api_key: str, pool_
     if heartbeat is not None:
         await heartbeat.close()
     server.should_exit = True
-    await engine.stop(grace_s=config.shutdown_grace_s)
+    await worker.drain(config.shutdown_grace_s)
     log.debug("engine stopped")
     await http
     log.debug("http stopped")
-    fill.close()
-    await peers.close()
+    await worker.close()
     log.info("stopped")
     return died
 
@@ -273,9 +259,6 @@ async def first_of(stopped, died) -> bool:
 def run(args) -> int:
     setup_logging("decode")
     config, control = config_from_args(args), control_config_from_args(args)
-    check_exposure(config, args.api_key, control, args.insecure)
-    pool_args = dict(num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                     gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib)
-    died = asyncio.run(serve(config, args.method is not None, args.api_key, pool_args, args.request_timeout_s, control,
-                             tuple(args.served_model_name)))
+    check_exposure(config, control, args.insecure)
+    died = asyncio.run(serve(config, args.method is not None, control))
     exit_now(1 if died else 0)

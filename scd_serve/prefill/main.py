@@ -73,19 +73,14 @@ def build_codecs(rt, codebook: str) -> dict:
 async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> None:
     from scd_serve.control.fanout import HeartbeatFanout
     from scd_serve.model.runtime import ModelRuntime
-    from scd_serve.prefill.service import PrefillServicer
-    from scd_serve.transport.proto import SERVICE_NAME, pb_grpc
-    from scd_serve.transport.server import bind, make_server, set_serving
+    from scd_serve.prefill.worker import PrefillWorker
 
     stop = stop_event()
     rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device))
     codecs = build_codecs(rt, config.codebook)
-    servicer = PrefillServicer(rt, codecs, config)
-    server, health = make_server(config.transport)
-    pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    port = bind(server, config.host, config.port, config.transport)
-    await server.start()
-    await set_serving(health, SERVICE_NAME, True)
+    worker = PrefillWorker(rt, codecs, config)
+    await worker.start()
+    servicer, port = worker.servicer, worker.port
     address = advertised(config.advertise, config.host, port)
     heartbeat = None
     if config.control_url:
@@ -109,11 +104,10 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
         metrics_http.should_exit = True
         await metrics_task
     log.info("shutting down: NOT_SERVING, finishing transfers for up to %.0f s", config.shutdown_grace_s)
-    await set_serving(health, SERVICE_NAME, False)  # probes and decode workers see it before the listener closes
+    await worker.drain()
     if heartbeat is not None:
         await heartbeat.close()
-    await server.stop(grace=config.shutdown_grace_s)
-    servicer.close()
+    await worker.stop(config.shutdown_grace_s)
 
 
 def run(args) -> int:

@@ -50,7 +50,7 @@ class LocalStack:
         self.producer_wrap, self.servicer_wrap, self.runtime_wrap = producer_wrap, servicer_wrap, runtime_wrap
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.health_loop = health_loop  # False: handshake once, no periodic checks (tests of other things)
-        self.server = self.servicer = self.served = None
+        self.prefill = self.servicer = self.served = None
         self.prefill_port = 0
         self.http_server = None
         self.http_task: asyncio.Task | None = None
@@ -59,42 +59,32 @@ class LocalStack:
     async def start_prefill(self, port: int = 0) -> str:
         from scd_serve import codec as codec_registry
         from scd_serve.config.prefill import PrefillConfig
-        from scd_serve.prefill.service import PrefillServicer
-        from scd_serve.transport.proto import SERVICE_NAME, pb_grpc
-        from scd_serve.transport.server import bind, make_server, set_serving
+        from scd_serve.prefill.worker import PrefillWorker
 
         config = PrefillConfig(model="unused", codebook="", port=port, transport=self.transport, **self.prefill_opts)
         producer = self.producer_wrap(self.rt) if self.producer_wrap else self.rt
         codecs = {m: codec_registry.build(m, producer=self.rt) for m in self.methods}
-        self.servicer = PrefillServicer(producer, codecs, config)
-        self.served = self.servicer_wrap(self.servicer) if self.servicer_wrap else self.servicer
-        self.server, self.health = make_server(self.transport, self.max_concurrent_rpcs)
-        pb_grpc.add_PrefillServiceServicer_to_server(self.served, self.server)
-        self.prefill_port = bind(self.server, "127.0.0.1", port, self.transport)
-        await self.server.start()
-        await set_serving(self.health, SERVICE_NAME, True)
-        return f"127.0.0.1:{self.prefill_port}"
+        self.prefill = PrefillWorker(producer, codecs, config, servicer_wrap=self.servicer_wrap,
+                                     max_concurrent_rpcs=self.max_concurrent_rpcs)
+        self.servicer, self.served = self.prefill.servicer, self.prefill.served
+        address = await self.prefill.start()
+        self.prefill_port = self.prefill.port
+        return address
 
     async def stop_prefill(self) -> None:
-        if self.server is not None:
-            self.servicer.close()
-            await self.server.stop(grace=None)
-            self.server = None
+        if self.prefill is not None:
+            await self.prefill.stop()
+            self.prefill = None
 
     # ---- decode side -----------------------------------------------------------------------
     async def start(self, prefill_addresses: tuple[str, ...] | None = None) -> LocalStack:
         with extra("bench", "LocalStack"):
             from asgi_lifespan import LifespanManager
 
-        from scd_serve.api.app import create_app
         from scd_serve.config.api import ApiConfig
         from scd_serve.config.decode import DecodeConfig
         from scd_serve.config.engine import EngineConfig
-        from scd_serve.decode.backend import DecodeBackend
-        from scd_serve.decode.consumer_codecs import ConsumerCodecs
-        from scd_serve.decode.kv_fill import RemoteKVFill
-        from scd_serve.decode.peers import PeerSet
-        from scd_serve.engine.engine import Engine
+        from scd_serve.decode.worker import DecodeWorker
 
         if prefill_addresses is None:
             prefill_addresses = (await self.start_prefill(),)
@@ -102,17 +92,10 @@ class LocalStack:
         fallback = "local" if engine_config.fallback_to_local else "none"
         dconf = DecodeConfig(model="unused", codebook="", prefill=tuple(prefill_addresses), method=self.methods[0],
                              transport=self.transport, **({"fallback": fallback} | self.decode_opts))
-        codecs = ConsumerCodecs(self.rt)
-        self.peers = PeerSet(self.rt, codecs, dconf)
-        await self.peers.check_all()
-        if self.health_loop:
-            self.peers.start()
-        self.fill = RemoteKVFill(self.rt, self.peers, codecs, dconf)
-        runtime = self.runtime_wrap(self.rt) if self.runtime_wrap else self.rt
-        self.engine = Engine(runtime, engine_config)
-        self.engine.start()
-        self.backend = DecodeBackend(self.engine, "tiny", self.fill, self.peers, self.methods[0])
-        self.app = create_app(ApiConfig(**self.api_opts), self.backend)
+        self.decode = await DecodeWorker(self.rt, dconf, engine_config, ApiConfig(**self.api_opts), model_name="tiny",
+                                         runtime_wrap=self.runtime_wrap).start(health_loop=self.health_loop)
+        self.peers, self.fill, self.engine = self.decode.peers, self.decode.fill, self.decode.engine
+        self.backend, self.app = self.decode.backend, self.decode.app
         self.lifespan = LifespanManager(self.app)
         await self.lifespan.__aenter__()
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.lifespan.app, raise_app_exceptions=False),
@@ -138,9 +121,7 @@ class LocalStack:
             await asyncio.wait_for(self.http_task, 5)
         await self.client.aclose()
         await self.lifespan.__aexit__(None, None, None)
-        await self.engine.stop(grace_s=1.0)
-        self.fill.close()
-        await self.peers.close()
+        await self.decode.stop(grace_s=1.0)
         await self.stop_prefill()
 
     # ---- clean state -----------------------------------------------------------------------

@@ -61,11 +61,11 @@ async def test_i1_hung_worker_is_retried_on_another_worker(make_stack, rt):
     transport = TransportConfig(rpc_timeout_s=2, prefill_timeout_s=30, stall_timeout_s=STALL_S)
     stack, base = await make_stack(transport=transport, engine={"fallback_to_local": False},
                                    servicer_wrap=lambda sv: FaultyServicer(sv, sleep_s=60))
-    hung = stack.server, stack.servicer, stack.served
+    hung = stack.prefill, stack.servicer, stack.served
     stack.servicer_wrap = None
     healthy = await stack.start_prefill()  # a second worker, healthy
-    healthy_server = stack.server
-    stack.server, stack.servicer, stack.served = hung  # what stop() and the clean check look at
+    healthy_worker = stack.prefill
+    stack.prefill, stack.servicer, stack.served = hung  # what stop() and the clean check look at
     try:
         stack.peers.add(healthy, static=True)
         await stack.peers.check_all()
@@ -76,7 +76,7 @@ async def test_i1_hung_worker_is_retried_on_another_worker(make_stack, rt):
         assert stack.fill.stats.num_transfers == transfers + 4
         assert stack.fill.stats.num_retries >= 1 and stack.served.calls
     finally:
-        await healthy_server.stop(grace=None)
+        await healthy_worker.stop()
 
 
 def _nan_values(chunk) -> None:

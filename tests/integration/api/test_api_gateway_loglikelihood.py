@@ -19,7 +19,6 @@ import pytest
 import torch
 import uvicorn
 
-from scd_serve.api.app import create_app
 from scd_serve.config.api import ApiConfig
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.config.engine import EngineConfig
@@ -27,14 +26,11 @@ from scd_serve.config.gateway import GatewayConfig
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.config.transport import TransportConfig
 from scd_serve.control.registry import Registry
-from scd_serve.decode.backend import DecodeBackend
-from scd_serve.decode.consumer_codecs import ConsumerCodecs
-from scd_serve.decode.kv_fill import RemoteKVFill
-from scd_serve.decode.peers import PeerSet
-from scd_serve.engine.engine import Engine
+from scd_serve.decode.worker import DecodeWorker
 from scd_serve.gateway.app import create_gateway_app
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
+from scd_serve.prefill.worker import PrefillWorker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 LOGPROB_TOL = 1e-4
@@ -78,44 +74,28 @@ async def cluster(rt, codebook):
     the decode worker's base URL)."""
     from scd_serve import codec as codec_registry
     from scd_serve.codec.codebook import Codebook
-    from scd_serve.prefill.service import PrefillServicer
-    from scd_serve.transport.proto import SERVICE_NAME, pb_grpc
-    from scd_serve.transport.server import bind, make_server, set_serving
 
-    transport = TransportConfig()
     book = Codebook.load(codebook, consumer=rt)
-    servicer = PrefillServicer(rt, {"scd": codec_registry.build("scd", producer=rt, codebook=book)},
-                               PrefillConfig(model="unused", port=0, transport=transport))
-    grpc_server, health = make_server(transport)
-    pb_grpc.add_PrefillServiceServicer_to_server(servicer, grpc_server)
-    port = bind(grpc_server, "127.0.0.1", 0, transport)
-    await grpc_server.start()
-    await set_serving(health, SERVICE_NAME, True)
-    dconf = DecodeConfig(model="unused", codebook=codebook, prefill=(f"127.0.0.1:{port}",), method="scd",
+    prefill = PrefillWorker(rt, {"scd": codec_registry.build("scd", producer=rt, codebook=book)},
+                            PrefillConfig(model="unused", port=0, transport=TransportConfig()))
+    dconf = DecodeConfig(model="unused", codebook=codebook, prefill=(await prefill.start(),), method="scd",
                          fallback="none")
-    codecs = ConsumerCodecs(rt, codebook)
-    peers = PeerSet(rt, codecs, dconf)
-    await peers.check_all()
-    assert peers.ready(), peers.why_not_ready()
-    fill = RemoteKVFill(rt, peers, codecs, dconf)
-    engine = Engine(rt, EngineConfig(num_blocks=128, block_size=8, max_model_len=256, fallback_to_local=False))
-    engine.start()
-    backend = DecodeBackend(engine, "tiny", fill, peers, "scd")
-    worker, worker_task, worker_address = await serve_http(
-        create_app(ApiConfig(max_model_len=256, max_tokens_cap=64, default_method="scd"), backend))
+    decode = DecodeWorker(rt, dconf, EngineConfig(num_blocks=128, block_size=8, max_model_len=256,
+                                                  fallback_to_local=False),
+                          ApiConfig(max_model_len=256, max_tokens_cap=64, default_method="scd"), model_name="tiny")
+    await decode.start(health_loop=False)
+    assert decode.peers.ready(), decode.peers.why_not_ready()
+    worker, worker_task, worker_address = await serve_http(decode.app)
     gw, gw_task, gw_address = await serve_http(
         create_gateway_app(GatewayConfig(port=0, decode=(worker_address,)), Registry(ttl_s=30)))
     try:
-        yield f"http://{gw_address}", fill, f"http://{worker_address}"
+        yield f"http://{gw_address}", decode.fill, f"http://{worker_address}"
     finally:
         for server, task in ((gw, gw_task), (worker, worker_task)):
             server.should_exit = True
             await asyncio.wait_for(task, 10)
-        await engine.stop(grace_s=1)
-        fill.close()
-        await peers.close()
-        servicer.close()
-        await grpc_server.stop(grace=None)
+        await decode.stop(grace_s=1)
+        await prefill.stop()
 
 
 async def test_loglikelihood_through_the_gateway_equals_the_forward_pass_for_scd_and_local(pair):

@@ -4,26 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 
 import torch
 
 from scd_serve import codec as codec_registry
+from scd_serve.config.api import ApiConfig
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.config.engine import EngineConfig
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.config.transport import TransportConfig
-from scd_serve.decode.consumer_codecs import ConsumerCodecs
-from scd_serve.decode.kv_fill import RemoteKVFill
-from scd_serve.decode.peers import PeerSet
+from scd_serve.decode.worker import DecodeWorker
 from scd_serve.engine.engine import Engine
 from scd_serve.engine.request import GenerationRequest, SamplingParams
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from scd_serve.prefill.service import PrefillServicer
+from scd_serve.prefill.worker import PrefillWorker
 from scd_serve.transport.client import PrefillClient
-from scd_serve.transport.proto import SERVICE_NAME, pb_grpc
-from scd_serve.transport.server import bind, make_server, set_serving
 
 
 def tiny_runtime(path, seed=0, **overrides) -> ModelRuntime:
@@ -31,19 +28,7 @@ def tiny_runtime(path, seed=0, **overrides) -> ModelRuntime:
     return ModelRuntime.load(path)
 
 
-@dataclasses.dataclass
-class PrefillNode:
-    server: object
-    servicer: PrefillServicer
-    health: object
-    address: str
-
-    async def stop(self):
-        self.servicer.close()
-        await self.server.stop(grace=None)
-
-
-async def settled(node: PrefillNode, served: int, timeout: float = 10.0) -> bool:
+async def settled(node: PrefillWorker, served: int, timeout: float = 10.0) -> bool:
     """Wait until the worker counts `served` transfers and holds none: it may still be
     finishing a stream (its status) after the decode side has read the last chunk."""
     end = asyncio.get_running_loop().time() + timeout
@@ -55,17 +40,14 @@ async def settled(node: PrefillNode, served: int, timeout: float = 10.0) -> bool
 
 
 async def start_prefill(rt, methods=("identity",), transport: TransportConfig | None = None,
-                        servicer_cls=PrefillServicer, port: int = 0, codebook=None, **cfg) -> PrefillNode:
+                        servicer_cls=PrefillServicer, port: int = 0, codebook=None, **cfg) -> PrefillWorker:
+    """A real prefill worker on 127.0.0.1 (the one `scd-serve prefill` builds), started."""
     transport = transport or TransportConfig()
     config = PrefillConfig(model="unused", port=port, transport=transport, **cfg)
     codecs = {m: codec_registry.build(m, producer=rt, codebook=codebook) for m in methods}
-    servicer = servicer_cls(rt, codecs, config)
-    server, health = make_server(transport)
-    pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    port = bind(server, "127.0.0.1", port, transport)
-    await server.start()
-    await set_serving(health, SERVICE_NAME, True)
-    return PrefillNode(server, servicer, health, f"127.0.0.1:{port}")
+    node = PrefillWorker(rt, codecs, config, servicer_cls=servicer_cls)
+    await node.start()
+    return node
 
 
 @contextlib.asynccontextmanager
@@ -81,33 +63,38 @@ async def worker_and_client(rt, **cfg):
 
 
 async def make_decode(rt, addresses, method="identity", client_factory=None, codebook="", **cfg):
+    """The transfer side of a decode worker (DecodeWorker.connect, no periodic health checks):
+    -> (peers, fill); the caller closes the peers."""
     config = DecodeConfig(model="unused", codebook=codebook, prefill=tuple(addresses), method=method, **cfg)
-    codecs = ConsumerCodecs(rt, codebook)
-    peers = PeerSet(rt, codecs, config, client_factory=client_factory)
-    await peers.check_all()
-    return peers, RemoteKVFill(rt, peers, codecs, config)
+    worker = DecodeWorker(rt, config, EngineConfig(), ApiConfig(), client_factory=client_factory)
+    await worker.connect(health_loop=False)
+    return worker.peers, worker.fill
+
+
+def engine_config(**cfg) -> EngineConfig:
+    return EngineConfig(num_blocks=256, block_size=8, max_model_len=256, max_num_seqs=32,
+                        **({"fallback_to_local": False} | cfg))
 
 
 def engine_for(rt, **cfg) -> Engine:
-    config = EngineConfig(num_blocks=256, block_size=8, max_model_len=256, max_num_seqs=32,
-                          **({"fallback_to_local": False} | cfg))
-    engine = Engine(rt, config)
+    engine = Engine(rt, engine_config(**cfg))
     engine.start()
     return engine
 
 
 @contextlib.asynccontextmanager
 async def decode_stack(rt, producer=None):
-    """One real prefill worker (running `producer`, default `rt`), a decode side for it
-    (PeerSet + RemoteKVFill) and an engine: yields (node, fill, engine), all stopped after."""
+    """One real prefill worker (running `producer`, default `rt`) and a decode worker for it
+    (DecodeWorker: peers, fill, an engine that does not fall back): yields (node, fill, engine),
+    all stopped after."""
     node = await start_prefill(rt if producer is None else producer)
-    peers, fill = await make_decode(rt, [node.address])
-    engine = engine_for(rt)
+    config = DecodeConfig(model="unused", codebook="", prefill=(node.address,), method="identity")
+    worker = DecodeWorker(rt, config, engine_config(), ApiConfig())
     try:
-        yield node, fill, engine
+        await worker.start(health_loop=False)
+        yield node, worker.fill, worker.engine
     finally:
-        await engine.stop(grace_s=1)
-        await peers.close()
+        await worker.stop(grace_s=1)
         await node.stop()
 
 

@@ -11,24 +11,18 @@ import pytest
 import torch
 from asgi_lifespan import LifespanManager
 
-from scd_serve.api.app import create_app
-from scd_serve.api.metrics import Metrics
 from scd_serve.codec.assemble import build_codebook
 from scd_serve.codec.fit import collect_rows, fit_layer
 from scd_serve.codec.plan import REUSE, LayerPlan, Plan
 from scd_serve.codec.spec import spec_of
 from scd_serve.config.api import ApiConfig
 from scd_serve.config.decode import ChooserConfig, DecodeConfig
-from scd_serve.decode.auto import AutoMethod, Calibration
-from scd_serve.decode.backend import DecodeBackend
-from scd_serve.decode.consumer_codecs import ConsumerCodecs
-from scd_serve.decode.kv_fill import RemoteKVFill
 from scd_serve.decode.main import resolve_method
-from scd_serve.decode.peers import PeerSet
+from scd_serve.decode.worker import DecodeWorker
 from scd_serve.testing.faults import FaultyServicer
 from scd_serve.prefill.service import PrefillServicer
 
-from serving_helpers import SlowRuntime, engine_for, prompts, start_prefill, tiny_runtime
+from serving_helpers import SlowRuntime, engine_config, prompts, start_prefill, tiny_runtime
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = list(range(3, 43))  # 40 tokens
@@ -64,26 +58,18 @@ async def auto_worker(consumer, producer, methods, codebook="", budget=None, fal
         nodes.append(node)
     config = DecodeConfig(model="unused", codebook=codebook, prefill=(node.address,), method="auto", fallback=fallback,
                           chooser=ChooserConfig(quality_budget=budget))
-    codecs = ConsumerCodecs(consumer, codebook)
-    peers = PeerSet(consumer, codecs, config)
-    await peers.check_all()
-    assert peers.ready(), peers.why_not_ready()
-    metrics = Metrics()
-    fill = RemoteKVFill(consumer, peers, codecs, config, metrics)
-    auto = AutoMethod(consumer.spec, consumer.fingerprint, peers, fill, config, Calibration.load(codebook or None),
-                      metrics)
-    engine = engine_for(SlowPrefill(consumer), fallback_to_local=fallback == "local")
-    backend = DecodeBackend(engine, "tiny", fill, peers, "auto", auto)
-    app = create_app(ApiConfig(max_model_len=256, max_tokens_cap=64, default_method="auto"), backend, metrics)
+    worker = DecodeWorker(consumer, config, engine_config(fallback_to_local=fallback == "local"),
+                          ApiConfig(max_model_len=256, max_tokens_cap=64, default_method="auto"), model_name="tiny",
+                          runtime_wrap=SlowPrefill)
     try:
-        async with LifespanManager(app) as manager:
+        await worker.start(health_loop=False)
+        assert worker.peers.ready(), worker.peers.why_not_ready()
+        async with LifespanManager(worker.app) as manager:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url="http://t",
                                          timeout=60) as client:
-                yield client, backend
+                yield client, worker.backend
     finally:
-        await engine.stop(grace_s=1)
-        fill.close()
-        await peers.close()
+        await worker.stop(grace_s=1)
         await node.stop()
 
 

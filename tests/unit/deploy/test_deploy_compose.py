@@ -172,10 +172,7 @@ def _check_role(role: str, argv: list[str], monkeypatch, env: dict[str, str]) ->
     from scd_serve.config.control import control_config_from_args
 
     config, control = module.config_from_args(args), control_config_from_args(args)
-    if role == "decode":
-        module.check_exposure(config, args.api_key, control, args.insecure)
-    else:
-        module.check_exposure(config, control, args.insecure)
+    module.check_exposure(config, control, args.insecure)
 
 
 @pytest.mark.parametrize("role", ["gateway", "prefill", "decode"])

@@ -328,8 +328,7 @@ def test_args_pass_the_open_bind_check_only_with_the_secret(role, monkeypatch):
             monkeypatch.setenv(var, value)
         args = build_parser(only=role).parse_args(expanded_args(role))
         config, control = module.config_from_args(args), control_config_from_args(args)
-        extra = (args.api_key,) if role == "decode" else ()
-        module.check_exposure(config, *extra, control, args.insecure)
+        module.check_exposure(config, control, args.insecure)
 
     check({var: f"from-the-secret-{key}-0123456789" for var, key in SECRET_KEYS[role].items()})
     with pytest.raises(ConfigError, match="--insecure"):

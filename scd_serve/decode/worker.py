@@ -1,0 +1,82 @@
+"""DecodeWorker: one decode worker's serving parts, built in one place.
+
+ConsumerCodecs, the prefill peers (PeerSet), the remote KV fill, `auto`'s chooser, the
+engine, the DecodeBackend and the OpenAI app. `scd-serve decode` (decode/main.py), the
+soak's LocalStack and the test harnesses all build it here; what a test changes (a faulty
+or slow runtime under the engine, a fake gRPC client factory) goes in as an argument.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from scd_serve.config.api import ApiConfig
+from scd_serve.config.decode import DecodeConfig
+from scd_serve.config.engine import EngineConfig
+
+
+class DecodeWorker:
+    def __init__(self, runtime: Any, config: DecodeConfig, engine_config: EngineConfig, api_config: ApiConfig, *,
+                 metrics: Any = None, model_name: str = "", runtime_wrap: Callable[[Any], Any] | None = None,
+                 client_factory: Callable | None = None):
+        from scd_serve.api.metrics import Metrics
+
+        self.rt = runtime
+        self.config = config
+        self.engine_config = engine_config
+        self.api_config = api_config
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.model_name = model_name or os.path.basename(os.path.normpath(config.model))
+        self.runtime_wrap = runtime_wrap
+        self.client_factory = client_factory
+        self.peers = self.fill = self.auto = self.engine = self.backend = self.app = None
+
+    async def connect(self, health_loop: bool = True) -> DecodeWorker:
+        """The transfer side alone: codecs, a handshake with the static prefill peers, the
+        remote KV fill and `auto`'s chooser. health_loop False: no periodic peer checks."""
+        from scd_serve.decode.auto import AutoMethod, Calibration
+        from scd_serve.decode.consumer_codecs import ConsumerCodecs
+        from scd_serve.decode.kv_fill import RemoteKVFill
+        from scd_serve.decode.peers import PeerSet
+
+        rt, config = self.rt, self.config
+        codecs = ConsumerCodecs(rt, config.codebook)
+        self.peers = PeerSet(rt, codecs, config, client_factory=self.client_factory)
+        await self.peers.check_all()
+        if health_loop:
+            self.peers.start()
+        self.fill = RemoteKVFill(rt, self.peers, codecs, config, self.metrics)
+        self.auto = AutoMethod(rt.spec, rt.fingerprint, self.peers, self.fill, config,
+                               Calibration.load(codecs.codebook), self.metrics)
+        return self
+
+    async def start(self, health_loop: bool = True) -> DecodeWorker:
+        """connect(), then the engine loop, the backend and the app, ready to serve."""
+        from scd_serve.api.app import create_app
+        from scd_serve.decode.backend import DecodeBackend
+        from scd_serve.engine.engine import Engine
+
+        await self.connect(health_loop)
+        self.engine = Engine(self.runtime_wrap(self.rt) if self.runtime_wrap else self.rt, self.engine_config)
+        self.engine.start()
+        self.backend = DecodeBackend(self.engine, self.model_name, self.fill, self.peers, self.config.method, self.auto)
+        self.app = create_app(self.api_config, self.backend, self.metrics)
+        return self
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; running ones get grace_s, then end with `shutting_down`."""
+        if self.engine is not None:
+            await self.engine.stop(grace_s=grace_s)
+
+    async def close(self) -> None:
+        """After the drain: transfers and peer channels."""
+        if self.fill is not None:
+            self.fill.close()
+        if self.peers is not None:
+            await self.peers.close()
+
+    async def stop(self, grace_s: float) -> None:
+        await self.drain(grace_s)
+        await self.close()
