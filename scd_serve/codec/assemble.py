@@ -9,7 +9,7 @@ import torch
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.fit import LayerFit
 from scd_serve.codec.plan import REUSE, Plan
-from scd_serve.codec.spec import CodecSpec
+from scd_serve.codec.codec_spec import CodecSpec
 
 
 def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: CodecSpec, consumer: CodecSpec,

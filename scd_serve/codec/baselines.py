@@ -13,7 +13,7 @@ import torch
 
 from scd_serve.codec.base import (KEYS, VALUES, check_code, positions_for, state_field,
                                   to_consumer)
-from scd_serve.codec.spec import CodecSpec, rotate_with, spec_of
+from scd_serve.codec.codec_spec import CodecSpec, rotate_with, spec_of
 
 
 class IdentityCodec:

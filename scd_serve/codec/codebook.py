@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from scd_serve.codec.plan import PATCH, REUSE, Plan
-from scd_serve.codec.spec import CodecSpec, spec_of
+from scd_serve.codec.codec_spec import CodecSpec, spec_of
 from scd_serve.errors import CodebookError
 
 CODEBOOK_VERSION = "scd-codebook/1"

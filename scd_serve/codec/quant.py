@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from scd_serve.codec.base import KEYS, VALUES, check_code, positions_for, state_field, to_consumer
 from scd_serve.codec.baselines import unrotate_for_consumer
-from scd_serve.codec.spec import rotate_with, spec_of
+from scd_serve.codec.codec_spec import rotate_with, spec_of
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:

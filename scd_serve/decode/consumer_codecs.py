@@ -15,7 +15,7 @@ log = logging.getLogger("scd_serve.decode")
 
 
 def producer_spec(info) -> dict:
-    """InfoReply -> the dict codec.spec.spec_of() reads."""
+    """InfoReply -> the dict codec.codec_spec.spec_of() reads."""
     return {"num_layers": info.num_layers, "hidden_size": info.hidden_size, "num_kv_heads": info.num_kv_heads,
             "head_dim": info.head_dim, "rope_theta": info.rope_theta, "fingerprint": info.producer_fingerprint}
 

@@ -27,7 +27,7 @@ from scd_serve.codec.features import FeatureFit, FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
 from scd_serve.codec.kl_probe import KLProbe, make_examples
 from scd_serve.codec.search import PlanSearch, SearchPoint
-from scd_serve.codec.spec import spec_of
+from scd_serve.codec.codec_spec import spec_of
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm

@@ -43,7 +43,7 @@ def pair(tmp_path_factory):
     from scd_serve.codec.assemble import build_codebook
     from scd_serve.codec.fit import collect_rows, fit_layer
     from scd_serve.codec.plan import REUSE, LayerPlan, Plan
-    from scd_serve.codec.spec import spec_of
+    from scd_serve.codec.codec_spec import spec_of
 
     root = tmp_path_factory.mktemp("gw-scd")
     rt = ModelRuntime.load(save_tiny_model(root / "model", "llama"))

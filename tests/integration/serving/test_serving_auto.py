@@ -14,7 +14,7 @@ from asgi_lifespan import LifespanManager
 from scd_serve.codec.assemble import build_codebook
 from scd_serve.codec.fit import collect_rows, fit_layer
 from scd_serve.codec.plan import REUSE, LayerPlan, Plan
-from scd_serve.codec.spec import spec_of
+from scd_serve.codec.codec_spec import spec_of
 from scd_serve.config.api import ApiConfig
 from scd_serve.config.decode import ChooserConfig, DecodeConfig
 from scd_serve.decode.main import resolve_method

@@ -5,7 +5,7 @@ import pytest
 from scd_serve.codec.assemble import build_codebook
 from scd_serve.codec.fit import collect_rows, fit_layer
 from scd_serve.codec.plan import REUSE, LayerPlan, Plan
-from scd_serve.codec.spec import spec_of
+from scd_serve.codec.codec_spec import spec_of
 
 from serving_helpers import engine_for, greedy, make_decode, prompts, start_prefill, tiny_runtime
 

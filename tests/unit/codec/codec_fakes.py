@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scd_serve.codec.spec import CodecSpec, rotate
+from scd_serve.codec.codec_spec import CodecSpec, rotate
 
 
 @dataclass

@@ -4,7 +4,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from scd_serve import codec
-from scd_serve.codec.spec import rotate, spec_of
+from scd_serve.codec.codec_spec import rotate, spec_of
 from scd_serve.errors import ConfigError
 
 from codec_fakes import FakeConsumer, make_spec, make_state

@@ -3,7 +3,7 @@ import torch
 
 from scd_serve import codec
 from scd_serve.codec.quant import pack, quantize_groups, unpack
-from scd_serve.codec.spec import rotate
+from scd_serve.codec.codec_spec import rotate
 
 from codec_fakes import FakeConsumer, make_spec, make_state
 
