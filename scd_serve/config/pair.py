@@ -122,6 +122,9 @@ class ContextStageConfig:
     block_frac: float = 0.0  # share of documents that are blocks: one variable at a time, every one asked
     code_frac: float = 0.5  # share of block documents whose filler lines are real code (else `pass`)
     one_name: bool = False  # a chain in an excerpt assigns one name again and again (x = 3 + x)
+    # loss weight of a value target: an addition line's last name predicts the ones digit of the
+    # line's new value (in place of the newline; in no text), so the value is computed at the line
+    value_weight: float = 0.0
 
     def __post_init__(self):
         check_stage(self)

@@ -72,6 +72,8 @@ class TaskDoc:
     text: str
     answers: list[tuple[int, int]] = field(default_factory=list)  # character spans of the answers in text
     asked: list[tuple[str, int, int]] = field(default_factory=list)  # (name, value, depth) per question
+    # (character end of an addition line's last name, the line's new value): training-only targets
+    values: list[tuple[int, int]] = field(default_factory=list)
 
 
 def make_chain(rng: random.Random, names: list[str], depth: int, comment: bool = False) -> Chain:
@@ -131,15 +133,20 @@ def build_doc(rng: random.Random, lines: list[str], pool: list[str], style: Styl
     rng.shuffle(order)  # interleaved; each chain keeps its own order
     slots = dict(zip(sorted(rng.sample(points, num_statements)), order))
     next_statement = [0] * len(chains)
-    out = []
+    out, values, offset = [], [], 0
     for i, line in enumerate(lines):
         if i in slots:
             c = slots[i]
+            k = next_statement[c]
             indent = line[: len(line) - len(line.lstrip(" "))]
-            out.append(indent + chains[c].statements[next_statement[c]])
+            out.append(indent + chains[c].statements[k])
+            if k:
+                values.append((offset + len(out[-1]) - _comment_len(out[-1]), chains[c].values[k]))
+            offset += len(out[-1]) + 1
             next_statement[c] += 1
         out.append(line)
-    doc = TaskDoc("\n".join(out) + "\n")
+        offset += len(line) + 1
+    doc = TaskDoc("\n".join(out) + "\n", values=values)
     for c in asked:
         chain = chains[c]
         prefix, answer = style.question(chain.names[-1], chain.values[-1])
@@ -192,13 +199,22 @@ def make_examples(files: tuple[SourceFile, ...], pool: list[str], tokenizer, sty
     return out
 
 
-def answer_token_mask(tokenizer, doc: TaskDoc) -> tuple[list[int], list[bool]]:
-    """-> (token ids with <bos>, True on the tokens inside an answer span)."""
+def _comment_len(statement: str) -> int:
+    """Characters of a trailing `  # value` comment (0 without one)."""
+    at = statement.find("  # ")
+    return len(statement) - at if at >= 0 else 0
+
+
+def answer_token_mask(tokenizer, doc: TaskDoc) -> tuple[list[int], list[bool], dict[int, int]]:
+    """-> (token ids with <bos>, True on the tokens inside an answer span, {token index of an
+    addition line's last name: that line's new value})."""
     enc = tokenizer(doc.text, return_offsets_mapping=True)
-    mask = []
-    for start, end in enc["offset_mapping"]:
+    mask, ends = [], {}
+    for t, (start, end) in enumerate(enc["offset_mapping"]):
         mask.append(end > start and any(a <= start and end <= b for a, b in doc.answers))
-    return list(enc["input_ids"]), mask
+        ends[end] = t
+    values = {ends[end]: value for end, value in doc.values if end in ends}
+    return list(enc["input_ids"]), mask, values
 
 
 GAP_TOKENS = 100  # document tokens per filler line allowed between two statements (distance grows with length)
@@ -224,6 +240,8 @@ def block_document(rng: random.Random, files: tuple[SourceFile, ...] | None, poo
             for _ in range(rng.randint(0, max_gap)):
                 doc.text += (filler.pop() if filler else "    pass") + "\n"
             doc.text += "    " + statement
+            if i:
+                doc.values.append((len(doc.text), chain.values[i]))
             if i and rng.random() < comment_prob:
                 doc.text += "  # "
                 doc.answers.append((len(doc.text), len(doc.text) + len(str(chain.values[i]))))

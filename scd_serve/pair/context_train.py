@@ -51,11 +51,13 @@ def _schedule(rng: random.Random, stage: ContextStageConfig, progress: float) ->
 
 
 def batches(stage: ContextStageConfig, tokenizer, files: tuple[SourceFile, ...], pool: list[str],
-            rng: random.Random) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-    """Yields (input_ids [B, T], weights [B, T], depth [B, T]); weights[t] scores predicting token t,
-    depth[t] is the asked chain's depth on answer tokens and -1 elsewhere."""
+            rng: random.Random) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Yields (input_ids [B, T], labels [B, T], weights [B, T], depth [B, T]); weights[t] scores
+    predicting labels[t] (the token at t, or a value target) from position t - 1; depth[t] is the
+    asked chain's depth on answer tokens, VALUE_DEPTH on value targets and -1 elsewhere."""
     style = STYLES[stage.style]
     pad = tokenizer.pad_token_id
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
     for step in range(stage.steps):
         length, max_depth, comments = _schedule(rng, stage, step / stage.steps)
         rows = []
@@ -72,7 +74,7 @@ def batches(stage: ContextStageConfig, tokenizer, files: tuple[SourceFile, ...],
                 depths = [rng.randint(0, max_depth) for _ in range(rng.randint(*stage.chains))]
                 asked = rng.sample(range(len(depths)), len(depths))
                 doc = sample_doc(rng, files, pool, style, length, depths, asked, comments, stage.one_name)
-            ids, mask = answer_token_mask(tokenizer, doc)
+            ids, mask, values = answer_token_mask(tokenizer, doc)
             weights = [1.0 if m else (stage.lm_weight if rng.random() < stage.lm_frac else 0.0) for m in mask]
             weights[0] = 0.0  # <bos> is given, never predicted
             depth, q = [-1] * len(ids), -1
@@ -80,23 +82,32 @@ def batches(stage: ContextStageConfig, tokenizer, files: tuple[SourceFile, ...],
                 if m:
                     q += 1 if t == 0 or not mask[t - 1] else 0
                     depth[t] = doc.asked[q][2]
-            rows.append((ids, weights, depth))
+            labels = list(ids)
+            if stage.value_weight:  # the line's last name predicts its new value's ones digit
+                for t, value in values.items():
+                    if t + 1 < len(ids):
+                        labels[t + 1], weights[t + 1], depth[t + 1] = digits[value % 10], stage.value_weight, VALUE_DEPTH
+            rows.append((ids, labels, weights, depth))
         width = max(len(r[0]) for r in rows)
         input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        labels = torch.full((len(rows), width), pad, dtype=torch.long)
         weights = torch.zeros((len(rows), width))
         depth = torch.full((len(rows), width), -1, dtype=torch.long)
-        for i, (ids, w, d) in enumerate(rows):
+        for i, (ids, lab, w, d) in enumerate(rows):
             input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, : len(lab)] = torch.tensor(lab)
             weights[i, : len(w)] = torch.tensor(w)
             depth[i, : len(d)] = torch.tensor(d)
-        yield input_ids, weights, depth
+        yield input_ids, labels, weights, depth
 
 
 COPY_DEPTH = 7  # the "depth" copy-practice tokens are logged under
+VALUE_DEPTH = 6  # ... and value targets
 COPY_HALF = 32  # longest copied run: induction formed at this length, and longer runs broke it (run 6)
 
 
-def copy_document(rng: random.Random, bos: int, length: int, vocab: int) -> tuple[list[int], list[float], list[int]]:
+def copy_document(rng: random.Random, bos: int, length: int,
+                  vocab: int) -> tuple[list[int], list[int], list[float], list[int]]:
     """Random tokens (at most COPY_HALF), then the same tokens again; the repeat is scored (all but its
     first token).
     A tiny model forms induction heads on this within ~100 steps (a span repeated once inside
@@ -104,7 +115,7 @@ def copy_document(rng: random.Random, bos: int, length: int, vocab: int) -> tupl
     half = [rng.randrange(4, 4 + vocab) for _ in range(max(2, min(COPY_HALF, (length - 1) // 2)))]
     ids = [bos] + half + half
     scored = [False] * (len(half) + 2) + [True] * (len(half) - 1)
-    return ids, [1.0 if m else 0.0 for m in scored], [COPY_DEPTH if m else -1 for m in scored]
+    return ids, ids, [1.0 if m else 0.0 for m in scored], [COPY_DEPTH if m else -1 for m in scored]
 
 
 RECALL_TOKENS_PER_CHAIN = 16  # about: a statement, its filler line and its question
@@ -122,7 +133,7 @@ def recall_document(rng: random.Random, pool: list[str], style, length: int, max
     return doc
 
 
-def sparse_loss(model: Qwen2ForCausalLM, input_ids: Tensor, weights: Tensor,
+def sparse_loss(model: Qwen2ForCausalLM, input_ids: Tensor, labels: Tensor, weights: Tensor,
                 depth: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """-> (weighted mean NLL, answer tokens right [n], their depths [n]); the head runs on scored
     positions only. Right padding needs no mask: pads come after every real token."""
@@ -130,7 +141,7 @@ def sparse_loss(model: Qwen2ForCausalLM, input_ids: Tensor, weights: Tensor,
     w = weights[:, 1:]
     scored = w > 0
     logits = model.lm_head(hidden[scored])  # [n_scored, vocab]
-    target = input_ids[:, 1:][scored]
+    target = labels[:, 1:][scored]
     nll = torch.nn.functional.cross_entropy(logits, target, reduction="none")
     loss = (nll * w[scored]).sum() / w[scored].sum().clamp_min(1e-6)
     answers = depth[:, 1:][scored] >= 0
@@ -149,10 +160,10 @@ def train_stage(model: Qwen2ForCausalLM, stage: ContextStageConfig, tokenizer, f
     start, running = time.time(), None
     hits, counts = [0] * 8, [0] * 8  # answer tokens right / seen per depth, since the last log line
     acc_by_depth: dict[int, float] = {}
-    for step, (input_ids, weights, depth) in enumerate(batches(stage, tokenizer, files, pool, rng)):
+    for step, (input_ids, labels, weights, depth) in enumerate(batches(stage, tokenizer, files, pool, rng)):
         for group in opt.param_groups:
             group["lr"] = lr_at(stage, step)
-        loss, right, depths = sparse_loss(model, input_ids, weights, depth)
+        loss, right, depths = sparse_loss(model, input_ids, labels, weights, depth)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

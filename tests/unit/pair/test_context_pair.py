@@ -175,3 +175,40 @@ def test_text_recipe_scores_every_token_and_makes_a_rope_changed_fine_tune(tmp_p
     cons = load_file(str(tmp_path / "consumer" / "model.safetensors"))
     assert any(not torch.equal(prod[k], cons[k]) for k in prod)
     assert read_records(tmp_path / "eval" / "heldout-text.jsonl")
+
+
+def test_value_targets_sit_on_each_addition_lines_last_name_and_are_its_new_ones_digit(tokenizer_and_pool):
+    """The training-only target of an addition line: its last token (the name) predicts the ones
+    digit of the value the line computes, in place of the newline; nothing else moves."""
+    from dataclasses import replace
+
+    from scd_serve.pair.context_task import answer_token_mask
+    from scd_serve.pair.context_train import VALUE_DEPTH, batches
+
+    splits, tok, pool = tokenizer_and_pool
+    docs = [block_document(random.Random(2), splits["base"], pool, STYLES["base"], 600, 2, comment_prob=0.5),
+            sample_doc(random.Random(3), splits["base"], pool, STYLES["base"], 400, [2, 1], [0, 1], 0.5, True)]
+    for doc in docs:
+        ids, _, values = answer_token_mask(tok, doc)
+        additions = [line for line in doc.text.splitlines() if ADDITION.match(line) or COMMENTED.match(line)]
+        assert len(values) == len(additions) >= 2
+        running = {}
+        for line in doc.text.splitlines():  # the value each addition computes, in text order
+            if m := LITERAL.match(line):
+                running[m.group(1)] = int(m.group(2))
+            elif (m := COMMENTED.match(line)) or (m := ADDITION.match(line)):
+                running[m.group(1)] += int(m.group(2))
+                t, value = next(iter(values.items()))
+                values.pop(t)
+                assert value == running[m.group(1)]
+                assert tok.decode(ids[t]).strip() == m.group(1) and tok.decode(ids[t + 1]).startswith(("\n", " "))
+
+    stage = replace(ContextPairConfig().producer, steps=1, batch_tokens=600, min_len=300, start_max_len=300,
+                    max_len=300, comment_prob=0.0, copy_frac=0.0, value_weight=0.5)
+    input_ids, labels, weights, depth = next(batches(stage, tok, splits["base"], pool, random.Random(4)))
+    digits = {tok.convert_tokens_to_ids(str(d)) for d in range(10)}
+    moved = labels != input_ids
+    assert moved.any() and (depth[moved] == VALUE_DEPTH).all() and (weights[moved] == 0.5).all()
+    assert set(labels[moved].tolist()) <= digits and (depth == VALUE_DEPTH).sum() == moved.sum()
+    plain = next(batches(replace(stage, value_weight=0.0), tok, splits["base"], pool, random.Random(4)))
+    assert torch.equal(plain[0], plain[1])  # without value targets, labels are the text
