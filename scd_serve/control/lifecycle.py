@@ -1,4 +1,4 @@
-"""Process lifecycle shared by the worker commands: logging, stop signals, addresses, dtypes."""
+"""Process lifecycle shared by the worker commands: logging, stop signals, supervised tasks, addresses, exit."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any, NoReturn
 
 from scd_serve.config.address import join_host_port
 from scd_serve.config.model import DTYPE_CHOICES
-
 
 
 def setup_logging(role: str) -> None:
@@ -126,13 +125,3 @@ def exit_now(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def torch_dtype(name: str, device: str = "cpu"):
-    import torch
-
-    if name != "auto":
-        return getattr(torch, name)
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32

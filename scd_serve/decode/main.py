@@ -12,7 +12,7 @@ from scd_serve.config.decode import (AUTO, DEFAULT_CODEBOOK, DEFAULT_CONSUMER, F
                                      DecodeConfig, split_peers)
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
 from scd_serve.control.lifecycle import (add_worker_arguments, advertised, bound_port, exit_now, setup_logging,
-                                         stop_event, torch_dtype)
+                                         stop_event)
 from scd_serve.errors import ConfigError, ScdError
 
 log = logging.getLogger("scd_serve.decode")
@@ -188,7 +188,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     from scd_serve.model.runtime import ModelRuntime
 
     stop = stop_event()
-    rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device))
+    rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
     method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)
     config = dataclasses.replace(config, method=method)
     pool = kv_budget(rt, num_blocks=config.num_blocks, max_model_len=config.max_model_len,

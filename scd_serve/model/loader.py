@@ -71,6 +71,19 @@ def load_tokenizer(path: Path) -> Any | None:
         raise ModelLoadError(f"{path}: tokenizer files present but unreadable ({exc})") from None
 
 
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A --dtype name ("auto": bfloat16 on CUDA, float16 without it, float32 on the CPU) or a torch dtype."""
+    if not isinstance(dtype, str):
+        return dtype
+    if dtype == "auto":
+        if torch.device(device).type == "cuda" and torch.cuda.is_available():
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
 def check_device(device: str | torch.device, dtype: torch.dtype) -> torch.device:
     if dtype not in DTYPES.values():
         raise ModelLoadError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")

@@ -68,7 +68,10 @@ class ModelRuntime:
         self.rotary = loaded.rotary
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> ModelRuntime:
+    def load(cls, path: str | Path, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype = torch.float32) -> ModelRuntime:
+        """dtype: a torch dtype or a --dtype name ("auto" picks by device)."""
+        dtype = loader.resolve_dtype(dtype, device)
         loaded = loader.load(path, device, dtype)
         return cls(loaded, torch.device(device), dtype)
 

@@ -9,8 +9,7 @@ import logging
 from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
 from scd_serve.config.prefill import DEFAULT_CODEBOOK, DEFAULT_PRODUCER, PrefillConfig
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import (add_worker_arguments, advertised, exit_now, setup_logging, stop_event,
-                                         torch_dtype)
+from scd_serve.control.lifecycle import add_worker_arguments, advertised, exit_now, setup_logging, stop_event
 
 log = logging.getLogger("scd_serve.prefill")
 
@@ -76,7 +75,7 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
     from scd_serve.prefill.worker import PrefillWorker
 
     stop = stop_event()
-    rt = ModelRuntime.load(config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device))
+    rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
     codecs = build_codecs(rt, config.codebook)
     worker = PrefillWorker(rt, codecs, config)
     await worker.start()
