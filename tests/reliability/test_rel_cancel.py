@@ -164,19 +164,33 @@ async def test_d_cancel_during_rebuild_logs_no_errors(make_stack, caplog):
     import threading
     stack, base = await make_stack(api={"request_timeout_s": 2.5})  # the stalled rebuild waits 5 s
     caplog.set_level(logging.WARNING)
-    release, entered = threading.Event(), threading.Event()
+    release, entered, left = threading.Event(), threading.Event(), threading.Event()
 
     def slow(layer):  # the rebuild of the first layer is still running when the request ends
         entered.set()
         release.wait(5)
 
+    real_rebuild = stack.fill.rebuild_layer
+
+    def rebuild(layer, *a):  # says when the stalled rebuild (the write into the sink included) is over
+        try:
+            return real_rebuild(layer, *a)
+        finally:
+            if entered.is_set():
+                left.set()
+
+    stack.fill.rebuild_layer = rebuild
     remove = on_decode(stack.fill, slow)
     r = await stack.client.post("/v1/completions", json=completion("cut during rebuild", 3, scd_method="identity"))
     assert r.status_code in (200, 504), r.text  # fell back locally, or ran out of time
     assert entered.is_set()
     release.set()
-    await asyncio.sleep(0.3)
+    # what the errors would come from has run its course: the stalled rebuild returned and its
+    # transfer is gone (waited for, not a fixed 0.3 s that a slow machine could outlast)
+    assert await asyncio.to_thread(left.wait, 10)
+    assert await stack.wait_clean(CLEAN_TIMEOUT_S) == {}
     remove()
+    del stack.fill.rebuild_layer
     gc.collect()
     await asyncio.sleep(0.1)
     errors = [r.getMessage()[:200] for r in caplog.records if r.levelno >= logging.ERROR]

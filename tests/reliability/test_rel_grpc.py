@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rel_checks import assert_clean
+from rel_checks import assert_clean, eventually
 from scd_serve import codec as codec_registry
 from scd_serve.config.transport import TransportConfig
 from scd_serve.decode.receive import rebuild_chunk
@@ -183,8 +183,14 @@ async def test_b5_compat_mismatch_refused_at_handshake_naming_the_field(rt, rt3,
         assert any(field in r.getMessage() and r.levelno >= logging.ERROR for r in caplog.records)
         r = await decode.client.post("/v1/completions", json=completion("x y z", 2, scd_method="identity"))
         assert r.status_code == 503 and field in r.json()["error"]["message"], r.text
-        await asyncio.sleep(0.6)  # two health periods: still refused
+        # two more health rounds (each a fresh handshake, an Info call): still refused. Counted,
+        # not slept for: a fixed 0.6 s on a slow machine covered fewer rounds than it claims
+        def infos() -> int:
+            return sum(rpc == "Info" for rpc, _ in producer.served.deadlines)
+        seen = infos()
+        assert await eventually(lambda: infos() >= seen + 2, 20), producer.served.deadlines
         assert (await decode.client.get("/ready")).status_code == 503
+        assert field in decode.peers.why_not_ready(), decode.peers.why_not_ready()
         assert producer.served.calls == []  # no request ever reached the prefill side
     finally:
         await decode.stop()

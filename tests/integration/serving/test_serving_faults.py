@@ -1,6 +1,7 @@
 """Transfer failures end in a retry, a local fallback or a clear error, never a hang (B, C, D, I)."""
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -26,8 +27,14 @@ def dying_runtime(rt, holder):
 
     def on_layer(layer):
         if layer == 1:
-            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(holder[0].server.stop(grace=None)))
-            time.sleep(0.3)
+            stopped = threading.Event()
+
+            def stop():
+                asyncio.ensure_future(holder[0].server.stop(grace=None)).add_done_callback(lambda _: stopped.set())
+            loop.call_soon_threadsafe(stop)
+            # layer 1 is produced only once the server is down (a fixed 0.3 s sleep let a slow
+            # machine send it first, and the transfer then succeeded)
+            stopped.wait(10)
     return SlowRuntime(rt, on_layer=on_layer)
 
 

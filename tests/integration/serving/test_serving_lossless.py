@@ -90,15 +90,27 @@ async def test_requests_for_the_same_prompt_at_once_share_one_transfer(rt):
     """n > 1 / best_of: three requests with one prompt and method, started together while the
     producer is slow, make ONE transfer; the other two copy its layers as they land. All equal
     the local result. If that transfer fails, each waiting request runs its own."""
-    from serving_helpers import SlowRuntime
+    import threading
 
-    node = await start_prefill(SlowRuntime(rt, delay=0.05))
+    from serving_helpers import SlowRuntime, wait_until
+
+    release = threading.Event()  # the producer's first layer waits for it: the transfer is live until then
+    node = await start_prefill(SlowRuntime(rt, delay=0.05, on_layer=lambda layer: release.wait(10)))
     peers, fill = await make_decode(rt, [node.address])
     engine = engine_for(rt)
+
+    def readers() -> int:  # fills using the one live transfer (its leader included)
+        return sum(s.readers for s in fill.shared.live.values())
+
     try:
         p = prompts(1, seed=33)[0]
         want = await greedy(engine, "l", p)
-        got = await asyncio.gather(*(greedy(engine, f"n{i}", p, "identity", fill) for i in range(3)))
+        together = asyncio.gather(*(greedy(engine, f"n{i}", p, "identity", fill) for i in range(3)))
+        # held until all three have joined, however slow the machine is to start the other two
+        joined = await wait_until(lambda: readers() == 3, 20)
+        release.set()
+        got = await together
+        assert joined, fill.shared.live
         assert got == [want] * 3
         assert fill.stats.num_transfers == 1 and fill.shared.num_shared == 2 and fill.shared.live == {}
         assert await settled(node, 1)
@@ -109,7 +121,9 @@ async def test_requests_for_the_same_prompt_at_once_share_one_transfer(rt):
         async def first_fails(req, sink):
             calls.append(req.request_id)
             if len(calls) == 1:
-                await asyncio.sleep(0.2)  # the others have joined by now
+                # the leader fails only once the other two have joined its transfer (waited for:
+                # a fixed sleep let a slow machine fail it before they joined)
+                assert await wait_until(lambda: readers() == 3, 20), fill.shared.live
                 from scd_serve.errors import TransferFailed
                 raise TransferFailed("injected: the shared transfer fails")
             return await real(req, sink)

@@ -25,6 +25,20 @@ async def collect(eng, r, kv_fill=None):
     return [e.token_id for e in events if e.token_id is not None], events
 
 
+async def refused_at_once(eng, r, error):
+    """Run request `r` and expect `error`, raised before the event loop ran anything else: the
+    engine refused it on admission, without queueing it or waiting for anything. (A wall-clock
+    bound like "< 0.1 s" is what this replaces: a loaded machine exceeds it.) -> the error."""
+    turned = []
+    asyncio.get_running_loop().call_soon(turned.append, True)
+    try:
+        await collect(eng, r)
+    except error as exc:
+        assert not turned, "the request was refused only after waiting (the event loop turned)"
+        return exc
+    raise AssertionError(f"{r.request_id} was not refused with {error.__name__}")
+
+
 async def wait_clean(eng, timeout=2.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:

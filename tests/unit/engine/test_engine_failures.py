@@ -2,10 +2,11 @@
 logits fail their request alone, and only steps that keep failing end the loop."""
 
 import asyncio
-import time
+import threading
 
 import pytest
-from engine_helpers import cfg, collect, req, wait_clean
+from engine_helpers import cfg, collect, refused_at_once, req, wait_clean
+from polls import eventually
 
 from scd_serve.engine.engine import MAX_FAILED_STEPS, Engine
 from scd_serve.testing.toy_runtime import ToyRuntime
@@ -28,21 +29,45 @@ async def test_engine_death_fails_requests_and_readiness():
     with pytest.raises(EngineDead):
         await collect(eng, req("a", [1, 2, 3], max_tokens=50))
     assert not eng.ready()
-    t0 = time.monotonic()
-    with pytest.raises(EngineDead):
-        await collect(eng, req("b", [1]))
-    assert time.monotonic() - t0 < 0.1
+    await refused_at_once(eng, req("b", [1]), EngineDead)  # fast: never queued on the dead loop
     s = eng.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"]
     await eng.stop(0.1)
 
 
 async def test_a_failing_step_fails_its_batch_and_the_engine_goes_on(engine):
+    """The step that decodes all three requests raises. That step is held until the test has
+    armed the fault: on a fast machine the three 30-token requests would otherwise be done
+    before a poll of num_running saw them, and on a slow one the fault could land late."""
     rt = engine.runtime
+    entered, admitted, batched, go = (threading.Event() for _ in range(4))
+    real_extend, real_decode = rt.extend, rt.decode_step
+
+    def hold_first(*_):  # the first step waits until all three requests are in the engine's inbox
+        if not admitted.is_set():
+            entered.set()
+            admitted.wait(10)
+
+    def held_extend(pool, items, *a, **kw):
+        hold_first()
+        return real_extend(pool, items, *a, **kw)
+
+    def held_decode(pool, items):
+        hold_first()
+        if len(items) == 3 and not go.is_set():  # the first step that decodes all three
+            batched.set()
+            go.wait(10)
+        return real_decode(pool, items)
+
+    rt.extend, rt.decode_step = held_extend, held_decode
     slow = [asyncio.ensure_future(collect(engine, req(f"s{i}", [1, 2, 3], max_tokens=30))) for i in range(3)]
-    while engine.stats()["num_running"] < 3:
-        await asyncio.sleep(0.005)
-    rt.fail_after_steps = rt.num_steps  # the next step raises, once
+    assert await asyncio.to_thread(entered.wait, 10)
+    # generate() registers a request and queues its "add" in one go: three registered, three queued
+    assert await eventually(lambda: engine.stats()["num_requests"] == 3, 10), engine.stats()
+    admitted.set()
+    assert await asyncio.to_thread(batched.wait, 10), engine.stats()
+    rt.fail_after_steps = rt.num_steps  # the held step raises, once (no request is left for another)
+    go.set()
     results = await asyncio.gather(*slow, return_exceptions=True)
     failed = [r for r in results if isinstance(r, StepFailed)]
     assert failed and all(isinstance(r, (StepFailed, tuple)) for r in results), results

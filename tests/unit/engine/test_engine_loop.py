@@ -2,10 +2,12 @@
 (failures of some requests: test_engine_failures.py)."""
 
 import asyncio
+import threading
 import time
 
 import pytest
-from engine_helpers import cfg, collect, req, wait_clean
+from engine_helpers import cfg, collect, refused_at_once, req, wait_clean
+from polls import eventually
 
 from scd_serve.engine.engine import Engine
 from scd_serve.testing.toy_runtime import ToyRuntime
@@ -85,10 +87,8 @@ async def test_overloaded_is_immediate_and_prompt_too_long_names_both_numbers():
         gens = [eng.generate(req(f"r{i}", [1, 2], max_tokens=50)) for i in range(16)]
         firsts = await asyncio.gather(*(g.__anext__() for g in gens))
         assert len(firsts) == 16
-        t0 = time.monotonic()
-        with pytest.raises(Overloaded) as e:
-            await eng.generate(req("x", [1])).__anext__()
-        assert time.monotonic() - t0 < 0.1 and e.value.headers["Retry-After"] == "1"
+        e = await refused_at_once(eng, req("x", [1]), Overloaded)  # at once: it never waits for a slot
+        assert e.headers["Retry-After"] == "1"
         with pytest.raises(PromptTooLong) as e:
             await eng.generate(req("y", [1] * 100, max_tokens=29)).__anext__()
         assert "100" in e.value.message and "29" in e.value.message and "128" in e.value.message
@@ -108,7 +108,8 @@ async def test_queue_timeout_gives_deadline_exceeded_in_time():
     try:
         hog = eng.generate(req("hog", [1] * 28, max_tokens=4))  # holds 7-8 of 8 blocks for 6 steps (~0.9 s)
         hog_task = asyncio.ensure_future(collect_gen(hog))
-        await asyncio.sleep(0.05)
+        # the hog has its blocks (its add is queued ahead of the late one's anyway)
+        assert await eventually(lambda: eng.stats()["num_free_blocks"] < eng.stats()["num_total_blocks"], 10)
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded) as e:
             await collect(eng, req("late", [1] * 28, max_tokens=4))
@@ -234,17 +235,30 @@ async def test_late_write_after_a_complete_fill_is_refused(engine):
 
 
 async def test_stalled_step_makes_engine_not_ready():
+    """A step that does not return makes the engine not ready, and ready again once it does.
+    The step is held until the test has seen /ready flip (a fixed 1 s stall and a look at
+    0.6 s raced on a loaded machine: the step could start late, or the look come late)."""
     eng = Engine(ToyRuntime(), cfg(stall_timeout_s=0.3, idle_poll_s=0.01))
+    entered, release = threading.Event(), threading.Event()
+    real = eng.runtime.decode_step
+
+    def stalled(pool, items):
+        entered.set()
+        release.wait(10)
+        return real(pool, items)
+
+    eng.runtime.decode_step = stalled
     eng.start()
     try:
-        eng.runtime.step_delay_s = 1.0
         task = asyncio.ensure_future(collect(eng, req("a", [1], max_tokens=1)))
-        await asyncio.sleep(0.6)
-        assert not eng.ready()
+        assert await asyncio.to_thread(entered.wait, 10)
+        assert await eventually(lambda: not eng.ready(), 10), "a stalled step never made the engine not ready"
+        assert not task.done()  # still inside the stalled step
+        release.set()
         await task
-        await asyncio.sleep(0.05)
-        assert eng.ready()
+        assert await eventually(eng.ready, 10), "the engine did not become ready again after the stall"
     finally:
+        release.set()
         await eng.stop(1)
 
 

@@ -1,8 +1,8 @@
 import threading
-import time
 
 import pytest
 import torch
+from polls import eventually_sync
 
 from scd_serve.engine.sink import LayerSink
 from scd_serve.errors import TransferCorrupt, TransferFailed
@@ -39,10 +39,26 @@ def test_close_waits_for_a_write_in_flight_and_refuses_later_ones():
     sink = LayerSink(slow_write, request_id="r", num_layers=1, num_tokens=1, kv_heads=1, head_dim=1)
     t = threading.Thread(target=sink.write_layer, args=(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1)))
     t.start()
-    entered.wait(5)
+    assert entered.wait(5)
+    waiting = threading.Event()  # close() reached the sink's lock (the write holds it)
+
+    class Watched:  # the same lock; entering it from close() says so first
+        def __init__(self, lock):
+            self._lock = lock
+
+        def __enter__(self):
+            waiting.set()
+            return self._lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self._lock.__exit__(*exc)
+
+    sink._lock = Watched(sink._lock)  # the write in flight entered the real lock before this
     closer = threading.Thread(target=lambda: (sink.close(), order.append("closed")))
     closer.start()
-    time.sleep(0.05)  # give close() the chance to (wrongly) finish first
+    # close() is blocked on the lock, or (wrongly) already done: either way the write is still in
+    # flight, so a close() that does not wait for it shows up in `order` on any machine
+    assert eventually_sync(lambda: waiting.is_set() or not closer.is_alive(), 5)
     release.set()
     t.join(5)
     closer.join(5)
