@@ -1,4 +1,4 @@
-"""What the engine needs from a model runtime (model/runtime.py's ModelRuntime; testing's ToyRuntime).
+"""What the engine needs from a model runtime (model/runtime.py's ModelRuntime; testing's FakeRuntime).
 
 The engine itself never imports torch types from the model: it hands the runtime a KV pool
 the runtime made, block tables and token ids, and gets logits back. Items are

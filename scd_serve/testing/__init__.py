@@ -2,5 +2,5 @@
 
 Nothing here is reachable from a production flag; tests, the soak run and benchmarks compose
 these around the real objects (`faults`), run a whole decode stack in one process (`soak`),
-or stand in for a model runtime (`toy_runtime`).
+or stand in for a model runtime (`fake_runtime`).
 """

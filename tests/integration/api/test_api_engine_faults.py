@@ -14,7 +14,7 @@ from asgi_lifespan import LifespanManager
 from polls import eventually, eventually_sync
 
 from scd_serve.engine.engine import MAX_FAILED_STEPS
-from scd_serve.testing.toy_runtime import ToyRuntime
+from scd_serve.testing.fake_runtime import FakeRuntime
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,7 +24,7 @@ async def app_client():
     started = []
 
     async def make(engine_kw=None, api_kw=None):
-        app, engine = engine_app(ToyRuntime(), engine_kw, api_kw)
+        app, engine = engine_app(FakeRuntime(), engine_kw, api_kw)
         manager = LifespanManager(app)
         await manager.__aenter__()
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url="http://test")
@@ -137,7 +137,7 @@ async def test_engine_death_and_stall_flip_readiness(app_client):
 
 
 def test_client_disconnect_mid_stream_aborts_generation():
-    rt = ToyRuntime()
+    rt = FakeRuntime()
     rt.step_delay_s = 0.05  # the 120 tokens would take ~6 s
     app, engine = engine_app(rt)
     try:
@@ -165,7 +165,7 @@ def test_client_disconnect_mid_stream_aborts_generation():
 
 
 def test_shutdown_ends_a_long_stream_with_an_error_event():
-    rt = ToyRuntime()
+    rt = FakeRuntime()
     rt.step_delay_s = 0.05  # the 120-token stream would run ~6 s
     app, engine = engine_app(rt)
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
@@ -204,7 +204,7 @@ def test_client_gone_during_a_slow_fill_aborts_it_at_once(stream):
             cancelled.set()
             raise
 
-    engine = Engine(ToyRuntime(), EngineConfig(num_blocks=64, block_size=4, max_model_len=128, idle_poll_s=0.01))
+    engine = Engine(FakeRuntime(), EngineConfig(num_blocks=64, block_size=4, max_model_len=128, idle_poll_s=0.01))
     engine.start()
     app = create_app(ApiConfig(max_model_len=128, max_tokens_cap=64), EngineBackend(engine, "toy", {"slow": slow_fill}))
     try:

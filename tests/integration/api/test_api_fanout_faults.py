@@ -6,7 +6,7 @@ import pytest
 from api_server import ServerThread, engine_app, stop_engine
 from polls import eventually_sync
 
-from scd_serve.testing.toy_runtime import ToyRuntime
+from scd_serve.testing.fake_runtime import FakeRuntime
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,7 +18,7 @@ def is_clean(engine) -> bool:
 
 
 def test_client_leaving_a_stream_of_six_choices_aborts_all_of_them():
-    rt = ToyRuntime()
+    rt = FakeRuntime()
     rt.step_delay_s = 0.05  # 120 tokens would take ~6 s
     app, engine = engine_app(rt)
     try:
@@ -40,7 +40,7 @@ def test_client_leaving_a_stream_of_six_choices_aborts_all_of_them():
 
 
 def test_one_refused_choice_fails_the_request_and_frees_the_others():
-    app, engine = engine_app(ToyRuntime(), {"max_num_seqs": 2, "max_concurrent": 2})
+    app, engine = engine_app(FakeRuntime(), {"max_num_seqs": 2, "max_concurrent": 2})
     try:
         with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
             r = c.post("/v1/completions", json={"prompt": "x", "n": 3, "max_tokens": 4})

@@ -8,13 +8,13 @@ import pytest
 from api_server import ServerThread, engine_app, stop_engine
 from polls import eventually_sync
 
-from scd_serve.testing.toy_runtime import ToyRuntime
+from scd_serve.testing.fake_runtime import FakeRuntime
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
 def test_fifty_idle_connections():
-    app, engine = engine_app(ToyRuntime())
+    app, engine = engine_app(FakeRuntime())
     idle = []
     try:
         with ServerThread(app, timeout_keep_alive=1) as srv:

@@ -3,7 +3,7 @@
 import asyncio
 
 from scd_serve.engine.request import TokenEvent, Usage
-from scd_serve.testing.toy_runtime import byte_tokenizer
+from scd_serve.testing.fake_runtime import byte_tokenizer
 
 
 class FakeBackend:

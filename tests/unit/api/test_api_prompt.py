@@ -2,7 +2,7 @@ import pytest
 
 from scd_serve.api.prompt import DEFAULT_CHAT_TEMPLATE, chat_prompt_ids, completion_prompts
 from scd_serve.api.schemas import ChatMessage
-from scd_serve.testing.toy_runtime import byte_tokenizer
+from scd_serve.testing.fake_runtime import byte_tokenizer
 from scd_serve.errors import InvalidRequest
 
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"

@@ -4,12 +4,12 @@ import pytest
 from engine_helpers import cfg
 
 from scd_serve.engine.engine import Engine
-from scd_serve.testing.toy_runtime import ToyRuntime
+from scd_serve.testing.fake_runtime import FakeRuntime
 
 
 @pytest.fixture
 async def engine():
-    eng = Engine(ToyRuntime(), cfg())
+    eng = Engine(FakeRuntime(), cfg())
     eng.start()
     yield eng
     await eng.stop(grace_s=1)

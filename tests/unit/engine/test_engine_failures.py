@@ -9,7 +9,7 @@ from engine_helpers import cfg, collect, refused_at_once, req, wait_clean
 from polls import eventually
 
 from scd_serve.engine.engine import MAX_FAILED_STEPS, Engine
-from scd_serve.testing.toy_runtime import ToyRuntime
+from scd_serve.testing.fake_runtime import FakeRuntime
 from scd_serve.errors import EngineDead, StepFailed
 
 pytestmark = pytest.mark.timeout(30)
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(30)
 async def test_engine_death_fails_requests_and_readiness():
     """Steps that keep failing: the first MAX_FAILED_STEPS - 1 fail their requests (StepFailed),
     the next kills the loop (EngineDead for everyone after, fast, with every block freed)."""
-    eng = Engine(ToyRuntime(), cfg())
+    eng = Engine(FakeRuntime(), cfg())
     eng.start()
     assert eng.ready()
     eng.runtime.fail_after_steps = 3
@@ -79,7 +79,7 @@ async def test_a_failing_step_fails_its_batch_and_the_engine_goes_on(engine):
     assert tokens == rt.greedy([4, 5], 6)
 
 
-class NanFor(ToyRuntime):
+class NanFor(FakeRuntime):
     """Non-finite logits for any sequence at its `context`-th token (the other requests of the
     test stay shorter than that)."""
 

@@ -10,7 +10,7 @@ from engine_helpers import cfg, collect, refused_at_once, req, wait_clean
 from polls import eventually
 
 from scd_serve.engine.engine import Engine
-from scd_serve.testing.toy_runtime import ToyRuntime
+from scd_serve.testing.fake_runtime import FakeRuntime
 from scd_serve.errors import DeadlineExceeded, Overloaded, PromptTooLong, ShuttingDown, TransferFailed
 
 pytestmark = pytest.mark.timeout(30)
@@ -42,7 +42,7 @@ async def test_sixteen_concurrent_prompts_equal_solo_runs(engine):
 
 
 async def test_preemption_under_a_small_pool_keeps_outputs_exact():
-    eng = Engine(ToyRuntime(), cfg(num_blocks=32, max_model_len=64, max_num_seqs=8))
+    eng = Engine(FakeRuntime(), cfg(num_blocks=32, max_model_len=64, max_num_seqs=8))
     eng.start()
     try:
         rt = eng.runtime
@@ -80,7 +80,7 @@ async def test_client_gone_aborts_and_frees_blocks(engine):
 
 
 async def test_overloaded_is_immediate_and_prompt_too_long_names_both_numbers():
-    eng = Engine(ToyRuntime(), cfg(max_concurrent=16, max_num_seqs=16))
+    eng = Engine(FakeRuntime(), cfg(max_concurrent=16, max_num_seqs=16))
     eng.runtime.step_delay_s = 0.01
     eng.start()
     try:
@@ -102,7 +102,7 @@ async def test_overloaded_is_immediate_and_prompt_too_long_names_both_numbers():
 
 
 async def test_queue_timeout_gives_deadline_exceeded_in_time():
-    eng = Engine(ToyRuntime(), cfg(num_blocks=8, max_model_len=32, queue_timeout_s=0.5))
+    eng = Engine(FakeRuntime(), cfg(num_blocks=8, max_model_len=32, queue_timeout_s=0.5))
     eng.runtime.step_delay_s = 0.15
     eng.start()
     try:
@@ -173,7 +173,7 @@ async def test_remote_fill_gives_the_same_tokens_as_local(engine):
 
 
 async def test_failed_fill_falls_back_to_local_or_fails_cleanly():
-    rt = ToyRuntime()
+    rt = FakeRuntime()
     p = rt.tokenizer.encode("fallback please")
     for fallback in (True, False):
         eng = Engine(rt, cfg(fallback_to_local=fallback))
@@ -238,7 +238,7 @@ async def test_stalled_step_makes_engine_not_ready():
     """A step that does not return makes the engine not ready, and ready again once it does.
     The step is held until the test has seen /ready flip (a fixed 1 s stall and a look at
     0.6 s raced on a loaded machine: the step could start late, or the look come late)."""
-    eng = Engine(ToyRuntime(), cfg(stall_timeout_s=0.3, idle_poll_s=0.01))
+    eng = Engine(FakeRuntime(), cfg(stall_timeout_s=0.3, idle_poll_s=0.01))
     entered, release = threading.Event(), threading.Event()
     real = eng.runtime.decode_step
 
@@ -263,7 +263,7 @@ async def test_stalled_step_makes_engine_not_ready():
 
 
 async def test_stop_drains_then_ends_long_streams_with_shutting_down():
-    eng = Engine(ToyRuntime(), cfg())
+    eng = Engine(FakeRuntime(), cfg())
     eng.runtime.step_delay_s = 0.01
     eng.start()
     short = asyncio.ensure_future(collect(eng, req("short", [1, 2], max_tokens=3)))
@@ -287,7 +287,7 @@ async def test_abort_storm_leaves_survivors_exact_and_state_clean():
     """Checklist D3: 50 greedy requests, every 5th cancelled at a random time."""
     import random
     rng = random.Random(0)
-    engine = Engine(ToyRuntime(), cfg(max_concurrent=64, num_blocks=256))
+    engine = Engine(FakeRuntime(), cfg(max_concurrent=64, num_blocks=256))
     engine.start()
     rt = engine.runtime
     rt.step_delay_s = 0.002
@@ -324,7 +324,7 @@ async def test_cancel_around_fill_completion_never_leaks(engine):
 
 async def test_one_failing_fill_does_not_disturb_the_others():
     """Checklist H3: only the request whose fill breaks fails; the rest equal their solo runs."""
-    rt = ToyRuntime()
+    rt = FakeRuntime()
     eng = Engine(rt, cfg(fallback_to_local=False))
     eng.start()
     try:

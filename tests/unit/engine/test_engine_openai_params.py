@@ -74,10 +74,10 @@ def test_out_of_range_values_name_their_field(bad):
 
 async def test_min_tokens_holds_past_a_likely_eos():
     from scd_serve.engine.engine import Engine
-    from scd_serve.testing.toy_runtime import ToyRuntime
+    from scd_serve.testing.fake_runtime import FakeRuntime
     from engine_helpers import cfg
 
-    rt = ToyRuntime(eos_bias=50.0)  # <eos> wins every greedy step
+    rt = FakeRuntime(eos_bias=50.0)  # <eos> wins every greedy step
     eng = Engine(rt, cfg())
     eng.start()
     try:
@@ -142,7 +142,7 @@ async def test_engine_stops_at_a_generation_config_eos(tmp_path):
     from engine_helpers import cfg
 
     from scd_serve.engine.engine import Engine
-    from scd_serve.testing.toy_runtime import ToyRuntime
+    from scd_serve.testing.fake_runtime import FakeRuntime
 
     class Special:  # the toy tokenizer, holding greedy[1] as a special token (as <|eot_id|> is)
         def __init__(self, tok, ids):
@@ -151,7 +151,7 @@ async def test_engine_stops_at_a_generation_config_eos(tmp_path):
         def __getattr__(self, name):
             return getattr(self.tok, name)
 
-    rt = ToyRuntime()
+    rt = FakeRuntime()
     greedy = rt.greedy(list(b"xyz"), 6)
     rt.path = tmp_path
     # greedy[3] is an ordinary byte token: listed, but not used to stop (a transformers default)

@@ -1,4 +1,4 @@
-"""ToyRuntime: a few-line stand-in for the model runtime, for fast engine and API tests.
+"""FakeRuntime: a few-line stand-in for the model runtime, for fast engine and API tests.
 
 It honours the runtime contract the engine uses (new_kv_pool, extend, decode_step,
 write_kv, prefill, spec, tokenizer) with a model so small it runs in microseconds: each
@@ -35,7 +35,7 @@ def byte_tokenizer():
 
 
 @dataclass
-class ToyPool:
+class FakePool:
     k: torch.Tensor  # [layers, num_blocks, block_size, kv_heads, head_dim]
     v: torch.Tensor
 
@@ -44,7 +44,7 @@ class ToyPool:
         return self.k.shape[2]
 
 
-class ToyRuntime:
+class FakeRuntime:
     path = None  # no generation_config.json
     mixed_step = None  # prompt chunks and decode steps run as two forwards
     begin_decode_step = None  # no first step ahead of a fill
@@ -57,7 +57,7 @@ class ToyRuntime:
         self.proj = torch.randn(vocab, _DIM, generator=g)  # [vocab, dim]
         self.bias = torch.zeros(vocab)
         self.bias[self.tokenizer.eos_token_id] = eos_bias  # > 0 makes <eos> likely, to test "stop"
-        self.spec = SimpleNamespace(family="toy", num_layers=num_layers, num_kv_heads=1, head_dim=_DIM,
+        self.spec = SimpleNamespace(family="fake", num_layers=num_layers, num_kv_heads=1, head_dim=_DIM,
                                     vocab_size=vocab, max_position_embeddings=1 << 16)
         self.fail_after_steps: int | None = None
         self.step_delay_s = 0.0
@@ -87,24 +87,24 @@ class ToyRuntime:
         return out
 
     # -- the runtime contract
-    def new_kv_pool(self, num_blocks: int, block_size: int) -> ToyPool:
+    def new_kv_pool(self, num_blocks: int, block_size: int) -> FakePool:
         shape = (self.spec.num_layers, num_blocks, block_size, 1, _DIM)
-        return ToyPool(torch.zeros(shape), torch.zeros(shape))
+        return FakePool(torch.zeros(shape), torch.zeros(shape))
 
     def prefill(self, input_ids):
         kv = self.kv(list(map(int, input_ids)))
         return SimpleNamespace(keys=kv, values=kv)
 
-    def write_kv(self, pool: ToyPool, block_ids, layer: int, k_pre, v, start: int = 0) -> None:
+    def write_kv(self, pool: FakePool, block_ids, layer: int, k_pre, v, start: int = 0) -> None:
         for i in range(k_pre.shape[0]):
             b, o = divmod(start + i, pool.block_size)
             pool.k[layer, block_ids[b], o] = k_pre[i]
             pool.v[layer, block_ids[b], o] = v[i]
 
-    def kv_writer(self, pool: ToyPool, block_ids, num_tokens: int, start: int = 0) -> SimpleNamespace:
+    def kv_writer(self, pool: FakePool, block_ids, num_tokens: int, start: int = 0) -> SimpleNamespace:
         return SimpleNamespace(write=lambda layer, k_pre, v: self.write_kv(pool, block_ids, layer, k_pre, v, start))
 
-    def _read_v(self, pool: ToyPool, block_ids, n: int) -> torch.Tensor:
+    def _read_v(self, pool: FakePool, block_ids, n: int) -> torch.Tensor:
         bs = pool.block_size
         rows = [pool.v[:, block_ids[p // bs], p % bs] for p in range(n)]
         return torch.stack(rows, dim=1) if rows else torch.zeros(self.spec.num_layers, 0, 1, _DIM)
@@ -116,7 +116,7 @@ class ToyRuntime:
         if self.fail_after_steps is not None and self.num_steps > self.fail_after_steps:
             raise RuntimeError("injected forward failure")
 
-    def extend(self, pool: ToyPool, items, logits="all") -> list[torch.Tensor | None]:
+    def extend(self, pool: FakePool, items, logits="all") -> list[torch.Tensor | None]:
         """As ModelRuntime.extend, `logits` included ("all", "last", "none"; one or one per item)."""
         self._step()
         wants = [logits] * len(items) if isinstance(logits, str) else list(logits)
@@ -131,7 +131,7 @@ class ToyRuntime:
             out.append(None if want == "none" else torch.stack(rows[-1:] if want == "last" else rows))
         return out
 
-    def decode_step(self, pool: ToyPool, items) -> torch.Tensor:
+    def decode_step(self, pool: FakePool, items) -> torch.Tensor:
         self._step()
         rows = []
         for block_ids, num_cached, token in items:
