@@ -169,10 +169,19 @@ class ContextPairConfig:
         max_len=640, ramp_frac=0.6, long_frac=0.05, long_len=2048, warmup=30, chains=(1, 1),
         start_max_depth=1, max_depth=2, comment_prob=0.6, comment_until=0.8, copy_frac=0.05, block_frac=0.7,
         code_frac=0.7, one_name=True))
+    # then long documents (384-1,536 tokens, 10% up to 2,048) with value targets: the held-out prompts'
+    # lengths. Probes C-X (models/context-pair/README.md) took held-out exact match from 0.08 to 0.83
+    # with 6,200 such steps, value targets on in the last 4,600; this stage does it in one, with them
+    # on from the start (not yet run end to end)
+    long: ContextStageConfig | None = field(default_factory=lambda: ContextStageConfig(
+        style="base", split="base", steps=3000, lr=1e-3, batch_tokens=2560, min_len=384, start_max_len=768,
+        max_len=1536, ramp_frac=0.5, long_frac=0.1, long_len=2048, warmup=20, chains=(1, 1),
+        start_max_depth=2, max_depth=2, copy_frac=0.05, block_frac=0.2, code_frac=0.7, one_name=True,
+        value_weight=1.0))
     consumer: ContextStageConfig = field(default_factory=lambda: ContextStageConfig(
-        style="expert", split="expert", steps=80, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
+        style="expert", split="expert", steps=600, lr=6e-4, batch_tokens=2560, min_len=256, start_max_len=768,
         max_len=1024, ramp_frac=0.2, long_frac=0.15, long_len=2048, warmup=10, chains=(1, 1),
-        start_max_depth=2, max_depth=2, block_frac=0.4, code_frac=0.8, one_name=True))
+        start_max_depth=2, max_depth=2, block_frac=0.4, code_frac=0.8, one_name=True, value_weight=1.0))
     # the files under eval/: held-out task prompts, plain held-out text, calibration prompts
     eval_lengths: tuple[int, int] = (512, 2048)  # prompt tokens, <bos> included
     eval_depths: tuple[int, int] = (1, 2)  # depth of the asked chain
@@ -201,7 +210,7 @@ class ContextPairConfig:
         return cls(seed=seed, num_layers=4, num_heads=4, num_kv_heads=2, shallow_layers=0,
                    producer=ContextStageConfig(style="base", split="base", steps=600, lr=2e-3, warmup=30, **lm),
                    consumer=ContextStageConfig(style="expert", split="expert", steps=200, lr=1e-3, warmup=10, **lm),
-                   num_heldout=20, num_calibration=64)
+                   long=None, num_heldout=20, num_calibration=64)
 
     def shrunk(self) -> "ContextPairConfig":
         """Seconds-long: same code path, a small tokenizer, a tiny model, few short steps."""
@@ -212,4 +221,5 @@ class ContextPairConfig:
                        shallow_layers=1 if self.shallow_layers else 0, copy=replace(self.copy, **small),
                        shallow=replace(self.shallow, **small),
                        producer=replace(self.producer, **small), consumer=replace(self.consumer, **small),
+                       long=replace(self.long, **small) if self.long else None,
                        eval_lengths=(128, 384), eval_chains=(2, 3), num_heldout=4, num_text=2, num_calibration=4)

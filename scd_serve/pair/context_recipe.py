@@ -139,6 +139,9 @@ def make_context_pair(cfg: ContextPairConfig, out: Path, probe_n: int = 100,
     report["params"] = sum(p.numel() for p in producer.parameters())
     report["producer_train"] = train_stage(producer, cfg.producer, tokenizer, splits[cfg.producer.split], pool,
                                            cfg.seed + 1, log=log)
+    if cfg.long is not None:
+        report["long_train"] = train_stage(producer, cfg.long, tokenizer, splits[cfg.long.split], pool,
+                                           cfg.seed + 3, log=log)
     _save(producer, tokenizer, out / "producer")
     consumer = consumer_from(producer, cfg.consumer_rope_theta)
     report["consumer_train"] = train_stage(consumer, cfg.consumer, tokenizer, splits[cfg.consumer.split], pool,
