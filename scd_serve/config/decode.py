@@ -125,9 +125,11 @@ class DecodeConfig:
             raise ConfigError(f"decode.max_model_len and num_blocks must be >= 0 (0 = automatic), got "
                               f"{self.max_model_len} and {self.num_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"decode.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ConfigError(f"decode.gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], "
+                              f"got {self.gpu_memory_utilization}")
         if self.kv_cache_gib < 0:
-            raise ConfigError(f"decode.kv_cache_gib must be >= 0 (0 = automatic), got {self.kv_cache_gib}")
+            raise ConfigError(f"decode.kv_cache_gib (--kv-cache-gib) must be >= 0 (0 = automatic), "
+                              f"got {self.kv_cache_gib}")
         if self.control_url and not self.control_url.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"decode.control_url must look like tcp://HOST:PORT, got {self.control_url!r}")
         split_peers(",".join(self.prefill))

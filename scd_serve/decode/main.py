@@ -116,17 +116,15 @@ def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
         return PLAIN_METHOD
 
 
-def kv_budget(rt, *, num_blocks: int, max_model_len: int, gpu_memory_utilization: float, kv_cache_gib: float):
-    """The pool's blocks and max_model_len from the memory this worker may use (engine/kv_budget.py)."""
+def kv_budget(rt, config: DecodeConfig):
+    """The pool's blocks and max_model_len from the memory this worker may use (engine/kv_budget.py);
+    the settings come validated in `config`."""
     import torch
 
     from scd_serve.config.engine import EngineConfig
     from scd_serve.engine import kv_budget as kb
 
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if kv_cache_gib < 0:
-        raise ConfigError(f"--kv-cache-gib must be >= 0 (0 = automatic), got {kv_cache_gib}")
+    kv_cache_gib, gpu_memory_utilization = config.kv_cache_gib, config.gpu_memory_utilization
     eng = EngineConfig()  # the block size, batch bound and prefill chunk the worker runs with
     spec, size = rt.spec, torch.empty((), dtype=rt.dtype).element_size()
     if kv_cache_gib:
@@ -141,7 +139,7 @@ def kv_budget(rt, *, num_blocks: int, max_model_len: int, gpu_memory_utilization
         budget, source = available_ram() // 4, "a quarter of the RAM available at start"
     return kb.size_pool(token_bytes=kb.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, size),
                         block_size=eng.block_size, budget_bytes=budget, model_context=spec.max_position_embeddings,
-                        max_num_seqs=eng.max_num_seqs, num_blocks=num_blocks, max_model_len=max_model_len,
+                        max_num_seqs=eng.max_num_seqs, num_blocks=config.num_blocks, max_model_len=config.max_model_len,
                         budget_from=source)
 
 
@@ -191,8 +189,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
     method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)
     config = dataclasses.replace(config, method=method)
-    pool = kv_budget(rt, num_blocks=config.num_blocks, max_model_len=config.max_model_len,
-                     gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_gib=config.kv_cache_gib)
+    pool = kv_budget(rt, config)
     log.info("%s", pool.note)
     max_len = pool.max_model_len
     engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks,
@@ -202,7 +199,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
                         served_model_names=config.served_model_names,
                         max_model_len=max_len, max_tokens_cap=max_len, default_method=method,
                         request_timeout_s=config.request_timeout_s)
-    worker = await DecodeWorker(rt, config, engine_cfg, api_cfg, model_name=model_name).start()
+    worker = await DecodeWorker(rt, config, engine_cfg, api_cfg).start()
     app, engine, backend, peers, auto = worker.app, worker.engine, worker.backend, worker.peers, worker.auto
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_keep_alive=api_cfg.timeout_keep_alive_s,

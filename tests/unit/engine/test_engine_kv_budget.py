@@ -54,18 +54,19 @@ def test_activation_reserve_grows_with_the_vocabulary_and_the_prefill_chunk():
 
 
 def test_the_decode_worker_sizes_its_pool_from_memory(tmp_path):
+    from scd_serve.config.decode import DecodeConfig
     from scd_serve.decode.main import available_ram, kv_budget
     from scd_serve.model import ModelRuntime
     from scd_serve.model.tiny import save_tiny_model
 
     rt = ModelRuntime.load(save_tiny_model(tmp_path, "qwen2", tokenizer=False))
     per_token = bytes_per_token(rt.spec.num_layers, rt.spec.num_kv_heads, rt.spec.head_dim, 4)
-    b = kv_budget(rt, num_blocks=0, max_model_len=0, gpu_memory_utilization=0.9, kv_cache_gib=1 / 1024)
+    b = kv_budget(rt, DecodeConfig(gpu_memory_utilization=0.9, kv_cache_gib=1 / 1024))
     assert b.num_blocks == min(2**20 // (per_token * 16), 32 * -(-rt.spec.max_position_embeddings // 16))
-    auto = kv_budget(rt, num_blocks=0, max_model_len=0, gpu_memory_utilization=0.9, kv_cache_gib=0)
+    auto = kv_budget(rt, DecodeConfig(gpu_memory_utilization=0.9, kv_cache_gib=0))
     assert "quarter of the RAM" in auto.note and auto.num_blocks * 16 * per_token <= available_ram()
-    with pytest.raises(ConfigError, match="gpu-memory-utilization"):
-        kv_budget(rt, num_blocks=0, max_model_len=0, gpu_memory_utilization=1.5, kv_cache_gib=0)
+    with pytest.raises(ConfigError, match="gpu-memory-utilization"):  # refused where the settings are made
+        kv_budget(rt, DecodeConfig(gpu_memory_utilization=1.5, kv_cache_gib=0))
 
 
 def test_available_ram_obeys_the_containers_memory_limit(tmp_path, monkeypatch):
