@@ -19,7 +19,7 @@ from scd_serve.config.engine import EngineConfig
 
 class DecodeWorker:
     def __init__(self, runtime: Any, config: DecodeConfig, engine_config: EngineConfig, api_config: ApiConfig, *,
-                 metrics: Any = None, model_name: str = "", runtime_wrap: Callable[[Any], Any] | None = None,
+                 metrics: Any = None, runtime_wrap: Callable[[Any], Any] | None = None,
                  client_factory: Callable | None = None):
         from scd_serve.api.metrics import Metrics
 
@@ -28,7 +28,8 @@ class DecodeWorker:
         self.engine_config = engine_config
         self.api_config = api_config
         self.metrics = metrics if metrics is not None else Metrics()
-        self.model_name = model_name or os.path.basename(os.path.normpath(config.model))
+        # the name the backend reports: the API's, else the model directory's
+        self.model_name = api_config.model_name or os.path.basename(os.path.normpath(config.model))
         self.runtime_wrap = runtime_wrap
         self.client_factory = client_factory
         self.peers = self.fill = self.auto = self.engine = self.backend = self.app = None

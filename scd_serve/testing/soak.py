@@ -92,7 +92,8 @@ class LocalStack:
         fallback = "local" if engine_config.fallback_to_local else "none"
         dconf = DecodeConfig(model="unused", codebook="", prefill=tuple(prefill_addresses), method=self.methods[0],
                              transport=self.transport, **({"fallback": fallback} | self.decode_opts))
-        self.decode = await DecodeWorker(self.rt, dconf, engine_config, ApiConfig(**self.api_opts), model_name="tiny",
+        api = ApiConfig(**({"model_name": "tiny"} | self.api_opts))
+        self.decode = await DecodeWorker(self.rt, dconf, engine_config, api,
                                          runtime_wrap=self.runtime_wrap).start(health_loop=self.health_loop)
         self.peers, self.fill, self.engine = self.decode.peers, self.decode.fill, self.decode.engine
         self.backend, self.app = self.decode.backend, self.decode.app

@@ -82,7 +82,7 @@ async def cluster(rt, codebook):
                          fallback="none")
     decode = DecodeWorker(rt, dconf, EngineConfig(num_blocks=128, block_size=8, max_model_len=256,
                                                   fallback_to_local=False),
-                          ApiConfig(max_model_len=256, max_tokens_cap=64, default_method="scd"), model_name="tiny")
+                          ApiConfig(model_name="tiny", max_model_len=256, max_tokens_cap=64, default_method="scd"))
     await decode.start(health_loop=False)
     assert decode.peers.ready(), decode.peers.why_not_ready()
     worker, worker_task, worker_address = await serve_http(decode.app)

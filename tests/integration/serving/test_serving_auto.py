@@ -59,7 +59,7 @@ async def auto_worker(consumer, producer, methods, codebook="", budget=None, fal
     config = DecodeConfig(model="unused", codebook=codebook, prefill=(node.address,), method="auto", fallback=fallback,
                           chooser=ChooserConfig(quality_budget=budget))
     worker = DecodeWorker(consumer, config, engine_config(fallback_to_local=fallback == "local"),
-                          ApiConfig(max_model_len=256, max_tokens_cap=64, default_method="auto"), model_name="tiny",
+                          ApiConfig(model_name="tiny", max_model_len=256, max_tokens_cap=64, default_method="auto"),
                           runtime_wrap=SlowPrefill)
     try:
         await worker.start(health_loop=False)
