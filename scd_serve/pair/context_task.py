@@ -139,9 +139,10 @@ def build_doc(rng: random.Random, lines: list[str], pool: list[str], style: Styl
             c = slots[i]
             k = next_statement[c]
             indent = line[: len(line) - len(line.lstrip(" "))]
-            out.append(indent + chains[c].statements[k])
-            if k:
-                values.append((offset + len(out[-1]) - _comment_len(out[-1]), chains[c].values[k]))
+            statement = chains[c].statements[k]
+            out.append(indent + statement)
+            if k:  # an addition: its last name ends where a `  # value` comment would start
+                values.append((offset + len(indent) + len(statement.partition("  # ")[0]), chains[c].values[k]))
             offset += len(out[-1]) + 1
             next_statement[c] += 1
         out.append(line)
@@ -197,12 +198,6 @@ def make_examples(files: tuple[SourceFile, ...], pool: list[str], tokenizer, sty
             raise ConfigError(f"no prompt of {lo}-{hi} tokens with {num_chains} chains in {MAX_TRIES} tries")
         out.append({"id": f"{seed}-{i}-depth{doc.asked[0][2]}", "prompt": prompt, "answer": answer})
     return out
-
-
-def _comment_len(statement: str) -> int:
-    """Characters of a trailing `  # value` comment (0 without one)."""
-    at = statement.find("  # ")
-    return len(statement) - at if at >= 0 else 0
 
 
 def answer_token_mask(tokenizer, doc: TaskDoc) -> tuple[list[int], list[bool], dict[int, int]]:
