@@ -144,6 +144,13 @@ class ScdCodec:
         if self._context_prior is not None:
             self._context(tokens, to_consumer(torch.empty(len(tokens), 0), consumer), consumer)
 
+    def decoder_inputs(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
+                       tokens: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What decode_layer combines with the layer's decoder or aligner (distill.py tunes those):
+        -> ({stream: code [T, r] as received}, {stream: token prior [T, dB], or 0.0})."""
+        codes = {name[1:]: self._unpack(code, name, consumer) for name in code if not name.endswith("_scale")}
+        return codes, {s: self._prior(layer, s, tokens, z, consumer) for s, z in codes.items()}
+
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
                      tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens: the prompt's token ids [T] (needed when the codebook has token priors)."""

@@ -43,6 +43,12 @@ class CalibrateConfig:
     prior_frequent: int = 0  # feature prior: most frequent fit tokens with one-hot columns
     prior_rank: int = 64
     prior_ridge: float | None = None
+    # Distillation (codec/distill.py): Adam steps that tune the scd plan's decoders and aligners
+    # on the consumer's own next-token KL over the fit prompts' ends (0: the closed form only),
+    # its learning rate and prompts per step. Payload and encoders do not change.
+    distill_steps: int = 300
+    distill_lr: float = 1e-4
+    distill_batch: int = 16
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,8 +67,12 @@ class CalibrateConfig:
                               f"{self.prior_width}, {self.prior_states}, {self.prior_frequent} and {self.prior_rank}")
         if self.prior_ridge is not None and self.prior_ridge <= 0:
             raise ConfigError(f"prior_ridge must be > 0, got {self.prior_ridge}")
-        if self.aligner_steps < 0:
-            raise ConfigError(f"aligner_steps must be >= 0, got {self.aligner_steps}")
+        if self.aligner_steps < 0 or self.distill_steps < 0:
+            raise ConfigError(f"aligner_steps and distill_steps must be >= 0, got {self.aligner_steps} and "
+                              f"{self.distill_steps}")
+        if not 0 < self.distill_lr < 1 or self.distill_batch < 1:
+            raise ConfigError(f"distill_lr must be in (0, 1) and distill_batch >= 1, got {self.distill_lr} and "
+                              f"{self.distill_batch}")
         if self.max_patches is not None and self.max_patches < 0:
             raise ConfigError(f"max_patches must be >= 0, got {self.max_patches}")
 

@@ -3,7 +3,8 @@
 Steps: paired states of both models on calibration prompts -> joint codes per layer and
 stream (Reuse) and per candidate patch layer (Patch, linear aligners) -> measured profiling
 and plan search under the budget (see search.py) -> MLP aligners for the chosen patches ->
-DroidSpeak layer choice -> codebook, re-measured through the real codecs -> trade-off PNG.
+DroidSpeak layer choice -> codebook -> the scd plan's decoders distilled on the consumer's KL
+(distill.py) -> re-measured through the real codecs -> trade-off PNG.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from scd_serve.codec.fit import collect_rows, fit_layer, subtract_priors, train_
 from scd_serve.codec.memory import check_fits, estimate
 from scd_serve.codec.features import FeatureFit, FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
+from scd_serve.codec.distill import distill, make_examples as make_distill_examples
 from scd_serve.codec.kl_probe import KLProbe, make_examples
 from scd_serve.codec.search import PlanSearch, SearchPoint
 from scd_serve.codec.codec_spec import spec_of
@@ -68,7 +70,10 @@ def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]
 
 
 def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list, cfg: CalibrateConfig,
-              log: Callable[[str], None] = print, show_progress: bool = True) -> Calibration:
+              log: Callable[[str], None] = print, show_progress: bool = True,
+              distill_pairs: list | None = None) -> Calibration:
+    """distill_pairs: (prompt, scored tokens) of the fit set for distillation (default: the fit
+    prompts alone, which feed their last tokens; codec/distill.py)."""
     from scd_serve import codec as registry
 
     pspec, cspec = spec_of(producer), spec_of(consumer)
@@ -148,6 +153,9 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     stats["reuse_plan"] = {"code_width": reuse.plan.code_width(), "kl": reuse.kl}
     book = build_codebook(fits, {"scd": plan, "reuse": reuse.plan}, pspec, cspec,
                           extra={"droidspeak_layers": ds_layers, "calibration": stats})
+    if cfg.distill_steps:
+        stats["distill"] = distill_plan(book, producer, consumer, cfg, show_progress, distill_pairs or
+                                        [(p, torch.zeros(0, dtype=torch.long)) for p in fit_prompts])
     methods = {}
     for name in tqdm([m for m in registry.METHODS if m != "identity"], desc="measure methods",
                      disable=not show_progress):
@@ -158,6 +166,26 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     stats["seconds"] = round(time.time() - started, 1)
     stats["probe_measurements"] = probe.num_measurements
     return Calibration(book, curve, methods)
+
+
+def distill_plan(book: Codebook, producer: Any, consumer: Any, cfg: CalibrateConfig, show_progress: bool,
+                 pairs: list) -> dict[str, Any]:
+    """Tune the scd plan's decoders on the consumer's KL (codec/distill.py), in place."""
+    from scd_serve import codec as registry
+
+    started = time.time()
+    codec = registry.build("scd", producer=producer, consumer=consumer, codebook=book)
+    with tqdm(total=len(pairs), desc="distill examples", disable=not show_progress) as bar:
+        examples = make_distill_examples(codec, producer, consumer, pairs, cfg.probe_tail, bar.update)
+    with tqdm(total=cfg.distill_steps, desc="distill", disable=not show_progress) as bar:
+        def progress(step: int, kl: float | None) -> None:
+            bar.update()
+            if kl is not None:
+                bar.set_postfix_str(f"held-out KL {kl:.4f}")
+
+        out = distill(codec, consumer, examples, cfg.distill_steps, cfg.distill_lr, cfg.distill_batch,
+                      cfg.seed, progress)
+    return out | {"seconds": round(time.time() - started, 1)}
 
 
 def prior_fitter(cfg: CalibrateConfig, consumer: Any, fit_prompts: list) -> Any:
@@ -197,8 +225,9 @@ def load_prompts(tokenizer: Any, split: str, n: int, seed: int) -> list[tuple[to
 
 
 def user_prompts(consumer: Any, data: str, records: list, cfg: CalibrateConfig, max_tokens: int,
-                 greedy_tokens: int, show_progress: bool = True) -> tuple[list[torch.Tensor], list]:
-    """--data FILE -> (fit prompts, probe (prompt, scored) pairs), records in file order: the
+                 greedy_tokens: int, show_progress: bool = True) -> tuple[list[torch.Tensor], list, list]:
+    """--data FILE -> (fit prompts, probe (prompt, scored) pairs, the fit records as (prompt,
+    scored) pairs for distillation), records in file order: the
     first ones fit, the next ones probe (a file of the built-in prompts gives what
     `load_prompts` gives). A file with fewer records than asked for keeps an
     eighth of them (at least 1) for the probe. A probe prompt without an answer scores the
@@ -221,13 +250,16 @@ def user_prompts(consumer: Any, data: str, records: list, cfg: CalibrateConfig, 
     # document whole (any stretch of it is a prompt)
     fit = [torch.cat([p.ids, p.reference]) if p.kind == "text" and p.reference is not None else p.ids
            for p in items[:num_fit]]
+    no_answer = torch.zeros(0, dtype=torch.long)
+    fit_pairs = [(p.ids, no_answer if p.reference is None else p.reference[:PROBE_SCORED_TOKENS])
+                 for p in items[:num_fit]]
     eos = getattr(consumer.tokenizer, "eos_token_id", None)
     probe = []
     for p in tqdm(items[num_fit: num_fit + num_probe], desc="probe references", disable=not show_progress):
         scored = p.reference if p.reference is not None else \
             run_oracle(consumer, p, greedy_tokens, -1 if eos is None else int(eos)).scored
         probe.append((p.ids, scored[:PROBE_SCORED_TOKENS]))
-    return fit, probe
+    return fit, probe, fit_pairs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -249,6 +281,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-patches", type=int, default=None, help="most patch layers tried (default L/2)")
     parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")
     parser.add_argument("--aligner-steps", type=int, default=300)
+    parser.add_argument("--distill-steps", type=int, default=CalibrateConfig.distill_steps,
+                        help="Adam steps that tune the scd plan's decoders and aligners on the consumer's own "
+                             "next-token KL over the fit prompts (payload unchanged; 0: closed-form fits only)")
+    parser.add_argument("--distill-lr", type=float, default=CalibrateConfig.distill_lr,
+                        help="Adam learning rate of the distillation (held-out prompts keep the best step)")
     parser.add_argument("--prior", default="features", choices=["features", "dense", "none"],
                         help="the consumer's token prior: features (from its own embeddings; size independent of "
                              "the vocabulary), dense (one-hot tables: its fit needs a [taps * (vocab + 1)]^2 float64 "
@@ -284,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = CalibrateConfig(kl_budget=args.kl_budget, num_prompts=args.num_prompts,
                           num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
-                          max_patches=args.max_patches, aligner_steps=args.aligner_steps, seed=args.seed,
+                          max_patches=args.max_patches, aligner_steps=args.aligner_steps,
+                          distill_steps=args.distill_steps, distill_lr=args.distill_lr, seed=args.seed,
                           prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
                           prior_states=args.prior_states, prior_frequent=args.prior_frequent,
                           prior_rank=args.prior_rank, prior_ridge=args.prior_ridge)
@@ -306,15 +344,17 @@ def run(args: argparse.Namespace) -> int:
     consumer = ModelRuntime.load(args.consumer, device=args.device, dtype=DTYPES[args.dtype])
     if records is None:
         pairs = load_prompts(consumer.tokenizer, args.data, cfg.num_prompts + cfg.num_probe_prompts, cfg.seed)
-        fit_prompts, probe_pairs = [p for p, _ in pairs[: cfg.num_prompts]], pairs[cfg.num_prompts:]
+        fit_pairs, probe_pairs = pairs[: cfg.num_prompts], pairs[cfg.num_prompts:]
+        fit_prompts = [p for p, _ in fit_pairs]
     else:
         context = min(producer.spec.max_position_embeddings, consumer.spec.max_position_embeddings)
         max_tokens = context - args.greedy_tokens if args.max_tokens is None else args.max_tokens
         if max_tokens + args.greedy_tokens > context:
             raise ConfigError(f"--max-tokens {max_tokens} + --greedy-tokens {args.greedy_tokens} exceed the models' "
                               f"context of {context} positions", field="max_tokens")
-        fit_prompts, probe_pairs = user_prompts(consumer, args.data, records, cfg, max_tokens, args.greedy_tokens)
-    result = calibrate(producer, consumer, fit_prompts, probe_pairs, cfg)
+        fit_prompts, probe_pairs, fit_pairs = user_prompts(consumer, args.data, records, cfg, max_tokens,
+                                                           args.greedy_tokens)
+    result = calibrate(producer, consumer, fit_prompts, probe_pairs, cfg, distill_pairs=fit_pairs)
     result.codebook.manifest["calibration"]["data"] = {"source": args.data, "dtype": args.dtype}
     out = result.codebook.save(args.out)
     spec = spec_of(consumer)
@@ -324,6 +364,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"codebook: {out} ({'within' if stats['feasible'] else 'OVER'} KL budget {cfg.kl_budget}); "
           f"patch layers {list(chosen.patch_layers)}; droidspeak layers {result.codebook.droidspeak_layers}; "
           f"{stats['seconds']} s")
+    if "distill" in stats:
+        d = stats["distill"]
+        print(f"distilled the scd plan: held-out KL {d['held_out_kl_before']:.4f} -> {d['held_out_kl_after']:.4f} "
+              f"(step {d['step_kept']} of {cfg.distill_steps} kept; {d['seconds']} s)")
     size = stats["size"]
     if "fraction_of_consumer" in size:
         print(f"codebook tensors {size['codebook_tensor_bytes']:,} bytes = {size['fraction_of_consumer']:.1%} of the "

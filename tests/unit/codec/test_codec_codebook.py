@@ -19,7 +19,8 @@ def calibrated(tmp_path_factory):
     root = tmp_path_factory.mktemp("cb")
     producer, consumer = make_pair(root, layers=2)
     pairs = prompts(10, 32)
-    cfg = CalibrateConfig(kl_budget=0.5, max_rows=1024, aligner_steps=10, max_patches=1, probe_tail=1)
+    cfg = CalibrateConfig(kl_budget=0.5, max_rows=1024, aligner_steps=10, max_patches=1, probe_tail=1,
+                          distill_steps=40, distill_batch=4)
     result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
     result.codebook.save(root / "book")
     return producer, consumer, result, root / "book"
@@ -36,6 +37,10 @@ def test_calibration_meets_budget_and_reports(calibrated):
     assert m["scd"]["payload_ratio"] < 1.0
     assert m["scd-int8"]["payload_ratio"] < 0.6 * m["scd"]["payload_ratio"]
     assert m["quant4"]["payload_ratio"] == pytest.approx(0.3125, abs=0.01)
+    # distillation ran on the fit prompts' answers and kept no step worse than the closed form
+    d = stats["distill"]
+    assert (d["train_examples"], d["held_out_examples"]) == (5, 1)
+    assert d["held_out_kl_after"] <= d["held_out_kl_before"] and 0 <= d["step_kept"] <= 40
 
 
 def test_load_round_trip_and_fingerprints(calibrated):
@@ -106,6 +111,10 @@ def test_methods_without_codebook_and_bad_budget(calibrated):
         codec.build("scd", producer=producer, consumer=consumer)
     with pytest.raises(ConfigError, match="kl_budget"):
         CalibrateConfig(kl_budget=0)
+    with pytest.raises(ConfigError, match="distill_steps must be >= 0"):
+        CalibrateConfig(kl_budget=0.1, distill_steps=-1)
+    with pytest.raises(ConfigError, match="distill_lr must be in"):
+        CalibrateConfig(kl_budget=0.1, distill_lr=0)
 
 
 def test_prior_only_ablation_ships_nothing_and_is_not_served(calibrated):

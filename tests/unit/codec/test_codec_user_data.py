@@ -41,7 +41,8 @@ def pair(tmp_path_factory):
 def calibrate_args(a, b, data, out, *more):
     return ["calibrate", "--producer", str(a), "--consumer", str(b), "--data", str(data), "--kl-budget", "2",
             "--num-prompts", "4", "--probe-prompts", "1", "--max-rows", "64", "--aligner-steps", "0",
-            "--max-patches", "1", "--max-tokens", "24", "--greedy-tokens", "4", "--out", str(out), *more]
+            "--max-patches", "1", "--max-tokens", "24", "--greedy-tokens", "4", "--distill-steps", "10",
+            "--out", str(out), *more]
 
 
 @pytest.mark.parametrize("name", ["text.jsonl", "prompt.jsonl", "messages.jsonl", "plain.txt"])
@@ -134,8 +135,10 @@ def test_a_file_of_the_builtin_prompts_gives_the_builtin_calibration_prompts(tmp
     f.write_text("\n".join(json.dumps({"prompt": e["prompt"], "answer": e["answer"]})
                            for e in load_split("calibration", 6)) + "\n")
     cfg = CalibrateConfig(kl_budget=0.05, num_prompts=4, num_probe_prompts=2)
-    fit, probe = user_prompts(SimpleNamespace(tokenizer=tok), str(f), read_records(f), cfg, 4000, 16,
-                              show_progress=False)
+    fit, probe, fit_pairs = user_prompts(SimpleNamespace(tokenizer=tok), str(f), read_records(f), cfg, 4000, 16,
+                                         show_progress=False)
     pairs = load_prompts(tok, "calibration", 6, seed=0)
     assert [p.tolist() for p in fit] == [p.tolist() for p, _ in pairs[:4]]
+    # distillation reads the fit records' answers as the built-in data gives them
+    assert [(p.tolist(), a.tolist()) for p, a in fit_pairs] == [(p.tolist(), a.tolist()) for p, a in pairs[:4]]
     assert [(p.tolist(), a.tolist()) for p, a in probe] == [(p.tolist(), a.tolist()) for p, a in pairs[4:]]

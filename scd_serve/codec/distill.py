@@ -1,0 +1,181 @@
+"""Distill the consumer-side decoders on the consumer's next-token loss (our addition to SCD).
+
+The closed-form fits make each layer's rebuilt K/V close to the consumer's in L2, layer by
+layer. What serving needs is the consumer's next-token distribution close to the oracle's,
+and cross-model error is not uniform: a small error in the few directions later layers read
+costs more than a large one elsewhere. With the plan fixed, the decoders of Reuse layers and
+the aligners of Patch layers are tuned end to end. As in serving, the consumer runs the last
+tokens of each calibration prompt itself over the K/V rebuilt for the rest; the loss is
+KL(oracle || method) on those tokens. The encoders (the producer's side, the payload) stay as
+fitted, so codes and payload do not change. Held-out prompts pick the step to keep, and the
+closed form is kept where tuning does not beat it on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from scd_serve.codec.lowrank import Aligner
+from scd_serve.codec.plan import REUSE
+from scd_serve.model import rope
+from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
+
+Tensor = torch.Tensor
+
+
+# the oracle's most likely tokens per fed position that the loss reads: its distribution
+# beyond them holds little mass, and a full [m, vocab] row per example would not fit at
+# real vocabularies (152k columns)
+ORACLE_TOP = 128
+# a prompt given without the tokens that follow it is scored on this many of its own last tokens
+BARE_TAIL = 16
+
+
+@dataclass
+class DistillExample:
+    feed: Tensor  # [m] the prompt's last tokens (and the scored ones), run by the consumer itself
+    codes: list[dict[str, Tensor]]  # per layer {"k"|"v"|"h": code [P, r] fp16, as received}
+    priors: list[dict[str, Any]]  # per layer {stream: token prior [P, dB] fp16, or 0.0}
+    oracle_logp: Tensor  # [m, ORACLE_TOP] the oracle's largest log-probabilities over feed
+    oracle_ids: Tensor  # [m, ORACLE_TOP] their token ids
+
+
+def suffix_logits(rt: Any, keys: list[Tensor], values: list[Tensor], feed: Tensor) -> Tensor:
+    """The consumer's logits over `feed` [m] when positions 0..P-1 hold the given pre-RoPE K/V
+    (per layer [P, kv_heads, head_dim]): serving's handoff, differentiable in keys and values.
+    -> [m, vocab] float32."""
+    spec, w = rt.spec, rt.weights
+    prefix, m = keys[0].shape[0], feed.shape[0]
+    pos = torch.arange(prefix + m, device=rt.device)
+    cos, sin = rt.rotary.tables(pos)  # [P + m, 1, hd]
+    lengths = torch.tensor([prefix + m], device=rt.device)
+    masks = {win: causal_mask(pos[None, prefix:], lengths, prefix + m, win)
+             for win in {spec.window(i) for i in range(spec.num_layers)}}
+    h = w.embed[feed.to(rt.device)]  # [m, hidden]
+    for layer, lw in enumerate(w.layers):
+        x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
+        k_new, v_new = project_kv(lw, spec, x)
+        q = rope.apply(project_q(lw, spec, x), cos[prefix:], sin[prefix:])
+        k = rope.apply(torch.cat([keys[layer].to(rt.dtype), k_new]), cos, sin)
+        v = torch.cat([values[layer].to(rt.dtype), v_new])
+        attn = attend(q[None], k[None], v[None], masks[spec.window(layer)])
+        h = finish_layer(lw, spec, h, attn[0])
+    return rt.logits_of(h)
+
+
+class Decoders(torch.nn.Module):
+    """The trainable consumer side of one plan: Dec_B per Reuse stream, g per Patch layer.
+    Another plan of the codebook that uses the same (layer, stream, rank) shares the tuned tensor."""
+
+    def __init__(self, codec: Any, device: torch.device):
+        super().__init__()
+        self.plan, book = codec.plan, codec.codebook
+        self.dec, self.mu = torch.nn.ParameterDict(), {}
+        self.aligners = torch.nn.ModuleDict()
+        for i, lp in enumerate(self.plan.layers):
+            if lp.mode == REUSE:
+                for s, r in (("k", lp.r_k), ("v", lp.r_v)):
+                    dec = book.tensor(f"layers.{i}.{s}.dec.r{r}").to(device, torch.float32, copy=True)
+                    self.dec[f"{i}_{s}"] = torch.nn.Parameter(dec)
+                    self.mu[f"{i}_{s}"] = book.tensor(f"layers.{i}.{s}.mu_b").to(device, torch.float32)
+            else:
+                prefix = f"layers.{i}.h.g.r{lp.r_h}."
+                t = {k[len(prefix):]: v for k, v in book.tensors.items() if k.startswith(prefix)}
+                self.aligners[str(i)] = Aligner.from_tensors(t).to(device).train()
+
+    def rebuild(self, rt: Any, ex: DistillExample) -> tuple[list[Tensor], list[Tensor]]:
+        """-> per layer pre-RoPE keys and values [P, kv_heads, head_dim]."""
+        spec, keys, values = rt.spec, [], []
+        for i, lp in enumerate(self.plan.layers):
+            code = {s: z.float() for s, z in ex.codes[i].items()}
+            prior = {s: p if isinstance(p, float) else p.float() for s, p in ex.priors[i].items()}
+            if lp.mode == REUSE:
+                k, v = (code[s] @ self.dec[f"{i}_{s}"] + self.mu[f"{i}_{s}"] + prior[s] for s in "kv")
+                k = k.reshape(k.shape[0], spec.num_kv_heads, spec.head_dim)
+                v = v.reshape(v.shape[0], spec.num_kv_heads, spec.head_dim)
+            else:
+                h = self.aligners[str(i)](code["h"]) + prior["h"]  # [P, hidden] H_in,B
+                k, v = project_kv(rt.weights.layers[i], spec, h.to(rt.dtype))
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def loss(self, rt: Any, ex: DistillExample) -> Tensor:
+        """Mean KL(oracle || method) in nats over the example's fed tokens, on the oracle's top tokens."""
+        logp = torch.log_softmax(suffix_logits(rt, *self.rebuild(rt, ex), ex.feed).float(), -1)
+        return (ex.oracle_logp.exp() * (ex.oracle_logp - logp.gather(-1, ex.oracle_ids))).sum(-1).mean()
+
+    def write(self, book: Any) -> None:
+        """Store the tuned tensors in the codebook under the plan's names."""
+        for i, lp in enumerate(self.plan.layers):
+            if lp.mode == REUSE:
+                for s, r in (("k", lp.r_k), ("v", lp.r_v)):
+                    book.tensors[f"layers.{i}.{s}.dec.r{r}"] = self.dec[f"{i}_{s}"].detach().cpu().contiguous()
+            else:
+                for name, t in self.aligners[str(i)].tensors().items():
+                    book.tensors[f"layers.{i}.h.g.r{lp.r_h}.{name}"] = t.cpu()
+
+
+def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Tensor, Tensor]], tail: int,
+                  progress: Callable[[], None] | None = None) -> list[DistillExample]:
+    """pairs: (prompt ids [T], scored ids [n], possibly empty) -> examples that feed the
+    prompt's last min(tail, T // 2) tokens and the scored ones but the last (kl_probe's layout);
+    a prompt with nothing scored feeds its last min(BARE_TAIL, T // 2)."""
+    out = []
+    with torch.no_grad():
+        for prompt, scored in pairs:
+            prompt, scored = torch.as_tensor(prompt).long(), torch.as_tensor(scored).long()
+            fed = tail if scored.numel() else BARE_TAIL
+            p = prompt.shape[0] - max(1, min(fed, prompt.shape[0] // 2))
+            prefix, feed = prompt[:p], torch.cat([prompt, scored])[p:-1] if scored.numel() else prompt[p:]
+            codes, priors = [], []
+            for layer, state in producer.iter_prefill(prefix, compute_logits=False):
+                code, prior = codec.decoder_inputs(layer, codec.encode_layer(layer, state), consumer, prefix)
+                codes.append({s: z.half() for s, z in code.items()})
+                priors.append({s: x if isinstance(x, float) else x.half() for s, x in prior.items()})
+            own = [s for _, s in consumer.iter_prefill(prefix, compute_logits=False)]
+            logits = suffix_logits(consumer, [s.keys for s in own], [s.values for s in own], feed)
+            top = torch.log_softmax(logits.float(), -1).topk(min(ORACLE_TOP, logits.shape[-1]), dim=-1)
+            out.append(DistillExample(feed, codes, priors, top.values, top.indices))
+            if progress:
+                progress()
+    return out
+
+
+def distill(codec: Any, consumer: Any, examples: list[DistillExample], steps: int, lr: float, batch: int,
+            seed: int = 0, progress: Callable[[int, float | None], None] | None = None) -> dict[str, Any]:
+    """Tune `codec`'s plan in its codebook, in place. The last sixth of the examples (at least
+    one) is held out; it picks the step kept, the closed form (step 0) included.
+    progress(step, held-out KL or None) after every step. -> held-out KL before and after."""
+    num_held = max(1, len(examples) // 6)
+    train, held_out = examples[:-num_held] or examples, examples[-num_held:]
+    decoders = Decoders(codec, consumer.device)
+    gen = torch.Generator().manual_seed(seed)
+
+    def held_out_kl() -> float:
+        with torch.no_grad():
+            return sum(float(decoders.loss(consumer, ex)) for ex in held_out) / len(held_out)
+
+    before = best = held_out_kl()
+    best_step, best_state = 0, {k: v.clone() for k, v in decoders.state_dict().items()}
+    opt = torch.optim.Adam(decoders.parameters(), lr=lr)
+    every = max(1, min(25, steps // 8))
+    with torch.enable_grad():
+        for step in range(1, steps + 1):
+            idx = torch.randint(0, len(train), (min(batch, len(train)),), generator=gen)
+            opt.zero_grad()
+            loss = sum(decoders.loss(consumer, train[int(j)]) for j in idx) / len(idx)
+            loss.backward()
+            opt.step()
+            kl = held_out_kl() if step % every == 0 or step == steps else None
+            if kl is not None and kl < best:
+                best, best_step, best_state = kl, step, {k: v.clone() for k, v in decoders.state_dict().items()}
+            if progress:
+                progress(step, kl)
+    decoders.load_state_dict(best_state)
+    decoders.write(codec.codebook)
+    return {"held_out_kl_before": before, "held_out_kl_after": best, "step_kept": best_step,
+            "train_examples": len(train), "held_out_examples": len(held_out)}
