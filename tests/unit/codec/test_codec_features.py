@@ -100,6 +100,9 @@ def test_codebook_round_trip_and_the_decode_side_context():
     ids = prompts[0]
     # the decode side computes from token ids what calibration reduced from its features
     assert torch.allclose(loaded.context(ids, consumer), prior.reduce(fit.add_tokens(ids, consumer)), atol=1e-5)
+    for short in (ids[:1], ids[:2]):  # fewer tokens than taps: the missing lags are zeros on both sides
+        assert torch.allclose(loaded.context(short, consumer), prior.reduce(fit.add_tokens(short, consumer)),
+                              atol=1e-5)
     wrong = prior.manifest() | {"projection_sha256": "0" * 16}
     with pytest.raises(CodebookError, match="another random projection"):
         FeaturePrior.from_codebook(wrong, prior.tensors())
