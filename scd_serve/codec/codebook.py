@@ -167,6 +167,7 @@ class Codebook:
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.tensors.items()}
         save_file(tensors, str(out / TENSORS))
+        (out / TENSORS).chmod(0o644)  # safetensors writes 0600; a server run as another user must read it
         manifest = dict(self.manifest, version=CODEBOOK_VERSION,
                         tensors_sha256=_sha256(out / TENSORS), tensors_bytes=(out / TENSORS).stat().st_size)
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")

@@ -47,6 +47,7 @@ def test_load_round_trip_and_fingerprints(calibrated):
     producer, consumer, result, path = calibrated
     book = Codebook.load(path, producer=producer, consumer=consumer)
     assert book.manifest["producer"]["fingerprint"] == producer.fingerprint
+    assert (path / TENSORS).stat().st_mode & 0o044 == 0o044  # readable by a server running as another user
     assert book.plan("scd") == result.codebook.plan("scd")
     c = codec.build("scd", producer=producer, consumer=consumer, codebook=path)
     ids = prompts(1, 20)[0][0]
