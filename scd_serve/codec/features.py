@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -112,6 +112,21 @@ def features(spec: FeatureSpec, inputs: Tensor, proj: Tensor, ids: Tensor | None
     return torch.cat(lagged, dim=1)
 
 
+def cached_rows(cache: dict[int, Tensor], keys: list[int], compute: Callable[[list[int]], Tensor],
+                max_bytes: int) -> Tensor:
+    """The rows of token ids `keys`, stacked [K, ...]: from `cache`, the missing ones computed
+    at once and kept. Bounded: past max_bytes the cache starts over rather than grow."""
+    rows = {i: r for i in keys if (r := cache.get(i)) is not None}  # safe beside a clear()
+    missing = [i for i in keys if i not in rows]
+    if missing:
+        fresh = dict(zip(missing, compute(missing)))
+        rows.update(fresh)
+        if (len(cache) + len(fresh)) * fresh[missing[0]].numel() * 4 > max_bytes:
+            cache.clear()
+        cache.update(fresh)
+    return torch.stack([rows[i] for i in keys])
+
+
 class TokenRows:
     """u [T, hidden + states] of prompt tokens from the consumer's weights. The token states are
     computed once per distinct token and kept (up to `max_bytes`) for later prompts: a token's
@@ -137,16 +152,8 @@ class TokenRows:
         if not self.spec.states:
             return e
         uniq, inverse = torch.unique(ids, return_inverse=True)
-        keys = uniq.tolist()
-        rows = {i: r for i in keys if (r := self._rows.get(i)) is not None}  # safe beside a clear()
-        missing = [i for i in keys if i not in rows]
-        if missing:
-            fresh = dict(zip(missing, self._states(consumer, torch.as_tensor(missing, device=ids.device))))
-            rows.update(fresh)
-            if (len(self._rows) + len(fresh)) * self.spec.states * 4 > self.max_bytes:
-                self._rows.clear()  # bounded: start over rather than grow
-            self._rows.update(fresh)
-        table = torch.stack([rows[i] for i in keys])  # [U, states]
+        table = cached_rows(self._rows, uniq.tolist(), lambda missing: self._states(
+            consumer, torch.as_tensor(missing, device=ids.device)), self.max_bytes)  # [U, states]
         return torch.cat([e, table[inverse.to(table.device)].to(e.device)], dim=1)
 
 
@@ -161,6 +168,7 @@ class FeaturePrior:
         self.frequent = frequent if frequent is not None else torch.zeros(0, dtype=torch.long)  # [F] token ids
         self._proj = spec.projection()
         self.token_rows = TokenRows(spec)
+        self._reduced: dict[Any, dict[int, Tensor]] = {}  # device -> token id -> its taps' rows [taps, rank]
         self._on: dict[Any, tuple[Tensor, Tensor, Tensor]] = {}
 
     def _moved(self, device) -> tuple[Tensor, Tensor, Tensor]:
@@ -177,15 +185,22 @@ class FeaturePrior:
     def context(self, tokens: Any, consumer: Any, device: Any = None) -> Tensor:
         """The prompt's reduced features F [T, rank], computed once per prompt. F is linear in
         phi, and phi's taps are per-token rows shifted: so each distinct token's rows are
-        reduced once, per tap, and F sums them shifted (what reduce(features(...)) gives, at
-        a fraction of the cost: a prompt has far fewer distinct tokens than positions)."""
+        reduced once per tap ([taps, rank], kept for later prompts like its states), and F
+        sums them shifted. The same numbers as reduce(features(...)), at a fraction of the
+        cost: a prompt has far fewer distinct tokens than positions, and most were seen."""
         ids = torch.as_tensor(tokens).reshape(-1).long()
         uniq, inverse = torch.unique(ids, return_inverse=True)
-        e = self.token_rows(consumer, uniq, device)  # [U, hidden + states]
-        basis, mean, proj = self._moved(e.device)
-        g = token_features(self.spec, e, proj, uniq, self.frequent)  # [U, m / taps]
-        per_tap = g @ basis.reshape(self.spec.taps, g.shape[1], -1)  # [taps, U, rank]
-        per_tap = per_tap[:, inverse.to(e.device)]  # [taps, T, rank]
+        where = torch.device(device) if device is not None else ids.device
+        basis, mean, proj = self._moved(where)
+
+        def reduce_tokens(missing: list[int]) -> Tensor:  # -> [M, taps, rank]
+            new = torch.as_tensor(missing)
+            g = token_features(self.spec, self.token_rows(consumer, new, where), proj, new, self.frequent)
+            return (g @ basis.reshape(self.spec.taps, g.shape[1], -1)).transpose(0, 1)
+
+        per_token = cached_rows(self._reduced.setdefault(where, {}), uniq.tolist(), reduce_tokens,
+                                self.token_rows.max_bytes)  # [U, taps, rank]
+        per_tap = per_token[inverse.to(per_token.device)].transpose(0, 1)  # [taps, T, rank]
         ctx = per_tap[0] - mean @ basis
         for j in range(1, min(self.spec.taps, ids.shape[0])):
             ctx[j:] += per_tap[j, :-j]

@@ -255,6 +255,13 @@ def test_token_rows_are_computed_once_per_distinct_token_and_agree_on_both_sides
     assert loaded.spec.states == states
     assert torch.allclose(loaded.context(prompts[0], qwen2), prior.reduce(fit.add_tokens(prompts[0], qwen2)),
                           atol=1e-5)
+    # the decode side keeps each token's reduced rows: a prompt of seen tokens computes nothing
+    counting = Counting(qwen2)
+    again = loaded.context(prompts[0], counting)
+    assert counting.computed == [] and torch.equal(again, loaded.context(prompts[0], qwen2))
+    assert torch.allclose(loaded.context(prompts[1], counting), prior.reduce(fit.add_tokens(prompts[1], qwen2)),
+                          atol=1e-5)
+    assert 0 < len(counting.computed) <= len(set(prompts[1].tolist()) - set(prompts[0].tolist()))
 
 
 def test_a_codebook_from_before_token_states_loads_without_them():
