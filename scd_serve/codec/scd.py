@@ -145,10 +145,11 @@ class ScdCodec:
             self._context(tokens, to_consumer(torch.empty(len(tokens), 0), consumer), consumer)
 
     def decoder_inputs(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
-                       tokens: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                       tokens: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What decode_layer combines with the layer's decoder or aligner (distill.py tunes those):
         -> ({stream: code [T, r] as received}, {stream: token prior [T, dB], or 0.0})."""
-        codes = {name[1:]: self._unpack(code, name, consumer) for name in code if not name.endswith("_scale")}
+        streams = "kv" if self.plan.layers[layer].mode == REUSE else "h"
+        codes = {s: self._unpack(code, f"z{s}", consumer) for s in streams}
         return codes, {s: self._prior(layer, s, tokens, z, consumer) for s, z in codes.items()}
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
@@ -163,16 +164,17 @@ class ScdCodec:
             return tuple(  # type: ignore[return-value]
                 (self.codebook.tensor(f"layers.{layer}.{s}.mu_b").to(like.device) + self._prior(layer, s, tokens, like, consumer))
                 .reshape(like.shape[0], spec.num_kv_heads, spec.head_dim) for s in "kv")
+        codes, priors = self.decoder_inputs(layer, code, consumer, tokens)  # codes: {stream: [T, r]}
         if lp.mode == REUSE:
             out = []
             for s, rank in (("k", lp.r_k), ("v", lp.r_v)):
-                z = self._unpack(code, f"z{s}", consumer)  # [T, r]
+                z = codes[s]
                 dec, mu = self._decoder(layer, s, rank, z.device)
-                b = z @ dec + mu + self._prior(layer, s, tokens, z, consumer)  # [T, dB]
+                b = z @ dec + mu + priors[s]  # [T, dB]
                 out.append(b.reshape(z.shape[0], spec.num_kv_heads, spec.head_dim))
             return out[0], out[1]
-        z = self._unpack(code, "zh", consumer)
+        z = codes["h"]
         with torch.no_grad():
-            h = self._aligner(layer, lp.r_h, z.device)(z) + self._prior(layer, "h", tokens, z, consumer)  # [T, hidden] H_in,B
+            h = self._aligner(layer, lp.r_h, z.device)(z) + priors["h"]  # [T, hidden] H_in,B
         dtype = getattr(consumer, "dtype", torch.float32)
         return consumer.recompute_kv(layer, h.to(dtype if isinstance(dtype, torch.dtype) else torch.float32))
