@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Would the consumer answer better if it ran its own upper layers from a mapped residual?
+
+A question about codec design (issue 18), asked with full-rank linear maps (no compression):
+- `linear-kv`: every layer's consumer K/V is a ridge map of the producer's attention input at
+  the same layer and token (the most any per-token linear decoder of that state can do);
+- `deep@L`: layers < L as in `linear-kv`; at L the consumer's residual stream is a ridge map of
+  the producer's residual at L, and the consumer runs its own layers L..N-1 over the prompt
+  (attention included), so what those layers compute from context is its own computation;
+- `deep-exact@L`: the same with the consumer's own K/V below L (isolates the upper part).
+Each is scored by greedy exact match of the answer on held-out task prompts, beside the oracle
+(the consumer's own prefill). Maps are fitted on calibration prompts.
+
+    python scripts/deep_patch_probe.py PRODUCER CONSUMER calibration.jsonl heldout.jsonl \
+        [--fit 48] [--eval 60] [--layers 3 4 5 6]
+"""
+
+import argparse
+import json
+
+import torch
+
+from scd_serve.model import rope
+from scd_serve.model.layers import attend, finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model.runtime import ModelRuntime
+from scd_serve.quality.metrics import exact_match
+from scd_serve.quality.transfer import BLOCK, Handoff, greedy_after, teacher_forced
+
+
+@torch.no_grad()
+def run_layers(rt, h, first: int):
+    """Layers first..N-1 over the prompt from residual h [T, d] -> per layer (residual in, attn input, k_pre, v)."""
+    spec, t = rt.spec, h.shape[0]
+    pos = torch.arange(t)
+    cos, sin = rt.rotary.tables(pos)
+    mask = rt._masks(pos[None], torch.tensor([t]), t)
+    out = []
+    for layer in range(first, spec.num_layers):
+        lw = rt.weights.layers[layer]
+        x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
+        k, v = project_kv(lw, spec, x)
+        q = rope.apply(project_q(lw, spec, x), cos, sin)
+        out.append((h, x, k, v))
+        h = finish_layer(lw, spec, h, attend(q[None], rope.apply(k, cos, sin)[None], v[None], mask[spec.window(layer)])[0])
+    return out
+
+
+def states(rt, ids):
+    return run_layers(rt, rt.weights.embed[ids], 0)
+
+
+def fit(x, y, lam=1e-4):
+    x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
+    gram = x.T @ x
+    return torch.linalg.solve(gram + lam * gram.trace() / gram.shape[0] * torch.eye(gram.shape[0], dtype=x.dtype), x.T @ y)
+
+
+def apply(w, x):
+    return (torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], 1) @ w).float()
+
+
+def ids_of(rt, rec):
+    return torch.tensor(rt.tokenizer(rec["prompt"])["input_ids"])
+
+
+def answer(rt, kvs, ids, n):
+    """Greedy answer tokens after writing per-layer (k_pre, v) of ids[:-1] and running ids[-1]."""
+    prefix = ids.shape[0] - 1
+    nb = -(-(prefix + n + 2) // BLOCK)
+    pool, blocks = rt.new_kv_pool(nb, BLOCK), list(range(nb))
+    for layer, (k, v) in enumerate(kvs):
+        rt.write_kv(pool, blocks, layer, k[:prefix], v[:prefix])
+    h = Handoff(pool, blocks, prefix, 0, 0.0)
+    first = teacher_forced(rt, h, ids[-1:])[-1]
+    return rt.tokenizer.decode(greedy_after(rt, h, first, n, -1), skip_special_tokens=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("producer")
+    ap.add_argument("consumer")
+    ap.add_argument("calibration")
+    ap.add_argument("heldout")
+    ap.add_argument("--fit", type=int, default=48)
+    ap.add_argument("--eval", type=int, default=60)
+    ap.add_argument("--per-prompt", type=int, default=400)
+    ap.add_argument("--layers", type=int, nargs="+", default=[3, 4, 5, 6])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    pa, cb = ModelRuntime.load(args.producer), ModelRuntime.load(args.consumer)
+    n_layers = cb.spec.num_layers
+    gen = torch.Generator().manual_seed(0)
+    xs = {}  # name -> list of rows
+    for line in open(args.calibration).read().splitlines()[: args.fit]:
+        ids = ids_of(pa, json.loads(line))
+        idx = torch.randperm(ids.shape[0], generator=gen)[: args.per_prompt]
+        for layer, (sa, sb) in enumerate(zip(states(pa, ids), states(cb, ids))):
+            xs.setdefault(("x", layer), []).append(sa[1][idx].double())
+            xs.setdefault(("kv", layer), []).append(torch.cat([sb[2].flatten(1), sb[3].flatten(1)], 1)[idx].double())
+            xs.setdefault(("ha", layer), []).append(sa[0][idx].double())
+            xs.setdefault(("hb", layer), []).append(sb[0][idx].double())
+    xs = {k: torch.cat(v) for k, v in xs.items()}
+    kv_map = [fit(xs[("x", i)], xs[("kv", i)]) for i in range(n_layers)]
+    h_map = {i: fit(xs[("ha", i)], xs[("hb", i)]) for i in args.layers}
+    print("fitted on", xs[("x", 0)].shape[0], "rows", flush=True)
+
+    kvw = cb.spec.num_kv_heads * cb.spec.head_dim
+    shape = (cb.spec.num_kv_heads, cb.spec.head_dim)
+    names = ["oracle", "linear-kv"] + [f"{p}@{i}" for i in args.layers for p in ("deep", "deep-exact")]
+    hits = {n: [] for n in names}
+    agree = {n: [] for n in names}  # answer text identical to the oracle's
+    for j, line in enumerate(open(args.heldout).read().splitlines()[: args.eval]):
+        rec = json.loads(line)
+        ids = ids_of(cb, rec)
+        n = len(cb.tokenizer(rec["answer"], add_special_tokens=False)["input_ids"])
+        sa, sb = states(pa, ids), states(cb, ids)
+        own = [(s[2], s[3]) for s in sb]
+        lin = []
+        for i in range(n_layers):
+            kv = apply(kv_map[i], sa[i][1])
+            lin.append((kv[:, :kvw].unflatten(1, shape), kv[:, kvw:].unflatten(1, shape)))
+        runs = {"oracle": own, "linear-kv": lin}
+        for i in args.layers:
+            upper = [(s[2], s[3]) for s in run_layers(cb, apply(h_map[i], sa[i][0]), i)]
+            runs[f"deep@{i}"] = lin[:i] + upper
+            runs[f"deep-exact@{i}"] = own[:i] + upper
+        texts = {name: answer(cb, kvs, ids, n) for name, kvs in runs.items()}
+        for name, text in texts.items():
+            hits[name].append(exact_match(text, rec["answer"]))
+            agree[name].append(float(text == texts["oracle"]))
+        if (j + 1) % 10 == 0:
+            print(j + 1, {k: round(sum(v) / len(v), 3) for k, v in hits.items()}, flush=True)
+    print("final EM", {k: round(sum(v) / len(v), 3) for k, v in hits.items()})
+    print("final agreement with the oracle", {k: round(sum(v) / len(v), 3) for k, v in agree.items()})
+
+
+if __name__ == "__main__":
+    main()
