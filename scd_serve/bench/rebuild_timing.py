@@ -5,6 +5,9 @@
 Rebuild = the codec's prompt-only prepare + decode_layer and the KV write of every layer
 (what the decode worker does with codes);
 prefill = the consumer's own layer-wise prefill + write_kv (the oracle). Medians of --repeat.
+With --cold every rebuild starts from a freshly loaded codec, so no token's state or reduced
+rows are kept from an earlier prompt (a prompt of tokens the worker has never seen); without it
+the warm-up leaves them kept (a worker that has seen these tokens).
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import torch
 from scd_serve import codec as registry
 
 
-def _median_s(fn, repeat: int) -> float:
-    fn()  # warm-up (caches, allocator)
+def _median_s(fn, repeat: int, setup=lambda: None) -> float:
+    fn(setup())  # warm-up (caches, allocator)
     times = []
     for _ in range(repeat):
+        arg = setup()  # untimed
         start = time.perf_counter()
-        fn()
+        fn(arg)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cold", action="store_true", help="a fresh codec per rebuild: no token kept from earlier prompts")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rt_a, rt_b = ModelRuntime.load(args.producer), ModelRuntime.load(args.consumer)
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = rt_b.new_kv_pool(len(blocks), 16)
     states = [s for _, s in rt_a.iter_prefill(ids, compute_logits=False)]
 
-    def prefill():
+    def prefill(_=None):
         for layer, s in rt_b.iter_prefill(ids, compute_logits=False):
             rt_b.write_kv(pool, blocks, layer, s.keys, s.values)
 
@@ -56,10 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     for method in registry.METHODS:
         if method in registry.NEEDS_CODEBOOK and args.codebook is None:
             continue
-        c = registry.build(method, producer=rt_a, consumer=rt_b, codebook=args.codebook)
+
+        def build(method=method):
+            return registry.build(method, producer=rt_a, consumer=rt_b, codebook=args.codebook)
+
+        c = build()
         codes = [c.encode_layer(i, s) for i, s in enumerate(states)]
 
-        def rebuild(c=c, codes=codes):  # as the decode worker: prepare once, then every layer
+        def rebuild(fresh, c=c, codes=codes):  # as the decode worker: prepare once, then every layer
+            c = fresh if fresh is not None else c
             tokens = ids.tolist()
             writer = rt_b.kv_writer(pool, blocks, args.tokens)
             if hasattr(c, "prepare"):
@@ -68,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 k, v = c.decode_layer(layer, code, rt_b, tokens=tokens)
                 writer.write(layer, k, v)
 
-        t = _median_s(rebuild, args.repeat)
+        t = _median_s(rebuild, args.repeat, build if args.cold else lambda: None)
         print(f"{method:<12}{t * 1e3:>12.1f}{t / base:>12.3f}")
     return 0
 
