@@ -3,8 +3,9 @@ from the consumer's own embeddings, so that its size does not grow with the voca
 
 The decode node holds the prompt's token ids and the consumer's weights. Per position t:
   e_t   = the consumer's layer-0 attention input, rms_norm(embed[x_t]) (token ids alone fix it)
-  s_t   = the consumer's K/V of x_t at every layer when x_t stands alone (ModelRuntime.token_states:
-          its own weights' nonlinear reading of the token), S-projected to `states` columns
+  s_t   = the consumer's K/V of x_t at every layer (or its first `state_layers`) when x_t stands
+          alone (ModelRuntime.token_states: its own weights' nonlinear reading of the token),
+          S-projected to `states` columns
   u_t   = [e_t, s_t]                                      per token [hidden + states]
   g_t   = [u_t, silu(scale * u_t R), onehot_F(x_t)]        per token [hidden + states + width + F]
   phi_t = [g_t, g_{t-1}, ..., g_{t-taps+1}]           (zeros before the prompt) [m]
@@ -56,6 +57,7 @@ class FeatureSpec:
     hidden: int = 0  # the consumer's hidden size (set by the fit)
     frequent: int = 0  # F: tokens with a one-hot column of their own (the most frequent in the fit)
     states: int = 0  # token-state columns per token (0: the embedding alone, as codebooks before them)
+    state_layers: int = 0  # the token states' first layers (0: every layer; fewer cost less on a cold prompt)
 
     @property
     def num_features(self) -> int:
@@ -138,7 +140,7 @@ class TokenRows:
         self._state_proj: dict[Any, Tensor | None] = {}
 
     def _states(self, consumer: Any, ids: Tensor) -> Tensor:  # ids: [U] -> [U, states]
-        s = consumer.token_states(ids).float()  # [U, layers * 2 * kv_width]
+        s = consumer.token_states(ids, layers=self.spec.state_layers or None).float()  # [U, layers * 2 * kv_width]
         if s.device not in self._state_proj:
             proj = self.spec.state_projection(s.shape[1])
             self._state_proj[s.device] = None if proj is None else proj.to(s.device)

@@ -40,6 +40,7 @@ class CalibrateConfig:
     prior_width: int = 512
     # feature prior: columns of each token's own K/V at every layer, standing alone (0: none)
     prior_states: int = 512
+    prior_state_layers: int = 0  # the token states' first layers (0: all); a cold prompt pays for these
     prior_frequent: int = 0  # feature prior: most frequent fit tokens with one-hot columns
     prior_rank: int = 64
     prior_ridge: float | None = None
@@ -62,9 +63,11 @@ class CalibrateConfig:
             raise ConfigError(f"prior_taps must be in [0, 8], got {self.prior_taps}")
         if self.prior not in PRIOR_KINDS:
             raise ConfigError(f"prior must be one of {', '.join(PRIOR_KINDS)}, got {self.prior!r}")
-        if min(self.prior_width, self.prior_states, self.prior_frequent) < 0 or self.prior_rank < 1:
-            raise ConfigError(f"prior_width, prior_states and prior_frequent must be >= 0 and prior_rank >= 1, got "
-                              f"{self.prior_width}, {self.prior_states}, {self.prior_frequent} and {self.prior_rank}")
+        if min(self.prior_width, self.prior_states, self.prior_state_layers, self.prior_frequent) < 0 \
+                or self.prior_rank < 1:
+            raise ConfigError(f"prior_width, prior_states, prior_state_layers and prior_frequent must be >= 0 and "
+                              f"prior_rank >= 1, got {self.prior_width}, {self.prior_states}, "
+                              f"{self.prior_state_layers}, {self.prior_frequent} and {self.prior_rank}")
         if self.prior_ridge is not None and self.prior_ridge <= 0:
             raise ConfigError(f"prior_ridge must be > 0, got {self.prior_ridge}")
         if self.aligner_steps < 0 or self.distill_steps < 0:
@@ -77,9 +80,9 @@ class CalibrateConfig:
             raise ConfigError(f"max_patches must be >= 0, got {self.max_patches}")
 
     def state_columns(self, num_layers: int, kv_width: int) -> int:
-        """Token-state columns of a feature prior for the consumer: its K and V at every layer,
-        projected down to prior_states where it has more."""
-        return min(self.prior_states, num_layers * 2 * kv_width)
+        """Token-state columns of a feature prior for the consumer: its K and V at every layer (or
+        the first prior_state_layers), projected down to prior_states where it has more."""
+        return min(self.prior_states, min(self.prior_state_layers or num_layers, num_layers) * 2 * kv_width)
 
     @property
     def uses_prior(self) -> bool:

@@ -116,15 +116,17 @@ class ModelRuntime:
         return rms_norm(self.weights.embed[ids], self.weights.layers[0].ln1, self.spec.rms_norm_eps).float()
 
     @torch.no_grad()
-    def token_states(self, input_ids, chunk: int = 1024) -> Tensor:
-        # input_ids: [U] -> each token's pre-RoPE K and V at every layer when it stands alone:
-        # attention then sees only the token itself, so its output is the token's own V. Token
-        # ids alone fix these rows (no position, no context). [U, layers * 2 * kv_width] float32
+    def token_states(self, input_ids, chunk: int = 1024, layers: int | None = None) -> Tensor:
+        # input_ids: [U] -> each token's pre-RoPE K and V at its first `layers` layers (None: all)
+        # when it stands alone: attention then sees only the token itself, so its output is the
+        # token's own V. Token ids alone fix these rows (no position, no context); the pass costs
+        # what a prefill of U tokens does without attention, cut short at `layers`.
+        # -> [U, layers * 2 * kv_width] float32
         ids = self._check_ids(input_ids)
         spec, out = self.spec, []
         for start in range(0, ids.shape[0], chunk):  # bounded activations for long id lists
             h, rows = self.weights.embed[ids[start: start + chunk]], []  # [u, hidden]
-            for lw in self.weights.layers:
+            for lw in self.weights.layers[:layers]:
                 k, v = project_kv(lw, spec, rms_norm(h, lw.ln1, spec.rms_norm_eps))  # [u, kv_heads, hd]
                 rows += [k.flatten(1), v.flatten(1)]
                 h = finish_layer(lw, spec, h, v.repeat_interleave(spec.num_heads // spec.num_kv_heads, 1).flatten(1))

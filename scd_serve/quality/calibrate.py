@@ -195,7 +195,8 @@ def prior_fitter(cfg: CalibrateConfig, consumer: Any, fit_prompts: list) -> Any:
     cspec = spec_of(consumer)
     spec = FeatureSpec(taps=cfg.prior_taps, width=cfg.prior_width, rank=cfg.prior_rank, seed=cfg.seed,
                        hidden=cspec.hidden_size, frequent=cfg.prior_frequent,
-                       states=cfg.state_columns(cspec.num_layers, cspec.kv_width))
+                       states=cfg.state_columns(cspec.num_layers, cspec.kv_width),
+                       state_layers=cfg.prior_state_layers if 0 < cfg.prior_state_layers < cspec.num_layers else 0)
     return FeatureFit(spec, most_frequent(fit_prompts, cfg.prior_frequent) if cfg.prior_frequent else None)
 
 
@@ -296,6 +297,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prior-states", type=int, default=512,
                         help="feature prior: columns of each token's own K/V at every layer, computed by the "
                              "consumer with the token standing alone (0: its embedding only)")
+    parser.add_argument("--prior-state-layers", type=int, default=0,
+                        help="feature prior: the token states come from the consumer's first N layers only (0: "
+                             "all). A prompt's unseen tokens each pay that pass on the decode side")
     parser.add_argument("--prior-frequent", type=int, default=0,
                         help="tokens of the fit prompts (the most frequent) that get a column of their own in the "
                              "feature prior, as in a dense table (0: none; the count is fixed, not the vocabulary)")
@@ -324,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
                           max_patches=args.max_patches, aligner_steps=args.aligner_steps,
                           distill_steps=args.distill_steps, distill_lr=args.distill_lr, seed=args.seed,
                           prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
-                          prior_states=args.prior_states, prior_frequent=args.prior_frequent,
+                          prior_states=args.prior_states, prior_state_layers=args.prior_state_layers,
+                          prior_frequent=args.prior_frequent,
                           prior_rank=args.prior_rank, prior_ridge=args.prior_ridge)
     if args.greedy_tokens < 1:
         raise ConfigError(f"--greedy-tokens must be >= 1, got {args.greedy_tokens}", field="greedy_tokens")

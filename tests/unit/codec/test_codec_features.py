@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from scd_serve.codec.features import FeatureFit, FeaturePrior, FeatureSpec, features, most_frequent
-from scd_serve.errors import CodebookError
+from scd_serve.config.codec import CalibrateConfig
+from scd_serve.errors import CodebookError, ConfigError
 
 
 class Embedder:
@@ -211,20 +212,36 @@ def test_token_states_are_the_models_own_kv_of_a_token_standing_alone(qwen2):
         alone = [s for _, s in qwen2.iter_prefill(token.reshape(1), compute_logits=False)]
         want = torch.cat([torch.cat([s.keys.flatten(), s.values.flatten()]) for s in alone])
         assert torch.allclose(row, want, atol=1e-5)
+    # the pass cut short at the first layers gives those layers' columns, and no more
+    assert torch.equal(qwen2.token_states(ids, chunk=3, layers=2), states[:, : 2 * 2 * 16])
+
+
+def test_a_prior_on_the_first_layers_states_computes_only_those(qwen2):
+    from scd_serve.codec.features import TokenRows
+
+    consumer = Counting(qwen2)
+    rows = TokenRows(FeatureSpec(taps=2, width=8, rank=4, hidden=32, states=32, state_layers=1))(consumer, [5, 9])
+    assert consumer.layers == [1]
+    assert torch.allclose(rows[:, 32:], qwen2.token_states(torch.tensor([5, 9]), layers=1), atol=1e-6)
+    cfg = CalibrateConfig(kl_budget=0.1, prior_state_layers=2)
+    assert cfg.state_columns(num_layers=3, kv_width=16) == 2 * 2 * 16
+    with pytest.raises(ConfigError, match="prior_state_layers"):
+        CalibrateConfig(kl_budget=0.1, prior_state_layers=-1)
 
 
 class Counting:
     """The runtime, counting the token ids whose states it computes."""
 
     def __init__(self, runtime):
-        self.runtime, self.computed = runtime, []
+        self.runtime, self.computed, self.layers = runtime, [], []
 
     def token_inputs(self, ids):
         return self.runtime.token_inputs(ids)
 
-    def token_states(self, ids):
+    def token_states(self, ids, layers=None):
         self.computed += ids.tolist()
-        return self.runtime.token_states(ids)
+        self.layers.append(layers)
+        return self.runtime.token_states(ids, layers=layers)
 
 
 @pytest.mark.parametrize("states", [96, 40])  # all of the 3 x 2 x 16 columns; a seeded projection to 40
