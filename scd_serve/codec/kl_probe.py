@@ -4,7 +4,10 @@ replaced by what a transfer method rebuilds (measured profiling for calibration)
 Each example follows the serving handoff: the consumer receives K/V for prompt tokens
 0..T-2 and runs the last prompt token and the teacher-forced answer itself. The probe keeps
 one pool per example filled with the consumer's own (oracle) K/V; a measurement overwrites
-the chosen layers, extends over the answer, and restores them.
+the chosen layers, extends over the answer, and restores them. The answer's rows below the
+lowest changed layer are what the oracle run computed, so a measurement starts there from the
+kept residual rows (most of the calibration's measurements change one layer: on average half
+the layers are not run).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class Example:
     tokens: Tensor | None = None  # [P] the transferred prompt tokens (for token priors)
     pool: Any = None
     blocks: list[int] | None = None
+    feed_h: list[Tensor] | None = None  # per layer (and after the last) the feed's residual rows [m, hidden], oracle
 
 
 def kl_divergence(logits_p: Tensor, logits_q: Tensor) -> Tensor:
@@ -59,8 +63,12 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
         pool, blocks = consumer.new_kv_pool(num_blocks, block_size), list(range(num_blocks))
         for layer, s in enumerate(states_b):
             consumer.write_kv(pool, blocks, layer, s.keys, s.values)
-        logits = consumer.extend(pool, [(blocks, p, feed)])[0]
-        out.append(Example(p, feed, states_a, states_b, logits, prompt[:p], pool, blocks))
+        step, feed_h = consumer.begin_extend(pool, [(blocks, p, feed)]), []
+        while not step.done:
+            feed_h.append(step.h)
+            step.run_layer()
+        feed_h.append(step.h)
+        out.append(Example(p, feed, states_a, states_b, step.logits()[0], prompt[:p], pool, blocks, feed_h))
         if progress:
             progress()
     return out
@@ -80,12 +88,15 @@ class KLProbe:
         """Mean KL over all answer positions with layers in `replace` rebuilt by their function."""
         self.num_measurements += 1
         total, count = 0.0, 0
+        first = min(replace, default=len(self.examples[0].consumer) if self.examples else 0)
         for ex in self.examples:
             for layer, fn in replace.items():
                 k, v = fn(ex, layer)
                 self.consumer.write_kv(ex.pool, ex.blocks, layer, k, v)
-            logits = self.consumer.extend(ex.pool, [(ex.blocks, ex.prefix, ex.feed)])[0]
-            kl = kl_divergence(logits, ex.oracle_logits)
+            step = self.consumer.begin_extend(ex.pool, [(ex.blocks, ex.prefix, ex.feed)])
+            # the layers below are the oracle's; each layer run writes the feed's own K/V before reading it
+            step.resume(first, ex.feed_h[first])
+            kl = kl_divergence(step.logits()[0], ex.oracle_logits)
             total, count = total + float(kl.sum()), count + kl.numel()
             for layer in replace:  # back to the oracle state
                 s = ex.consumer[layer]

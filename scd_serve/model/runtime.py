@@ -180,8 +180,13 @@ class ModelRuntime:
         one per item): "all" [n, vocab] float32, "last" [1, vocab] (the next token's), "none" None.
         At a real vocabulary the output head costs as much as several layers and its float32
         rows ~0.6 MB per token, so callers ask only for the rows they read."""
+        return self.begin_extend(pool, items, logits).logits()
+
+    def begin_extend(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, Tensor]],
+                     logits: str | Sequence[str] = "all") -> Step:
+        """`extend` as a Step whose layers the caller runs (`run_layer`, `resume`), then `logits()`."""
         wants = [logits] * len(items) if isinstance(logits, str) else list(logits)
-        return Step(self, pool, items, wants).logits()
+        return Step(self, pool, items, wants)
 
     def decode_step(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, int]]) -> Tensor:
         """One token for each of B sequences in ONE batched forward.

@@ -90,6 +90,15 @@ class Step:
     def done(self) -> bool:
         return self.layer == self.rt.spec.num_layers
 
+    def resume(self, layer: int, h: Tensor) -> None:
+        """Go on from `layer` with h [N, hidden], the residual rows the layers below it computed
+        for these tokens over this cache (e.g. kept from an earlier step over the same tokens):
+        the layers below are not run, and the tokens' own K/V there stay as they are."""
+        if not self.layer <= layer <= self.rt.spec.num_layers or h.shape != self.h.shape:
+            raise ValueError(f"resume needs a layer in {self.layer}..{self.rt.spec.num_layers} and rows of shape "
+                             f"{tuple(self.h.shape)}, got {layer} and {tuple(h.shape)}")
+        self.h, self.layer = h.to(self.h.device, self.h.dtype), layer
+
     @torch.no_grad()
     def run_layer(self) -> None:
         """Run the next layer; it reads only that layer of the pool."""
