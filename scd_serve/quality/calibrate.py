@@ -299,7 +299,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "consumer with the token standing alone (0: its embedding only)")
     parser.add_argument("--prior-state-layers", type=int, default=0,
                         help="feature prior: the token states come from the consumer's first N layers only (0: "
-                             "all). A prompt's unseen tokens each pay that pass on the decode side")
+                             "all). A prompt's unseen tokens each pay that pass on the decode side; with 2 or 4 of 8 the "
+                             "embedded pair's prior failed (docs/results.md): read the KLs it prints")
     parser.add_argument("--prior-frequent", type=int, default=0,
                         help="tokens of the fit prompts (the most frequent) that get a column of their own in the "
                              "feature prior, as in a dense table (0: none; the count is fixed, not the vocabulary)")
