@@ -21,7 +21,7 @@ import json
 import torch
 
 from scd_serve.model import rope
-from scd_serve.model.layers import attend, finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.quality.metrics import exact_match
 from scd_serve.quality.transfer import BLOCK, Handoff, greedy_after, teacher_forced
@@ -33,7 +33,6 @@ def run_layers(rt, h, first: int):
     spec, t = rt.spec, h.shape[0]
     pos = torch.arange(t)
     cos, sin = rt.rotary.tables(pos)
-    mask = rt._masks(pos[None], torch.tensor([t]), t)
     out = []
     for layer in range(first, spec.num_layers):
         lw = rt.weights.layers[layer]
@@ -41,7 +40,8 @@ def run_layers(rt, h, first: int):
         k, v = project_kv(lw, spec, x)
         q = rope.apply(project_q(lw, spec, x), cos, sin)
         out.append((h, x, k, v))
-        h = finish_layer(lw, spec, h, attend(q[None], rope.apply(k, cos, sin)[None], v[None], mask[spec.window(layer)])[0])
+        h = finish_layer(lw, spec, h, attend(q[None], rope.apply(k, cos, sin)[None], v[None],
+                                                causal_mask(pos[None], torch.tensor([t]), t, spec.window(layer)))[0])
     return out
 
 
