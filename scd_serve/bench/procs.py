@@ -29,10 +29,6 @@ def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
                             start_new_session=True)
 
 
-def python_cmd(*args: str) -> list[str]:
-    return [sys.executable, *args]
-
-
 def wait_http(url: str, proc: subprocess.Popen, deadline_s: float, log: Path | None = None) -> None:
     """Poll GET `url` until 200; raise if the process dies or the deadline passes."""
     end = time.monotonic() + deadline_s

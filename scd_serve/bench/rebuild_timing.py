@@ -7,7 +7,9 @@ Rebuild = the codec's prompt-only prepare + decode_layer and the KV write of eve
 prefill = the consumer's own layer-wise prefill + write_kv (the oracle). Medians of --repeat.
 With --cold every rebuild starts from a freshly loaded codec, so no token's state or reduced
 rows are kept from an earlier prompt (a prompt of tokens the worker has never seen); without it
-the warm-up leaves them kept (a worker that has seen these tokens).
+the warm-up leaves them kept (a worker that has seen these tokens). --prior-table makes the
+decode worker's vocabulary table of the token prior first (codec/prior_table.py; its time is
+printed, not counted), after which no prompt computes its tokens' rows, cold or not.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cold", action="store_true", help="a fresh codec per rebuild: no token kept from earlier prompts")
+    p.add_argument("--prior-table", action="store_true", help="the token prior's vocabulary table, made before timing")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rt_a, rt_b = ModelRuntime.load(args.producer), ModelRuntime.load(args.consumer)
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         for layer, s in rt_b.iter_prefill(ids, compute_logits=False):
             rt_b.write_kv(pool, blocks, layer, s.keys, s.values)
 
+    book = _with_table(args.codebook, rt_b) if args.prior_table and args.codebook else args.codebook
     base = _median_s(prefill, args.repeat)
     print(f"consumer prefill of {args.tokens} tokens: {base * 1e3:.1f} ms")
     print(f"{'method':<12}{'rebuild ms':>12}{'vs prefill':>12}")
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
 
         def build(method=method):
-            return registry.build(method, producer=rt_a, consumer=rt_b, codebook=args.codebook)
+            return registry.build(method, producer=rt_a, consumer=rt_b, codebook=book)
 
         c = build()
         codes = [c.encode_layer(i, s) for i, s in enumerate(states)]
@@ -81,6 +85,21 @@ def main(argv: list[str] | None = None) -> int:
         t = _median_s(rebuild, args.repeat, build if args.cold else lambda: None)
         print(f"{method:<12}{t * 1e3:>12.1f}{t / base:>12.3f}")
     return 0
+
+
+def _with_table(directory: str, consumer):
+    """The codebook, loaded once, its feature prior holding the vocabulary table: every codec
+    built from it (a fresh one per rebuild with --cold) reads the table, as on a worker."""
+    from scd_serve.codec import prior_table
+    from scd_serve.codec.codebook import Codebook
+    from scd_serve.codec.features import FeaturePrior
+
+    book = Codebook.load(directory, consumer=consumer)
+    prior = book.context_prior()
+    if isinstance(prior, FeaturePrior):
+        key = prior_table.table_key(book.manifest.get("tensors_sha256", ""), consumer.fingerprint)
+        print(prior_table.fill(prior, consumer, key, "on"))
+    return book
 
 
 if __name__ == "__main__":

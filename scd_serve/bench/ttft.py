@@ -32,7 +32,6 @@ from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed
 
 RAW_SHARES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)  # raw wire time / oracle TTFT at the reference length
 CEILING_SHARE = 0.6  # a tbf rate above this share of the unshaped throughput is not what limits the wire
-TRANSFER_METHODS = ("raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8")
 AUTO, LOCAL = "auto", "local"
 SETTLE = "settle"  # an uncounted request after the local prefill in each round of worker_rounds
 WITHIN = 1.10  # `auto` counts as following the link when within 10% of the best method allowed there

@@ -26,11 +26,7 @@ One reduced-rank ridge regression serves every target (layer, stream):
 with U [m, rank] shared and H [rank, dB] per target: the codebook holds m*rank plus rank*dB
 numbers per target, whatever the vocabulary.
 
-Fit: normal equations streamed over every position of the fit prompts (one [m, m] Gram
-matrix, X^T Y per target), never a vocabulary-sized matrix. Reduced rank: the truncated SVD of
-the fitted values, each target block scaled to unit RMS first so that wide blocks (h) do not
-drown narrow ones (k, v), computed in the m-dimensional space from the Gram's eigenbasis,
-which also gives the ridge of least generalized cross-validation error without a second pass.
+The fit is codec/feature_fit.py; every token's reduced rows at once, codec/prior_table.py.
 """
 
 from __future__ import annotations
@@ -158,6 +154,13 @@ class TokenRows:
             consumer, torch.as_tensor(missing, device=ids.device)), self.max_bytes)  # [U, states]
         return torch.cat([e, table[inverse.to(table.device)].to(e.device)], dim=1)
 
+    def compute(self, consumer: Any, tokens: Any, device: Any = None) -> Tensor:
+        """As calling it, without the cache: ids [T] (distinct) -> u [T, hidden + states]."""
+        ids = torch.as_tensor(tokens).reshape(-1).long()
+        ids = ids if device is None else ids.to(device)
+        e = consumer.token_inputs(ids)
+        return torch.cat([e, self._states(consumer, ids).to(e.device)], dim=1) if self.spec.states else e
+
 
 class FeaturePrior:
     """The decode side: prompt tokens -> reduced features F [T, rank] -> each target's prior."""
@@ -171,6 +174,7 @@ class FeaturePrior:
         self._proj = spec.projection()
         self.token_rows = TokenRows(spec)
         self._reduced: dict[Any, dict[int, Tensor]] = {}  # device -> token id -> its taps' rows [taps, rank]
+        self._tables: dict[Any, Tensor] = {}  # device -> every token's rows [vocab, taps, rank] (set_table)
         self._on: dict[Any, tuple[Tensor, Tensor, Tensor]] = {}
 
     def _moved(self, device) -> tuple[Tensor, Tensor, Tensor]:
@@ -187,26 +191,49 @@ class FeaturePrior:
     def context(self, tokens: Any, consumer: Any, device: Any = None) -> Tensor:
         """The prompt's reduced features F [T, rank], computed once per prompt. F is linear in
         phi, and phi's taps are per-token rows shifted: so each distinct token's rows are
-        reduced once per tap ([taps, rank], kept for later prompts like its states), and F
-        sums them shifted. The same numbers as reduce(features(...)), at a fraction of the
-        cost: a prompt has far fewer distinct tokens than positions, and most were seen."""
+        reduced once per tap ([taps, rank]: from the vocabulary table where one is set, else
+        computed and kept for later prompts like its states), and F sums them shifted. The same
+        numbers as reduce(features(...)), at a fraction of the cost: a prompt has far fewer
+        distinct tokens than positions, and most were seen."""
         ids = torch.as_tensor(tokens).reshape(-1).long()
         uniq, inverse = torch.unique(ids, return_inverse=True)
         where = torch.device(device) if device is not None else ids.device
-        basis, mean, proj = self._moved(where)
-
-        def reduce_tokens(missing: list[int]) -> Tensor:  # -> [M, taps, rank]
-            new = torch.as_tensor(missing)
-            g = token_features(self.spec, self.token_rows(consumer, new, where), proj, new, self.frequent)
-            return (g @ basis.reshape(self.spec.taps, g.shape[1], -1)).transpose(0, 1)
-
-        per_token = cached_rows(self._reduced.setdefault(where, {}), uniq.tolist(), reduce_tokens,
-                                self.token_rows.max_bytes)  # [U, taps, rank]
+        basis, mean, _ = self._moved(where)
+        table = self._tables.get(where)
+        if table is not None:
+            per_token = table[uniq.to(where)].float()  # [U, taps, rank]
+        else:
+            per_token = cached_rows(self._reduced.setdefault(where, {}), uniq.tolist(),
+                                    lambda missing: self.token_reduced(consumer, missing, where),
+                                    self.token_rows.max_bytes)  # [U, taps, rank]
         per_tap = per_token[inverse.to(per_token.device)].transpose(0, 1)  # [taps, T, rank]
         ctx = per_tap[0] - mean @ basis
         for j in range(1, min(self.spec.taps, ids.shape[0])):
             ctx[j:] += per_tap[j, :-j]
         return ctx
+
+    def token_reduced(self, consumer: Any, ids: Any, device: Any = None, keep_states: bool = True) -> Tensor:
+        """Each token's reduced rows, one per tap: ids [M] -> [M, taps, rank] float32 (before the
+        mean's share, which context() takes once). keep_states False: the token states are not
+        cached (a vocabulary sweep would only churn the cache)."""
+        where = torch.device(device) if device is not None else torch.device("cpu")
+        basis, _, proj = self._moved(where)
+        new = torch.as_tensor(ids).reshape(-1).long()
+        rows = self.token_rows(consumer, new, where) if keep_states else self.token_rows.compute(consumer, new, where)
+        g = token_features(self.spec, rows, proj, new, self.frequent)
+        return (g @ basis.reshape(self.spec.taps, g.shape[1], -1)).transpose(0, 1)
+
+    def set_table(self, table: Tensor | None, device: Any = "cpu") -> None:
+        """Every token's token_reduced rows [vocab, taps, rank] (codec/prior_table.py), used by
+        context() on `device` from now on; None drops it."""
+        where = torch.device(device)
+        if table is None:
+            self._tables.pop(where, None)
+        else:
+            self._tables[where] = table.to(where)
+
+    def has_table(self, device: Any = "cpu") -> bool:
+        return torch.device(device) in self._tables
 
     @staticmethod
     def apply(head: Tensor, bias: Tensor, ctx: Tensor) -> Tensor:
@@ -245,127 +272,3 @@ class FeaturePrior:
             raise CodebookError("this torch build draws another random projection from the feature prior's seed "
                                 f"(checksum {_checksum(prior._proj)} != {want}): recalibrate on this build")
         return prior
-
-
-class FeatureFit:
-    """Streamed normal equations of the feature prior, shared by every target (layer, stream)."""
-
-    def __init__(self, spec: FeatureSpec, frequent: Tensor | None = None):
-        """frequent: the token ids with columns of their own ([<= spec.frequent], most_frequent)."""
-        self.spec = spec
-        self.frequent = frequent if frequent is not None else torch.zeros(0, dtype=torch.long)
-        self._proj = spec.projection()
-        self.token_rows = TokenRows(spec)
-        m = spec.num_features
-        self.gram = torch.zeros(m, m, dtype=torch.float64)
-        self.col_sum = torch.zeros(m, dtype=torch.float64)
-        self.rows = 0
-        self.xty: dict[object, Tensor] = {}
-        self.y_sum: dict[object, Tensor] = {}
-        self.y_sq: dict[object, float] = {}
-        self._pending: tuple[Tensor, list[tuple[object, Tensor]]] | None = None
-
-    def add_tokens(self, tokens: Tensor, consumer: Any) -> Tensor:
-        """Count one prompt's features into the Gram matrix. -> phi [T, m] (float32, CPU)."""
-        self._flush()
-        phi = features(self.spec, self.token_rows(consumer, tokens).cpu(), self._proj, torch.as_tensor(tokens).cpu(),
-                       self.frequent).contiguous()
-        # one prompt's sums in float32 (a few thousand terms), the running totals in float64
-        self.gram += (phi.T @ phi).double()
-        self.col_sum += phi.sum(0).double()
-        self.rows += phi.shape[0]
-        self._pending = (phi, [])
-        return phi
-
-    def add_target(self, key: object, phi: Tensor, y: Tensor) -> None:
-        """y: [T, d] consumer rows of the prompt whose phi [T, m] `add_tokens` returned last."""
-        if self._pending is None or self._pending[0] is not phi:
-            raise ValueError("add_target takes the phi of the prompt add_tokens counted last")
-        self._pending[1].append((key, y.reshape(y.shape[0], -1).to("cpu", torch.float32)))
-
-    def _flush(self) -> None:
-        """X^T Y of the pending prompt, all targets in one product (one GEMM, not one per target)."""
-        if not self._pending or not self._pending[1]:
-            self._pending = None
-            return
-        phi, targets = self._pending
-        self._pending = None
-        xty = (phi.T @ torch.cat([y for _, y in targets], dim=1)).double()  # [m, sum d]
-        col = 0
-        for key, y in targets:
-            d = y.shape[1]
-            if key not in self.xty:
-                self.xty[key] = torch.zeros(phi.shape[1], d, dtype=torch.float64)
-                self.y_sum[key] = torch.zeros(d, dtype=torch.float64)
-                self.y_sq[key] = 0.0
-            self.xty[key] += xty[:, col: col + d]
-            self.y_sum[key] += y.sum(0).double()
-            self.y_sq[key] += float(y.double().pow(2).sum())
-            col += d
-
-    def solve(self, ridge: float | None = None) -> tuple[FeaturePrior, dict[object, tuple[Tensor, Tensor]]]:
-        """-> (the prior, {key: (head [rank, d], bias [d])}). ridge: relative to the mean feature
-        variance; None picks it by generalized cross-validation (few rows and many features
-        overfit at a small ridge, and the codes then carry the prior's noise)."""
-        self._flush()
-        n, m = max(self.rows, 1), self.spec.num_features
-        mean = self.col_sum / n
-        gram = self.gram - n * torch.outer(mean, mean)  # Xc^T Xc
-        s, v = torch.linalg.eigh(gram)  # Xc^T Xc = V diag(s) V^T
-        s = s.clamp_min(0.0)
-        unit = float(gram.diagonal().mean().clamp_min(1e-12))
-        del gram
-        # X^T Y of every target in the eigenbasis, one block at a time: at real shapes each
-        # [m, sum d] float64 copy is over a GB, so only c is ever whole (the sums are consumed)
-        keys = list(self.xty)
-        dims = [self.y_sum[k].shape[0] for k in keys]
-        c = torch.empty(m, sum(dims), dtype=torch.float64)
-        scales, energy, col = [], 0.0, 0
-        for k, d in zip(keys, dims):  # each block to unit RMS (centred), so the SVD weighs targets alike
-            var = (self.y_sq[k] - float(self.y_sum[k].pow(2).sum()) / n) / (n * d)
-            scales.append(max(var, 1e-24) ** 0.5)
-            c[:, col: col + d] = v.T @ ((self.xty.pop(k) - torch.outer(mean, self.y_sum[k])) / scales[-1])
-            energy += n * d * var / scales[-1] ** 2  # ||Y_c||^2 of the scaled block
-            col += d
-        self.ridge = ridge if ridge is not None else gcv_ridge(s, c.pow(2).sum(1), energy, n, unit)
-        inv = 1.0 / (s + self.ridge * unit)
-        # the full-rank ridge solution is W = V diag(inv) c; the fitted values' covariance (in the
-        # ridge metric) is A^T A with A = diag(sqrt(inv)) c. Neither is formed: only [m, m] and
-        # [m, rank] products of c are.
-        root = inv.sqrt()
-        evals, evecs = torch.linalg.eigh(root[:, None] * (c @ c.T) * root[None, :])  # A A^T [m, m]
-        rank = min(self.spec.rank, m)
-        top = torch.argsort(evals, descending=True)[:rank]
-        p, sv = evecs[:, top], evals[top].clamp_min(1e-30).sqrt()
-        q = (c.T @ (root[:, None] * p)) / sv  # [sum d, rank] right singular vectors of A
-        basis = v @ (inv[:, None] * (c @ q))  # U = W q [m, rank]
-        del c
-        # the codebook stores U in fp16: fit the heads' users to the very numbers shipped
-        prior = FeaturePrior(self.spec, basis.half().float(), mean.float(), self.frequent)
-        out, col = {}, 0
-        for k, d, scale in zip(keys, dims, scales):
-            head = q[col: col + d].T * scale  # [rank, d]
-            out[k] = (head.float(), (self.y_sum[k] / n).float())  # phi is centred by the prior
-            col += d
-        return prior, out
-
-
-RIDGE_GRID = tuple(10.0 ** e for e in range(-6, 2))
-
-
-def gcv_ridge(s: Tensor, c2: Tensor, energy: float, n: int, unit: float) -> float:
-    """The relative ridge of RIDGE_GRID with the least generalized cross-validation error
-    n * SSE / (n - df)^2, from the Gram's eigenvalues s [m] and the squared norms c2 [m] of
-    X^T Y's rows in its eigenbasis (every target at once): no second pass over the data."""
-    best, best_score = RIDGE_GRID[0], float("inf")
-    for r in RIDGE_GRID:
-        lam = r * unit
-        shrink = s / (s + lam)
-        sse = energy - float(((2 - shrink) / (s + lam) * c2).sum())  # ||Y - X W||^2
-        df = float(shrink.sum())
-        if df >= n:
-            continue
-        score = n * max(sse, 0.0) / (n - df) ** 2
-        if score < best_score:
-            best, best_score = r, score
-    return best

@@ -13,6 +13,7 @@ from scd_serve.errors import ConfigError
 DEFAULT_CONSUMER = "models/demo-pair/consumer"
 DEFAULT_CODEBOOK = "models/demo-pair/codebook"
 FALLBACKS = ("local", "none")
+PRIOR_TABLE_MODES = ("auto", "on", "off")  # codec/prior_table.py's MODES (config stays free of torch)
 AUTO = "auto"  # the method that picks, per request, the fastest one the quality budget allows
 
 
@@ -99,6 +100,10 @@ class DecodeConfig:
     num_blocks: int = 0  # KV pool blocks (0 = sized from memory)
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device this worker may use, weights included
     kv_cache_gib: float = 0.0  # KV pool size (0 = from gpu_memory_utilization, or a quarter of free RAM)
+    # The feature prior's vocabulary table (codec/prior_table.py): "on" makes it before serving,
+    # "auto" only when the first chunk predicts it within prior_table_budget_s, "off" never.
+    prior_table: str = "auto"
+    prior_table_budget_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -130,6 +135,10 @@ class DecodeConfig:
         if self.kv_cache_gib < 0:
             raise ConfigError(f"decode.kv_cache_gib (--kv-cache-gib) must be >= 0 (0 = automatic), "
                               f"got {self.kv_cache_gib}")
+        if self.prior_table not in PRIOR_TABLE_MODES or not 0 <= self.prior_table_budget_s <= 86400:
+            raise ConfigError(f"decode.prior_table must be one of {', '.join(PRIOR_TABLE_MODES)} and "
+                              f"prior_table_budget_s in [0, 86400], got {self.prior_table!r} and "
+                              f"{self.prior_table_budget_s}")
         if self.control_url and not self.control_url.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"decode.control_url must look like tcp://HOST:PORT, got {self.control_url!r}")
         split_peers(",".join(self.prefill))

@@ -54,7 +54,3 @@ class EngineConfig:
                               f"max_num_seqs ({self.max_num_seqs})")
         if self.idle_poll_s >= self.stall_timeout_s:
             raise ConfigError("engine.idle_poll_s must be shorter than stall_timeout_s")
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from scd_serve import codec as codec_registry
-from scd_serve.codec.codebook import codebook_arg
+from scd_serve.codec.codebook import Codebook, codebook_arg
 from scd_serve.errors import ScdError
 
 log = logging.getLogger("scd_serve.decode")
@@ -24,17 +24,37 @@ class ConsumerCodecs:
     def __init__(self, runtime, codebook: str = ""):
         self.rt = runtime
         self.codebook = codebook_arg(codebook)
+        self._book = None  # the loaded Codebook, one for every method: they share its token prior
         self._built: dict[tuple[str, str], object] = {}
+
+    def loaded_codebook(self):
+        """The codebook, loaded once and checked against this consumer; None without one."""
+        if self._book is None and self.codebook is not None:
+            self._book = Codebook.load(self.codebook, consumer=self.rt)
+        return self._book
 
     def get(self, info, method: str):
         """The codec for `method` against the producer described by `info`; raises ScdError."""
         key = (info.producer_fingerprint, method)
         c = self._built.get(key)
         if c is None:
-            c = codec_registry.build(method, producer=producer_spec(info), consumer=self.rt,
-                                     codebook=self.codebook)
+            book = self.loaded_codebook() if method in codec_registry.NEEDS_CODEBOOK else self.codebook
+            c = codec_registry.build(method, producer=producer_spec(info), consumer=self.rt, codebook=book)
             self._built[key] = c
         return c
+
+    def fill_prior_table(self, mode: str, budget_s: float) -> str | None:
+        """The feature prior's vocabulary table (codec/prior_table.py) on this consumer's device;
+        -> what was done, or None when the codebook has no feature prior."""
+        from scd_serve.codec import prior_table
+        from scd_serve.codec.features import FeaturePrior
+
+        book = self.loaded_codebook()
+        prior = book.context_prior() if book is not None else None
+        if not isinstance(prior, FeaturePrior):
+            return None
+        key = prior_table.table_key(book.manifest.get("tensors_sha256", ""), self.rt.fingerprint)
+        return prior_table.fill(prior, self.rt, key, mode, budget_s)
 
     def can_build(self, info, method: str) -> str:
         """'' if the codec builds, else why not (for handshake messages)."""

@@ -8,8 +8,8 @@ import logging
 import os
 
 from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
-from scd_serve.config.decode import (AUTO, DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, ChooserConfig,
-                                     DecodeConfig, split_peers)
+from scd_serve.config.decode import (AUTO, DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, PRIOR_TABLE_MODES,
+                                     ChooserConfig, DecodeConfig, split_peers)
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
 from scd_serve.control.lifecycle import (add_worker_arguments, advertised, bound_port, exit_now, setup_logging,
                                          stop_event)
@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=0.0,
                         help="KV pool size in GiB (0 = on CUDA from --gpu-memory-utilization, on the CPU a quarter "
                              "of the RAM available at start); never more than max_num_seqs full sequences need")
+    parser.add_argument("--prior-table", default="auto", choices=PRIOR_TABLE_MODES,
+                        help="the codebook's token prior for every vocabulary token, made at start so that no "
+                             "prompt pays for its unseen tokens (kept in $SCD_CACHE_DIR): on, off, or auto (only "
+                             "when predicted within --prior-table-budget-s)")
+    parser.add_argument("--prior-table-budget-s", type=float, default=DecodeConfig.prior_table_budget_s,
+                        help="with --prior-table auto: the most seconds the table may take to make")
     add_transport_arguments(parser)
     add_control_arguments(parser)
 
@@ -84,7 +90,8 @@ def config_from_args(args) -> DecodeConfig:
                         api_key=args.api_key, served_model_names=tuple(args.served_model_name),
                         request_timeout_s=args.request_timeout_s, max_model_len=args.max_model_len,
                         num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                        kv_cache_gib=args.kv_cache_gib)
+                        kv_cache_gib=args.kv_cache_gib, prior_table=args.prior_table,
+                        prior_table_budget_s=args.prior_table_budget_s)
 
 
 def resolve_method(rt, codebook, method: str, explicit: bool) -> str:

@@ -8,6 +8,8 @@ or slow runtime under the engine, a fake gRPC client factory) goes in as an argu
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +17,9 @@ from typing import Any
 from scd_serve.config.api import ApiConfig
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.config.engine import EngineConfig
+from scd_serve.errors import ScdError
+
+log = logging.getLogger("scd_serve.decode")
 
 
 class DecodeWorker:
@@ -44,6 +49,13 @@ class DecodeWorker:
 
         rt, config = self.rt, self.config
         codecs = ConsumerCodecs(rt, config.codebook)
+        if codecs.codebook is not None:
+            try:
+                said = await asyncio.to_thread(codecs.fill_prior_table, config.prior_table, config.prior_table_budget_s)
+            except ScdError as exc:  # a codebook that does not load: each method says so when built
+                said = f"no feature prior table: {exc.message}"
+            if said:
+                log.info("%s", said)
         self.peers = PeerSet(rt, codecs, config, client_factory=self.client_factory)
         await self.peers.check_all()
         if health_loop:

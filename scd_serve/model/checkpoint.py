@@ -142,8 +142,13 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+def cache_dir() -> Path:
+    """Where a worker keeps what it computed once: $SCD_CACHE_DIR, default ~/.cache/scd-serve."""
+    return Path(os.environ.get("SCD_CACHE_DIR") or Path.home() / ".cache" / "scd-serve")
+
+
 def _cache_file() -> Path:
-    return Path(os.environ.get("SCD_CACHE_DIR") or Path.home() / ".cache" / "scd-serve") / "fingerprints.json"
+    return cache_dir() / "fingerprints.json"
 
 
 def _cache_get(key: str) -> str | None:

@@ -6,8 +6,6 @@ makes answers 2-3 tokens long. `tokenizer(text)` prepends <bos>, as the training
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -31,10 +29,6 @@ def train_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
     )
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | Path) -> None:
-    tokenizer.save_pretrained(str(directory))
 
 
 def encode_words(tokenizer: PreTrainedTokenizerFast, words: list[str]) -> list[int]:

@@ -24,7 +24,8 @@ from scd_serve.codec.candidates import Candidates
 from scd_serve.codec.curve import plot_tradeoff
 from scd_serve.codec.fit import collect_rows, fit_layer, subtract_priors, train_aligner
 from scd_serve.codec.memory import check_fits, estimate
-from scd_serve.codec.features import FeatureFit, FeatureSpec, most_frequent
+from scd_serve.codec.feature_fit import FeatureFit
+from scd_serve.codec.features import FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
 from scd_serve.codec.distill import distill, make_examples as make_distill_examples
 from scd_serve.codec.kl_probe import KLProbe, make_examples

@@ -14,7 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
-from scd_serve.codec.features import FeatureFit, FeatureSpec
+from scd_serve.codec.feature_fit import FeatureFit
+from scd_serve.codec.features import FeatureSpec
 
 Tensor = torch.Tensor
 
