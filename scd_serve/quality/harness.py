@@ -164,7 +164,7 @@ def table_methods(codebook) -> list[tuple[str, str | None]]:
     needs = getattr(codecs, "NEEDS_CODEBOOK", frozenset())
     rows = [(ORACLE, None)] + [(m, "needs --codebook" if m in needs and codebook is None else None)
                                for m in codecs.METHODS]
-    if codebook is not None and codecs.Codebook.load(codebook).prior:  # zero-payload ablation
+    if codebook is not None and codecs.as_codebook(codebook).prior:  # zero-payload ablation
         rows += [(m, None) for m in codecs.ABLATIONS]
     return rows
 
@@ -191,6 +191,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from scd_serve import codec as codecs
     from scd_serve.model import ModelRuntime
 
     torch.set_num_threads(1)  # a shared 2-core box: one thread is faster than two (see config/pair.py)
@@ -208,14 +209,16 @@ def run(args: argparse.Namespace) -> int:
     rt_a = ModelRuntime.load(args.producer, device=args.device, dtype=dtype)
     rt_b = ModelRuntime.load(args.consumer, device=args.device, dtype=dtype)
     check_pair(rt_a.spec, rt_b.spec)
-    methods = table_methods(args.codebook) if args.table else [(args.method, None)]
+    # loaded once: the methods share its token prior, so each prompt's token states are computed once
+    book = codecs.Codebook.load(args.codebook, rt_a, rt_b) if args.codebook else None
+    methods = table_methods(book) if args.table else [(args.method, None)]
     if records is not None:
-        rows = eval_data(args, records, rt_a, rt_b, methods)
+        rows = eval_data(args, records, rt_a, rt_b, methods, book)
     else:
         rows = []
         for method, skipped in methods:
             row = {"method": method, "skipped": skipped} if skipped else evaluate(
-                rt_a, rt_b, method, args.codebook, args.limit, args.text_limit, args.split)
+                rt_a, rt_b, method, book, args.limit, args.text_limit, args.split)
             rows.append(row)
             print(json.dumps(row), flush=True)
     doc = {"producer": args.producer, "consumer": args.consumer, "data": args.data or args.split,
@@ -250,7 +253,8 @@ def print_locality(args: argparse.Namespace, records: list | None, consumer) -> 
     return rows
 
 
-def eval_data(args: argparse.Namespace, records: list, rt_a, rt_b, methods: list[tuple[str, str | None]]) -> list[dict]:
+def eval_data(args: argparse.Namespace, records: list, rt_a, rt_b, methods: list[tuple[str, str | None]],
+              book=None) -> list[dict]:
     """`--data FILE`: every method, prompt by prompt (one oracle run per prompt)."""
     from scd_serve.quality.data import tokenize
     from scd_serve.quality.scorer import Scorer
@@ -264,7 +268,7 @@ def eval_data(args: argparse.Namespace, records: list, rt_a, rt_b, methods: list
                           f"context of {context} positions", field="max_tokens")
     prompts = tokenize(records, rt_b.tokenizer, max_tokens, str(args.data))
     print(prompts.summary(), flush=True)
-    codecs = {m: build_codec(m, rt_a, rt_b, args.codebook) for m, skipped in methods if not skipped}
+    codecs = {m: build_codec(m, rt_a, rt_b, book) for m, skipped in methods if not skipped}
     done = {r["method"]: r for r in Scorer(rt_a, rt_b, prompts, args.greedy_tokens).evaluate(codecs)}
     rows = []
     for method, skipped in methods:
