@@ -52,6 +52,10 @@ def _from_manifest(doc: dict, where: str) -> RankPlan:
         caveat = ("its ranks are low partly because a dense token prior (a table of taps x vocab rows per layer) "
                   "did the work; at a real vocabulary that table does not fit, so these ratios understate the "
                   "codes a real pair needs: recalibrate with --prior features")
+    elif kind == "features" and prior.get("states"):
+        caveat = ("rebuild counts the decoders alone: the token prior's rows of each token come from the decode "
+                  "worker's vocabulary table (--prior-table, made at its start); without that table a prompt's "
+                  "unseen tokens add about the FLOPs of a prefill's projections")
     data = (doc.get("calibration") or {}).get("data", {}).get("source", "the built-in calibration split")
     return RankPlan(k_ratio=k, v_ratio=v, patch_fraction=patch, h_ratio=h, reuse_k_ratio=rk, reuse_v_ratio=rv,
                     droidspeak_fraction=(len(droid) / layers) if droid else RankPlan.droidspeak_fraction,
