@@ -185,8 +185,8 @@ def format_table(rows: list[dict]) -> str:
         if "skipped" in r:
             lines.append(f"{r['method']:<12}  skipped: {r['skipped']}")
             continue
-        lines.append(f"{r['method']:<12}" + "".join(
-            f"{'-':>{w}}" if r.get(k) is None else f"{r[k]:>{w}{fmt}}" for k, _, w, fmt in cols))
+        lines.append(f"{r['method']:<12}" + "".join(  # a space before every cell: wide values stay apart
+            f"{'-':>{w}}" if r.get(k) is None else f" {r[k]:>{w - 1}{fmt}}" for k, _, w, fmt in cols))
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ from scd_serve.config.pair import PairConfig
 from scd_serve.errors import ConfigError
 from scd_serve.model import ModelRuntime
 from scd_serve.pair.make_pair import make_pair
-from scd_serve.quality.harness import evaluate
+from scd_serve.quality.harness import evaluate, format_table
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +75,9 @@ def test_cli_writes_json(pair, tmp_path, capsys):
     assert row["method"] == "raw" and row["num_examples"] == 2
     for key in ("f1", "em", "kl", "tv", "ppl", "agreement", "payload_bytes_per_token", "raw_kv_bytes_per_token"):
         assert key in row
+
+
+def test_a_value_wider_than_its_column_stays_apart_from_the_next():
+    # a random-weight model's perplexity is about its vocabulary: 191,551 once ran into TV's column
+    table = format_table([{"method": "oracle", "tv": 0.0, "ppl": 191551.11, "top1": 1.0}])
+    assert table.splitlines()[-1].split() == ["oracle", "0.000", "191551.11", "1.000"]
