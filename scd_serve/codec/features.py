@@ -143,23 +143,19 @@ class TokenRows:
         proj = self._state_proj[s.device]
         return s if proj is None else s @ proj
 
-    def __call__(self, consumer: Any, tokens: Any, device: Any = None) -> Tensor:
+    def __call__(self, consumer: Any, tokens: Any, device: Any = None, keep: bool = True) -> Tensor:
+        """tokens [T] -> u [T, hidden + states]; keep False: the states computed are not kept (a
+        vocabulary sweep would only churn the cache)."""
         ids = torch.as_tensor(tokens).reshape(-1).long()
         ids = ids if device is None else ids.to(device)
         e = consumer.token_inputs(ids)  # [T, hidden]
         if not self.spec.states:
             return e
         uniq, inverse = torch.unique(ids, return_inverse=True)
-        table = cached_rows(self._rows, uniq.tolist(), lambda missing: self._states(
-            consumer, torch.as_tensor(missing, device=ids.device)), self.max_bytes)  # [U, states]
+        table = self._states(consumer, uniq) if not keep else cached_rows(
+            self._rows, uniq.tolist(), lambda missing: self._states(
+                consumer, torch.as_tensor(missing, device=ids.device)), self.max_bytes)  # [U, states]
         return torch.cat([e, table[inverse.to(table.device)].to(e.device)], dim=1)
-
-    def compute(self, consumer: Any, tokens: Any, device: Any = None) -> Tensor:
-        """As calling it, without the cache: ids [T] (distinct) -> u [T, hidden + states]."""
-        ids = torch.as_tensor(tokens).reshape(-1).long()
-        ids = ids if device is None else ids.to(device)
-        e = consumer.token_inputs(ids)
-        return torch.cat([e, self._states(consumer, ids).to(e.device)], dim=1) if self.spec.states else e
 
 
 class FeaturePrior:
@@ -214,13 +210,11 @@ class FeaturePrior:
 
     def token_reduced(self, consumer: Any, ids: Any, device: Any = None, keep_states: bool = True) -> Tensor:
         """Each token's reduced rows, one per tap: ids [M] -> [M, taps, rank] float32 (before the
-        mean's share, which context() takes once). keep_states False: the token states are not
-        cached (a vocabulary sweep would only churn the cache)."""
+        mean's share, which context() takes once); keep_states as TokenRows' keep."""
         where = torch.device(device) if device is not None else torch.device("cpu")
         basis, _, proj = self._moved(where)
         new = torch.as_tensor(ids).reshape(-1).long()
-        rows = self.token_rows(consumer, new, where) if keep_states else self.token_rows.compute(consumer, new, where)
-        g = token_features(self.spec, rows, proj, new, self.frequent)
+        g = token_features(self.spec, self.token_rows(consumer, new, where, keep_states), proj, new, self.frequent)
         return (g @ basis.reshape(self.spec.taps, g.shape[1], -1)).transpose(0, 1)
 
     def set_table(self, table: Tensor | None, device: Any = "cpu") -> None:
