@@ -25,10 +25,10 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from scd_serve.config.decode import PRIOR_TABLE_MODES as MODES
 from scd_serve.model.checkpoint import cache_dir
 
 log = logging.getLogger("scd_serve.codec")
-MODES = ("auto", "on", "off")
 CHUNK = 2048  # tokens per pass: bounded activations, and a first chunk to time
 MAX_AUTO_BYTES = 1 << 30  # "auto" never builds a table larger than this
 

@@ -13,7 +13,7 @@ from scd_serve.errors import ConfigError
 DEFAULT_CONSUMER = "models/demo-pair/consumer"
 DEFAULT_CODEBOOK = "models/demo-pair/codebook"
 FALLBACKS = ("local", "none")
-PRIOR_TABLE_MODES = ("auto", "on", "off")  # codec/prior_table.py's MODES (config stays free of torch)
+PRIOR_TABLE_MODES = ("auto", "on", "off")  # of the token prior's vocabulary table (codec/prior_table.py)
 AUTO = "auto"  # the method that picks, per request, the fastest one the quality budget allows
 
 

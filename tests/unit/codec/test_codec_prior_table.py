@@ -8,7 +8,9 @@ import torch
 
 from scd_serve.codec import prior_table
 from scd_serve.codec.codebook import Codebook
+from scd_serve.config.decode import DecodeConfig
 from scd_serve.decode.consumer_codecs import ConsumerCodecs
+from scd_serve.errors import ConfigError
 from scd_serve.model import ModelRuntime
 
 DEMO = "models/demo-pair"
@@ -68,6 +70,8 @@ def test_auto_gives_up_when_its_first_chunk_predicts_more_than_the_budget(consum
     assert "off" in prior_table.fill(prior, consumer, "k2", "off") and not prior.has_table(consumer.device)
     with pytest.raises(ValueError, match="auto, on, off"):
         prior_table.fill(prior, consumer, "k2", "sometimes")
+    with pytest.raises(ConfigError, match="prior_table must be one of auto, on, off"):
+        DecodeConfig(prior_table="sometimes")
 
 
 def test_a_damaged_cache_file_is_made_again(consumer):
