@@ -97,7 +97,7 @@ def _with_table(directory: str, consumer):
     book = Codebook.load(directory, consumer=consumer)
     prior = book.context_prior()
     if isinstance(prior, FeaturePrior):
-        key = prior_table.table_key(book.manifest.get("tensors_sha256", ""), consumer.fingerprint)
+        key = prior_table.table_key(book, consumer)
         print(prior_table.fill(prior, consumer, key, "on"))
     return book
 

@@ -33,8 +33,11 @@ CHUNK = 2048  # tokens per pass: bounded activations, and a first chunk to time
 MAX_AUTO_BYTES = 1 << 30  # "auto" never builds a table larger than this
 
 
-def table_key(codebook_sha256: str, consumer_fingerprint: str) -> str:
-    return hashlib.sha256(f"{codebook_sha256}|{consumer_fingerprint}".encode()).hexdigest()[:24]
+def table_key(codebook: Any, consumer: Any) -> str:
+    """The cache file's key: the codebook's tensors, the consumer's weights and the dtype it runs in
+    (rows computed in bfloat16 differ from float32 ones)."""
+    parts = (codebook.manifest.get("tensors_sha256", ""), consumer.fingerprint, str(consumer.dtype))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
 def cache_path(key: str) -> Path:
@@ -44,7 +47,7 @@ def cache_path(key: str) -> Path:
 def fill(prior: Any, consumer: Any, key: str, mode: str = "auto", budget_s: float = 60.0,
          clock: Callable[[], float] = time.monotonic) -> str:
     """Set `prior`'s table on the consumer's device per `mode`; -> one line saying what was done.
-    key: table_key() of the codebook and the consumer (the cache file's name)."""
+    key: table_key(codebook, consumer), the cache file's name."""
     if mode not in MODES:
         raise ValueError(f"prior table mode must be one of {', '.join(MODES)}, got {mode!r}")
     vocab, spec, device = consumer.spec.vocab_size, prior.spec, consumer.device

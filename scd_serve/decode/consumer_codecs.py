@@ -53,7 +53,7 @@ class ConsumerCodecs:
         prior = book.context_prior() if book is not None else None
         if not isinstance(prior, FeaturePrior):
             return None
-        key = prior_table.table_key(book.manifest.get("tensors_sha256", ""), self.rt.fingerprint)
+        key = prior_table.table_key(book, self.rt)
         return prior_table.fill(prior, self.rt, key, mode, budget_s)
 
     def can_build(self, info, method: str) -> str:

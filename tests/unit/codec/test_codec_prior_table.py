@@ -94,3 +94,7 @@ def test_a_decode_workers_methods_share_one_prior_and_its_table(consumer):
     assert scd.codebook is int8.codebook is codecs.loaded_codebook()
     assert codecs.loaded_codebook().context_prior().has_table(consumer.device)
     assert ConsumerCodecs(consumer, "").fill_prior_table("on", 60.0) is None  # no codebook, no table
+    # rows computed in another dtype are another table
+    book = codecs.loaded_codebook()
+    in_bf16 = ModelRuntime.load(f"{DEMO}/consumer", dtype=torch.bfloat16)
+    assert prior_table.table_key(book, in_bf16) != prior_table.table_key(book, consumer)
