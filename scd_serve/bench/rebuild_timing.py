@@ -92,13 +92,11 @@ def _with_table(directory: str, consumer):
     built from it (a fresh one per rebuild with --cold) reads the table, as on a worker."""
     from scd_serve.codec import prior_table
     from scd_serve.codec.codebook import Codebook
-    from scd_serve.codec.features import FeaturePrior
 
     book = Codebook.load(directory, consumer=consumer)
-    prior = book.context_prior()
-    if isinstance(prior, FeaturePrior):
-        key = prior_table.table_key(book, consumer)
-        print(prior_table.fill(prior, consumer, key, "on"))
+    said = prior_table.fill_codebook(book, consumer, "on")
+    if said:
+        print(said)
     return book
 
 

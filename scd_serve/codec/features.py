@@ -217,14 +217,10 @@ class FeaturePrior:
         g = token_features(self.spec, self.token_rows(consumer, new, where, keep_states), proj, new, self.frequent)
         return (g @ basis.reshape(self.spec.taps, g.shape[1], -1)).transpose(0, 1)
 
-    def set_table(self, table: Tensor | None, device: Any = "cpu") -> None:
+    def set_table(self, table: Tensor, device: Any = "cpu") -> None:
         """Every token's token_reduced rows [vocab, taps, rank] (codec/prior_table.py), used by
-        context() on `device` from now on; None drops it."""
-        where = torch.device(device)
-        if table is None:
-            self._tables.pop(where, None)
-        else:
-            self._tables[where] = table.to(where)
+        context() on `device` from now on."""
+        self._tables[torch.device(device)] = table.to(device)
 
     def has_table(self, device: Any = "cpu") -> bool:
         return torch.device(device) in self._tables

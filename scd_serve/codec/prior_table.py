@@ -44,6 +44,16 @@ def cache_path(key: str) -> Path:
     return cache_dir() / f"prior-table-{key}.safetensors"
 
 
+def fill_codebook(codebook: Any, consumer: Any, mode: str, budget_s: float = 60.0) -> str | None:
+    """fill() for a loaded codebook's prior, keyed by table_key; None when it has no feature prior."""
+    from scd_serve.codec.features import FeaturePrior
+
+    prior = codebook.context_prior()
+    if not isinstance(prior, FeaturePrior):
+        return None
+    return fill(prior, consumer, table_key(codebook, consumer), mode, budget_s)
+
+
 def fill(prior: Any, consumer: Any, key: str, mode: str = "auto", budget_s: float = 60.0,
          clock: Callable[[], float] = time.monotonic) -> str:
     """Set `prior`'s table on the consumer's device per `mode`; -> one line saying what was done.
@@ -66,7 +76,7 @@ def fill(prior: Any, consumer: Any, key: str, mode: str = "auto", budget_s: floa
     start, parts = clock(), []
     for first in range(0, vocab, CHUNK):
         ids = torch.arange(first, min(first + CHUNK, vocab), device=device)
-        parts.append(prior.token_reduced(consumer, ids, device, keep_states=False).cpu())
+        parts.append(prior.token_reduced(consumer, ids, device, keep_states=False))
         if first == 0 and mode == "auto" and vocab > CHUNK:
             predicted = (clock() - start) * vocab / ids.shape[0]
             if predicted > budget_s:
@@ -75,7 +85,7 @@ def fill(prior: Any, consumer: Any, key: str, mode: str = "auto", budget_s: floa
                         f"unseen tokens' rows")
     table = torch.cat(parts)  # [vocab, taps, rank]
     prior.set_table(table, device)
-    saved = _write(path, table)
+    saved = _write(path, table.cpu())
     return f"{what}: made in {clock() - start:.1f} s" + (f", kept in {path}" if saved else "")
 
 

@@ -45,16 +45,11 @@ class ConsumerCodecs:
 
     def fill_prior_table(self, mode: str, budget_s: float) -> str | None:
         """The feature prior's vocabulary table (codec/prior_table.py) on this consumer's device;
-        -> what was done, or None when the codebook has no feature prior."""
+        -> what was done, or None without a codebook or a feature prior."""
         from scd_serve.codec import prior_table
-        from scd_serve.codec.features import FeaturePrior
 
         book = self.loaded_codebook()
-        prior = book.context_prior() if book is not None else None
-        if not isinstance(prior, FeaturePrior):
-            return None
-        key = prior_table.table_key(book, self.rt)
-        return prior_table.fill(prior, self.rt, key, mode, budget_s)
+        return prior_table.fill_codebook(book, self.rt, mode, budget_s) if book is not None else None
 
     def can_build(self, info, method: str) -> str:
         """'' if the codec builds, else why not (for handshake messages)."""
