@@ -9,6 +9,8 @@
 3. Patch candidates are ordered by their measured benefit (KL drop when that layer alone
    is patched in the all-Reuse start plan); the patch count k is the one whose plan ships
    the fewest numbers within budget (ties: fewer patches). The curve over k is kept.
+4. With a width cap, a patch set's plan that is over budget or over the cap is replaced by its
+   least-KL plan under the cap (fit_width); nothing in budget: the least KL under the cap.
 """
 
 from __future__ import annotations
@@ -118,19 +120,26 @@ class PlanSearch:
         kl = self.measure(plan) if plan is not start else kl_start
         return SearchPoint(len(patches), plan, kl, kl_start, kl <= self.budget if self.budget else True)
 
-    def run(self, budget: float, max_patches: int) -> tuple[SearchPoint, list[SearchPoint], dict[int, float]]:
-        """-> (chosen point, one point per patch count 0..k_max, benefit per layer)."""
+    def run(self, budget: float, max_patches: int,
+            max_width: int | None = None) -> tuple[SearchPoint, list[SearchPoint], dict[int, float]]:
+        """max_width: most code numbers per token (None: no cap).
+        -> (chosen point, one point per patch count 0..k_max, benefit per layer)."""
         self.budget = budget
         if not self.profile:
             self.run_profile()
         order, benefit = self.patch_order()
         curve = []
         for k in range(min(max_patches, len(order)) + 1):
-            curve.append(self.fit_budget(tuple(sorted(order[:k])), budget))
+            patches = tuple(sorted(order[:k]))
+            point = self.fit_budget(patches, budget)
+            if max_width is not None and point.plan.code_width() > max_width:
+                point = self.fit_width(patches, max_width)
+            curve.append(point)
             self.progress(f"{k} patches: {curve[-1].plan.code_width()} numbers/token, KL {curve[-1].kl:.4f}")
-        feasible = [p for p in curve if p.feasible]
+        allowed = [p for p in curve if max_width is None or p.plan.code_width() <= max_width] or curve
+        feasible = [p for p in allowed if p.feasible]
         if feasible:
             best = min(feasible, key=lambda p: (p.plan.code_width(), p.num_patches))
         else:  # nothing meets the budget: the most faithful plan, flagged infeasible
-            best = min(curve, key=lambda p: p.kl)
+            best = min(allowed, key=lambda p: p.kl)
         return best, curve, benefit

@@ -26,6 +26,10 @@ class CalibrateConfig:
     max_rows: int = 8192
     # Most patch layers tried (None: half the layers).
     max_patches: int | None = None
+    # Most code numbers per token as a fraction of raw K/V's (None: no cap). The plan ships the
+    # fewest numbers within the KL budget; where no plan under the cap meets it, the least KL
+    # under the cap (a link's bytes fixed first, quality second). scd-int8 ships about half.
+    max_payload: float | None = None
     # Adam steps and hidden width of each patch aligner MLP (0 steps: linear aligner only).
     aligner_steps: int = 300
     aligner_width: int = 128
@@ -76,6 +80,8 @@ class CalibrateConfig:
         if not 0 < self.distill_lr < 1 or self.distill_batch < 1:
             raise ConfigError(f"distill_lr must be in (0, 1) and distill_batch >= 1, got {self.distill_lr} and "
                               f"{self.distill_batch}")
+        if self.max_payload is not None and not 0 < self.max_payload <= 1:
+            raise ConfigError(f"max_payload must be in (0, 1] (a fraction of raw K/V), got {self.max_payload}")
         if self.max_patches is not None and self.max_patches < 0:
             raise ConfigError(f"max_patches must be >= 0, got {self.max_patches}")
 

@@ -116,7 +116,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
                             progress=lambda msg: (bar.update(1) if msg.startswith("profiled") else bar.set_postfix_str(msg)),
                             profile_probe=KLProbe(consumer, probe.examples[: cfg.num_profile_prompts]))
         max_patches = num_layers // 2 if cfg.max_patches is None else cfg.max_patches
-        best, curve, benefit = search.run(cfg.kl_budget, max_patches)
+        max_width = None if cfg.max_payload is None else max(1, int(cfg.max_payload * 2 * cspec.kv_width * num_layers))
+        best, curve, benefit = search.run(cfg.kl_budget, max_patches, max_width)
         # Reuse-only at SCD's payload: the equal-payload ablation of Patch
         reuse = search.fit_width((), best.plan.code_width()) if best.plan.patch_layers else best
     plan, kl_linear = best.plan, best.kl
@@ -281,6 +282,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-prompts", type=int, default=32, help="other prompts whose KL steers the plan")
     parser.add_argument("--kl-budget", type=float, required=True, help="KL budget, nats per answer token")
     parser.add_argument("--max-patches", type=int, default=None, help="most patch layers tried (default L/2)")
+    parser.add_argument("--max-payload", type=float, default=None, metavar="FRACTION",
+                        help="most code numbers per token as a fraction of raw 16-bit K/V (e.g. 0.4; scd-int8 then "
+                             "ships about half of it): the fewest numbers within --kl-budget, or where no plan under "
+                             "the cap meets the budget, the least KL under it (default: no cap)")
     parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")
     parser.add_argument("--aligner-steps", type=int, default=300)
     parser.add_argument("--distill-steps", type=int, default=CalibrateConfig.distill_steps,
@@ -327,7 +332,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = CalibrateConfig(kl_budget=args.kl_budget, num_prompts=args.num_prompts,
                           num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
-                          max_patches=args.max_patches, aligner_steps=args.aligner_steps,
+                          max_patches=args.max_patches, max_payload=args.max_payload,
+                          aligner_steps=args.aligner_steps,
                           distill_steps=args.distill_steps, distill_lr=args.distill_lr, seed=args.seed,
                           prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
                           prior_states=args.prior_states, prior_state_layers=args.prior_state_layers,

@@ -116,6 +116,9 @@ def test_methods_without_codebook_and_bad_budget(calibrated):
         CalibrateConfig(kl_budget=0.1, distill_steps=-1)
     with pytest.raises(ConfigError, match="distill_lr must be in"):
         CalibrateConfig(kl_budget=0.1, distill_lr=0)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match="max_payload must be in"):
+            CalibrateConfig(kl_budget=0.1, max_payload=bad)
 
 
 def test_prior_only_ablation_ships_nothing_and_is_not_served(calibrated):
@@ -137,3 +140,18 @@ def test_same_model_calibration_fits_no_token_priors(tmp_path):
     cfg = CalibrateConfig(kl_budget=0.5, max_rows=512, aligner_steps=0, max_patches=0)
     book = calibrate(producer, producer, [p for p, _ in pairs[:4]], pairs[4:], cfg, show_progress=False).codebook
     assert book.prior is None and not any(name.endswith(".prior") for name in book.tensors)
+
+
+def test_payload_cap_bounds_what_scd_ships(tmp_path):
+    """--max-payload: an unreachable KL budget would take full rank; the cap holds the plan (and
+    what the codec really ships, measured through encode_layer) under the fraction of raw."""
+    producer, consumer = make_pair(tmp_path, layers=2)
+    pairs = prompts(8, 24)
+    cfg = CalibrateConfig(kl_budget=1e-6, max_rows=512, aligner_steps=0, max_patches=1, distill_steps=0,
+                          max_payload=0.25)
+    result = calibrate(producer, consumer, [p for p, _ in pairs[:5]], pairs[5:], cfg, show_progress=False)
+    stats = result.codebook.manifest["calibration"]
+    assert not stats["feasible"]
+    assert result.methods["scd"]["payload_ratio"] <= 0.25
+    assert result.methods["scd-int8"]["payload_ratio"] <= 0.25 * 0.6
+    assert all(point["code_width"] <= 0.25 * 2 * 2 * consumer.spec.kv_width for point in stats["curve"])

@@ -65,6 +65,23 @@ def test_fit_width_respects_payload():
     assert all(lp.mode == REUSE for lp in point.plan.layers)
 
 
+def test_width_cap_over_budget_gives_least_kl_under_the_cap():
+    search, _ = make_search()
+    uncapped, _, _ = search.run(budget=0.01, max_patches=2)
+    best, curve, _ = search.run(budget=0.01, max_patches=2, max_width=40)
+    assert uncapped.plan.code_width() > 40  # without the cap: the full-rank, most faithful plan
+    assert not best.feasible and best.plan.code_width() <= 40
+    assert all(p.plan.code_width() <= 40 for p in curve)
+    assert best.kl == min(p.kl for p in curve)
+    assert best.plan.layers[2].mode == PATCH  # the transition layer still earns its patch
+
+
+def test_width_cap_keeps_a_plan_within_budget_and_cap():
+    search, _ = make_search()
+    best, _, _ = search.run(budget=0.5, max_patches=2, max_width=64)
+    assert best.feasible and best.kl <= 0.5 and best.plan.code_width() <= 64
+
+
 def test_layer_plan_validation():
     import pytest
 
