@@ -12,7 +12,7 @@ import asyncio
 import json
 import random
 import time
-from typing import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -142,15 +142,8 @@ async def timed_requests(client: httpx.AsyncClient, url: str, body: dict, count:
 async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
     url, timeout = cmd["url"], float(cmd.get("timeout_s", 120.0))
     if cmd["cmd"] == "ready":
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
-                    return {"ready": True}
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.3)
-        raise RuntimeError(f"decode worker at {url} not ready within {timeout:.0f}s")
+        await wait_ready(client, url, timeout)
+        return {"ready": True}
     if cmd["cmd"] == "metrics":
         r = await client.get(f"{url}/metrics", timeout=timeout)
         r.raise_for_status()
@@ -166,21 +159,39 @@ async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
     raise ValueError(f"unknown command {cmd['cmd']!r}")
 
 
-async def _serve_commands() -> None:
+async def wait_ready(client: httpx.AsyncClient, url: str, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
+                return
+        except httpx.HTTPError:  # not listening yet
+            pass
+        await asyncio.sleep(0.3)
+    raise RuntimeError(f"decode worker at {url} not ready within {deadline_s:.0f}s")
+
+
+async def answer_commands(hello: dict, answer: Callable[[dict], Awaitable[dict]]) -> None:
+    """Print `hello`, then answer each JSON command on stdin with one JSON line on stdout,
+    until EOF or {"cmd": "quit"}. A failed command is answered {"error": ...}."""
     import sys
 
     loop = asyncio.get_running_loop()
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps(hello), flush=True)
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "quit":
+            break
+        try:
+            reply = await answer(cmd)
+        except Exception as exc:  # reported to the driver, which decides what to do
+            reply = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        print(json.dumps(reply), flush=True)
+
+
+async def _serve_commands() -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-        while line := await loop.run_in_executor(None, sys.stdin.readline):
-            cmd = json.loads(line)
-            if cmd.get("cmd") == "quit":
-                break
-            try:
-                answer = await _answer(client, cmd)
-            except Exception as exc:  # reported to the driver, which decides what to do
-                answer = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-            print(json.dumps(answer), flush=True)
+        await answer_commands({"ready": True}, lambda cmd: _answer(client, cmd))
 
 
 if __name__ == "__main__":

@@ -2,24 +2,20 @@
 
     scd-serve make-shaped-pair --config qwen2.5-0.5b --out out/shaped [--seed 0] [--rope-theta-consumer 1e4]
 
-Random weights say nothing about quality; the pair exists to measure COST at a real shape
-(calibration time and memory, codebook bytes against weight bytes, rebuild against prefill,
-TTFT) without downloading anything. It writes, under --out:
-  producer/   the shipped config's architecture (model_configs/NAME.json or any HF
-              config.json), weights from HF's own initializer (initializer_range) with random
-              q/k/v biases (HF would leave them zero; Qwen's are far from zero), bfloat16
-              safetensors, and a byte-level BPE tokenizer with Qwen2's pre-tokenizer (pair/bpe.py);
-  consumer/   a copy of the producer with every tensor moved by --perturb x its RMS of
-              Gaussian noise (a stand-in for a fine-tune) and --rope-theta-consumer;
-  calibration.jsonl, heldout.jsonl   {"text"} records of Python stdlib source, for
-              `calibrate --data` and `eval --data` (the tokenizer was trained on other files);
-  calibration-qa.jsonl, heldout-qa.jsonl   the same source as {"prompt", "answer"}: a record's
-              last line (up to --answer-chars) is the answer. Calibration's probe runs the scored
-              tokens through the full model for every plan it measures (hundreds of times), so
-              a short answer keeps that cost low while the prompts stay long;
+Random weights say nothing about quality; the pair measures COST at a real shape
+(calibration time and memory, codebook against weight bytes, rebuild against prefill, TTFT)
+without downloading anything. Under --out:
+  producer/   the config's architecture with HF's initializer, random q/k/v biases (Qwen's are
+              far from zero), bfloat16, and a byte-level BPE tokenizer (pair/bpe.py);
+  consumer/   the producer moved by --perturb x each tensor's RMS of Gaussian noise (a stand-in
+              for a fine-tune), with --rope-theta-consumer;
+  calibration.jsonl, heldout.jsonl   {"text"} records of Python stdlib source (other files
+              than the tokenizer's), and *-qa.jsonl: the same as {"prompt", "answer"}, the
+              answer a record's last line (calibration scores it through the full model for
+              every plan it measures, so it is kept short);
   report.json  settings, parameter and byte counts, seconds per stage.
-The tokenizer has a few thousand tokens, so its ids use only the first rows of the config's
-vocabulary; the embedding and the LM head keep the config's full size (that is the cost).
+The tokenizer's few thousand ids use only the first rows of the config's vocabulary; the
+embedding and the LM head keep its full size (that is the cost).
 """
 
 from __future__ import annotations

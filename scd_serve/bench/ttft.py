@@ -1,19 +1,12 @@
 """`scd-serve bench ttft`: TTFT per method through the real gRPC path over a shaped link.
 
-A prefill worker (`scd-serve prefill`) runs in the producer namespace and the probe
-(probe.py, the decode side) in the consumer namespace; the veth between them carries a
-`tc tbf` token bucket set to each bandwidth of the sweep in turn. Without namespaces the
-same processes talk through the userspace token-bucket proxy, labelled as such.
-
-The default sweep is chosen from measurements on this machine: the oracle's TTFT at the
-reference prompt length and the raw-KV payload give the bandwidth at which raw transfer
-takes a given share of the oracle's time; the sweep spans shares from negligible to
-dominant (RAW_SHARES).
-
-`auto` (the decode worker picks each request's method) is a row of the real decode worker
-(--worker), timed in rounds with the fixed methods (worker_rounds). `--rate-change R1 R2 ...`
-is the other mode: no sweep, only the worker, the link re-shaped between runs of `auto`
-requests, and the sequence of its choices printed (run_rate_change).
+A prefill worker runs in the producer namespace and the probe (transfer_probe.py, the
+decode side) in the consumer namespace, joined by a veth whose `tc tbf` is set to each rate
+of the sweep in turn; without namespaces they talk through the labelled userspace proxy.
+The default sweep spans rates at which raw KV's wire time goes from negligible to dominant
+against the oracle's measured TTFT (RAW_SHARES). `auto` is timed only on the real decode
+worker (--worker), in rounds with the fixed methods; `--rate-change R1 R2 ...` re-shapes the
+link between runs of `auto` requests and prints its choices (run_rate_change).
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ from pathlib import Path
 from scd_serve.bench import procs
 from scd_serve.bench.link import open_link
 from scd_serve.bench.report import summarize_rows
+from scd_serve.bench.stats import median
 from scd_serve.planner.units import fmt_bandwidth, parse_bandwidth
 from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed
 
@@ -119,6 +113,12 @@ def allowed_methods(args) -> dict:
     return {"budget": budget, "kl": kl, "methods": sorted(m for m, v in kl.items() if v <= budget) + [LOCAL]}
 
 
+def log_dir(args) -> Path:
+    logs = Path(args.json).resolve().parent / "bench-ttft-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs
+
+
 def start_client(link, logs: Path, deadline_s: float) -> ProbeProcess:
     """An HTTP client in the decode worker's namespace (bench/loadgen.py's command loop)."""
     return ProbeProcess([*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.bench.loadgen"],
@@ -160,9 +160,7 @@ def start_worker(args, link, address: str, logs: Path) -> tuple[subprocess.Popen
 
 
 def run_ttft(args) -> dict:
-    out_dir = Path(args.json).resolve().parent
-    logs = out_dir / "bench-ttft-logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = log_dir(args)
     for d in (args.producer, args.consumer):
         if not (Path(d) / "config.json").exists():
             raise ConfigError(f"model directory {d} has no config.json; run `scd-serve make-demo-pair` or pass "
@@ -283,9 +281,7 @@ def run_rate_change(args) -> dict:
     """The worker alone, `auto` requests on the same warm prompt while the link changes: for each
     rate of args.rate_change, args.phase_requests auto requests, then the allowed fixed methods
     (args.reps each, after an uncounted one) to say which was best at that rate. -> the sequence."""
-    out_dir = Path(args.json).resolve().parent
-    logs = out_dir / "bench-ttft-logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = log_dir(args)
     allowed = allowed_methods(args)
     ref = args.ref_tokens
     link = open_link(force_fallback=args.no_netns)
@@ -340,7 +336,6 @@ def judge_phase(phase: int, bandwidth: str, samples: list[dict], fixed: dict[str
 
 
 def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
     if not xs:
         raise TransferFailed("no oracle samples at the reference prompt length")
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+    return median(xs)

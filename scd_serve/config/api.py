@@ -6,9 +6,6 @@ from dataclasses import dataclass, field
 
 from scd_serve.errors import ConfigError
 
-# Largest seed we accept: fits torch.Generator.manual_seed and a signed 64-bit int.
-MAX_SEED = 2**63 - 1
-
 
 @dataclass(frozen=True)
 class ApiConfig:
