@@ -1,9 +1,8 @@
 """The prefill workers a decode worker can pull from: handshake, health, load-aware choice.
 
-Peers come from `--prefill` (static) and from the control plane's peer list. Each is
-handshaken (Info) before use and again after any failure (reconnect); one that differs
-in a field that matters stays unusable with a message naming the field. A health loop
-checks every peer each period, so /ready follows a dead prefill worker within ~2 periods.
+Peers come from `--prefill` and from the control plane. Each is handshaken (Info) before use
+and after any failure; one that differs in a field that matters stays unusable, named. A
+health loop checks every peer each period, so /ready follows a dead one within ~2 periods.
 """
 
 from __future__ import annotations
