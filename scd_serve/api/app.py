@@ -1,10 +1,7 @@
 """create_app(config, backend) -> FastAPI: OpenAI routes, health, metrics, one error shape.
 
-Every error - raised by a route, by validation, by the guard, or unexpected - leaves as
-`{"error": {"message", "type", "param", "code", "request_id"}}` with the status from scd_serve.errors;
-unexpected ones are logged with their traceback and answered with a bare 500 (no paths,
-no reprs). /live answers as soon as HTTP is up; /ready only while the backend (engine
-loop and peers) is ready and the app is not draining.
+/live answers as soon as HTTP is up; /ready only while the backend (engine loop and peers)
+is ready and the app is not draining.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Fan-out: one OpenAI request -> several engine requests (a list of prompts, `n`, `best_of`),
 and their events back, as whole choices or one merged stream.
 
-Engine request k of prompt p is choice `p * n + i` in the response; with best_of > n the n
-with the highest cumulative log-probability are kept (vLLM's rule), and only whole responses
-can do that. A failure of any engine request fails the whole response: the others are
-cancelled (their engine requests aborted, blocks freed) before the error is answered.
+With best_of > n the n with the highest cumulative log-probability are kept (vLLM's rule;
+whole responses only). A failure of any engine request fails the whole response: the
+others are cancelled (engine requests aborted, blocks freed) before the error is answered.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """RequestGuard: ASGI middleware that runs before routing and before the body is parsed.
 
-In order: give the request an id (scope state + `x-request-id` response header), check
-the API key on every path but OPEN_PATHS, require application/json on bodies (415), and
-read the body with a hard cap (413) - also when it arrives chunked without
-Content-Length - so an oversized body is refused before it is held in memory.
+It gives the request an id (`x-request-id`), checks the API key on every path but
+OPEN_PATHS, requires application/json bodies (415) and reads the body with a hard cap
+(413, chunked bodies too), so an oversized body is never held in memory.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Metrics: the Prometheus series of one serving process, in its own registry.
 
-The API records request latencies (TTFT, inter-token, end to end) and outcomes; the
-transfer side records what it moved through `observe_transfer` (bytes, ratio to raw
-KV, encode / rebuild / transfer time); engine gauges are read from `stats()` at scrape.
-Pass one Metrics object to `create_app(..., metrics=m)` and to the transfer client.
-
-The request and engine series carry vLLM's names and its `model_name` label
-(`vllm:time_to_first_token_seconds`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`,
-...), so a dashboard or alert written for vLLM works unchanged; `scd_*` series add what vLLM
-has no name for (latency by transfer method, the transfers themselves, KV blocks).
+The API records request latencies and outcomes, the transfer side what it moved
+(`observe_transfer`); engine gauges are read from `stats()` at scrape. The request and
+engine series carry vLLM's names and `model_name` label, so dashboards written for vLLM
+work unchanged; `scd_*` series add latency by transfer method and the transfers themselves.
 """
 
 from __future__ import annotations

@@ -142,8 +142,7 @@ SCD_FIELD = "scd"  # response extension: how the prompt's KV reached the decode 
 
 def method_choice(backend, requested: str, request_ids: list[str]) -> dict | None:
     """The response's `scd` field: the method that served (for `auto`, the one picked, and
-    why); None for a backend that does not say (methods of several engine requests are
-    listed in order, joined by commas, when they differ)."""
+    why; several engine requests' differing methods joined by commas), or None."""
     choice_of = getattr(backend, "choice_of", None)
     picked = [c for c in (choice_of(r) for r in request_ids) if c is not None] if choice_of else []
     if not picked:
