@@ -14,29 +14,17 @@ their address.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
 
 from scd_serve.config.address import check_address
-from scd_serve.control.signing import Rejected, decode_json
+from scd_serve.control.signing import Rejected
 
 ROLES = ("prefill", "decode")
 MAX_ID = 128
 MAX_LOAD_KEYS = 32
 MAX_LOAD = 1e6
-
-
-def encode(msg: dict) -> bytes:
-    return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
-
-
-def parse(raw: bytes, max_bytes: int) -> dict:
-    """Decode and validate one unsigned worker message; ValueError names what is wrong."""
-    if len(raw) > max_bytes:
-        raise ValueError(f"message of {len(raw)} bytes exceeds {max_bytes}")
-    return validate(decode_json(raw))
 
 
 def validate(msg: dict) -> dict:
@@ -126,9 +114,6 @@ class Registry:
             return False
         rec.verified = True
         return True
-
-    def unverified(self) -> list[WorkerRecord]:
-        return [r for r in self._workers.values() if not r.verified]
 
     def expire(self) -> list[WorkerRecord]:
         """Drop workers silent for longer than ttl_s; returns them."""

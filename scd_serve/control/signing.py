@@ -41,6 +41,10 @@ def _key(secret: str) -> bytes:
     return hmac.new(secret.encode(), b"scd-serve control v1", hashlib.sha256).digest()
 
 
+def encode(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
+
+
 def decode_json(raw: bytes) -> dict:
     """A JSON object from bytes; Rejected("malformed") for anything else, deep nesting included."""
     try:
@@ -73,9 +77,8 @@ class Envelope:
     def seal(self, msg: dict) -> bytes:
         """The frame to send for `msg` (a JSON object)."""
         if not self.signed:
-            return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
-        body = json.dumps({**msg, "ts": self.clock(), "nonce": secrets.token_hex(16)}, separators=(",", ":"),
-                          allow_nan=False).encode()
+            return encode(msg)
+        body = encode({**msg, "ts": self.clock(), "nonce": secrets.token_hex(16)})
         return MAGIC + self._mac(self.send_direction, body) + body
 
     def open(self, frame: bytes) -> dict:
