@@ -131,12 +131,13 @@ def auto_body(args, n: int, method: str = AUTO) -> dict:
 
 
 def start_prefill(args, link, logs: Path) -> tuple[subprocess.Popen, str]:
-    """The bench's prefill worker in the producer's namespace, listening -> (process, the address
-    the consumer side dials)."""
+    """`scd-serve prefill` in the producer's namespace, listening -> (process, the address the
+    consumer side dials). --insecure: the namespace's address is not loopback, and has no token."""
     port = procs.free_port()
-    cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
-           "--chunk-bytes", str(args.resend_chunk_bytes), "--model", args.producer, "--host", link.producer_bind(),
-           "--port", str(port), "--codebook", args.codebook or ""]
+    cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.cli", "prefill", "--model", args.producer,
+           "--host", link.producer_bind(), "--port", str(port), "--codebook", args.codebook or "", "--insecure"]
+    if args.resend_chunk_bytes > 0:  # else the worker's default
+        cmd += ["--chunk-bytes", str(args.resend_chunk_bytes)]
     proc = procs.spawn(cmd, logs / "prefill.log")
     procs.wait_tcp(link.producer_bind(), port, proc, args.start_timeout, link.exec_prefix("producer"),
                    logs / "prefill.log")
