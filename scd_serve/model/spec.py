@@ -1,8 +1,5 @@
-"""ModelSpec: the architecture facts of one HF decoder-only model, parsed from config.json.
-
-Parsed from the plain JSON dict (no transformers import) so a bad directory fails fast
-with a ModelLoadError that names what is wrong.
-"""
+"""ModelSpec: the architecture facts of one HF decoder-only model, parsed from config.json
+as a plain dict (no transformers import), so a bad directory fails fast, named."""
 
 from __future__ import annotations
 
@@ -66,8 +63,7 @@ def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     scaling = cfg.get("rope_scaling") or {}
     for key, value in scaling.items():
         params.setdefault(key, value)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = rope_type
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
 
 
@@ -78,9 +74,7 @@ def spec_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelSp
         raise ModelLoadError(f"{where}: unsupported model_type {family!r}; supported: {supported}")
     archs = cfg.get("architectures") or [SUPPORTED[family]]
     if SUPPORTED[family] not in archs:
-        raise ModelLoadError(
-            f"{where}: unsupported architecture {archs}; supported: {supported}"
-        )
+        raise ModelLoadError(f"{where}: unsupported architecture {archs}; supported: {supported}")
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])

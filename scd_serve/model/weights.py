@@ -1,8 +1,6 @@
-"""Weights of one model: read from its safetensors (model/checkpoint.py), checked against the spec.
-
-Tensors are regrouped per layer for the compact forward: k_proj and v_proj are fused into
-one [2*kv_width, hidden] matrix (one GEMM; recompute_kv uses the very same op, so it
-reproduces prefill's K/V bit for bit), gate and up likewise.
+"""Weights of one model: read from its safetensors (checkpoint.py), checked against the spec,
+regrouped per layer: k_proj and v_proj fused into one [2*kv_width, hidden] matrix (one GEMM;
+recompute_kv uses the same op, so it reproduces prefill's K/V bit for bit), gate and up too.
 """
 
 from __future__ import annotations
