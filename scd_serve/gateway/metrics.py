@@ -1,9 +1,8 @@
 """The gateway's Prometheus series: what it proxied, to whom, and what its clients waited.
 
-The latency histograms are measured where the client sits (behind the gateway, in front of
-every hop): time to the first server-sent event, the gaps between events, and the time to
-the end of the body. They are the only latency a user sees when compose publishes just the
-gateway. A non-streamed response has no first event: it counts toward end to end only.
+The latency histograms are measured where the client sits, in front of every hop (the only
+latency a user sees when compose publishes just the gateway); a non-streamed response has
+no first event and counts toward end to end only.
 """
 
 from __future__ import annotations
