@@ -1,9 +1,8 @@
 """Load over the OpenAI completions API with streaming: open-loop Poisson and fixed concurrency.
 
-Open loop: arrival times are drawn up front (exponential gaps at `rate` req/s) and each
-request is sent at its time whether or not earlier ones finished, so a slow server builds
-a queue instead of slowing the client down (the coordinated-omission trap).
-Every token event of the SSE stream is timestamped on arrival.
+Open loop: arrival times are drawn up front and each request is sent at its time whether or
+not earlier ones finished, so a slow server builds a queue instead of slowing the client
+(the coordinated-omission trap). Every token event is timestamped on arrival.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from scd_serve.bench.stats import RequestResult
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, timeout_s: float,
                             meta: dict | None = None) -> RequestResult:
-    """POST `body` (stream=True) to `url`/v1/completions and time every streamed token.
-    `meta`, when given, receives the response's x-scd-* headers and its `scd` field (how the
-    prompt's KV reached the decode worker: for scd_method auto, the method picked and why)."""
+    """POST `body` (stream=True) to `url`/v1/completions and time every streamed token. `meta`,
+    when given, receives the response's x-scd-* headers and its `scd` field (the method that served)."""
     res = RequestResult(sent=time.perf_counter())
     try:
         async with asyncio.timeout(timeout_s):
@@ -124,7 +122,7 @@ async def closed_loop(url: str, concurrency: int, num_requests: int, make_body: 
 
 async def timed_requests(client: httpx.AsyncClient, url: str, body: dict, count: int, timeout_s: float) -> list[dict]:
     """`count` streamed requests one after another; -> per request: TTFT, the method that served
-    and why (the response's `scd` field), the server's predicted TTFT when it made one."""
+    and why, and the server's predicted TTFT."""
     out = []
     for i in range(count):
         meta: dict = {}

@@ -1,9 +1,8 @@
 """A real shaped link: two network namespaces joined by a veth pair, `tc tbf` on both ends.
 
-The prefill worker runs in one namespace and the decode side in the other, so every byte
-of the transfer crosses the veth and its token-bucket filter, as on two hosts. Needs root
-and iproute2. `down()` always runs (context manager, atexit) and removes both
-namespaces, which also removes the veth pair and its qdiscs.
+Every byte of a transfer crosses the veth and its token-bucket filter, as between two hosts.
+Needs root and iproute2. `down()` always runs (context manager, atexit) and removes both
+namespaces, and with them the veth pair and its qdiscs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Fallback shaper when namespaces cannot be made: a token-bucket TCP proxy in this process.
 
-The consumer connects to the proxy on 127.0.0.1, the proxy forwards to the producer and
-paces every byte through a token bucket per direction. It is labelled
-"userspace-token-bucket (fallback)" in every result: the kernel does not shape it, and
-the proxy's own copies share the CPU with the workers.
+The consumer connects to the proxy on 127.0.0.1, which forwards to the producer and paces
+each direction through a token bucket. Results say "userspace-token-bucket (fallback)": the
+kernel does not shape it, and its copies share the CPU with the workers.
 """
 
 from __future__ import annotations
