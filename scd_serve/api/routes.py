@@ -1,9 +1,8 @@
 """OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models.
 
-Everything is validated before the backend sees the request (schema, ranges, unsupported
-fields, prompt length: 400 naming the field). One request may become several engine
-requests (choices.py). The first event of each is awaited before the response starts, so
-admission errors (429, 503, 504) are HTTP statuses, not stream events.
+Everything is validated before the backend sees the request (400 naming the field). One
+request may become several engine requests (choices.py); the first event of each is awaited
+before the response starts, so admission errors (429, 503, 504) are HTTP statuses.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """The table of live workers (plain Python) and the JSON messages that keep it current.
 
-Messages are JSON objects only (never pickle), size-capped, signed with the cluster secret
-(`control/signing.py`) and validated field by field:
+Messages are JSON objects only (never pickle), size-capped, signed (signing.py) and
+validated field by field:
   worker -> registry  {"type": "heartbeat", "role": "prefill"|"decode", "id": str,
                        "address": "HOST:PORT", "ready": bool, "load": {str: number}}
                       {"type": "bye", "id": str}
   registry -> worker  {"type": "peers", "workers": [worker record, ...]}
-Load values are clamped to [0, MAX_LOAD] (a negative load would win every routing choice).
-A worker silent for `ttl_s` is dropped; the table holds at most `max_workers`. Records of the
-roles in `verify_roles` count as ready only once `mark_verified` says a handshake reached
-their address.
+Loads are clamped to [0, MAX_LOAD] (a negative load would win every routing choice). A
+worker silent for `ttl_s` is dropped; roles in `verify_roles` count as ready only once a
+handshake reached their address (`mark_verified`).
 """
 
 from __future__ import annotations

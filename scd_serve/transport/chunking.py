@@ -1,10 +1,9 @@
 """Chunks of a transfer: built on the prefill side, verified on the decode side.
 
-`StreamVerifier` is the receiver's state machine (plain Python, no torch): it checks the
-header against what was asked, and each chunk's request id, position, layer range and
-digest BEFORE anything is decoded. Duplicates are ignored; gaps, overflow and bad digests
-end the transfer with TransferCorrupt. The header comes as its own message or inside
-chunk 0 (a cache hit); `on_message` takes either.
+`StreamVerifier` (plain Python) checks the header against what was asked and each chunk's
+request id, position, layer range and digest BEFORE anything is decoded. Identical resends
+are ignored; gaps, overflow and bad digests end the transfer with TransferCorrupt. The
+header comes alone or inside chunk 0 (a cache hit).
 """
 
 from __future__ import annotations
