@@ -115,11 +115,6 @@ class ProxyLink:
     def up(self) -> "ProxyLink":
         return self
 
-    def attach(self, producer_port: int) -> None:
-        """Start proxying once the producer listens on 127.0.0.1:`producer_port`."""
-        self.proxy = TokenBucketProxy(("127.0.0.1", producer_port))
-        self.proxy.set_rate(self.rate_bytes_per_s)
-
     def set_rate(self, bytes_per_s: float | None) -> None:
         self.rate_bytes_per_s = bytes_per_s
         if self.proxy:
@@ -135,8 +130,10 @@ class ProxyLink:
         return "127.0.0.1"
 
     def producer_addr(self, port: int) -> str:
+        """The proxy's address; it starts on the first call, once the producer listens on `port`."""
         if self.proxy is None:
-            self.attach(port)
+            self.proxy = TokenBucketProxy(("127.0.0.1", port))
+            self.proxy.set_rate(self.rate_bytes_per_s)
         return f"127.0.0.1:{self.proxy.port}"
 
     def describe(self) -> dict:
@@ -146,9 +143,3 @@ class ProxyLink:
         if self.proxy:
             self.proxy.close()
             self.proxy = None
-
-    def __enter__(self) -> "ProxyLink":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.down()
