@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from scd_serve.control.lifecycle import cancel_all
 from scd_serve.engine.request import MAX_SEED, TokenEvent, TokenLogprob, Usage
 from scd_serve.errors import ScdError
 
@@ -73,9 +74,7 @@ async def all_or_none(works: list[Awaitable[T]]) -> list[T]:
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(*tasks)
 
 
 async def first_event(events: AsyncIterator[TokenEvent]) -> TokenEvent:
@@ -128,6 +127,4 @@ async def merged(firsts: list[TokenEvent], streams: list[AsyncIterator[TokenEven
             else:
                 yield i, item
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(*tasks)

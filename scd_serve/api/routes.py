@@ -23,6 +23,7 @@ from scd_serve.api.prompt import chat_prompt_ids, completion_prompts
 from scd_serve.api.sampling import MAX_CHOICES, Plan, check_length, check_logit_bias, sampling_params
 from scd_serve.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from scd_serve.api.sse import Shape, sse_stream
+from scd_serve.control.lifecycle import cancel_all
 from scd_serve.engine.request import GenerationRequest, TokenEvent, Usage
 from scd_serve.errors import InvalidRequest, NotFound, ShuttingDown
 
@@ -293,6 +294,4 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         return task.result() if task.done() else None
     finally:
-        for t in (task, watch):
-            t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
+        await cancel_all(task, watch)

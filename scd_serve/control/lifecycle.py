@@ -45,6 +45,13 @@ def add_worker_arguments(parser, *, model: str, model_help: str, codebook: str, 
                              "matmuls are slow without native support)")
 
 
+async def cancel_all(*tasks: asyncio.Future) -> None:
+    """Cancel the tasks and wait until each has unwound (their outcomes are dropped)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def consume_exception(fut: asyncio.Future) -> None:
     """Done-callback: mark a future's exception as seen. For work whose failure is expected
     once its request is gone (asyncio would otherwise log it at ERROR when collected)."""
@@ -96,8 +103,7 @@ class Restarting:
     async def stop(self) -> None:
         self._stopped = True
         if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+            await cancel_all(self.task)
 
 
 def advertised(advertise: str, host: str, port: int) -> str:

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from scd_serve.config.control import ControlConfig
-from scd_serve.control.lifecycle import Restarting
+from scd_serve.control.lifecycle import Restarting, cancel_all
 from scd_serve.control.registry import Registry, WorkerRecord, validate
 from scd_serve.control.signing import REGISTRY, WORKER, Envelope, Rejected
 
@@ -159,10 +159,7 @@ class RegistryServer:
 
     async def close(self) -> None:
         await self.runner.stop()
-        tasks = list(self._probes.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(*self._probes.values())
         self.sock.close(linger=0)
 
 

@@ -15,7 +15,7 @@ import grpc
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
-from scd_serve.control.lifecycle import consume_exception, supervise
+from scd_serve.control.lifecycle import cancel_all, consume_exception, supervise
 from scd_serve.decode.breaker import Breaker
 from scd_serve.decode.compat import compat_problems, method_problems
 from scd_serve.transport.client import PrefillClient
@@ -200,8 +200,5 @@ class PeerSet:
         return "; ".join(f"{a}: {why}" for a, why in self.status().items() if why)
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._side_tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(*(t for t in (self._task, *self._side_tasks) if t is not None))
         await asyncio.gather(*(p.client.close() for p in self.peers.values()), return_exceptions=True)

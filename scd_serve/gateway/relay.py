@@ -18,6 +18,7 @@ import anyio
 import httpx
 
 from scd_serve.api.sse import data
+from scd_serve.control.lifecycle import cancel_all
 from scd_serve.errors import DeadlineExceeded, ScdError, Unavailable
 from scd_serve.gateway.metrics import RequestClock
 
@@ -49,13 +50,11 @@ class ClientWatch:
             await asyncio.wait({task, self.task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                await cancel_all(task)
         return None if task.cancelled() else task.result()
 
     async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        await cancel_all(self.task)
 
 
 class Upstream:
