@@ -1,9 +1,8 @@
 """The words of the synthetic QA language: entity keys, value words, filler, template words.
 
-Keys and values are pseudo-words built from syllables, split into two domains: domain
-"a" (only the base model's data uses it) and domain "b" (both; the expert's data uses only
-it). The lexicon is part of the language, so it comes from a fixed seed of its own and
-never changes with the training seed.
+Keys and values are pseudo-words in two domains: "a" (only the base data) and "b" (both;
+the expert data uses only it). The lexicon is part of the language: it has its own fixed
+seed and never changes with the training seed.
 """
 
 from __future__ import annotations
