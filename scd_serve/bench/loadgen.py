@@ -65,6 +65,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, tim
     return res
 
 
+def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
+    """n seeded token ids in 3..min(vocab, 30000): the same prompt for the same seed everywhere."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, min(vocab_size, 30000)) for _ in range(n)]
+
+
 def _tokens_in(event: dict) -> int:
     """Tokens carried by one SSE event: one per choice with text, except a bare finishing event."""
     n = 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from scd_serve.bench.loadgen import answer_commands, stream_completion, wait_ready
+from scd_serve.bench.loadgen import answer_commands, random_prompt, stream_completion, wait_ready
 from scd_serve.decode.consumer_codecs import PromptCodec
 from scd_serve.decode.receive import drain, receive
 from scd_serve.engine.step_ahead import StepAhead
@@ -59,9 +58,7 @@ class Probe:
         return self.clients[address]
 
     def prompt(self, n: int, seed: int) -> list[int]:
-        rng = random.Random(seed)
-        hi = min(self.rt.spec.vocab_size, 30000)
-        return [rng.randrange(3, hi) for _ in range(n)]
+        return random_prompt(self.rt.spec.vocab_size, n, seed)
 
     def cold_prompt(self, n: int, seed: int) -> list[int]:
         self.num_cold += 1

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from scd_serve.bench import procs
 from scd_serve.bench.link import open_link
+from scd_serve.bench.loadgen import random_prompt
 from scd_serve.bench.report import summarize_rows
 from scd_serve.bench.stats import median
 from scd_serve.planner.units import fmt_bandwidth, parse_bandwidth
@@ -87,15 +88,10 @@ def choose_sweep(oracle_s: float, raw_bytes: float, shares=RAW_SHARES) -> list[f
 
 
 def bench_prompt(consumer_dir: str, n: int, seed: int) -> list[int]:
-    """The probe's prompt (probe.Probe.prompt): the same ids, so `auto` and the fixed methods
-    are warm on the same codes at the prefill worker."""
-    import random
-
+    """The probe's prompt (Probe.prompt), so `auto` and the fixed methods are warm on the same codes."""
     from scd_serve.planner.shapes import load_shape
 
-    rng = random.Random(seed)
-    hi = min(load_shape(consumer_dir).vocab_size, 30000)
-    return [rng.randrange(3, hi) for _ in range(n)]
+    return random_prompt(load_shape(consumer_dir).vocab_size, n, seed)
 
 
 def allowed_methods(args) -> dict:
