@@ -18,7 +18,6 @@ from scd_serve.engine.sink import LayerSink
 from scd_serve.engine.step_ahead import StepAhead
 
 
-
 class Runner:
     def __init__(self, runtime: Runtime, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()):
         self.runtime = runtime

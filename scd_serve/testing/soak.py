@@ -29,7 +29,6 @@ DEFAULT_ENGINE = dict(num_blocks=128, block_size=8, max_model_len=256, max_num_s
 DEFAULT_API = dict(max_model_len=256, max_tokens_cap=64, request_timeout_s=30.0)
 
 
-
 class LocalStack:
     def __init__(self, rt: Any, *, methods=("identity",), api: dict | None = None, engine: dict | None = None,
                  prefill: dict | None = None, decode: dict | None = None, transport: Any = None,
