@@ -27,7 +27,7 @@ MISSES_BEFORE_DOWN = 2
 @dataclass
 class Peer:
     address: str
-    client: object  # PrefillClient or transport.fake.FakePrefillClient
+    client: object  # PrefillClient (or a test fake)
     static: bool
     info: object | None = None  # pb.InfoReply once the handshake succeeded
     problem: str = "not connected yet"  # "" = usable
