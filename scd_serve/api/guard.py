@@ -19,10 +19,6 @@ from scd_serve.errors import PayloadTooLarge, ScdError, Unauthorized, Unsupporte
 log = logging.getLogger("scd_serve.api")
 
 
-def new_request_id() -> str:
-    return "req-" + uuid.uuid4().hex[:24]
-
-
 def error_response(exc: ScdError, request_id: str | None) -> JSONResponse:
     return JSONResponse(exc.to_body(request_id), status_code=exc.http_status, headers=exc.headers)
 
@@ -35,7 +31,7 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = new_request_id()
+        rid = "req-" + uuid.uuid4().hex[:24]
         scope.setdefault("state", {})["request_id"] = rid
         started = False
 

@@ -71,11 +71,6 @@ def read_config(name_or_path: str, layers: int | None = None) -> dict:
     return cfg
 
 
-def stdlib_sources() -> list[Path]:
-    # top-level modules only: a fixed, sorted, dependency-free corpus on every machine with Python
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-
-
 def chunks(text: str, size: int) -> list[str]:
     """Pieces of about `size` characters, cut at line ends so records start at a line."""
     out, start = [], 0
@@ -144,7 +139,8 @@ def make_shaped_pair(args: argparse.Namespace, log=print) -> dict:
         log(f"{stage}: {seconds[stage]:.1f}s")
         start = time.perf_counter()
 
-    files = stdlib_sources()
+    # top-level stdlib modules: a fixed, sorted, dependency-free corpus on every machine with Python
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     tok_texts, used = [], 0
     for text in texts[0::2]:  # even files teach the tokenizer, odd files become the records
