@@ -86,9 +86,8 @@ class Probe:
             raise
 
     def _transfer(self, call, codec, method: str, ids: list[int], t0: float, rid: str) -> dict:
-        """Transfer thread: the decode worker's receive loop (decode/receive.py), with the
-        first decode step on the last prompt token run ahead as each layer lands, as the
-        engine's runner does (engine/step_ahead.py)."""
+        """Transfer thread: the decode worker's receive loop, the first decode step run ahead as each
+        layer lands (as the engine's runner does)."""
         shipped, last = ids[:-1], ids[-1]  # the last prompt token is the first decode step
         pool = self.rt.new_kv_pool(-(-len(ids) // BLOCK) + 1, BLOCK)
         blocks = list(range(pool.num_blocks))

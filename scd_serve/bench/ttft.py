@@ -96,8 +96,7 @@ def bench_prompt(consumer_dir: str, n: int, seed: int) -> list[int]:
 
 def allowed_methods(args) -> dict:
     """What the worker's `auto` may pick here: the budget in force and the methods within it
-    (the codebook manifest's calibrated KL; raw/identity where producer and consumer are one
-    model; local always)."""
+    (calibrated KL; raw/identity where producer and consumer are one model; local always)."""
     from scd_serve.decode.auto import Calibration
     from scd_serve.decode.chooser import LOSSLESS
 
@@ -241,11 +240,9 @@ def run_ttft(args) -> dict:
 
 
 def worker_rounds(client: ProbeProcess, worker: str, args, n: int, methods: list[str]) -> list[dict]:
-    """The decode worker's warm TTFT per method (auto included) at the current rate, in rounds:
-    each round sends one request of every method in turn, so a load swing on a shared machine
-    hits them alike; the first round is not counted (it fills the producer's code cache and
-    pays first-call costs). `auto` sees the fixed methods' transfers too, as beside other
-    requests on a real server; what it learns from its own alone, --rate-change shows."""
+    """The decode worker's warm TTFT per method (auto included) at the current rate, in rounds of
+    one request per method, so a load swing hits them alike; the first round (cache fill,
+    first-call costs) is not counted. `auto` learns from the fixed methods' transfers too."""
     bodies = {m: auto_body(args, n, m) for m in methods}
     if LOCAL in methods and methods[-1] == LOCAL and len(methods) > 1:
         # the request right after a local prefill is slower (scd-int8 at 100 Mbit, load average 4.7:
@@ -275,9 +272,8 @@ def prediction_error_histogram(metrics_text: str) -> dict:
 
 
 def run_rate_change(args) -> dict:
-    """The worker alone, `auto` requests on the same warm prompt while the link changes: for each
-    rate of args.rate_change, args.phase_requests auto requests, then the allowed fixed methods
-    (args.reps each, after an uncounted one) to say which was best at that rate. -> the sequence."""
+    """The worker alone: per rate of args.rate_change, args.phase_requests `auto` requests on one
+    warm prompt, then each allowed fixed method (args.reps, after an uncounted one) as the yardstick."""
     logs = log_dir(args)
     allowed = allowed_methods(args)
     ref = args.ref_tokens

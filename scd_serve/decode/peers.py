@@ -158,8 +158,7 @@ class PeerSet:
 
     # ---- choice --------------------------------------------------------------------------
     def serving(self, method: str, num_tokens: int) -> list[Peer]:
-        """Usable peers, their breaker closed (or due a probe), that offer `method` and take
-        prompts of num_tokens."""
+        """Usable peers, breaker closed (or due a probe), that offer `method` for num_tokens."""
         return [p for p in self.peers.values()
                 if p.usable and p.breaker.available() and p.offers(method)
                 and num_tokens <= (p.info.max_prompt_tokens or num_tokens)]

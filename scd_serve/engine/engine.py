@@ -265,9 +265,8 @@ class Engine:
         return dataclasses.replace(batch, decodes=[seq for seq, _ in kept]), [token for _, token in kept]
 
     def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> None:
-        """A step raised: its requests fail with StepFailed and free their blocks; the engine
-        goes on. Steps that keep failing mean the runtime itself is broken: the loop dies (and
-        /ready says so) rather than failing every request forever."""
+        """A step raised: its requests fail with StepFailed and free their blocks; the engine goes on.
+        Steps that keep failing mean a broken runtime: the loop dies (/ready says so)."""
         self._failed_steps += 1
         log.error("engine step failed (%d in a row): %s: %s", self._failed_steps, type(exc).__name__, exc,
                   exc_info=exc)
