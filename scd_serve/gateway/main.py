@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 from contextlib import asynccontextmanager
 
@@ -13,7 +12,6 @@ from scd_serve.config.decode import split_peers
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.lifecycle import exit_now, setup_logging, start_http, stop_event
 
-log = logging.getLogger("scd_serve.gateway")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
