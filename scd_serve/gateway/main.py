@@ -13,7 +13,6 @@ from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.lifecycle import exit_now, setup_logging, start_http, stop_event
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
