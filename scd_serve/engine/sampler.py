@@ -156,13 +156,10 @@ def _by_cut(rows, params: list[SamplingParams], vocab: int) -> list[list[int]]:
 
 def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [n, vocab] -> (probs [n, C] float64, ids [n, C] or None) after temperature, top_k,
-    top_p and min_p. If every row has a top_k cut, only each row's k best tokens are kept
-    (C = the largest k, ids says which tokens; padding has probability 0): at a real vocabulary
-    that spares every full-row pass after the top-k. Otherwise C is the whole vocabulary (ids None).
-
-    In float64, from logits shifted so each row's best is 0: dividing by any temperature > 0
-    then keeps the best token(s) at exactly 0 and the rest at <= 0 (possibly -inf), so softmax
-    never sees inf - inf; and a top_p below float32's smallest value does not round to 0."""
+    top_p and min_p. If every row has a top_k cut, only each row's k best tokens are kept (C = the
+    largest k, ids says which; padding has probability 0), sparing full-row passes; else C = vocab.
+    In float64, from logits shifted so each row's best is 0: any temperature > 0 keeps the best at
+    exactly 0 and the rest <= 0, so softmax never sees inf - inf, and a tiny top_p does not round to 0."""
     dev, vocab = logits.device, logits.shape[-1]
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     ids = None

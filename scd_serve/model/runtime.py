@@ -81,12 +81,8 @@ class ModelRuntime:
         states = [state for _, state in it]
         if not capture:
             return PrefillOutput(logits=it.logits)
-        return PrefillOutput(
-            logits=it.logits,
-            keys=torch.stack([s.keys for s in states]),
-            values=torch.stack([s.values for s in states]),
-            attn_inputs=torch.stack([s.attn_input for s in states]),
-        )
+        stacked = (torch.stack([getattr(s, name) for s in states]) for name in ("keys", "values", "attn_input"))
+        return PrefillOutput(it.logits, *stacked)  # [L, T, ...] each
 
     def iter_prefill(self, input_ids, compute_logits: bool = True) -> PrefillIterator:
         ids = self._check_ids(input_ids)
