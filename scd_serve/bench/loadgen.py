@@ -8,6 +8,7 @@ not earlier ones finished, so a slow server builds a queue instead of slowing th
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -82,11 +83,7 @@ def _tokens_in(event: dict) -> int:
 
 def poisson_arrivals(rate: float, num: int, seed: int) -> list[float]:
     rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(num):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
+    return list(itertools.accumulate(rng.expovariate(rate) for _ in range(num)))
 
 
 async def open_loop(url: str, rate: float, num_requests: int, make_body: Callable[[int], dict], *,

@@ -181,19 +181,18 @@ def run_ttft(args) -> dict:
         oracle_ref = _median([s["ttft_s"] for r in calib if r["method"] == "oracle" and r["prompt_tokens"] == ref
                               for s in r["samples"]])
         ceiling = link.measure_throughput(32 << 20)  # unshaped: what the veth + CPU carry at most
-        notes = []
         if args.bandwidths:
             sweep = [parse_bandwidth(b) for b in args.bandwidths]
         else:
             sweep = choose_sweep(oracle_ref, raw_payload_bytes(args.consumer, ref))
+        notes = []
         if ceiling and any(bw > CEILING_SHARE * ceiling for bw in sweep):
             notes.append(f"rates above {CEILING_SHARE:.0%} of the unshaped link ({fmt_bandwidth(ceiling)}) are "
                          f"CPU-bound, not shaped: " + ", ".join(fmt_bandwidth(b) for b in sweep if b > CEILING_SHARE * ceiling)
                          + (" (replaced by one point at that share)" if not args.bandwidths else " (kept: given explicitly)"))
+            print(f"bench ttft: {notes[0]}", file=sys.stderr)
             if not args.bandwidths:
                 sweep = [CEILING_SHARE * ceiling] + [b for b in sweep if b <= CEILING_SHARE * ceiling]
-        for note in notes:
-            print(f"bench ttft: {note}", file=sys.stderr)
         print(f"bench ttft: link {link.kind}; oracle TTFT at {ref} tokens {oracle_ref * 1e3:.1f} ms; sweep "
               f"{', '.join(fmt_bandwidth(b) for b in sweep)}", file=sys.stderr)
         points = []
