@@ -139,9 +139,6 @@ def load_split(name: str, n: int, seed: int = 0) -> list[dict]:
             continue
         doc, _ = make_document(rng, style, target + 4, 1)  # +4: body >= target - 2, then 3 words
         answer_start = doc.answer_mask.index(True)
-        out.append({
-            "id": f"{name}-{i}",
-            "prompt": " ".join(doc.words[:answer_start]),
-            "answer": " ".join(doc.words[answer_start:-1]),
-        })
+        out.append({"id": f"{name}-{i}", "prompt": " ".join(doc.words[:answer_start]),
+                    "answer": " ".join(doc.words[answer_start:-1])})
     return out
