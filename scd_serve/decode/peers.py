@@ -164,8 +164,7 @@ class PeerSet:
                 and num_tokens <= (p.info.max_prompt_tokens or num_tokens)]
 
     def choose(self, method: str, num_tokens: int, exclude=()) -> Peer | None:
-        """Least-loaded serving peer with a free slot (we never send more than its
-        max_concurrent at once: it would answer RESOURCE_EXHAUSTED)."""
+        """Least-loaded serving peer with a free slot (more than max_concurrent: RESOURCE_EXHAUSTED)."""
         cands = [Candidate(p.address, int(p.load.get("running", 0)), int(p.load.get("waiting", 0)),
                            int(p.info.max_concurrent))
                  for p in self.serving(method, num_tokens)
@@ -174,8 +173,7 @@ class PeerSet:
         return None if pick is None else self.peers[pick.address]
 
     def usable_methods(self, peer: Peer) -> tuple[str, ...]:
-        """The methods `peer` offers that this worker can rebuild (each checked as the
-        handshake checks the default method; once per handshake)."""
+        """The methods `peer` offers that this worker can rebuild (checked once per handshake)."""
         if peer.info is None:
             return ()
         if peer.methods is None:
