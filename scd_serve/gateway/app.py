@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from scd_serve import __version__
+from scd_serve.api.app import add_version_and_live, create_app
 from scd_serve.api.guard import RequestGuard, error_response
 from scd_serve.api.handlers import install_error_handlers
 from scd_serve.config.api import ApiConfig
@@ -125,13 +126,7 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     for method, path, timed in PROXIED:
         app.add_api_route(path, proxied(method, path, timed), methods=[method])
 
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
-
-    @app.get("/live")
-    async def live() -> dict:
-        return {"status": "ok"}
+    add_version_and_live(app)
 
     def when_ready(request: Request, body) -> Response:
         """`body(number of ready decode workers)` while there is one, else 503."""
@@ -161,8 +156,6 @@ def worker_openapi(app: FastAPI) -> dict:
     """The decode workers' schema (request and error bodies of every route the gateway serves),
     titled as the gateway; built once, from an app that is never started."""
     if app.openapi_schema is None:
-        from scd_serve.api.app import create_app
-
         class NoBackend:  # the schema needs the routes, never a backend
             model_name = "gateway"
 
