@@ -1,8 +1,7 @@
 """`scd-serve` entry point.
 
-Each subcommand lives in the module that owns its noun; that module exposes
-`add_arguments(parser)` and `run(args) -> int`. Modules are imported lazily so
-`scd-serve --help` starts fast and one broken area does not take the others down.
+Each subcommand's module exposes `add_arguments(parser)` and `run(args) -> int`, imported
+lazily so `--help` starts fast and one broken area does not take the others down.
 """
 
 from __future__ import annotations

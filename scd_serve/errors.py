@@ -47,12 +47,10 @@ class ValidationFailed(InvalidRequest):
     and vLLM answer, not FastAPI's 422: clients treat every 400 as "fix the request"."""
 
     type = "validation_error"
-    http_status = 400
 
 
 class PromptTooLong(InvalidRequest):
     type = "context_length_exceeded"
-    http_status = 400
     code = "context_length_exceeded"
 
 
@@ -120,8 +118,6 @@ class StepFailed(ScdError):
     the request ends with this error, the engine and the rest of the batch go on."""
 
     type = "generation_failed"
-    http_status = 500
-    grpc_code = "INTERNAL"
 
 
 class TransferCorrupt(ScdError):
@@ -180,12 +176,3 @@ class ConfigError(ScdError):
     http_status = 500
     grpc_code = "INVALID_ARGUMENT"
 
-
-def error_table() -> list[tuple[str, int, str]]:
-    """(type, http status, grpc code) for every error class, for docs and tests."""
-    rows, stack = [], [ScdError]
-    while stack:
-        cls = stack.pop()
-        rows.append((cls.type, cls.http_status, cls.grpc_code))
-        stack.extend(cls.__subclasses__())
-    return sorted(set(rows))

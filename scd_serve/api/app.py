@@ -1,10 +1,7 @@
 """create_app(config, backend) -> FastAPI: OpenAI routes, health, metrics, one error shape.
 
-Every error - raised by a route, by validation, by the guard, or unexpected - leaves as
-`{"error": {"message", "type", "param", "code", "request_id"}}` with the status from scd_serve.errors;
-unexpected ones are logged with their traceback and answered with a bare 500 (no paths,
-no reprs). /live answers as soon as HTTP is up; /ready only while the backend (engine
-loop and peers) is ready and the app is not draining.
+/live answers as soon as HTTP is up; /ready only while the backend (engine loop and peers)
+is ready and the app is not draining.
 """
 
 from __future__ import annotations
@@ -53,14 +50,7 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
     install_error_handlers(app, count)
     app.include_router(router)
     app.include_router(tokenize_router)
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
-
-    @app.get("/live")
-    async def live() -> dict:
-        return {"status": "ok"}
+    add_version_and_live(app)
 
     @app.get("/health", responses={503: ERROR_RESPONSES[503]})
     async def health(request: Request) -> Any:
@@ -85,3 +75,14 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
         return Response(payload, media_type=content_type)
 
     return app
+
+
+def add_version_and_live(app: FastAPI) -> None:
+    """/version and /live, answered alike by a worker and the gateway (HTTP is up: alive)."""
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/live")
+    async def live() -> dict:
+        return {"status": "ok"}

@@ -1,7 +1,5 @@
-"""Backend: what the HTTP app needs from whatever generates tokens.
-
-`create_app` takes any object with this shape: the decode worker passes an EngineBackend
-(engine + the KV fill per transfer method), tests pass a fake that answers in microseconds.
+"""Backend: what the HTTP app needs from whatever generates tokens (the decode worker's
+EngineBackend, or a test's fake).
 """
 
 from __future__ import annotations
@@ -33,9 +31,7 @@ class Backend(Protocol):
 
 
 class EngineBackend:
-    """An Engine plus a KV fill per transfer method. `fills` maps method name -> KVFill;
-    "local" is always there and means no transfer. An unknown method is a 400 naming
-    `scd_method`, raised before anything runs."""
+    """An Engine plus a KV fill per transfer method ("local": none); an unknown method is a 400."""
 
     def __init__(self, engine: Any, model_name: str, fills: Mapping[str, KVFill] | None = None,
                  peers_ready: Callable[[], bool] = lambda: True):

@@ -1,10 +1,9 @@
 """Fan-out: one OpenAI request -> several engine requests (a list of prompts, `n`, `best_of`),
 and their events back, as whole choices or one merged stream.
 
-Engine request k of prompt p is choice `p * n + i` in the response; with best_of > n the n
-with the highest cumulative log-probability are kept (vLLM's rule), and only whole responses
-can do that. A failure of any engine request fails the whole response: the others are
-cancelled (their engine requests aborted, blocks freed) before the error is answered.
+With best_of > n the n with the highest cumulative log-probability are kept (vLLM's rule;
+whole responses only). A failure of any engine request fails the whole response: the
+others are cancelled (engine requests aborted, blocks freed) before the error is answered.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from scd_serve.control.lifecycle import cancel_all
 from scd_serve.engine.request import MAX_SEED, TokenEvent, TokenLogprob, Usage
 from scd_serve.errors import ScdError
 
@@ -74,9 +74,7 @@ async def all_or_none(works: list[Awaitable[T]]) -> list[T]:
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(*tasks)
 
 
 async def first_event(events: AsyncIterator[TokenEvent]) -> TokenEvent:
@@ -129,6 +127,4 @@ async def merged(firsts: list[TokenEvent], streams: list[AsyncIterator[TokenEven
             else:
                 yield i, item
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(*tasks)

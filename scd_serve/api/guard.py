@@ -1,9 +1,8 @@
 """RequestGuard: ASGI middleware that runs before routing and before the body is parsed.
 
-In order: give the request an id (scope state + `x-request-id` response header), check
-the API key on every path but OPEN_PATHS, require application/json on bodies (415), and
-read the body with a hard cap (413) - also when it arrives chunked without
-Content-Length - so an oversized body is refused before it is held in memory.
+It gives the request an id (`x-request-id`), checks the API key on every path but
+OPEN_PATHS, requires application/json bodies (415) and reads the body with a hard cap
+(413, chunked bodies too), so an oversized body is never held in memory.
 """
 
 from __future__ import annotations
@@ -20,10 +19,6 @@ from scd_serve.errors import PayloadTooLarge, ScdError, Unauthorized, Unsupporte
 log = logging.getLogger("scd_serve.api")
 
 
-def new_request_id() -> str:
-    return "req-" + uuid.uuid4().hex[:24]
-
-
 def error_response(exc: ScdError, request_id: str | None) -> JSONResponse:
     return JSONResponse(exc.to_body(request_id), status_code=exc.http_status, headers=exc.headers)
 
@@ -36,7 +31,7 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = new_request_id()
+        rid = "req-" + uuid.uuid4().hex[:24]
         scope.setdefault("state", {})["request_id"] = rid
         started = False
 

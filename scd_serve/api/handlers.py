@@ -1,9 +1,8 @@
 """install_error_handlers(app): every error leaves a FastAPI app (worker or gateway) in one shape.
 
-A route's ScdError, a body that does not match the schema (400, naming the first field, as
-OpenAI and vLLM answer), an unknown route or method (404 / 405): all are rendered by
-scd_serve.errors' `to_body`, so a client sees the same `{"error": {...}}` wherever it failed.
-Unexpected exceptions are the RequestGuard's (a bare 500, traceback in the log only).
+A route's ScdError, a body that does not match the schema (400 naming the first field, as
+OpenAI and vLLM answer), an unknown route or method (404 / 405): all rendered by
+scd_serve.errors' `to_body`. Unexpected exceptions are the RequestGuard's (a bare 500).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Metrics: the Prometheus series of one serving process, in its own registry.
 
-The API records request latencies (TTFT, inter-token, end to end) and outcomes; the
-transfer side records what it moved through `observe_transfer` (bytes, ratio to raw
-KV, encode / rebuild / transfer time); engine gauges are read from `stats()` at scrape.
-Pass one Metrics object to `create_app(..., metrics=m)` and to the transfer client.
-
-The request and engine series carry vLLM's names and its `model_name` label
-(`vllm:time_to_first_token_seconds`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`,
-...), so a dashboard or alert written for vLLM works unchanged; `scd_*` series add what vLLM
-has no name for (latency by transfer method, the transfers themselves, KV blocks).
+The API records request latencies and outcomes, the transfer side what it moved
+(`observe_transfer`); engine gauges are read from `stats()` at scrape. The request and
+engine series carry vLLM's names and `model_name` label, so dashboards written for vLLM
+work unchanged; `scd_*` series add latency by transfer method and the transfers themselves.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -31,65 +28,55 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name  # create_app sets the served name when it is not given here
         r = self.registry
-        self.requests = Counter("scd_requests_total", "HTTP generation requests by route and status",
-                                ["route", "status"], registry=r)
+        latency = partial(Histogram, buckets=LATENCY_BUCKETS, registry=r)
+        gap = partial(Histogram, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        tokens = partial(Histogram, buckets=_TOKENS, registry=r)
+        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
+        self.requests = counter("scd_requests_total", "HTTP generation requests by route and status",
+                                ["route", "status"])
         # vLLM's names and labels (its docs: "Production Metrics")
-        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "request received -> first token", _MODEL,
-                                   buckets=LATENCY_BUCKETS, registry=r)
-        self.vllm_inter_token = Histogram("vllm:inter_token_latency_seconds", "gap between consecutive tokens",
-                                          _MODEL, buckets=TOKEN_GAP_BUCKETS, registry=r)
-        self.vllm_per_output_token = Histogram(  # the older name of the same series; older dashboards query it
-            "vllm:time_per_output_token_seconds", "gap between consecutive tokens", _MODEL,
-            buckets=TOKEN_GAP_BUCKETS, registry=r)
-        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "request received -> last token", _MODEL,
-                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens of finished requests", _MODEL,
-                                          registry=r)
-        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "tokens generated", _MODEL, registry=r)
-        self.vllm_request_prompt = Histogram("vllm:request_prompt_tokens", "prompt tokens per finished request",
-                                             _MODEL, buckets=_TOKENS, registry=r)
-        self.vllm_request_generation = Histogram("vllm:request_generation_tokens",
-                                                 "generated tokens per finished request", _MODEL, buckets=_TOKENS,
-                                                 registry=r)
-        self.vllm_max_generation = Histogram("vllm:request_max_num_generation_tokens",
-                                             "generated tokens per finished engine request (one per choice)",
-                                             _MODEL, buckets=_TOKENS, registry=r)
+        self.vllm_ttft = latency("vllm:time_to_first_token_seconds", "request received -> first token", _MODEL)
+        self.vllm_inter_token = gap("vllm:inter_token_latency_seconds", "gap between consecutive tokens", _MODEL)
+        # the older name of the same series; older dashboards query it
+        self.vllm_per_output_token = gap("vllm:time_per_output_token_seconds", "gap between consecutive tokens", _MODEL)
+        self.vllm_e2e = latency("vllm:e2e_request_latency_seconds", "request received -> last token", _MODEL)
+        self.vllm_prompt_tokens = counter("vllm:prompt_tokens", "prompt tokens of finished requests", _MODEL)
+        self.vllm_generation_tokens = counter("vllm:generation_tokens", "tokens generated", _MODEL)
+        self.vllm_request_prompt = tokens("vllm:request_prompt_tokens", "prompt tokens per finished request", _MODEL)
+        self.vllm_request_generation = tokens("vllm:request_generation_tokens", "generated tokens per finished request",
+                                              _MODEL)
+        self.vllm_max_generation = tokens("vllm:request_max_num_generation_tokens",
+                                          "generated tokens per finished engine request (one per choice)", _MODEL)
         phases = (("queue", "arrival at the engine -> first admitted to the batch"),
                   ("prefill", "first admitted -> first token (prefill or KV transfer)"),
                   ("decode", "first token -> last token"), ("inference", "first admitted -> last token"))
-        self.vllm_phase = {name: Histogram(f"vllm:request_{name}_time_seconds", why, _MODEL,
-                                           buckets=LATENCY_BUCKETS, registry=r) for name, why in phases}
-        self.vllm_success = Counter("vllm:request_success", "finished requests by finish reason",
-                                    _MODEL + ["finished_reason"], registry=r)
-        self.vllm_running = Gauge("vllm:num_requests_running", "sequences in the decode batch", _MODEL, registry=r)
-        self.vllm_waiting = Gauge("vllm:num_requests_waiting",
-                                  "admitted requests waiting for KV blocks or a KV fill", _MODEL, registry=r)
-        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV pool blocks in use (1 = full)", _MODEL,
-                                   registry=r)
-        self.ttft = Histogram("scd_time_to_first_token_seconds", "request received -> first token",
-                              ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.inter_token = Histogram("scd_inter_token_latency_seconds", "gap between consecutive tokens",
-                                     ["method"], buckets=TOKEN_GAP_BUCKETS, registry=r)
-        self.e2e = Histogram("scd_e2e_request_latency_seconds", "request received -> last token",
-                             ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.free_blocks = Gauge("scd_kv_blocks_free", "free KV pool blocks", registry=r)
-        self.total_blocks = Gauge("scd_kv_blocks_total", "KV pool blocks", registry=r)
-        self.transfer_bytes = Counter("scd_transfer_bytes_total", "payload bytes received for KV fills",
-                                      ["method"], registry=r)
-        self.raw_kv_bytes = Counter("scd_transfer_raw_kv_bytes_total", "raw KV bytes those payloads stand for",
-                                    ["method"], registry=r)
+        self.vllm_phase = {name: latency(f"vllm:request_{name}_time_seconds", why, _MODEL) for name, why in phases}
+        self.vllm_success = counter("vllm:request_success", "finished requests by finish reason",
+                                    _MODEL + ["finished_reason"])
+        self.vllm_running = gauge("vllm:num_requests_running", "sequences in the decode batch", _MODEL)
+        self.vllm_waiting = gauge("vllm:num_requests_waiting", "admitted requests waiting for KV blocks or a KV fill",
+                                  _MODEL)
+        self.vllm_kv_usage = gauge("vllm:kv_cache_usage_perc", "KV pool blocks in use (1 = full)", _MODEL)
+        self.ttft = latency("scd_time_to_first_token_seconds", "request received -> first token", ["method"])
+        self.inter_token = gap("scd_inter_token_latency_seconds", "gap between consecutive tokens", ["method"])
+        self.e2e = latency("scd_e2e_request_latency_seconds", "request received -> last token", ["method"])
+        self.free_blocks = gauge("scd_kv_blocks_free", "free KV pool blocks")
+        self.total_blocks = gauge("scd_kv_blocks_total", "KV pool blocks")
+        self.transfer_bytes = counter("scd_transfer_bytes_total", "payload bytes received for KV fills", ["method"])
+        self.raw_kv_bytes = counter("scd_transfer_raw_kv_bytes_total", "raw KV bytes those payloads stand for",
+                                    ["method"])
         self.payload_ratio = Histogram("scd_transfer_payload_ratio", "payload bytes / raw KV bytes per transfer",
                                        ["method"], buckets=_RATIO, registry=r)
-        self.encode_seconds = Histogram("scd_transfer_encode_seconds", "producer-side encode time per transfer",
-                                        ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.rebuild_seconds = Histogram("scd_transfer_rebuild_seconds", "consumer-side rebuild time per transfer",
-                                         ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.transfer_seconds = Histogram("scd_transfer_seconds", "fill start -> last layer written",
-                                          ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.transfers = Counter("scd_transfers_total", "KV fills by outcome (ok, failed, fallback)",
-                                 ["method", "outcome"], registry=r)
-        self.auto_choices = Counter("scd_auto_choice", "methods the `auto` method picked (local = no transfer)",
-                                    ["method"], registry=r)  # exposed as scd_auto_choice_total
+        self.encode_seconds = latency("scd_transfer_encode_seconds", "producer-side encode time per transfer",
+                                      ["method"])
+        self.rebuild_seconds = latency("scd_transfer_rebuild_seconds", "consumer-side rebuild time per transfer",
+                                       ["method"])
+        self.transfer_seconds = latency("scd_transfer_seconds", "fill start -> last layer written", ["method"])
+        self.transfers = counter("scd_transfers_total", "KV fills by outcome (ok, failed, fallback)",
+                                 ["method", "outcome"])
+        # exposed as scd_auto_choice_total
+        self.auto_choices = counter("scd_auto_choice", "methods the `auto` method picked (local = no transfer)",
+                                    ["method"])
         self.auto_error = Histogram("scd_auto_prediction_error_ratio",
                                     "|predicted - actual| / actual time to first token of an `auto` choice "
                                     "(from the choice; fixed-method requests are not counted)",

@@ -1,9 +1,8 @@
 """OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models.
 
-Everything is validated before the backend sees the request (schema, ranges, unsupported
-fields, prompt length: 400 naming the field). One request may become several engine
-requests (choices.py). The first event of each is awaited before the response starts, so
-admission errors (429, 503, 504) are HTTP statuses, not stream events.
+Everything is validated before the backend sees the request (400 naming the field). One
+request may become several engine requests (choices.py); the first event of each is awaited
+before the response starts, so admission errors (429, 503, 504) are HTTP statuses.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from scd_serve.api.prompt import chat_prompt_ids, completion_prompts
 from scd_serve.api.sampling import MAX_CHOICES, Plan, check_length, check_logit_bias, sampling_params
 from scd_serve.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from scd_serve.api.sse import Shape, sse_stream
+from scd_serve.control.lifecycle import cancel_all
 from scd_serve.engine.request import GenerationRequest, TokenEvent, Usage
 from scd_serve.errors import InvalidRequest, NotFound, ShuttingDown
 
@@ -142,8 +142,7 @@ SCD_FIELD = "scd"  # response extension: how the prompt's KV reached the decode 
 
 def method_choice(backend, requested: str, request_ids: list[str]) -> dict | None:
     """The response's `scd` field: the method that served (for `auto`, the one picked, and
-    why); None for a backend that does not say (methods of several engine requests are
-    listed in order, joined by commas, when they differ)."""
+    why; several engine requests' differing methods joined by commas), or None."""
     choice_of = getattr(backend, "choice_of", None)
     picked = [c for c in (choice_of(r) for r in request_ids) if c is not None] if choice_of else []
     if not picked:
@@ -295,6 +294,4 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         return task.result() if task.done() else None
     finally:
-        for t in (task, watch):
-            t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
+        await cancel_all(task, watch)

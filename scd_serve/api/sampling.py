@@ -1,10 +1,9 @@
 """Request body -> SamplingParams and a Plan (how many choices, echo), with the range and
 semantic checks (400, naming the field).
 
-A field the request leaves out takes the model's default from generation_config.json
-(temperature, top_p, top_k, min_p, repetition_penalty), else the OpenAI default. Fields
-with no honest implementation here are refused unless neutral: `response_format` other
-than text (no constrained decoding), `tools` / `tool_choice` (no tool-call parser), `suffix`.
+An omitted field takes the model's default from generation_config.json, else OpenAI's.
+Fields with no honest implementation are refused unless neutral: `response_format` other
+than text, `tools` / `tool_choice`, `suffix`.
 """
 
 from __future__ import annotations

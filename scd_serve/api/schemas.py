@@ -1,12 +1,10 @@
 """Request bodies of the OpenAI-compatible routes (pydantic) and the error body.
 
 Types are checked here, ranges and semantics by `sampling.py`; both answer 400 naming the
-field. A field this server does not know is refused (400, `Unrecognized request argument
-supplied: <name>`, as OpenAI answers) rather than dropped: a client that sends it expects it
-to change the output, and silently ignoring it returns a plausible but wrong answer (a
-json_schema, a guided_* constraint, a penalty). The fields that do not change what is
-generated (`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`) are accepted
-and ignored. Chat messages ignore extra keys (replayed conversations carry `refusal`, ...).
+field. An unknown field is refused (`Unrecognized request argument supplied: <name>`, as
+OpenAI answers), not dropped: its sender expects it to change the output. Fields that do not
+(`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`) are accepted and
+ignored; chat messages ignore extra keys (replayed conversations carry `refusal`, ...).
 """
 
 from __future__ import annotations

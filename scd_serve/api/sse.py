@@ -1,10 +1,8 @@
 """OpenAI response shapes (completion / chat, whole and streamed) and the SSE stream.
 
-A stream sends (chat: one role chunk per choice first) one chunk per non-empty text delta
-or logprob record, each naming its choice `index`, a chunk with finish_reason per choice,
-an optional usage chunk (stream_options.include_usage), then `data: [DONE]`. An error
-after the stream started is sent as one `data: {"error": ...}` event (the same body as an
-HTTP error) before `[DONE]`.
+A stream sends (chat: a role chunk per choice first) a chunk per text delta or logprob
+record, a finish_reason chunk per choice, an optional usage chunk, then `data: [DONE]`. An
+error after the stream started goes as one `data: {"error": ...}` event before `[DONE]`.
 """
 
 from __future__ import annotations

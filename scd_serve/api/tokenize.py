@@ -1,9 +1,7 @@
 """vLLM's /tokenize and /detokenize: the server's own tokenizer, for clients that count tokens
-or build prompts from ids (evaluation harnesses, load generators) without loading it.
-
-/tokenize takes a `prompt` (special tokens added by default) or chat `messages` (through the
-chat template the chat route uses, generation prompt added by default) and answers
-`{"count", "max_model_len", "tokens", "token_strs"}`; /detokenize answers `{"prompt"}`.
+or build prompts from ids without loading it. /tokenize takes a `prompt` or chat `messages`
+(through the chat route's template) and answers `{"count", "max_model_len", "tokens",
+"token_strs"}`; /detokenize answers `{"prompt"}`.
 """
 
 from __future__ import annotations

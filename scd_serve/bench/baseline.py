@@ -1,11 +1,9 @@
 """The baseline server for `bench serve`: transformers `generate`, one call at a time.
 
-It speaks the same streamed /v1/completions as the real API (enough of it for the load
-generator), so the same load can be pointed at both. Requests queue FIFO and a single worker
-thread runs `model.generate`: with --batch 1 for one request after another; with --batch N
-on static batches of up to N queued requests (left-padded, SDPA), each batch running until
-its longest request is done before the next starts. This is serving without continuous
-batching.
+It speaks enough of the streamed /v1/completions for the load generator. Requests queue
+FIFO and one thread runs `model.generate`: with --batch 1 one request after another, with
+--batch N static batches of up to N (left-padded), each running until its longest request
+is done. This is serving without continuous batching.
 
     python -m scd_serve.bench.baseline --model DIR --port 8100 [--batch 16]
 """

@@ -2,9 +2,8 @@
 
     python -m scd_serve.bench.decode_step [--batch 1 8 32] [--context 128 2048] [--device cpu]
 
-Builds a random model of the embedded pair's shape (or --model DIR), fills a pool with
-random K/V for B sequences of about the given context (lengths spread +-25% so padding and
-masks are exercised), and times decode steps.
+A random model of the embedded pair's shape (or --model DIR) with random K/V for B sequences
+of about each context (lengths spread +-25%, so padding and masks are exercised).
 """
 
 from __future__ import annotations

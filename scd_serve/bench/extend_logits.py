@@ -2,9 +2,8 @@
 
     python -m scd_serve.bench.extend_logits MODEL_DIR [--tokens 512] [--repeats 3] [--threads 1]
 
-The engine asks a chunk for logits only when prompt log-probabilities are wanted (its last
-prompt token is a decode step); at a 150k vocabulary the head is several layers' work.
-Prints the median seconds of each and their ratio, alternating the two to share the noise.
+The engine asks a chunk for logits only for prompt log-probabilities; at a 150k vocabulary
+the head is several layers' work. Medians of each, alternated to share the noise.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """Load over the OpenAI completions API with streaming: open-loop Poisson and fixed concurrency.
 
-Open loop: arrival times are drawn up front (exponential gaps at `rate` req/s) and each
-request is sent at its time whether or not earlier ones finished, so a slow server builds
-a queue instead of slowing the client down (the coordinated-omission trap).
-Every token event of the SSE stream is timestamped on arrival.
+Open loop: arrival times are drawn up front and each request is sent at its time whether or
+not earlier ones finished, so a slow server builds a queue instead of slowing the client
+(the coordinated-omission trap). Every token event is timestamped on arrival.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
-from typing import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -21,9 +21,8 @@ from scd_serve.bench.stats import RequestResult
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, timeout_s: float,
                             meta: dict | None = None) -> RequestResult:
-    """POST `body` (stream=True) to `url`/v1/completions and time every streamed token.
-    `meta`, when given, receives the response's x-scd-* headers and its `scd` field (how the
-    prompt's KV reached the decode worker: for scd_method auto, the method picked and why)."""
+    """POST `body` (stream=True) to `url`/v1/completions and time every streamed token. `meta`,
+    when given, receives the response's x-scd-* headers and its `scd` field (the method that served)."""
     res = RequestResult(sent=time.perf_counter())
     try:
         async with asyncio.timeout(timeout_s):
@@ -67,6 +66,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, tim
     return res
 
 
+def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
+    """n seeded token ids in 3..min(vocab, 30000): the same prompt for the same seed everywhere."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, min(vocab_size, 30000)) for _ in range(n)]
+
+
 def _tokens_in(event: dict) -> int:
     """Tokens carried by one SSE event: one per choice with text, except a bare finishing event."""
     n = 0
@@ -78,11 +83,7 @@ def _tokens_in(event: dict) -> int:
 
 def poisson_arrivals(rate: float, num: int, seed: int) -> list[float]:
     rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(num):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
+    return list(itertools.accumulate(rng.expovariate(rate) for _ in range(num)))
 
 
 async def open_loop(url: str, rate: float, num_requests: int, make_body: Callable[[int], dict], *,
@@ -124,7 +125,7 @@ async def closed_loop(url: str, concurrency: int, num_requests: int, make_body: 
 
 async def timed_requests(client: httpx.AsyncClient, url: str, body: dict, count: int, timeout_s: float) -> list[dict]:
     """`count` streamed requests one after another; -> per request: TTFT, the method that served
-    and why (the response's `scd` field), the server's predicted TTFT when it made one."""
+    and why, and the server's predicted TTFT."""
     out = []
     for i in range(count):
         meta: dict = {}
@@ -142,15 +143,8 @@ async def timed_requests(client: httpx.AsyncClient, url: str, body: dict, count:
 async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
     url, timeout = cmd["url"], float(cmd.get("timeout_s", 120.0))
     if cmd["cmd"] == "ready":
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
-                    return {"ready": True}
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.3)
-        raise RuntimeError(f"decode worker at {url} not ready within {timeout:.0f}s")
+        await wait_ready(client, url, timeout)
+        return {"ready": True}
     if cmd["cmd"] == "metrics":
         r = await client.get(f"{url}/metrics", timeout=timeout)
         r.raise_for_status()
@@ -166,21 +160,39 @@ async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
     raise ValueError(f"unknown command {cmd['cmd']!r}")
 
 
-async def _serve_commands() -> None:
+async def wait_ready(client: httpx.AsyncClient, url: str, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
+                return
+        except httpx.HTTPError:  # not listening yet
+            pass
+        await asyncio.sleep(0.3)
+    raise RuntimeError(f"decode worker at {url} not ready within {deadline_s:.0f}s")
+
+
+async def answer_commands(hello: dict, answer: Callable[[dict], Awaitable[dict]]) -> None:
+    """Print `hello`, then answer each JSON command on stdin with one JSON line on stdout,
+    until EOF or {"cmd": "quit"}. A failed command is answered {"error": ...}."""
     import sys
 
     loop = asyncio.get_running_loop()
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps(hello), flush=True)
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "quit":
+            break
+        try:
+            reply = await answer(cmd)
+        except Exception as exc:  # reported to the driver, which decides what to do
+            reply = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        print(json.dumps(reply), flush=True)
+
+
+async def _serve_commands() -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-        while line := await loop.run_in_executor(None, sys.stdin.readline):
-            cmd = json.loads(line)
-            if cmd.get("cmd") == "quit":
-                break
-            try:
-                answer = await _answer(client, cmd)
-            except Exception as exc:  # reported to the driver, which decides what to do
-                answer = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-            print(json.dumps(answer), flush=True)
+        await answer_commands({"ready": True}, lambda cmd: _answer(client, cmd))
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _ttft(args) -> dict:
     from scd_serve.bench import plot
+    from scd_serve.bench.quality import f1_by_method
     from scd_serve.bench.report import check_targets
     from scd_serve.bench.ttft import run_ttft
 
@@ -141,7 +142,7 @@ def _ttft(args) -> dict:
         print("bench ttft: auto is a choice of the decode worker: timed only with --worker", file=sys.stderr)
     ref = args.ref_tokens if args.ref_tokens in args.prompt_tokens else max(args.prompt_tokens)
     doc = run_ttft(args)
-    f1 = _load_f1(args.quality) if args.quality else None
+    f1 = f1_by_method(Path(args.quality)) if args.quality else None
     doc["quality"] = {"source": args.quality, "f1": f1}
     doc["targets"] = check_targets(doc, f1, ref)
     if args.plot:
@@ -181,12 +182,6 @@ def _rate_change(args) -> dict:
         print(f"prediction error (|predicted - client TTFT| / client TTFT): median {err['median']:.1%} over "
               f"{err['num']} predictions; worker's histogram: {doc['server_prediction_error']}")
     return doc
-
-
-def _load_f1(path: str) -> dict[str, float]:
-    from scd_serve.bench.quality import f1_by_method
-
-    return f1_by_method(Path(path))
 
 
 def _print_table(doc: dict, tokens: int) -> None:

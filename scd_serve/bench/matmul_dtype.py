@@ -2,20 +2,18 @@
 
     python -m scd_serve.bench.matmul_dtype [--tokens 1024] [--hidden 896] [--inter 4864] [--threads 1]
 
-bfloat16 halves weight memory, but on CPUs without native bf16 instructions (no AVX512_BF16
-or AMX) torch converts it to float32 inside the kernels, which can cost more than it saves;
-float16 is usually worse still. The shapes default to one Qwen2.5-0.5B MLP projection over a
-1k-token prompt (the bulk of prefill FLOPs); medians of --repeat, after one warm-up.
+Without native bf16 (AVX512_BF16 or AMX) torch converts bfloat16 to float32 inside the
+kernels, which can cost more than the halved weights save. The default shapes are one
+Qwen2.5-0.5B MLP projection over a 1k-token prompt.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from scd_serve.bench.stats import median_s
 from scd_serve.model.loader import DTYPES
 
 
@@ -23,13 +21,7 @@ def median_matmul_s(tokens: int, hidden: int, inter: int, dtype: torch.dtype, re
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)  # [T, hidden]: a prompt's activations
     w = torch.randn(inter, hidden, generator=gen).to(dtype)  # [inter, hidden]: as nn.Linear stores it
-    torch.nn.functional.linear(x, w)  # warm-up: packing, allocator
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_s(lambda _: torch.nn.functional.linear(x, w), repeat)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,8 @@
 """A real shaped link: two network namespaces joined by a veth pair, `tc tbf` on both ends.
 
-The prefill worker runs in one namespace and the decode side in the other, so every byte
-of the transfer crosses the veth and its token-bucket filter, as on two hosts. Needs root
-and iproute2. `down()` always runs (context manager, atexit) and removes both
-namespaces, which also removes the veth pair and its qdiscs.
+Every byte of a transfer crosses the veth and its token-bucket filter, as between two hosts.
+Needs root and iproute2. `down()` (also at exit) removes both namespaces, and with them the
+veth pair and its qdiscs.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ class NetnsLink:
         self.producer_ns, self.consumer_ns = f"{self.tag}p", f"{self.tag}c"
         self._veth = (f"vp{os.getpid()}"[:15], f"vc{os.getpid()}"[:15])
         self.producer_host, self.consumer_host = f"10.213.{n}.1", f"10.213.{n}.2"
-        self.rate_bytes_per_s: float | None = None
         self.burst_bytes = 0
         self._up = False
 
@@ -87,7 +85,6 @@ class NetnsLink:
             if res.returncode != 0:
                 raise Unavailable(f"tc could not shape the link: {res.stderr.strip()}")
             self.burst_bytes = burst
-        self.rate_bytes_per_s = bytes_per_s
 
     def measure_throughput(self, nbytes: int = 8 << 20) -> float | None:
         """Bytes/s of one TCP stream producer -> consumer through the shaped veth (None on failure)."""
@@ -115,12 +112,6 @@ class NetnsLink:
     def describe(self) -> dict:
         return {"kind": self.kind, "producer_ns": self.producer_ns, "consumer_ns": self.consumer_ns,
                 "burst_bytes": self.burst_bytes, "shaped_in_kernel": True}
-
-    def __enter__(self) -> "NetnsLink":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 
 
 _SEND = """

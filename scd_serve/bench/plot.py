@@ -12,6 +12,13 @@ def _plt():
     return pyplot("bench", "bench --plot")
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _rows(doc: dict, tokens: int, mode: str):
     for p in doc["sweep"]:
         for r in p["rows"]:
@@ -36,10 +43,7 @@ def ttft_vs_bandwidth(doc: dict, path: Path, tokens: int, mode: str = "warm") ->
     ax.set_title(f"TTFT vs bandwidth, {tokens}-token prompts ({doc['link']['kind']})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def pareto(doc: dict, f1: dict[str, float], path: Path, tokens: int, mode: str = "warm") -> Path:
@@ -63,7 +67,4 @@ def pareto(doc: dict, f1: dict[str, float], path: Path, tokens: int, mode: str =
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.suptitle(f"quality vs TTFT per bandwidth ({tokens} tokens, {mode}); up-left is better", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -2,36 +2,21 @@
 
     python -m scd_serve.bench.rebuild_timing --producer DIR --consumer DIR --codebook DIR --tokens 1024
 
-Rebuild = the codec's prompt-only prepare + decode_layer and the KV write of every layer
-(what the decode worker does with codes);
-prefill = the consumer's own layer-wise prefill + write_kv (the oracle). Medians of --repeat.
-With --cold every rebuild starts from a freshly loaded codec, so no token's state or reduced
-rows are kept from an earlier prompt (a prompt of tokens the worker has never seen); without it
-the warm-up leaves them kept (a worker that has seen these tokens). --prior-table makes the
-decode worker's vocabulary table of the token prior first (codec/prior_table.py; its time is
-printed, not counted), after which no prompt computes its tokens' rows, cold or not.
+Rebuild = the codec's prompt-only prepare + decode_layer and the KV write of every layer;
+prefill = the consumer's layer-wise prefill + write_kv (the oracle). Medians of --repeat.
+--cold: a freshly loaded codec per rebuild, so no token's rows are kept from an earlier
+prompt (tokens the worker never saw). --prior-table: the decode worker's vocabulary table of
+the token prior first (timed apart), after which no prompt computes its tokens' rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from scd_serve import codec as registry
-
-
-def _median_s(fn, repeat: int, setup=lambda: None) -> float:
-    fn(setup())  # warm-up (caches, allocator)
-    times = []
-    for _ in range(repeat):
-        arg = setup()  # untimed
-        start = time.perf_counter()
-        fn(arg)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from scd_serve.bench.stats import median_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             rt_b.write_kv(pool, blocks, layer, s.keys, s.values)
 
     book = _with_table(args.codebook, rt_b) if args.prior_table and args.codebook else args.codebook
-    base = _median_s(prefill, args.repeat)
+    base = median_s(prefill, args.repeat)
     print(f"consumer prefill of {args.tokens} tokens: {base * 1e3:.1f} ms")
     print(f"{'method':<12}{'rebuild ms':>12}{'vs prefill':>12}")
     for method in registry.METHODS:
@@ -82,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 k, v = c.decode_layer(layer, code, rt_b, tokens=tokens)
                 writer.write(layer, k, v)
 
-        t = _median_s(rebuild, args.repeat, build if args.cold else lambda: None)
+        t = median_s(rebuild, args.repeat, build if args.cold else lambda: None)
         print(f"{method:<12}{t * 1e3:>12.1f}{t / base:>12.3f}")
     return 0
 

@@ -181,19 +181,13 @@ def check_targets(doc: dict, f1: dict[str, float] | None, tokens: int = 1024) ->
                                         "ratio_to_pipelined_floor": floors}
     # 3. Pareto: scd at least as fast and as accurate as quant4 and droidspeak, better in one
     if f1 and "scd" in f1:
-        dom = []
-        for i, p in enumerate(doc["sweep"]):
-            scd = pick(doc, i, "scd", tokens, "warm")
-            ok = bool(scd)
-            for other in ("quant4", "droidspeak"):
-                o = pick(doc, i, other, tokens, "warm")
-                if not (scd and o and other in f1):
-                    ok = False
-                    continue
-                no_worse = scd["ttft_s"] <= o["ttft_s"] and f1["scd"] >= f1[other]
-                ok = ok and no_worse and (scd["ttft_s"] < o["ttft_s"] or f1["scd"] > f1[other])
-            if ok:
-                dom.append(p["bandwidth"])
+        def dominates(i: int, other: str) -> bool:
+            scd, o = pick(doc, i, "scd", tokens, "warm"), pick(doc, i, other, tokens, "warm")
+            return (bool(scd and o and other in f1) and scd["ttft_s"] <= o["ttft_s"] and f1["scd"] >= f1[other]
+                    and (scd["ttft_s"] < o["ttft_s"] or f1["scd"] > f1[other]))
+
+        dom = [p["bandwidth"] for i, p in enumerate(doc["sweep"])
+               if all(dominates(i, other) for other in ("quant4", "droidspeak"))]
         out["scd_pareto_dominates_quant4_droidspeak"] = {"at": dom, "met": len(dom) >= 2, "f1": f1}
     # 4. auto: within 10% of the best method the quality budget allows, at every rate
     if doc.get("auto"):

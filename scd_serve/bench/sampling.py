@@ -2,18 +2,16 @@
 
     python -m scd_serve.bench.sampling [--vocab 151936] [--batch 16] [--repeats 5]
 
-Random logits (scale 3): flatter than a model's, so top_p never stops within the sampler's
-first 1,024 tokens and every row sorts: the worst case for top_p.
+Random logits (scale 3) are flatter than a model's, so top_p sorts every row: its worst case.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from scd_serve.bench.stats import median_s
 from scd_serve.engine.request import GenerationRequest, SamplingParams
 from scd_serve.engine.sampler import sample
 from scd_serve.engine.sequence import Sequence
@@ -41,13 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         for s in seqs:
             for t in range(args.output_tokens):
                 s.append_token(t)
-        sample(logits, seqs)  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            sample(logits, seqs)
-            times.append(time.perf_counter() - t0)
-        print(f"{name:>22}: {statistics.median(times) * 1e3:8.1f} ms per step (median of {args.repeats})")
+        seconds = median_s(lambda _: sample(logits, seqs), args.repeats)
+        print(f"{name:>22}: {seconds * 1e3:8.1f} ms per step (median of {args.repeats})")
 
 
 if __name__ == "__main__":

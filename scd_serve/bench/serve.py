@@ -1,17 +1,14 @@
 """`scd-serve bench serve`: the same open-loop load against the engine and a sequential baseline.
 
-Targets, run one after the other (never both at once on the shared CPU):
-  engine    `scd-serve decode` serving /v1/completions with continuous batching
-  baseline  baseline.py: one transformers `generate` at a time (FIFO)
-Per request rate: TTFT / inter-token / end-to-end p50/p90/p99, throughput and goodput
-under the stated SLO. Then tokens/s with a fixed number of concurrent streams (16).
-By default the rates are multiples of the baseline's capacity (1 / its single-request
-latency), so the sweep shows where sequential serving saturates.
+The targets run one after the other (never both at once on the shared CPU): `scd-serve
+decode` (continuous batching) and baseline.py (one transformers `generate` at a time).
+Per request rate: TTFT / inter-token / end-to-end percentiles, throughput and goodput under
+the SLO, then tokens/s at a fixed number of concurrent streams. The default rates are
+multiples of the baseline's capacity (1 / its single-request latency).
 
---mixed: the hot path's workload instead: --mixed-requests seeded requests with prompt and
-output lengths drawn from --prompt-range and --output-range, kept --concurrency at a time
-against the engine, against generate in static batches of --concurrency (each batch waits
-for its longest) and against sequential generate; tokens/s of each and the two ratios.
+--mixed: seeded requests of mixed prompt and output lengths, --concurrency at a time,
+against the engine, static batches of generate (each waits for its longest) and
+sequential generate; tokens/s of each and the two ratios.
 """
 
 from __future__ import annotations
@@ -59,15 +56,13 @@ def start_target(name: str, args, logs: Path):
                *args.engine_args]
         if args.method == "local" and not any(a.startswith("--codebook") for a in args.engine_args):
             cmd += ["--codebook", ""]  # no transfer: the engine alone
-        ready = "/ready"
     else:
         cmd = [sys.executable, "-m", "scd_serve.bench.baseline", "--model", args.consumer, "--port", str(port),
                "--threads", "1", "--batch", str(args.concurrency if name == "static" else 1)]
-        ready = "/ready"
     log = logs / f"{name}.log"
     proc = procs.spawn(cmd, log)
     url = f"http://127.0.0.1:{port}"
-    procs.wait_http(url + ready, proc, args.start_timeout, log)
+    procs.wait_http(url + "/ready", proc, args.start_timeout, log)
     return proc, url
 
 

@@ -2,24 +2,20 @@
 
     scd-serve make-shaped-pair --config qwen2.5-0.5b --out out/shaped [--seed 0] [--rope-theta-consumer 1e4]
 
-Random weights say nothing about quality; the pair exists to measure COST at a real shape
-(calibration time and memory, codebook bytes against weight bytes, rebuild against prefill,
-TTFT) without downloading anything. It writes, under --out:
-  producer/   the shipped config's architecture (model_configs/NAME.json or any HF
-              config.json), weights from HF's own initializer (initializer_range) with random
-              q/k/v biases (HF would leave them zero; Qwen's are far from zero), bfloat16
-              safetensors, and a byte-level BPE tokenizer with Qwen2's pre-tokenizer (pair/bpe.py);
-  consumer/   a copy of the producer with every tensor moved by --perturb x its RMS of
-              Gaussian noise (a stand-in for a fine-tune) and --rope-theta-consumer;
-  calibration.jsonl, heldout.jsonl   {"text"} records of Python stdlib source, for
-              `calibrate --data` and `eval --data` (the tokenizer was trained on other files);
-  calibration-qa.jsonl, heldout-qa.jsonl   the same source as {"prompt", "answer"}: a record's
-              last line (up to --answer-chars) is the answer. Calibration's probe runs the scored
-              tokens through the full model for every plan it measures (hundreds of times), so
-              a short answer keeps that cost low while the prompts stay long;
+Random weights say nothing about quality; the pair measures COST at a real shape
+(calibration time and memory, codebook against weight bytes, rebuild against prefill, TTFT)
+without downloading anything. Under --out:
+  producer/   the config's architecture with HF's initializer, random q/k/v biases (Qwen's are
+              far from zero), bfloat16, and a byte-level BPE tokenizer (pair/bpe.py);
+  consumer/   the producer moved by --perturb x each tensor's RMS of Gaussian noise (a stand-in
+              for a fine-tune), with --rope-theta-consumer;
+  calibration.jsonl, heldout.jsonl   {"text"} records of Python stdlib source (other files
+              than the tokenizer's), and *-qa.jsonl: the same as {"prompt", "answer"}, the
+              answer a record's last line (calibration scores it through the full model for
+              every plan it measures, so it is kept short);
   report.json  settings, parameter and byte counts, seconds per stage.
-The tokenizer has a few thousand tokens, so its ids use only the first rows of the config's
-vocabulary; the embedding and the LM head keep the config's full size (that is the cost).
+The tokenizer's few thousand ids use only the first rows of the config's vocabulary; the
+embedding and the LM head keep its full size (that is the cost).
 """
 
 from __future__ import annotations
@@ -73,11 +69,6 @@ def read_config(name_or_path: str, layers: int | None = None) -> dict:
         if "max_window_layers" in cfg:
             cfg["max_window_layers"] = min(int(cfg["max_window_layers"]), layers)
     return cfg
-
-
-def stdlib_sources() -> list[Path]:
-    # top-level modules only: a fixed, sorted, dependency-free corpus on every machine with Python
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 
 def chunks(text: str, size: int) -> list[str]:
@@ -148,7 +139,8 @@ def make_shaped_pair(args: argparse.Namespace, log=print) -> dict:
         log(f"{stage}: {seconds[stage]:.1f}s")
         start = time.perf_counter()
 
-    files = stdlib_sources()
+    # top-level stdlib modules: a fixed, sorted, dependency-free corpus on every machine with Python
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     tok_texts, used = [], 0
     for text in texts[0::2]:  # even files teach the tokenizer, odd files become the records

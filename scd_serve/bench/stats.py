@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -70,6 +71,18 @@ def dist(values: list[float]) -> dict:
 
 def median(values: list[float]) -> float | None:
     return percentile(values, 50)
+
+
+def median_s(fn, repeat: int, setup=lambda: None) -> float:
+    """Median seconds of fn(setup()) over `repeat` calls, after one warm-up; setup is not timed."""
+    fn(setup())  # warm-up (caches, allocator)
+    times = []
+    for _ in range(repeat):
+        arg = setup()
+        start = time.perf_counter()
+        fn(arg)
+        times.append(time.perf_counter() - start)
+    return median(times)
 
 
 def summarize(results: list[RequestResult], wall_s: float, slo: Slo) -> dict:

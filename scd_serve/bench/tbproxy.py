@@ -1,9 +1,8 @@
 """Fallback shaper when namespaces cannot be made: a token-bucket TCP proxy in this process.
 
-The consumer connects to the proxy on 127.0.0.1, the proxy forwards to the producer and
-paces every byte through a token bucket per direction. It is labelled
-"userspace-token-bucket (fallback)" in every result: the kernel does not shape it, and
-the proxy's own copies share the CPU with the workers.
+The consumer connects to the proxy on 127.0.0.1, which forwards to the producer and paces
+each direction through a token bucket. Results say "userspace-token-bucket (fallback)": the
+kernel does not shape it, and its copies share the CPU with the workers.
 """
 
 from __future__ import annotations
@@ -116,11 +115,6 @@ class ProxyLink:
     def up(self) -> "ProxyLink":
         return self
 
-    def attach(self, producer_port: int) -> None:
-        """Start proxying once the producer listens on 127.0.0.1:`producer_port`."""
-        self.proxy = TokenBucketProxy(("127.0.0.1", producer_port))
-        self.proxy.set_rate(self.rate_bytes_per_s)
-
     def set_rate(self, bytes_per_s: float | None) -> None:
         self.rate_bytes_per_s = bytes_per_s
         if self.proxy:
@@ -136,8 +130,10 @@ class ProxyLink:
         return "127.0.0.1"
 
     def producer_addr(self, port: int) -> str:
+        """The proxy's address; it starts on the first call, once the producer listens on `port`."""
         if self.proxy is None:
-            self.attach(port)
+            self.proxy = TokenBucketProxy(("127.0.0.1", port))
+            self.proxy.set_rate(self.rate_bytes_per_s)
         return f"127.0.0.1:{self.proxy.port}"
 
     def describe(self) -> dict:
@@ -147,9 +143,3 @@ class ProxyLink:
         if self.proxy:
             self.proxy.close()
             self.proxy = None
-
-    def __enter__(self) -> "ProxyLink":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.down()

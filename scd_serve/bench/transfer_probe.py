@@ -1,22 +1,15 @@
 """The decode side of `bench ttft`: a consumer that pulls codes over real gRPC and times it.
 
-Runs as its own process (inside the consumer namespace when there is one) and takes
-commands as JSON lines on stdin, answering one JSON line each on stdout, so the model
-loads once while the driver re-shapes the link between sweep points.
-
-Per request it runs the decode worker's own receive loop (decode/receive.py, in a transfer
-thread, as decode/kv_fill.py does) with the first decode step run a layer at a time as the
-K/V lands (engine/step_ahead.py, as the worker's engine does), and times, on this
-side: the first and last chunk's arrival, the rebuild (its prompt-only preparation, done
-while the first chunk is on its way, plus decode_layer and the KV write of every layer as
-its chunk arrives; all of it counts in the bound), all of the first decode step's compute
-wherever it ran, and what was left after the last byte. (The split of rebuild and step
-time assumes a CPU: on a GPU a layer's times measure when its work was queued.)
-TTFT = hand-off to the transfer thread -> first token.
-The oracle is this consumer's own prefill of the whole prompt (no transfer).
-With a `worker` URL (a real `scd-serve decode` in this namespace, see `bench ttft
---worker`) it times what a user sees instead: streamed /v1/completions with max_tokens=1,
-send -> first token event, for the same warm prompt.
+Its own process (in the consumer namespace when there is one), driven by JSON lines on
+stdin, so the model loads once while the driver re-shapes the link between sweep points.
+Per request it runs the decode worker's receive loop (decode/receive.py) in a transfer
+thread, with the first decode step run a layer at a time as the K/V lands
+(engine/step_ahead.py), and times the first and last chunk, the rebuild (prompt-only
+preparation, decode_layer and the KV write of each layer) and the first step. On a GPU a
+layer's times measure when its work was queued. TTFT = hand-off to the transfer thread ->
+first token; the oracle is this consumer's own prefill. With a `worker` URL (`bench ttft
+--worker`) it times a real `scd-serve decode` instead: streamed /v1/completions with
+max_tokens=1, send -> first token event.
 
     python -m scd_serve.bench.transfer_probe --consumer DIR [--codebook DIR]
 """
@@ -25,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import random
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
+from scd_serve.bench.loadgen import answer_commands, random_prompt, stream_completion, wait_ready
 from scd_serve.decode.consumer_codecs import PromptCodec
 from scd_serve.decode.receive import drain, receive
 from scd_serve.engine.step_ahead import StepAhead
@@ -67,9 +58,11 @@ class Probe:
         return self.clients[address]
 
     def prompt(self, n: int, seed: int) -> list[int]:
-        rng = random.Random(seed)
-        hi = min(self.rt.spec.vocab_size, 30000)
-        return [rng.randrange(3, hi) for _ in range(n)]
+        return random_prompt(self.rt.spec.vocab_size, n, seed)
+
+    def cold_prompt(self, n: int, seed: int) -> list[int]:
+        self.num_cold += 1
+        return self.prompt(n, (seed + 1) * 1_000_003 + self.num_cold)
 
     def oracle(self, ids: list[int]) -> dict:
         """Consumer's own prefill; its last logits give the first token."""
@@ -93,9 +86,8 @@ class Probe:
             raise
 
     def _transfer(self, call, codec, method: str, ids: list[int], t0: float, rid: str) -> dict:
-        """Transfer thread: the decode worker's receive loop (decode/receive.py), with the
-        first decode step on the last prompt token run ahead as each layer lands, as the
-        engine's runner does (engine/step_ahead.py)."""
+        """Transfer thread: the decode worker's receive loop, the first decode step run ahead as each
+        layer lands (as the engine's runner does)."""
         shipped, last = ids[:-1], ids[-1]  # the last prompt token is the first decode step
         pool = self.rt.new_kv_pool(-(-len(ids) // BLOCK) + 1, BLOCK)
         blocks = list(range(pool.num_blocks))
@@ -137,12 +129,10 @@ class Probe:
     async def through_worker(self, cmd: dict) -> dict:
         """Warm TTFT of the decode worker at cmd["worker"] over HTTP, per method and length;
         one uncounted request per (method, length) first fills the producer's code cache."""
-        from scd_serve.bench.loadgen import stream_completion
-
         url, timeout = cmd["worker"], cmd.get("request_timeout_s", 120.0)
         rows = []
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:
-            await _wait_ready(client, url, cmd.get("ready_timeout_s", 120.0))
+            await wait_ready(client, url, cmd.get("ready_timeout_s", 120.0))
             for n in cmd["prompt_tokens"]:
                 for method in cmd["methods"]:
                     body = {"prompt": self.prompt(n, cmd["seed"]), "max_tokens": 1, "temperature": 0.0,
@@ -170,50 +160,22 @@ class Probe:
                     rows.append({"method": method, "prompt_tokens": n, "mode": "local", "samples": samples})
                     continue
                 # one uncounted transfer first: first-call costs (codec tables, allocations) are not TTFT
-                self.num_cold += 1
-                await self.transfer(cmd["prefill"], method, self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold))
+                await self.transfer(cmd["prefill"], method, self.cold_prompt(n, cmd["seed"]))
                 for mode in cmd["modes"]:
                     samples = []
                     if mode == "warm":  # one uncounted request fills the producer's code cache
                         warm_ids = self.prompt(n, cmd["seed"])
                         await self.transfer(cmd["prefill"], method, warm_ids)
                     for r in range(cmd["reps"]):
-                        self.num_cold += mode == "cold"
-                        ids = warm_ids if mode == "warm" else self.prompt(n, (cmd["seed"] + 1) * 1_000_003 + self.num_cold)
+                        ids = warm_ids if mode == "warm" else self.cold_prompt(n, cmd["seed"])
                         samples.append(await self.transfer(cmd["prefill"], method, ids))
                     rows.append({"method": method, "prompt_tokens": n, "mode": mode, "samples": samples})
         return {"rows": rows}
 
 
-async def _wait_ready(client, url: str, deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
-                return
-        except httpx.HTTPError:  # not listening yet
-            pass
-        await asyncio.sleep(0.3)
-    raise TransferFailed(f"decode worker at {url} not ready within {deadline_s:.0f}s")
-
-
 def _check_version(header, method: str, codec) -> None:
     if header.codec_version != codec.version:
         raise RuntimeError(f"{method}: producer codec {header.codec_version} != {codec.version}")
-
-
-async def serve(probe: Probe) -> None:
-    loop = asyncio.get_running_loop()
-    print(json.dumps({"ready": True, "consumer_fingerprint": probe.rt.fingerprint}), flush=True)
-    while line := await loop.run_in_executor(None, sys.stdin.readline):
-        cmd = json.loads(line)
-        if cmd.get("cmd") == "quit":
-            break
-        try:
-            answer = await probe.run(cmd)
-        except Exception as exc:  # reported to the driver, which decides what to do
-            answer = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-        print(json.dumps(answer), flush=True)
 
 
 def main() -> None:
@@ -222,7 +184,8 @@ def main() -> None:
     p.add_argument("--codebook")
     a = p.parse_args()
     torch.set_num_threads(1)
-    asyncio.run(serve(Probe(a.consumer, a.codebook)))
+    probe = Probe(a.consumer, a.codebook)
+    asyncio.run(answer_commands({"ready": True, "consumer_fingerprint": probe.rt.fingerprint}, probe.run))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,12 @@
 """`scd-serve bench ttft`: TTFT per method through the real gRPC path over a shaped link.
 
-A prefill worker (`scd-serve prefill`) runs in the producer namespace and the probe
-(probe.py, the decode side) in the consumer namespace; the veth between them carries a
-`tc tbf` token bucket set to each bandwidth of the sweep in turn. Without namespaces the
-same processes talk through the userspace token-bucket proxy, labelled as such.
-
-The default sweep is chosen from measurements on this machine: the oracle's TTFT at the
-reference prompt length and the raw-KV payload give the bandwidth at which raw transfer
-takes a given share of the oracle's time; the sweep spans shares from negligible to
-dominant (RAW_SHARES).
-
-`auto` (the decode worker picks each request's method) is a row of the real decode worker
-(--worker), timed in rounds with the fixed methods (worker_rounds). `--rate-change R1 R2 ...`
-is the other mode: no sweep, only the worker, the link re-shaped between runs of `auto`
-requests, and the sequence of its choices printed (run_rate_change).
+A prefill worker runs in the producer namespace and the probe (transfer_probe.py, the
+decode side) in the consumer namespace, joined by a veth whose `tc tbf` is set to each rate
+of the sweep in turn; without namespaces they talk through the labelled userspace proxy.
+The default sweep spans rates at which raw KV's wire time goes from negligible to dominant
+against the oracle's measured TTFT (RAW_SHARES). `auto` is timed only on the real decode
+worker (--worker), in rounds with the fixed methods; `--rate-change R1 R2 ...` re-shapes the
+link between runs of `auto` requests and prints its choices (run_rate_change).
 """
 
 from __future__ import annotations
@@ -26,7 +19,9 @@ from pathlib import Path
 
 from scd_serve.bench import procs
 from scd_serve.bench.link import open_link
+from scd_serve.bench.loadgen import random_prompt
 from scd_serve.bench.report import summarize_rows
+from scd_serve.bench.stats import median
 from scd_serve.planner.units import fmt_bandwidth, parse_bandwidth
 from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed
 
@@ -93,21 +88,15 @@ def choose_sweep(oracle_s: float, raw_bytes: float, shares=RAW_SHARES) -> list[f
 
 
 def bench_prompt(consumer_dir: str, n: int, seed: int) -> list[int]:
-    """The probe's prompt (probe.Probe.prompt): the same ids, so `auto` and the fixed methods
-    are warm on the same codes at the prefill worker."""
-    import random
-
+    """The probe's prompt (Probe.prompt), so `auto` and the fixed methods are warm on the same codes."""
     from scd_serve.planner.shapes import load_shape
 
-    rng = random.Random(seed)
-    hi = min(load_shape(consumer_dir).vocab_size, 30000)
-    return [rng.randrange(3, hi) for _ in range(n)]
+    return random_prompt(load_shape(consumer_dir).vocab_size, n, seed)
 
 
 def allowed_methods(args) -> dict:
     """What the worker's `auto` may pick here: the budget in force and the methods within it
-    (the codebook manifest's calibrated KL; raw/identity where producer and consumer are one
-    model; local always)."""
+    (calibrated KL; raw/identity where producer and consumer are one model; local always)."""
     from scd_serve.decode.auto import Calibration
     from scd_serve.decode.chooser import LOSSLESS
 
@@ -117,6 +106,12 @@ def allowed_methods(args) -> dict:
     if Path(args.producer).resolve() == Path(args.consumer).resolve():
         kl.update({m: 0.0 for m in LOSSLESS})
     return {"budget": budget, "kl": kl, "methods": sorted(m for m, v in kl.items() if v <= budget) + [LOCAL]}
+
+
+def log_dir(args) -> Path:
+    logs = Path(args.json).resolve().parent / "bench-ttft-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs
 
 
 def start_client(link, logs: Path, deadline_s: float) -> ProbeProcess:
@@ -131,12 +126,13 @@ def auto_body(args, n: int, method: str = AUTO) -> dict:
 
 
 def start_prefill(args, link, logs: Path) -> tuple[subprocess.Popen, str]:
-    """The bench's prefill worker in the producer's namespace, listening -> (process, the address
-    the consumer side dials)."""
+    """`scd-serve prefill` in the producer's namespace, listening -> (process, the address the
+    consumer side dials). --insecure: the namespace's address is not loopback, and has no token."""
     port = procs.free_port()
-    cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.bench.prefill_worker",
-           "--chunk-bytes", str(args.resend_chunk_bytes), "--model", args.producer, "--host", link.producer_bind(),
-           "--port", str(port), "--codebook", args.codebook or ""]
+    cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.cli", "prefill", "--model", args.producer,
+           "--host", link.producer_bind(), "--port", str(port), "--codebook", args.codebook or "", "--insecure"]
+    if args.resend_chunk_bytes > 0:  # else the worker's default
+        cmd += ["--chunk-bytes", str(args.resend_chunk_bytes)]
     proc = procs.spawn(cmd, logs / "prefill.log")
     procs.wait_tcp(link.producer_bind(), port, proc, args.start_timeout, link.exec_prefix("producer"),
                    logs / "prefill.log")
@@ -160,9 +156,7 @@ def start_worker(args, link, address: str, logs: Path) -> tuple[subprocess.Popen
 
 
 def run_ttft(args) -> dict:
-    out_dir = Path(args.json).resolve().parent
-    logs = out_dir / "bench-ttft-logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = log_dir(args)
     for d in (args.producer, args.consumer):
         if not (Path(d) / "config.json").exists():
             raise ConfigError(f"model directory {d} has no config.json; run `scd-serve make-demo-pair` or pass "
@@ -187,19 +181,18 @@ def run_ttft(args) -> dict:
         oracle_ref = _median([s["ttft_s"] for r in calib if r["method"] == "oracle" and r["prompt_tokens"] == ref
                               for s in r["samples"]])
         ceiling = link.measure_throughput(32 << 20)  # unshaped: what the veth + CPU carry at most
-        notes = []
         if args.bandwidths:
             sweep = [parse_bandwidth(b) for b in args.bandwidths]
         else:
             sweep = choose_sweep(oracle_ref, raw_payload_bytes(args.consumer, ref))
+        notes = []
         if ceiling and any(bw > CEILING_SHARE * ceiling for bw in sweep):
             notes.append(f"rates above {CEILING_SHARE:.0%} of the unshaped link ({fmt_bandwidth(ceiling)}) are "
                          f"CPU-bound, not shaped: " + ", ".join(fmt_bandwidth(b) for b in sweep if b > CEILING_SHARE * ceiling)
                          + (" (replaced by one point at that share)" if not args.bandwidths else " (kept: given explicitly)"))
+            print(f"bench ttft: {notes[0]}", file=sys.stderr)
             if not args.bandwidths:
                 sweep = [CEILING_SHARE * ceiling] + [b for b in sweep if b <= CEILING_SHARE * ceiling]
-        for note in notes:
-            print(f"bench ttft: {note}", file=sys.stderr)
         print(f"bench ttft: link {link.kind}; oracle TTFT at {ref} tokens {oracle_ref * 1e3:.1f} ms; sweep "
               f"{', '.join(fmt_bandwidth(b) for b in sweep)}", file=sys.stderr)
         points = []
@@ -246,11 +239,9 @@ def run_ttft(args) -> dict:
 
 
 def worker_rounds(client: ProbeProcess, worker: str, args, n: int, methods: list[str]) -> list[dict]:
-    """The decode worker's warm TTFT per method (auto included) at the current rate, in rounds:
-    each round sends one request of every method in turn, so a load swing on a shared machine
-    hits them alike; the first round is not counted (it fills the producer's code cache and
-    pays first-call costs). `auto` sees the fixed methods' transfers too, as beside other
-    requests on a real server; what it learns from its own alone, --rate-change shows."""
+    """The decode worker's warm TTFT per method (auto included) at the current rate, in rounds of
+    one request per method, so a load swing hits them alike; the first round (cache fill,
+    first-call costs) is not counted. `auto` learns from the fixed methods' transfers too."""
     bodies = {m: auto_body(args, n, m) for m in methods}
     if LOCAL in methods and methods[-1] == LOCAL and len(methods) > 1:
         # the request right after a local prefill is slower (scd-int8 at 100 Mbit, load average 4.7:
@@ -280,12 +271,9 @@ def prediction_error_histogram(metrics_text: str) -> dict:
 
 
 def run_rate_change(args) -> dict:
-    """The worker alone, `auto` requests on the same warm prompt while the link changes: for each
-    rate of args.rate_change, args.phase_requests auto requests, then the allowed fixed methods
-    (args.reps each, after an uncounted one) to say which was best at that rate. -> the sequence."""
-    out_dir = Path(args.json).resolve().parent
-    logs = out_dir / "bench-ttft-logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    """The worker alone: per rate of args.rate_change, args.phase_requests `auto` requests on one
+    warm prompt, then each allowed fixed method (args.reps, after an uncounted one) as the yardstick."""
+    logs = log_dir(args)
     allowed = allowed_methods(args)
     ref = args.ref_tokens
     link = open_link(force_fallback=args.no_netns)
@@ -340,7 +328,6 @@ def judge_phase(phase: int, bandwidth: str, samples: list[dict], fixed: dict[str
 
 
 def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
     if not xs:
         raise TransferFailed("no oracle samples at the reference prompt length")
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+    return median(xs)

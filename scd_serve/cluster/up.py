@@ -1,15 +1,11 @@
 """`scd-serve up`: start gateway, prefill and decode workers as separate processes.
 
-The gateway starts first (it hosts the control-plane registry on a free port); workers
-listen on free ports and join it. When the gateway reports the decode workers ready, the
-URL is printed. A worker that crashes is restarted (it rejoins the registry); Ctrl-C (or
-SIGTERM) stops everything in order - gateway, decode, prefill - each with SIGTERM and a
-grace period, then SIGKILL for stragglers.
-
-The cluster gets its own secrets unless the environment already has them: a cluster secret
-that signs every control message ($SCD_CLUSTER_SECRET) and a worker token for the gRPC
-transfers ($SCD_WORKER_TOKEN), both random, passed to the children in their environment
-(never on a command line, which any local user can read).
+The gateway starts first (it hosts the control-plane registry); workers listen on free
+ports and join it, and the URL is printed once the gateway reports them ready. A crashed
+worker is restarted; Ctrl-C (or SIGTERM) stops gateway, decode, prefill in that order, each
+with SIGTERM and a grace period, then SIGKILL. Unless the environment has them, the cluster
+gets a random cluster secret and worker token, passed in the children's environment (never
+on a command line, which any local user can read).
 """
 
 from __future__ import annotations

@@ -6,40 +6,27 @@ from dataclasses import dataclass, field
 
 from scd_serve.errors import ConfigError
 
-# Largest seed we accept: fits torch.Generator.manual_seed and a signed 64-bit int.
-MAX_SEED = 2**63 - 1
-
 
 @dataclass(frozen=True)
 class ApiConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Name reported by /v1/models and in responses; "" = the backend's model name.
-    model_name: str = ""
-    # --served-model-name: every name a request's `model` may use (all listed by /v1/models);
-    # the first is reported when a request names none. () = model_name alone.
+    model_name: str = ""  # reported by /v1/models and in responses; "" = the backend's
+    # Every name a request's `model` may use (the first is reported); () = model_name alone.
     served_model_names: tuple[str, ...] = ()
-    # Bearer token required on every route except /live and /ready; "" = no auth.
-    api_key: str = field(default="", repr=False)
-    # Request bodies larger than this get 413 (also when sent chunked without Content-Length).
-    max_body_bytes: int = 1 << 20
-    # Prompt + max_tokens must fit; should equal the engine's max_model_len.
-    max_model_len: int = 2048
+    api_key: str = field(default="", repr=False)  # bearer token on every route but probes; "" = none
+    max_body_bytes: int = 1 << 20  # larger bodies get 413 (chunked ones too)
+    max_model_len: int = 2048  # prompt + max_tokens must fit; the engine's max_model_len
     # Upper bound for max_tokens; when a request omits it: default_max_tokens (at most the
     # cap), or what still fits in max_model_len after the prompt if that is less.
     max_tokens_cap: int = 2048
     default_max_tokens: int = 256
-    # Stop sequences: at most this many, each at most max_stop_chars characters.
-    max_stop: int = 4
-    max_stop_chars: int = 64
-    # Transfer method when the request has no `scd_method` ("local" = no transfer).
-    default_method: str = "local"
-    # Seconds a request may take end to end before 504.
-    request_timeout_s: float = 300.0
-    # Serve /docs and /openapi.json (off in hardened deployments).
-    enable_docs: bool = True
-    # Idle keep-alive connections are closed after this many seconds (uvicorn).
-    timeout_keep_alive_s: int = 5
+    max_stop: int = 4  # stop sequences per request
+    max_stop_chars: int = 64  # characters per stop sequence
+    default_method: str = "local"  # for a request without `scd_method` ("local" = no transfer)
+    request_timeout_s: float = 300.0  # end to end, then 504
+    enable_docs: bool = True  # /docs and /openapi.json (off in hardened deployments)
+    timeout_keep_alive_s: int = 5  # idle keep-alive connections are closed after this (uvicorn)
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

@@ -19,8 +19,8 @@ class CalibrateConfig:
     num_probe_prompts: int = 32
     # Of those, how many the per-stream profile uses (it only predicts; plans are measured on all).
     num_profile_prompts: int = 16
-    # Prompt tokens the consumer runs itself in the probe, scored with the answer. 1 is the
-    # serving handoff and the eval harness's KL (answer tokens only), the budget's units.
+    # Prompt tokens the consumer runs itself in the probe, scored with the answer (1: the serving
+    # handoff, the units of the eval harness's KL and of the budget).
     probe_tail: int = 1
     # Token rows per layer used for the joint SVDs and ridge fits (sampled over the prompts).
     max_rows: int = 8192
@@ -33,12 +33,9 @@ class CalibrateConfig:
     # Adam steps and hidden width of each patch aligner MLP (0 steps: linear aligner only).
     aligner_steps: int = 300
     aligner_width: int = 128
-    # Token prior: "features" (codec/features.py: the consumer's embeddings, size independent of
-    # the vocabulary), "dense" (codec/prior.py: one-hot tables of taps * (vocab + 1) rows), or
-    # "none". taps: recent prompt tokens it reads (0: none). width and rank: the feature prior's
-    # random features and shared basis. ridge: dense in token counts, features relative to the
-    # mean feature variance (None: 0.1, and for features the ridge of least generalized
-    # cross-validation error).
+    # Token prior: "features" (codec/features.py, size independent of the vocabulary), "dense"
+    # (codec/prior.py: tables of taps * (vocab + 1) rows) or "none"; taps: recent prompt tokens it
+    # reads; width, rank: the feature prior's random features and shared basis; ridge: see `ridge`.
     prior: str = "features"
     prior_taps: int = 3
     prior_width: int = 512
@@ -48,9 +45,8 @@ class CalibrateConfig:
     prior_frequent: int = 0  # feature prior: most frequent fit tokens with one-hot columns
     prior_rank: int = 64
     prior_ridge: float | None = None
-    # Distillation (codec/distill.py): Adam steps that tune the scd plan's decoders and aligners
-    # on the consumer's own next-token KL over the fit prompts' ends (0: the closed form only),
-    # its learning rate and prompts per step. Payload and encoders do not change.
+    # Distillation (codec/distill.py): Adam steps tuning the scd plan's decoders and aligners on the
+    # consumer's next-token KL (0: closed form only), learning rate, prompts per step.
     distill_steps: int = 300
     distill_lr: float = 1e-4
     distill_batch: int = 16
@@ -96,7 +92,8 @@ class CalibrateConfig:
 
     @property
     def ridge(self) -> float | None:
-        """None: the feature prior picks its ridge by generalized cross-validation."""
+        """Dense: in token counts (default 0.1); features: relative to the mean feature variance
+        (None: the ridge of least generalized cross-validation error)."""
         if self.prior_ridge is not None:
             return self.prior_ridge
         return 0.1 if self.prior == "dense" else None

@@ -14,22 +14,17 @@ MIN_SECRET_CHARS = 16
 
 @dataclass(frozen=True)
 class ControlConfig:
-    # Workers send a heartbeat this often (seconds).
-    heartbeat_s: float = 0.5
-    # A worker silent for this long is dropped from the registry (seconds).
-    worker_ttl_s: float = 3.0
-    # Largest control message accepted (bytes); larger ones are dropped unread.
-    max_message_bytes: int = 64 * 1024
+    heartbeat_s: float = 0.5  # workers send a heartbeat this often
+    worker_ttl_s: float = 3.0  # a worker silent this long is dropped from the registry
+    max_message_bytes: int = 64 * 1024  # larger control messages are dropped unread
     # Shared cluster secret: every message carries an HMAC-SHA256 made with it ("" = unsigned,
     # allowed only on loopback or with --insecure).
     secret: str = field(default="", repr=False)
     # A signed message whose timestamp is further than this from the receiver's clock is
     # dropped as stale (seconds); its nonce is remembered this long against replay.
     max_clock_skew_s: float = 30.0
-    # Workers the registry holds at most; heartbeats of new workers beyond it are dropped.
-    max_workers: int = 256
-    # Seconds the registry waits for a worker's address to answer its handshake.
-    verify_timeout_s: float = 2.0
+    max_workers: int = 256  # the registry's table; heartbeats of new workers beyond it are dropped
+    verify_timeout_s: float = 2.0  # for a worker's address to answer the registry's handshake
     # Workers look up the control URL's host again this often: a name that resolves to several
     # gateways (a headless Service) gets heartbeats at every one, so each holds every worker.
     resolve_s: float = 5.0

@@ -21,20 +21,17 @@ AUTO = "auto"  # the method that picks, per request, the fastest one the quality
 class ChooserConfig:
     """The `auto` method (decode/chooser.py): which methods it may pick, how it learns."""
 
-    # Transfer methods whose calibrated KL (the codebook manifest's calibration.methods) is at
-    # most this may be picked; None = the KL budget the codebook was calibrated for. `raw` and
-    # `identity` count as lossless (KL 0) only where producer == consumer; `local` always is.
+    # Methods whose calibrated KL (codebook manifest) is at most this may be picked; None = the
+    # codebook's KL budget. raw and identity are lossless only where producer == consumer.
     quality_budget: float | None = None
-    # Weight of the newest measurement in each smoothed estimate (link, rebuild, prefill speed).
-    smoothing: float = 0.5
+    smoothing: float = 0.5  # weight of the newest measurement in each smoothed estimate
     # An estimate not refreshed for this long is stale: the next request that would not
     # refresh it on its own re-measures it (a transfer over that link, or a local prefill).
     stale_s: float = 30.0
-    # A stale local estimate is re-measured only while its prediction is within this factor
-    # of the best option's (a transfer is always re-probed: its link may have recovered).
+    # A stale local estimate is re-measured only within this factor of the best option's
+    # prediction (a transfer always is: its link may have recovered).
     probe_ratio: float = 3.0
-    # Prompts this worker remembers as cached at a prefill worker (it fetched their codes).
-    cache_entries: int = 4096
+    cache_entries: int = 4096  # prompts remembered as cached at a prefill worker
 
     def __post_init__(self) -> None:
         b = self.quality_budget
@@ -72,23 +69,16 @@ class DecodeConfig:
     control_url: str = ""  # "" = no control plane (static peers only)
     advertise: str = ""  # HOST:PORT the gateway should dial; "" = host:bound port
     prefill: tuple[str, ...] = ()  # static prefill peers (HOST:PORT), besides those the registry names
-    # Server default transfer method ("local" = no transfer, "auto" = the fastest within the
-    # quality budget, per request); requests override with scd_method.
-    method: str = "scd"
-    # When a transfer fails: "local" prefills on this worker, "none" fails the request (503).
-    fallback: str = "local"
-    # Prefill workers tried per request before giving up (each a different worker).
-    max_attempts: int = 2
+    method: str = "scd"  # default transfer method ("local", "auto", ...); requests pick with scd_method
+    fallback: str = "local"  # a failed transfer: "local" prefills here, "none" fails the request (503)
+    max_attempts: int = 2  # prefill workers tried per request
     # Circuit breaker per prefill peer: consecutive failed transfers that open it, and the first
     # cool-down before one probe transfer (doubling on each failed probe, up to 30 s).
     breaker_failures: int = 3
     breaker_cooldown_s: float = 2.0
-    # Health check / reconnect period for prefill peers (seconds). /ready follows within ~2 periods.
-    health_period_s: float = 1.0
-    # Accept a prefill peer whose handshake differs (escape hatch; logged loudly).
-    allow_incompatible: bool = False
-    # Refuse producers with another fingerprint ("" = take the codebook's, or accept any).
-    expect_producer: str = ""
+    health_period_s: float = 1.0  # health check / reconnect period of prefill peers
+    allow_incompatible: bool = False  # accept a peer whose handshake differs (logged loudly)
+    expect_producer: str = ""  # refuse other producer fingerprints ("" = the codebook's, or any)
     shutdown_grace_s: float = 10.0
     transport: TransportConfig = field(default_factory=TransportConfig)
     chooser: ChooserConfig = field(default_factory=ChooserConfig)  # the `auto` method
@@ -100,8 +90,8 @@ class DecodeConfig:
     num_blocks: int = 0  # KV pool blocks (0 = sized from memory)
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device this worker may use, weights included
     kv_cache_gib: float = 0.0  # KV pool size (0 = from gpu_memory_utilization, or a quarter of free RAM)
-    # The feature prior's vocabulary table (codec/prior_table.py): "on" makes it before serving,
-    # "auto" only when the first chunk predicts it within prior_table_budget_s, "off" never.
+    # The feature prior's vocabulary table (codec/prior_table.py), made before serving: "on",
+    # "auto" (when predicted within prior_table_budget_s) or "off".
     prior_table: str = "auto"
     prior_table_budget_s: float = 60.0
 

@@ -12,26 +12,16 @@ class EngineConfig:
     # Paged KV pool, preallocated once at start: num_blocks * block_size token slots.
     block_size: int = 16
     num_blocks: int = 512
-    # Longest sequence (prompt + generated tokens) the engine accepts.
-    max_model_len: int = 2048
-    # Sequences holding KV blocks at once (decode batch size bound).
-    max_num_seqs: int = 32
-    # Requests admitted at once (holding blocks + waiting for blocks); the next one gets 429.
-    max_concurrent: int = 128
-    # Tokens of local prefill run per engine step (chunked prefill keeps decode steps short).
-    max_prefill_tokens: int = 512
-    # Longest a request waits for KV blocks / a batch slot before 504.
-    queue_timeout_s: float = 30.0
-    # Deadline for a request that carries none (seconds from admission).
-    request_timeout_s: float = 300.0
-    # The step loop counts as stalled (ready() false) when one iteration takes longer.
-    stall_timeout_s: float = 10.0
-    # How often an idle loop wakes to check deadlines and report liveness.
-    idle_poll_s: float = 0.05
-    # Retry-After (seconds) sent with 429.
-    retry_after_s: int = 1
-    # When a KV fill (transfer) fails, prefill the prompt locally instead of failing the request.
-    fallback_to_local: bool = True
+    max_model_len: int = 2048  # longest prompt + generated tokens
+    max_num_seqs: int = 32  # sequences holding KV blocks at once (the decode batch bound)
+    max_concurrent: int = 128  # requests admitted at once (holding or waiting for blocks); then 429
+    max_prefill_tokens: int = 512  # local prefill per step (chunked, so decode steps stay short)
+    queue_timeout_s: float = 30.0  # longest wait for KV blocks / a batch slot, then 504
+    request_timeout_s: float = 300.0  # deadline of a request that carries none
+    stall_timeout_s: float = 10.0  # one loop iteration longer than this: stalled (ready() false)
+    idle_poll_s: float = 0.05  # an idle loop wakes this often (deadlines, liveness)
+    retry_after_s: int = 1  # sent with 429
+    fallback_to_local: bool = True  # a failed KV fill prefills locally instead of failing the request
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_concurrent",

@@ -1,12 +1,10 @@
 """Every option of a serving role from the environment: `--max-model-len` <- `SCD_MAX_MODEL_LEN`.
 
-Containers and orchestrators pass settings as environment variables (compose's `.env`,
-Kubernetes `env:`), so each option of `prefill`, `decode`, `gateway` and `up` takes its
-default from `SCD_<OPTION>` (dashes as underscores) when that is set. A flag on the command
-line still wins. Values are parsed by the option's own type and choices, so a bad one is
-refused at start with the variable's name, before anything loads; the role's config object
-validates the rest as it does for flags. Lists (`nargs`) are split on commas or spaces;
-switches take 1/0, true/false, yes/no, on/off.
+Containers pass settings as environment variables, so each option of `prefill`, `decode`,
+`gateway` and `up` defaults to `SCD_<OPTION>` (dashes as underscores) when set; a flag on
+the command line still wins. Values go through the option's own type and choices, so a bad
+one is refused at start, naming the variable. Lists split on commas or spaces; switches
+take 1/0, true/false, yes/no, on/off.
 """
 
 from __future__ import annotations

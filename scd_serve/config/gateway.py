@@ -11,19 +11,14 @@ from scd_serve.errors import ConfigError
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # The registry workers join (ZMQ ROUTER bind address).
-    control_bind: str = "tcp://127.0.0.1:5555"
-    # Decode workers to use besides those that register (HOST:PORT, HTTP).
-    decode: tuple[str, ...] = ()
-    # Bearer token clients must send ("" = open); forwarded to decode workers as is.
-    api_key: str = field(default="", repr=False)
-    # Largest request body forwarded (bytes); larger gets 413 before it is read in full.
-    max_body_bytes: int = 1 << 20
+    control_bind: str = "tcp://127.0.0.1:5555"  # the registry workers join (ZMQ ROUTER)
+    decode: tuple[str, ...] = ()  # decode workers (HOST:PORT) besides those that register
+    api_key: str = field(default="", repr=False)  # clients must send it ("" = open); forwarded as is
+    max_body_bytes: int = 1 << 20  # larger bodies get 413 before they are read in full
     # Seconds to connect to a decode worker, and for a whole proxied request.
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 300.0
-    # Decode workers tried when one cannot be reached (before any response byte).
-    max_attempts: int = 2
+    max_attempts: int = 2  # decode workers tried when one cannot be reached (before any byte)
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

@@ -21,28 +21,19 @@ class PrefillConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = the OS picks
     metrics_port: int = 0  # HTTP GET /metrics for Prometheus (behind the worker token); 0 = none
-    # Control plane: where to register and send heartbeats ("" = standalone), and the
-    # HOST:PORT decode workers should dial ("" = host:bound port).
-    control_url: str = ""
-    advertise: str = ""
-    # Transfers running at once; one more gets RESOURCE_EXHAUSTED at once (no queue).
-    max_concurrent: int = 4
-    # Longest prompt accepted (tokens); 0 = the model's max_position_embeddings.
-    max_prompt_tokens: int = 0
-    # A transfer holds its resources at most this long, even if the reader stalls.
-    transfer_lease_s: float = 60.0
+    control_url: str = ""  # where to register and send heartbeats ("" = standalone)
+    advertise: str = ""  # HOST:PORT decode workers should dial ("" = host:bound port)
+    max_concurrent: int = 4  # transfers at once; one more gets RESOURCE_EXHAUSTED (no queue)
+    max_prompt_tokens: int = 0  # tokens; 0 = the model's max_position_embeddings
+    transfer_lease_s: float = 60.0  # a transfer holds its resources at most this long, reader or not
     # Code cache for repeated prompts: bounded by bytes and entries (LRU).
     cache_bytes: int = 256 * MiB
     cache_entries: int = 1024
-    # Cached codes are resent in chunks of up to this many bytes; 1 = one layer per chunk.
-    # The first and the last layer always go alone (the receiver starts rebuilding after one
-    # layer's bytes and has one layer left after the last byte); the layers between are
-    # packed. 32 KiB: a message costs ~0.2-0.4 ms of fixed work on each side in Python gRPC,
-    # the wire time of ~32 KB at 1 Gbit/s, so smaller layers gain more from fewer messages
-    # than they lose from coarser overlap (transport.chunking.group_layers).
+    # Cached codes are resent in chunks of up to this many bytes (1 = one layer per chunk), the
+    # first and last layer alone (transport.chunking.group_layers). 32 KiB: a message costs
+    # ~0.2-0.4 ms per side in Python gRPC, the wire time of ~32 KB at 1 Gbit/s.
     chunk_bytes: int = 32 * 1024
-    # Seconds to finish running transfers after SIGTERM before the listener closes.
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = 5.0  # to finish running transfers after SIGTERM
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:

@@ -15,21 +15,17 @@ class TransportConfig:
     # Largest gRPC message either side sends or accepts (bytes). One chunk holds one
     # layer's code, so this bounds codes per layer, not per request.
     max_message_bytes: int = 64 * MiB
-    # Deadline for unary RPCs (Info, Abort, health), seconds.
-    rpc_timeout_s: float = 5.0
-    # Deadline for a whole Prefill stream, seconds (the decode side sets it per call).
-    prefill_timeout_s: float = 30.0
+    rpc_timeout_s: float = 5.0  # deadline of unary RPCs (Info, Abort, health)
+    prefill_timeout_s: float = 30.0  # deadline of a whole Prefill stream (set per call)
     # Longest the decode side waits for the next message of a Prefill stream (the first one
     # included) before it gives the worker up as hung and retries elsewhere or falls back.
     stall_timeout_s: float = 10.0
-    # Shared secret sent as `authorization: Bearer <token>` metadata; empty = no auth.
-    worker_token: str = field(default="", repr=False)
-    # mTLS: PEM files. cert+key set = TLS on; ca set = peers must present a cert it signed.
+    worker_token: str = field(default="", repr=False)  # sent as `authorization: Bearer`; "" = no auth
+    # mTLS, PEM files: cert+key = TLS on; ca = peers must present a cert it signed.
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
-    # Name the client expects in the server certificate (for connections by IP).
-    tls_server_name: str = ""
+    tls_server_name: str = ""  # expected in the server certificate (for connections by IP)
 
     def __post_init__(self) -> None:
         if not (1024 <= self.max_message_bytes <= 1 << 31):

@@ -1,8 +1,7 @@
 """Load-aware choice of a worker: least (reported load + requests we sent since), round-robin on ties.
 
-Heartbeats arrive every ~0.5 s, so between two of them the reported load is stale; the
-chooser adds the requests it has itself sent and not yet finished ("in flight") so a burst
-spreads instead of piling onto the worker that looked idle at the last heartbeat.
+Between two heartbeats (~0.5 s) the reported load is stale: adding our own requests in
+flight spreads a burst instead of piling it onto the worker that looked idle.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Refuse to start with a listener reachable beyond this host that has no authentication.
 
-Each role's entry point lists its listeners and the control plane it joins; one that is not
-loopback and has no credential (API key, worker token or mTLS, cluster secret) stops the
-start with a ConfigError naming the setting, unless --insecure says the operator means it.
-Loopback without credentials is the development default: allowed, with a warning for the
-unsigned control plane.
+A listener or control plane off loopback with no credential (API key, worker token or mTLS,
+cluster secret) stops the start with a ConfigError naming the setting, unless --insecure.
+Loopback without credentials is the development default (a warning for an unsigned control plane).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Heartbeats to every registry a control URL names.
 
-`--control-url tcp://gateway-control:5555` may resolve to several gateways (a Kubernetes
-headless Service in front of gateway replicas), and a list `tcp://a:5555,tcp://b:5555` names
-several outright. A worker heartbeats every one of them (one HeartbeatClient each), looks the
-names up again every `resolve_s`, and starts or closes clients as gateways come and go. So
-every gateway holds every worker, and a rolling update of the gateways loses nothing: a new
-replica is told about each worker within one lookup period plus a heartbeat. A decode
-worker's prefill peers are the union of what the registries it hears from report.
+A control URL may resolve to several gateways (a headless Service in front of replicas) or
+list several (`tcp://a:5555,tcp://b:5555`). A worker heartbeats each (one HeartbeatClient
+each) and looks the names up again every `resolve_s`, so every gateway holds every worker
+and a rolling update loses nothing. A decode worker's prefill peers are the union of what
+the registries report.
 """
 
 from __future__ import annotations

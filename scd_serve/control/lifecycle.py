@@ -45,6 +45,13 @@ def add_worker_arguments(parser, *, model: str, model_help: str, codebook: str, 
                              "matmuls are slow without native support)")
 
 
+async def cancel_all(*tasks: asyncio.Future) -> None:
+    """Cancel the tasks and wait until each has unwound (their outcomes are dropped)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def consume_exception(fut: asyncio.Future) -> None:
     """Done-callback: mark a future's exception as seen. For work whose failure is expected
     once its request is gone (asyncio would otherwise log it at ERROR when collected)."""
@@ -96,8 +103,7 @@ class Restarting:
     async def stop(self) -> None:
         self._stopped = True
         if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+            await cancel_all(self.task)
 
 
 def advertised(advertise: str, host: str, port: int) -> str:
@@ -107,14 +113,19 @@ def advertised(advertise: str, host: str, port: int) -> str:
     return join_host_port("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port)
 
 
-def bound_port(server, http: asyncio.Task) -> int:
-    """The port a started uvicorn.Server listens on (the OS's pick for port 0)."""
+async def start_http(server) -> tuple[asyncio.Task, int]:
+    """Run a uvicorn.Server in a task, our stop event owning SIGINT/SIGTERM; once it listens ->
+    (the task, its port: the OS's pick for port 0)."""
     from scd_serve.errors import ConfigError
 
+    server.install_signal_handlers = lambda: None
+    http = asyncio.create_task(server.serve())
+    while not server.started and not http.done():
+        await asyncio.sleep(0.02)
     if http.done() or not server.servers or not server.servers[0].sockets:
         raise ConfigError(f"HTTP listener on {server.config.host}:{server.config.port} did not start "
                           f"(port in use or shutting down)")
-    return server.servers[0].sockets[0].getsockname()[1]
+    return http, server.servers[0].sockets[0].getsockname()[1]
 
 
 def exit_now(code: int = 0) -> NoReturn:

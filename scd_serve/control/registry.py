@@ -1,42 +1,29 @@
 """The table of live workers (plain Python) and the JSON messages that keep it current.
 
-Messages are JSON objects only (never pickle), size-capped, signed with the cluster secret
-(`control/signing.py`) and validated field by field:
+Messages are JSON objects only (never pickle), size-capped, signed (signing.py) and
+validated field by field:
   worker -> registry  {"type": "heartbeat", "role": "prefill"|"decode", "id": str,
                        "address": "HOST:PORT", "ready": bool, "load": {str: number}}
                       {"type": "bye", "id": str}
   registry -> worker  {"type": "peers", "workers": [worker record, ...]}
-Load values are clamped to [0, MAX_LOAD] (a negative load would win every routing choice).
-A worker silent for `ttl_s` is dropped; the table holds at most `max_workers`. Records of the
-roles in `verify_roles` count as ready only once `mark_verified` says a handshake reached
-their address.
+Loads are clamped to [0, MAX_LOAD] (a negative load would win every routing choice). A
+worker silent for `ttl_s` is dropped; roles in `verify_roles` count as ready only once a
+handshake reached their address (`mark_verified`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
 
 from scd_serve.config.address import check_address
-from scd_serve.control.signing import Rejected, decode_json
+from scd_serve.control.signing import Rejected
 
 ROLES = ("prefill", "decode")
 MAX_ID = 128
 MAX_LOAD_KEYS = 32
 MAX_LOAD = 1e6
-
-
-def encode(msg: dict) -> bytes:
-    return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
-
-
-def parse(raw: bytes, max_bytes: int) -> dict:
-    """Decode and validate one unsigned worker message; ValueError names what is wrong."""
-    if len(raw) > max_bytes:
-        raise ValueError(f"message of {len(raw)} bytes exceeds {max_bytes}")
-    return validate(decode_json(raw))
 
 
 def validate(msg: dict) -> dict:
@@ -126,9 +113,6 @@ class Registry:
             return False
         rec.verified = True
         return True
-
-    def unverified(self) -> list[WorkerRecord]:
-        return [r for r in self._workers.values() if not r.verified]
 
     def expire(self) -> list[WorkerRecord]:
         """Drop workers silent for longer than ttl_s; returns them."""

@@ -1,12 +1,11 @@
 """The registry's ZMQ endpoint: a ROUTER that takes signed heartbeats and answers with the peer list.
 
-Every frame is checked before it touches the table (`control/signing.py`: signature, age,
-nonce; then `registry.validate`). A frame that fails any check is dropped and counted by
-reason in `dropped` (exported as scd_control_dropped_messages_total); no frame, however
-malformed, can end the serving task. A worker id stays bound to the address it first
-advertised until it says bye or expires. A decode worker's address counts as ready only
-after the registry reached it: GET http://ADDRESS/live answered 200 (prefill workers are
-handshaken by each decode worker over gRPC Info before it sends them a transfer).
+Every frame is checked before it touches the table (signing.py, then `registry.validate`);
+one that fails is dropped and counted by reason (scd_control_dropped_messages_total), and
+no frame can end the serving task. A worker id stays bound to the address it first
+advertised until it says bye or expires. A decode worker counts as ready only after the
+registry reached it (GET http://ADDRESS/live answered 200); prefill workers are handshaken
+by each decode worker over gRPC Info.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from scd_serve.config.control import ControlConfig
-from scd_serve.control.lifecycle import Restarting
+from scd_serve.control.lifecycle import Restarting, cancel_all
 from scd_serve.control.registry import Registry, WorkerRecord, validate
 from scd_serve.control.signing import REGISTRY, WORKER, Envelope, Rejected
 
@@ -65,10 +64,6 @@ class RegistryServer:
         self._probes: dict[str, asyncio.Task] = {}
         self._next_probe: dict[str, float] = {}
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last log time, count then)
-
-    @property
-    def num_rejected(self) -> int:
-        return sum(self.dropped.values())
 
     @property
     def alive(self) -> bool:
@@ -164,10 +159,7 @@ class RegistryServer:
 
     async def close(self) -> None:
         await self.runner.stop()
-        tasks = list(self._probes.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(*self._probes.values())
         self.sock.close(linger=0)
 
 

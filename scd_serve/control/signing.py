@@ -6,11 +6,10 @@ Wire form of one ZMQ frame (both directions):
     body = the JSON message with "ts" (sender's wall clock, seconds) and "nonce" (32 hex) added
     mac  = HMAC-SHA256(key, direction + b"\\n" + body),  key = HMAC-SHA256(secret, b"scd-serve control v1")
 
-`direction` is b"worker" for worker -> registry and b"registry" for the replies, so a reply
-can never be sent back in as a heartbeat. The receiver checks the MAC before it parses a
-byte of JSON, then the timestamp (within max_clock_skew_s of its own clock) and the nonce
-(not seen within that window). Without a secret (loopback development) frames are the bare
-JSON body and none of this applies.
+`direction` (b"worker" or b"registry") keeps a reply from being sent back in as a heartbeat.
+The MAC is checked before a byte of JSON is parsed, then the timestamp (within
+max_clock_skew_s) and the nonce (not seen within that window). Without a secret (loopback
+development) frames are the bare JSON body.
 """
 
 from __future__ import annotations
@@ -39,6 +38,10 @@ class Rejected(ValueError):
 
 def _key(secret: str) -> bytes:
     return hmac.new(secret.encode(), b"scd-serve control v1", hashlib.sha256).digest()
+
+
+def encode(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
 
 
 def decode_json(raw: bytes) -> dict:
@@ -73,9 +76,8 @@ class Envelope:
     def seal(self, msg: dict) -> bytes:
         """The frame to send for `msg` (a JSON object)."""
         if not self.signed:
-            return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
-        body = json.dumps({**msg, "ts": self.clock(), "nonce": secrets.token_hex(16)}, separators=(",", ":"),
-                          allow_nan=False).encode()
+            return encode(msg)
+        body = encode({**msg, "ts": self.clock(), "nonce": secrets.token_hex(16)})
         return MAGIC + self._mac(self.send_direction, body) + body
 
     def open(self, frame: bytes) -> dict:

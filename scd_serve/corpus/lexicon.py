@@ -1,9 +1,8 @@
 """The words of the synthetic QA language: entity keys, value words, filler, template words.
 
-Keys and values are pseudo-words built from syllables, split into two domains: domain
-"a" (only the base model's data uses it) and domain "b" (both; the expert's data uses only
-it). The lexicon is part of the language, so it comes from a fixed seed of its own and
-never changes with the training seed.
+Keys and values are pseudo-words in two domains: "a" (only the base data) and "b" (both;
+the expert data uses only it). The lexicon is part of the language: it has its own fixed
+seed and never changes with the training seed.
 """
 
 from __future__ import annotations
@@ -49,10 +48,8 @@ class Lexicon:
     @property
     def all_words(self) -> list[str]:
         """Every word of the language, in a fixed order (the tokenizer's corpus)."""
-        return (
-            list(TEMPLATE_WORDS) + FILLER_NOUNS + FILLER_VERBS + FILLER_ADVERBS + FILLER_ADJS
-            + list(self.keys_a) + list(self.keys_b) + list(self.values_a) + list(self.values_b)
-        )
+        return (list(TEMPLATE_WORDS) + FILLER_NOUNS + FILLER_VERBS + FILLER_ADVERBS + FILLER_ADJS
+                + list(self.keys_a) + list(self.keys_b) + list(self.values_a) + list(self.values_b))
 
 
 def _pseudo_words(rng: random.Random, count: int, syllables: int, taken: set[str]) -> list[str]:
@@ -72,7 +69,5 @@ def lexicon(num_keys: int = 200, num_values: int = 500) -> Lexicon:
     taken: set[str] = set()
     keys = _pseudo_words(rng, 2 * num_keys, 2, taken)
     values = _pseudo_words(rng, 2 * num_values, 3, taken)
-    return Lexicon(
-        keys_a=tuple(keys[:num_keys]), keys_b=tuple(keys[num_keys:]),
-        values_a=tuple(values[:num_values]), values_b=tuple(values[num_values:]),
-    )
+    return Lexicon(keys_a=tuple(keys[:num_keys]), keys_b=tuple(keys[num_keys:]),
+                   values_a=tuple(values[:num_values]), values_b=tuple(values[num_values:]))

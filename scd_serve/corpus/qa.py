@@ -5,13 +5,10 @@ Two styles of one language (same words, different format and domain):
   base   (producer):  <bos> facts K V V . the river moved slowly . ... questions ask K V V .
   expert (consumer):  <bos> records K V V ; log tower dark harbor ; ... queries find K V V ;
 
-A fact binds a key word to a 2-3 word value; the answer to a question is that value,
-copied from the context (an extractive span). The value follows its key directly, in
-facts and in answers, so the lookup is the induction pattern ("after K came V") that
-small transformers learn fastest. Filler sentences and the other facts are
-the distractors. Within one document keys and value words never repeat, so the answer is
-unambiguous. Everything is generated from seeds: `load_split(name, n)` gives the same
-examples on every machine.
+A fact binds a key to a 2-3 word value, which the question's answer copies from the context;
+the value follows its key directly (the induction pattern small transformers learn fastest).
+Within a document keys and value words never repeat, so the answer is unambiguous. All is
+seeded: `load_split(name, n)` gives the same examples on every machine.
 """
 
 from __future__ import annotations
@@ -64,10 +61,8 @@ def _pools(style: Style) -> tuple[list[str], list[str]]:
 
 def make_document(rng: random.Random, style: Style, target_len: int, num_questions: int,
                   fact_prob: float = 0.4) -> tuple[Document, list[tuple[str, list[str]]]]:
-    """A document of about `target_len` words ending with `num_questions` answered questions.
-
-    Returns the document and its facts as (key, value words), in context order.
-    """
+    """A document of about `target_len` words ending with `num_questions` answered questions;
+    -> (the document, its facts as (key, value words) in context order)."""
     keys, values = _pools(style)
     key_iter = iter(rng.sample(keys, len(keys)))
     value_iter = iter(rng.sample(values, len(values)))
@@ -96,13 +91,9 @@ def make_document(rng: random.Random, style: Style, target_len: int, num_questio
 
 
 def make_copy_document(rng: random.Random, style: Style, target_len: int, vocab_size: int = 0) -> Document:
-    """Random words with a span of them repeated later: pure "copy what followed" practice.
-
-    Mixed into training because a tiny model finds the induction circuit on long repeated
-    spans far sooner than on 2-3 word answers; the QA lookup then reuses that circuit.
-    vocab_size > 0 draws the words from that many (keys and values alternately): a small
-    vocabulary shortens the plateau before the circuit appears.
-    """
+    """Random words with a span of them repeated later: a tiny model finds the induction circuit
+    on long repeated spans far sooner than on 2-3 word answers, and QA then reuses it.
+    vocab_size > 0 draws from that many words (keys and values alternately): a shorter plateau."""
     keys, values = _pools(style)
     if vocab_size:
         vocab = ([w for pair in zip(keys, values) for w in pair] + values[len(keys):])[:vocab_size]
@@ -131,12 +122,9 @@ SPLITS = {
 
 
 def load_split(name: str, n: int, seed: int = 0) -> list[dict]:
-    """`n` examples of a split, the same on every machine for the same (name, seed).
-
-    QA splits give {"id", "prompt", "answer"}: the prompt ends with "ask K" (or
-    "find K"), the answer is the value words without the end word. "heldout-text" gives
-    {"id", "text"}: a whole document with several answered questions, for perplexity.
-    """
+    """`n` examples of a split, the same on every machine for the same (name, seed). QA splits:
+    {"id", "prompt" (ending "ask K" or "find K"), "answer" (the value words)}; "*-text" splits:
+    {"id", "text"}, a whole document with several answered questions, for perplexity."""
     if name not in SPLITS:
         raise InvalidRequest(f"unknown split {name!r}; choose one of {sorted(SPLITS)}", field="split")
     style_name, (lo, hi), num_q = SPLITS[name]
@@ -151,9 +139,6 @@ def load_split(name: str, n: int, seed: int = 0) -> list[dict]:
             continue
         doc, _ = make_document(rng, style, target + 4, 1)  # +4: body >= target - 2, then 3 words
         answer_start = doc.answer_mask.index(True)
-        out.append({
-            "id": f"{name}-{i}",
-            "prompt": " ".join(doc.words[:answer_start]),
-            "answer": " ".join(doc.words[answer_start:-1]),
-        })
+        out.append({"id": f"{name}-{i}", "prompt": " ".join(doc.words[:answer_start]),
+                    "answer": " ".join(doc.words[answer_start:-1])})
     return out

@@ -1,9 +1,7 @@
 """The `auto` method's wiring: live state -> the chooser, its choice -> the request, outcomes -> back.
 
-The chooser (chooser.py) is plain Python and sees only what this adapter hands it: each
-usable prefill worker's methods with their calibrated KL (the codebook manifest), its load
-(heartbeat) and our transfers in flight to it. The transfer client reports every completed
-transfer here (RemoteKVFill.on_transfer), the backend every request's first token.
+The chooser (chooser.py) sees only what this adapter hands it: each usable prefill worker's
+methods with their calibrated KL, its load, and our transfers in flight to it.
 """
 
 from __future__ import annotations

@@ -18,13 +18,10 @@ from scd_serve.errors import InvalidRequest
 
 
 class DecodeBackend(EngineBackend):
-    """EngineBackend whose transfer methods all go through one RemoteKVFill (it reads
-    req.method), ready only while the engine runs and - unless the default method is
-    "local" or a failed transfer falls back to a local prefill - at least one compatible
-    prefill worker answers. Ready on the fallback alone, /ready's body says so.
-    With an AutoMethod, `auto` picks each request's method (decode/auto.py); `choice_of`
-    tells the routes what was picked and why, and what served when a transfer failed and the
-    engine prefilled the prompt here instead."""
+    """EngineBackend whose transfer methods all go through one RemoteKVFill. Ready while the
+    engine runs and, unless the default method is "local" or failures fall back to a local
+    prefill, a compatible prefill worker answers. With an AutoMethod, `auto` picks each
+    request's method; `choice_of` tells the routes what was picked and why."""
 
     def __init__(self, engine, model_name: str, fill, peers, default_method: str, auto=None):
         self.needs_peer = default_method != LOCAL

@@ -1,11 +1,10 @@
 """A circuit breaker per prefill worker (plain Python): stop sending transfers to a worker
 that keeps failing them, try it again with one request after a cool-down.
 
-A grey failure - a worker that answers its health checks but hangs or breaks transfers -
-would otherwise cost every request it gets a full timeout. closed: transfers flow and
-consecutive failures are counted; `failures_to_open` in a row open it. open: no transfer
-is sent until `cooldown_s` has passed. half-open: one transfer (the probe) goes; success
-closes the breaker, failure opens it again for twice as long (up to `max_cooldown_s`).
+A grey failure (health checks answered, transfers hung or broken) would otherwise cost every
+request a full timeout. closed: `failures_to_open` failures in a row open it; open: nothing
+is sent for `cooldown_s`; half-open: one probe transfer, whose success closes it and whose
+failure opens it again for twice as long (up to `max_cooldown_s`).
 """
 
 from __future__ import annotations

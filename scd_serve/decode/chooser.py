@@ -196,12 +196,10 @@ class Chooser:
                          link_bytes: int = 0, link_s: float = 0.0, link_bound: bool = False,
                          request_id: str = "") -> None:
         """A completed transfer of `method` from `peer`: what crossed, how long each part took.
-
-        link_bytes over link_s is the pace from the first chunk to the last. When the reader
-        mostly waited for bytes (link_bound), the codes were cached there and enough crossed,
-        that is the link's pace; otherwise the rebuild or the latency set it, and it only shows
-        the link is at least that fast. A cold transfer is paced by the producer: it only
-        gives a first guess (its producer time taken out) to a link not measured yet."""
+        link_bytes / link_s is the pace from the first chunk to the last: the link's, when the
+        reader mostly waited for bytes (link_bound) on cached codes and enough crossed; else only a
+        bound (the link is at least that fast). A cold transfer, paced by the producer, only gives
+        a link not measured yet a first guess (its producer time taken out)."""
         now, w, n = self.clock(), self.config.smoothing, max(1, num_tokens)
         self.payload.setdefault(method, Estimate()).update(payload_bytes / n, w, now)
         self.rebuild.setdefault(method, Estimate()).update(rebuild_s / n, w, now)

@@ -1,17 +1,11 @@
-"""The consumer halves of the transfer codecs, one per (producer, method), built on demand.
-
-The decode side has no producer weights; it builds each codec from the producer's shape
-and rotary facts as the handshake (InfoReply) reports them, plus the local codebook.
-"""
+"""The consumer halves of the transfer codecs, one per (producer, method), built on demand
+from the producer's shape and rotary facts as its handshake reports them, plus the codebook."""
 
 from __future__ import annotations
 
-import logging
 from scd_serve import codec as codec_registry
 from scd_serve.codec.codebook import Codebook, codebook_arg
 from scd_serve.errors import ScdError
-
-log = logging.getLogger("scd_serve.decode")
 
 
 def producer_spec(info) -> dict:

@@ -1,13 +1,10 @@
 """RemoteKVFill: the engine's KVFill over gRPC. Pull codes, verify, rebuild layer by layer.
 
-For one request: choose a prefill worker by load, then run the transfer in a transfer
-thread (receive.py): one Prefill stream with a deadline, read in that thread, every chunk
-checked (header, seq, layer range, xxh64) BEFORE it is decoded, each layer rebuilt into
-the request's blocks as its chunk arrives. The event loop only waits for the thread, so
-it keeps serving, and no message or chunk crosses threads on the way. On a retryable
-failure another worker is tried (up to max_attempts); then the error is raised and the
-engine falls back to a local prefill when configured. Cancellation (client gone, engine
-abort) cancels the stream and sends Abort to the prefill worker.
+Per request: pick a prefill worker by load, then run the transfer in a transfer thread
+(receive.py), every chunk checked BEFORE it is decoded and each layer rebuilt into the
+request's blocks as it arrives; the event loop only waits for the thread. A retryable
+failure tries another worker (up to max_attempts), then the engine may prefill locally.
+Cancellation cancels the stream and sends Abort to the prefill worker.
 """
 
 from __future__ import annotations
@@ -43,10 +40,9 @@ TRANSFER_THREADS = 16  # transfers in flight at once; more wait for a thread (wi
 
 
 class ColdAtPeer(Unavailable):
-    """The prefill worker's first message says it has not cached the prompt's codes, which the
-    `auto` choice counted on, and the local prefill beats a cold transfer: the transfer stops
-    and the engine prefills here. Armed only with fallback "local" (the engine's fallback turns
-    this into a local prefill, so no client sees it)."""
+    """The prefill worker has not cached the prompt's codes, which the `auto` choice counted on,
+    and a local prefill beats a cold transfer: the engine prefills here. Armed only with
+    fallback "local", so no client sees it."""
 
     retryable = False
 
@@ -89,8 +85,7 @@ class RemoteKVFill:
         self.codec_hooks: list[Callable[[object, str], object]] = []
 
     async def __call__(self, req, sink) -> dict:
-        """Fill `sink` with the prompt's K/V: by a transfer, or by copying the one another request
-        with the same method and prompt runs now (decode/shared.py: `n` > 1, `best_of`)."""
+        """Fill `sink` by a transfer, or by copying another request's for the same prompt (shared.py)."""
         key = (req.method, tuple(req.prompt_token_ids))
         shared, leads = self.shared.join(key)
         got = None
@@ -151,9 +146,8 @@ class RemoteKVFill:
         raise self._final_error(req, tried, errors)
 
     def _judge(self, peer, err: ScdError) -> None:
-        """Count a failure against the worker's breaker when it was the worker's: it broke,
-        hung or corrupted the transfer. A full worker, a refused request or the request's own
-        deadline say nothing about its health."""
+        """Count a failure against the worker's breaker when it broke, hung or corrupted the
+        transfer (a full worker or the request's own deadline say nothing about its health)."""
         if isinstance(err, (TransferFailed, TransferCorrupt)):
             peer.breaker.failed()
             if peer.breaker.state == OPEN:
@@ -298,8 +292,7 @@ class RemoteKVFill:
                              f"a local prefill is predicted faster than a cold transfer")
 
     def _prepare(self, codec, sink) -> None:
-        """The rebuild's prompt-only work (token contexts, the request's slots and rotary
-        tables) while the first chunk is on its way."""
+        """The rebuild's prompt-only work, while the first chunk is on its way."""
         try:
             sink.prepare()
             codec.prepare(self.rt)
@@ -342,8 +335,7 @@ class RemoteKVFill:
 
 
 class _Job:
-    """One transfer: its stream is opened on the event loop (start, cancel) and read in a
-    transfer thread (run)."""
+    """One transfer: its stream is opened on the event loop (start, cancel), read in a thread (run)."""
 
     def __init__(self, peer, request: pb.PrefillRequest, deadline: float):
         self.peer, self.request, self.deadline = peer, request, deadline
@@ -353,15 +345,13 @@ class _Job:
 
     def start(self) -> None:
         """Open the stream (non-blocking): the request leaves while a thread wakes up to read
-        the answer. A transfer that waits for a free thread past its deadline fails on its
-        first read with DEADLINE_EXCEEDED."""
+        the answer (one waiting for a thread past its deadline fails with DEADLINE_EXCEEDED)."""
         timeout = max(0.001, self.deadline - time.monotonic())
         self.request.timeout_ms = max(1, int(timeout * 1e3))  # the worker bounds its side too
         self._call = self.peer.client.stream(self.request, timeout=timeout)
 
     def run(self, loop, done: asyncio.Future, verifier: StreamVerifier, prepare, rebuild_layer) -> None:
-        """Transfer thread: the transfer, its outcome handed to `done` at once, then the
-        stream's end (drain), which nobody waits for."""
+        """Transfer thread: the transfer, its outcome to `done`, then the stream's end (drain)."""
         self.last_message, self.reading = time.monotonic(), True
         try:
             with torch.inference_mode():

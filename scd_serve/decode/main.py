@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 
@@ -11,7 +12,7 @@ from scd_serve.config.control import ControlConfig, add_control_arguments, contr
 from scd_serve.config.decode import (AUTO, DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, PRIOR_TABLE_MODES,
                                      ChooserConfig, DecodeConfig, split_peers)
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import (add_worker_arguments, advertised, bound_port, exit_now, setup_logging,
+from scd_serve.control.lifecycle import (add_worker_arguments, advertised, exit_now, setup_logging, start_http,
                                          stop_event)
 from scd_serve.errors import ConfigError, ScdError
 
@@ -79,19 +80,11 @@ def check_exposure(config: DecodeConfig, control: ControlConfig, insecure: bool)
 
 
 def config_from_args(args) -> DecodeConfig:
-    return DecodeConfig(model=args.model, codebook=args.codebook, device=args.device, dtype=args.dtype,
-                        host=args.host, port=args.port, control_url=args.control_url, advertise=args.advertise,
-                        prefill=split_peers(args.prefill), method=args.method or AUTO,
-                        fallback=args.fallback, max_attempts=args.max_attempts,
-                        breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown_s,
-                        allow_incompatible=args.allow_incompatible, expect_producer=args.expect_producer,
-                        transport=transport_config_from_args(args),
-                        chooser=ChooserConfig(quality_budget=args.quality_budget, stale_s=args.auto_stale_s),
-                        api_key=args.api_key, served_model_names=tuple(args.served_model_name),
-                        request_timeout_s=args.request_timeout_s, max_model_len=args.max_model_len,
-                        num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                        kv_cache_gib=args.kv_cache_gib, prior_table=args.prior_table,
-                        prior_table_budget_s=args.prior_table_budget_s)
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(DecodeConfig) if hasattr(args, f.name)}
+    return DecodeConfig(**flags | dict(  # the flags named as fields, then the rest
+        prefill=split_peers(args.prefill), method=args.method or AUTO, transport=transport_config_from_args(args),
+        chooser=ChooserConfig(quality_budget=args.quality_budget, stale_s=args.auto_stale_s),
+        served_model_names=tuple(args.served_model_name)))
 
 
 def resolve_method(rt, codebook, method: str, explicit: bool) -> str:
@@ -181,8 +174,6 @@ def available_ram() -> int:
 
 async def serve(config: DecodeConfig, explicit_method: bool, control: ControlConfig | None = None) -> bool:
     """Run until SIGINT/SIGTERM (returns False) or until the engine loop dies (returns True)."""
-    import dataclasses
-
     import uvicorn
 
     from scd_serve.codec.codebook import codebook_arg
@@ -211,11 +202,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_keep_alive=api_cfg.timeout_keep_alive_s,
                                            timeout_graceful_shutdown=int(config.shutdown_grace_s)))
-    server.install_signal_handlers = lambda: None  # our stop event owns SIGINT/SIGTERM
-    http = asyncio.create_task(server.serve())
-    while not server.started and not http.done():
-        await asyncio.sleep(0.02)
-    port = bound_port(server, http)
+    http, port = await start_http(server)
     address = advertised(config.advertise, config.host, port)
     heartbeat = None
     if config.control_url:

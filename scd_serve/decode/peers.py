@@ -1,9 +1,8 @@
 """The prefill workers a decode worker can pull from: handshake, health, load-aware choice.
 
-Peers come from `--prefill` (static) and from the control plane's peer list. Each is
-handshaken (Info) before use and again after any failure (reconnect); one that differs
-in a field that matters stays unusable with a message naming the field. A health loop
-checks every peer each period, so /ready follows a dead prefill worker within ~2 periods.
+Peers come from `--prefill` and from the control plane. Each is handshaken (Info) before use
+and after any failure; one that differs in a field that matters stays unusable, named. A
+health loop checks every peer each period, so /ready follows a dead one within ~2 periods.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import grpc
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
-from scd_serve.control.lifecycle import consume_exception, supervise
+from scd_serve.control.lifecycle import cancel_all, consume_exception, supervise
 from scd_serve.decode.breaker import Breaker
 from scd_serve.decode.compat import compat_problems, method_problems
 from scd_serve.transport.client import PrefillClient
@@ -28,7 +27,7 @@ MISSES_BEFORE_DOWN = 2
 @dataclass
 class Peer:
     address: str
-    client: object  # PrefillClient or transport.fake.FakePrefillClient
+    client: object  # PrefillClient (or a test fake)
     static: bool
     info: object | None = None  # pb.InfoReply once the handshake succeeded
     problem: str = "not connected yet"  # "" = usable
@@ -159,15 +158,13 @@ class PeerSet:
 
     # ---- choice --------------------------------------------------------------------------
     def serving(self, method: str, num_tokens: int) -> list[Peer]:
-        """Usable peers, their breaker closed (or due a probe), that offer `method` and take
-        prompts of num_tokens."""
+        """Usable peers, breaker closed (or due a probe), that offer `method` for num_tokens."""
         return [p for p in self.peers.values()
                 if p.usable and p.breaker.available() and p.offers(method)
                 and num_tokens <= (p.info.max_prompt_tokens or num_tokens)]
 
     def choose(self, method: str, num_tokens: int, exclude=()) -> Peer | None:
-        """Least-loaded serving peer with a free slot (we never send more than its
-        max_concurrent at once: it would answer RESOURCE_EXHAUSTED)."""
+        """Least-loaded serving peer with a free slot (more than max_concurrent: RESOURCE_EXHAUSTED)."""
         cands = [Candidate(p.address, int(p.load.get("running", 0)), int(p.load.get("waiting", 0)),
                            int(p.info.max_concurrent))
                  for p in self.serving(method, num_tokens)
@@ -176,8 +173,7 @@ class PeerSet:
         return None if pick is None else self.peers[pick.address]
 
     def usable_methods(self, peer: Peer) -> tuple[str, ...]:
-        """The methods `peer` offers that this worker can rebuild (each checked as the
-        handshake checks the default method; once per handshake)."""
+        """The methods `peer` offers that this worker can rebuild (checked once per handshake)."""
         if peer.info is None:
             return ()
         if peer.methods is None:
@@ -201,8 +197,5 @@ class PeerSet:
         return "; ".join(f"{a}: {why}" for a, why in self.status().items() if why)
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._side_tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(*(t for t in (self._task, *self._side_tasks) if t is not None))
         await asyncio.gather(*(p.client.close() for p in self.peers.values()), return_exceptions=True)

@@ -1,12 +1,10 @@
 """One transfer's receive loop, run in a thread: read, verify and rebuild each chunk in turn.
 
-The decode worker (kv_fill.py) and the bench probe both run this, so `bench ttft` times
-the worker's own path. It reads a blocking Prefill stream (PrefillClient.stream) in the
-calling thread, with no thread hand-off per message, and rebuilds each chunk's layers as
-soon as the chunk is verified, while later chunks are still on the wire. The request has
-already left when this starts, so the prompt-only preparation overlaps the worker's answer.
-It returns as soon as the last chunk is rebuilt: the stream's end (its status) is read
-afterwards by `drain`, off the path to the first token.
+The decode worker (kv_fill.py) and the bench probe both run it, so `bench ttft` times the
+worker's own path. It reads a blocking Prefill stream in the calling thread and rebuilds a
+chunk's layers as soon as it is verified, while later chunks are on the wire; it returns
+once the last chunk is rebuilt, and `drain` reads the stream's end off the path to the
+first token.
 """
 
 from __future__ import annotations
@@ -47,12 +45,8 @@ def rebuild_chunk(chunk, rebuild_layer: Callable[[int, dict], None]) -> None:
 
 def receive(call: Iterable, verifier: StreamVerifier, prepare: Callable[[], None],
             rebuild_layer: Callable[[int, dict], None]) -> Received:
-    """Read `call` (an iterator of PrefillChunk) up to its last chunk; -> what arrived and how
-    long the rebuild took.
-
-    Each message passes the verifier (header, seq, layer range, digest) before anything of
-    it is decoded; rebuild_layer(layer, code) decodes one layer and writes it. Errors
-    propagate: grpc.RpcError from the stream, ScdError from the checks or the rebuild."""
+    """Read `call` (PrefillChunk messages) up to its last chunk; each passes the verifier before
+    rebuild_layer(layer, code) decodes and writes it. Errors propagate (grpc.RpcError, ScdError)."""
     got = Received()
     t0 = time.perf_counter()
     prepare()
@@ -83,9 +77,8 @@ def receive(call: Iterable, verifier: StreamVerifier, prepare: Callable[[], None
 
 
 def drain(call: Iterable) -> str:
-    """Read the end of a stream whose transfer is complete: "" for a clean end, else what
-    came instead (an extra message or an error status). Nothing more is needed from the
-    worker, so the caller logs this at most; it never fails a transfer."""
+    """The end of a stream whose transfer is complete: "" for a clean end, else what came
+    instead (an extra message, an error status), to log at most: it never fails a transfer."""
     try:
         for msg in call:
             return f"unexpected {msg.WhichOneof('body') or 'empty'} message after the last chunk"

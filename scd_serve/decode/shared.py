@@ -1,12 +1,10 @@
 """One transfer for every request that needs the same prompt's K/V at the same time.
 
-`n` > 1 and `best_of` make one engine request per choice, all with the same prompt and (once
-`auto` has picked) usually the same method; a burst of identical prompts does the same. The
-first fill for a (method, prompt) runs the transfer and tees each rebuilt layer here; fills
-that start while it is in use copy those layers into their own blocks as they land and move
-no bytes over the link. The layers are dropped when the last of those fills ends (a request
-that comes later transfers again; the prefill worker's code cache makes that cheap) and are
-held within `MAX_BYTES` in all. A failed transfer lets each waiting request run its own.
+`n` > 1, `best_of` and bursts of identical prompts make several engine requests with one
+prompt and method. The first fill runs the transfer and tees each rebuilt layer here; fills
+that start meanwhile copy the layers into their own blocks as they land. The layers are
+dropped when the last of those fills ends and held within `MAX_BYTES` in all. A failed
+transfer lets each waiting request run its own.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""DecodeWorker: one decode worker's serving parts, built in one place.
-
-ConsumerCodecs, the prefill peers (PeerSet), the remote KV fill, `auto`'s chooser, the
-engine, the DecodeBackend and the OpenAI app. `scd-serve decode` (decode/main.py), the
-soak's LocalStack and the test harnesses all build it here; what a test changes (a faulty
-or slow runtime under the engine, a fake gRPC client factory) goes in as an argument.
+"""DecodeWorker: one decode worker's serving parts (codecs, peers, KV fill, `auto`, engine,
+backend, app), built in one place for `scd-serve decode`, the soak's LocalStack and the test
+harnesses; what a test changes (a faulty runtime, a fake gRPC client) goes in as an argument.
 """
 
 from __future__ import annotations

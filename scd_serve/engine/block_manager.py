@@ -1,12 +1,9 @@
 """BlockManager: hands out KV pool blocks to sequences. Plain Python, no torch.
 
-A sequence with n token slots in use holds ceil(n / block_size) blocks; position p lives in
-block_ids[p // block_size]. No prefix sharing: every block has exactly one owner, so a
-free is always safe and the pool is back to full once every sequence is released.
-
-A sequence's next block is the one after its last when that is free, else the lowest free
-one: its blocks then form a few long runs of consecutive ids, which attention reads in
-place as views of the pool (model/paged.py) instead of copying them.
+Position p of a sequence lives in block_ids[p // block_size]. Every block has one owner (no
+prefix sharing), so a free is always safe. A sequence's next block is the one after its
+last when free, else the lowest free one, so its blocks form a few long runs that attention
+reads in place as views of the pool (model/paged.py).
 """
 
 from __future__ import annotations
@@ -29,10 +26,6 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

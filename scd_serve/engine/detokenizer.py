@@ -1,9 +1,8 @@
 """Detokenizer: incremental text for one sequence, with stop sequences. No torch.
 
-Text is emitted only once it is stable: a token ending in a partial UTF-8 character
-("\ufffd") is held until the next one completes it, and when stop sequences are set the
-last (longest stop - 1) characters are held back so a stop sequence is never half-sent.
-A stop sequence ends generation and is not part of the output (OpenAI semantics).
+Text leaves once stable: a partial UTF-8 character ("\ufffd") waits for the next token, and
+with stop sequences the last (longest stop - 1) characters are held back, so a stop is never
+half-sent. A stop sequence ends generation and is not part of the output (OpenAI semantics).
 """
 
 from __future__ import annotations

@@ -98,16 +98,12 @@ class Engine:
         """Drain: refuse new requests, let running ones finish within grace_s, end the rest
         with a `shutting_down` error, then stop the loop."""
         self._accepting = False
-        end = time.monotonic() + max(0.0, grace_s)
-        while self._num_handles() and time.monotonic() < end and self.loop_alive():
-            await asyncio.sleep(0.02)
+        await self._drained(max(0.0, grace_s))
         with self._lock:
             left = list(self._handles.values())
         for h in left:
             self._send(Abort(h, ShuttingDown("server shut down before the request finished")))
-        end = time.monotonic() + 2.0
-        while self._num_handles() and time.monotonic() < end and self.loop_alive():
-            await asyncio.sleep(0.02)
+        await self._drained(2.0)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -206,6 +202,11 @@ class Engine:
     def loop_alive(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
+    async def _drained(self, within_s: float) -> None:
+        end = time.monotonic() + within_s
+        while self._num_handles() and time.monotonic() < end and self.loop_alive():
+            await asyncio.sleep(0.02)
+
     def _num_handles(self) -> int:
         with self._lock:
             return len(self._handles)
@@ -264,9 +265,8 @@ class Engine:
         return dataclasses.replace(batch, decodes=[seq for seq, _ in kept]), [token for _, token in kept]
 
     def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> None:
-        """A step raised: its requests fail with StepFailed and free their blocks; the engine
-        goes on. Steps that keep failing mean the runtime itself is broken: the loop dies (and
-        /ready says so) rather than failing every request forever."""
+        """A step raised: its requests fail with StepFailed and free their blocks; the engine goes on.
+        Steps that keep failing mean a broken runtime: the loop dies (/ready says so)."""
         self._failed_steps += 1
         log.error("engine step failed (%d in a row): %s: %s", self._failed_steps, type(exc).__name__, exc,
                   exc_info=exc)

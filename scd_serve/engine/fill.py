@@ -1,11 +1,9 @@
 """run_fill: drive one request's KV fill (a transfer) while watching for its end.
 
-The fill runs as a task beside a watch on the request's queue: anything arriving there
-during a fill is an error from the engine (abort, deadline, shutdown, engine death), which
-cancels the fill, or, once the sink holds every layer, the first token. The sink is closed
-by the engine before its blocks are freed, so a fill that ignores cancellation (or is
-stuck in a thread) still cannot write into someone else's blocks, and nobody waits for it
-to unwind.
+The fill runs beside a watch on the request's queue: what arrives there during a fill is an
+engine error (abort, deadline, shutdown, death), which cancels the fill, or, once the sink
+holds every layer, the first token. The engine closes the sink before freeing its blocks,
+so a fill stuck in a thread cannot write into someone else's blocks, and nobody waits for it.
 """
 
 from __future__ import annotations
@@ -23,12 +21,9 @@ from scd_serve.errors import ScdError, TransferFailed
 async def run_fill(kv_fill: KVFill, req: GenerationRequest, sink: LayerSink,
                    watch: Callable[[], Awaitable[Any]]) -> tuple[ScdError | None, list]:
     """-> (None when every layer was written, else the fill's error; events the engine sent
-    meanwhile). Errors from the watch raise.
-
-    The engine starts decoding as soon as the sink holds every layer (LayerSink.on_complete),
-    which can be before the fill returns: a token seen by the watch then is the first one
-    (handed back, to be yielded first), and the fill, which has nothing left to write, is
-    let finish rather than cancelled (that would abort a transfer that succeeded)."""
+    meanwhile). Errors from the watch raise. The engine decodes as soon as the sink holds
+    every layer, maybe before the fill returns: a token seen then is handed back (yielded
+    first), and the fill is let finish, not cancelled (that would abort a good transfer)."""
     fill = asyncio.ensure_future(kv_fill(req, sink))
     watcher = asyncio.ensure_future(watch())
     early: list = []
@@ -53,8 +48,7 @@ async def run_fill(kv_fill: KVFill, req: GenerationRequest, sink: LayerSink,
             return TransferFailed(f"KV fill failed: {type(exc).__name__}"), early
         return TransferFailed(f"KV fill wrote {sink.num_written} of {sink.num_layers} layers"), early
     finally:
-        # Not awaited: a fill stuck in a thread cannot be cancelled, and the request's error must
-        # not wait for it. Safe, because the engine closes the sink before freeing the blocks.
+        # Not awaited: a fill stuck in a thread cannot be cancelled (the sink is closed anyway)
         for t in (fill, watcher):
             t.cancel()
             t.add_done_callback(_retrieve)

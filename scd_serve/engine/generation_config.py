@@ -1,14 +1,11 @@
 """GenerationDefaults: what a model's generation_config.json says about stopping and sampling.
 
-Chat models often end a turn with a token that is not `tokenizer.eos_token_id` (Llama 3's
-<|eot_id|>, Qwen's <|im_end|>); generation_config.json lists them in `eos_token_id` (an int
-or a list). Its sampling values (temperature, top_p, top_k, min_p, repetition_penalty) are
-the defaults for a request that leaves them out - vLLM's `--generation-config auto`.
-Plain Python, no torch; a missing or unreadable file means no extra ids and no defaults.
-
-An id is used to stop only if the tokenizer knows it as a special or added token: files
-that transformers wrote from a config's defaults (`"_from_model_config": true`, eos 2) can
-name an ordinary text token - a byte - which would cut replies short at random.
+Chat models often end a turn with a token that is not the tokenizer's eos (Llama 3's
+<|eot_id|>, Qwen's <|im_end|>): generation_config.json's `eos_token_id` lists them. Its
+sampling values are the defaults of a request that leaves them out (vLLM's
+`--generation-config auto`). An id stops generation only if the tokenizer holds it as a
+special or added token: files written from a config's defaults can name an ordinary byte
+token, which would cut replies short at random. A missing file means no ids, no defaults.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """How many KV pool blocks a worker allocates, and the longest sequence it accepts.
 
 Plain Python: the caller measures memory (decode/main.py) and passes bytes. The pool gets
-the memory it is given (on CUDA a share of the device after the weights and a reserve for
-activations, as vLLM's --gpu-memory-utilization; on the CPU --kv-cache-gib, by default a
-quarter of the RAM available at start), but never more than max_num_seqs sequences of
-max_model_len need. max_model_len defaults to the model's context, lowered to what the pool
-holds; an explicit one that does not fit is refused with the numbers.
+what it is given, but never more than max_num_seqs sequences of max_model_len need.
+max_model_len defaults to the model's context, lowered to what the pool holds; an explicit
+one that does not fit is refused with the numbers.
 """
 
 from __future__ import annotations

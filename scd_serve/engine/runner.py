@@ -1,9 +1,8 @@
 """Runner: the torch side of an engine step, over one preallocated KV pool.
 
-A request filled over the wire on an otherwise idle engine gets its first decode step run
-a layer at a time as its K/V lands (StepAhead, in the writing thread): when the last layer
-arrives, only that layer and the LM head are left, and the engine samples the first token
-from the logits that are ready instead of decoding that sequence again.
+A request filled over the wire on an otherwise idle engine gets its first decode step run a
+layer at a time as its K/V lands (StepAhead); the engine samples from those logits instead
+of decoding that sequence again.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from scd_serve.engine.sequence import Sequence
 from scd_serve.engine.runtime_protocol import Runtime
 from scd_serve.engine.sink import LayerSink
 from scd_serve.engine.step_ahead import StepAhead
-
 
 
 class Runner:

@@ -1,9 +1,7 @@
 """What the engine needs from a model runtime (model/runtime.py's ModelRuntime; testing's FakeRuntime).
 
-The engine itself never imports torch types from the model: it hands the runtime a KV pool
-the runtime made, block tables and token ids, and gets logits back. Items are
-(block_ids, num_cached, tokens) for prompt chunks and (block_ids, num_cached, last_token)
-for decode steps.
+Items are (block_ids, num_cached, tokens) for prompt chunks and (block_ids, num_cached,
+last_token) for decode steps; the pool is the runtime's own.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Sampler: next token per row of logits, each row with its own parameters and RNG.
 
-Each sequence draws from its own torch.Generator (seeded from `seed`, or from the
-engine's entropy when no seed is given), so a seeded request yields the same tokens
-whatever else shares its batch. Every legal parameter value is safe, extremes included
-(temperature 1e-300 or 1e300, top_p 1e-138): a row that still cannot be sampled (the
-model gave non-finite logits) fails that request alone, as a StepFailed in its place.
+Each sequence draws from its own torch.Generator (seeded from `seed`, else from entropy),
+so a seeded request yields the same tokens whatever shares its batch. Every legal value is
+safe, extremes included (temperature 1e-300, top_p 1e-138); a row with non-finite logits
+fails that request alone, as a StepFailed in its place. The work is batched on the logits'
+device; only the B chosen ids come back to the CPU.
 
-Everything is batched on the logits' device: the rows' penalties, biases, temperatures and
-top-k/top-p/min-p cuts are tensors, and a row's token is found by inverse CDF from one
-uniform number drawn from the row's own generator; only the B chosen ids come back to the CPU.
-
-Before choosing (greedy rows too) the logits are shaped as OpenAI and vLLM define it:
-repetition penalty over prompt and output, presence/frequency penalties over the output,
-logit_bias, and until min_tokens the end tokens masked. Log-probabilities are reported
-from the raw logits (vLLM's default), so they equal the model's own forward pass.
+The logits are shaped as OpenAI and vLLM define it (repetition penalty over prompt and
+output, presence/frequency penalties over the output, logit_bias, end tokens masked until
+min_tokens); log-probabilities come from the raw logits (vLLM's default).
 """
 
 from __future__ import annotations
@@ -92,11 +87,6 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
     return torch.where(probs.gather(1, picked[:, None])[:, 0] > 0, picked, probs.argmax(dim=-1))
 
 
-def shape_logits(row: torch.Tensor, seq: Sequence, eos_token_ids: Collection[int]) -> None:
-    """In place, one row [vocab]: penalties, bias, and the min_tokens mask."""
-    row.copy_(shape_batch(row[None], [seq], eos_token_ids)[0])
-
-
 def shape_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
     """logits [B, vocab] float -> shaped [B, vocab]: penalties, bias, and the min_tokens mask."""
     b, vocab = logits.shape
@@ -157,18 +147,6 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> li
             for r in range(len(chosen))]
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams | list[SamplingParams]) -> torch.Tensor:
-    """logits [vocab] with one SamplingParams, or [B, vocab] with one per row (finite, or -inf
-    where masked) -> probs (float64, same shape) after temperature, top_k, top_p and min_p."""
-    if logits.dim() == 1:
-        return probabilities(logits[None], [params])[0]
-    out = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
-    for group in _by_cut(range(len(params)), params, logits.shape[-1]):
-        probs, ids = candidates(logits[group], [params[i] for i in group])
-        out[group] = probs if ids is None else torch.zeros_like(out[group]).scatter_(1, ids, probs)
-    return out
-
-
 def _by_cut(rows, params: list[SamplingParams], vocab: int) -> list[list[int]]:
     """rows split into those with a top_k cut and those without (each group is one candidates() call)."""
     cut = [r for r, p in zip(rows, params) if 0 < p.top_k < vocab]
@@ -178,13 +156,10 @@ def _by_cut(rows, params: list[SamplingParams], vocab: int) -> list[list[int]]:
 
 def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [n, vocab] -> (probs [n, C] float64, ids [n, C] or None) after temperature, top_k,
-    top_p and min_p. If every row has a top_k cut, only each row's k best tokens are kept
-    (C = the largest k, ids says which tokens; padding has probability 0): at a real vocabulary
-    that spares every full-row pass after the top-k. Otherwise C is the whole vocabulary (ids None).
-
-    In float64, from logits shifted so each row's best is 0: dividing by any temperature > 0
-    then keeps the best token(s) at exactly 0 and the rest at <= 0 (possibly -inf), so softmax
-    never sees inf - inf; and a top_p below float32's smallest value does not round to 0."""
+    top_p and min_p. If every row has a top_k cut, only each row's k best tokens are kept (C = the
+    largest k, ids says which; padding has probability 0), sparing full-row passes; else C = vocab.
+    In float64, from logits shifted so each row's best is 0: any temperature > 0 keeps the best at
+    exactly 0 and the rest <= 0, so softmax never sees inf - inf, and a tiny top_p does not round to 0."""
     dev, vocab = logits.device, logits.shape[-1]
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     ids = None

@@ -1,11 +1,10 @@
 """Scheduler: continuous batching over the block manager. Plain Python, no torch.
 
 One engine step is `batch = schedule()` -> `tokens = runner.run(batch)` ->
-`postprocess(batch, tokens)`. Each step decodes one token for every running sequence that
-has its prompt cached, and runs up to `max_prefill_tokens` of chunked local prefill.
-Running sequences come first: they get their next slot before waiting ones are admitted;
-when the pool runs dry the newest running sequence is preempted (blocks freed) and later
-recomputed locally from its tokens.
+`postprocess(batch, tokens)`: one token for every running sequence with its prompt cached,
+and up to `max_prefill_tokens` of chunked local prefill. Running sequences get their next
+slot before waiting ones are admitted; when the pool runs dry the newest running sequence
+is preempted and later recomputed locally from its tokens.
 """
 
 from __future__ import annotations

@@ -20,12 +20,9 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """Tokens 0..num_cached-1 have K/V in the pool; the next step feeds token num_cached.
-
-    Every sequence follows the same path: the K/V of token_ids[:-1] (local chunked prefill,
-    a remote fill, or a recompute after preemption), then decode steps starting from the
-    last token. So the first decode step of a new request yields its first output token.
-    """
+    """Tokens 0..num_cached-1 have K/V in the pool; the next step feeds token num_cached. Every
+    sequence gets the K/V of token_ids[:-1] (local prefill, a remote fill, or a recompute after
+    preemption), then decodes from its last token: the first decode step yields the first output."""
 
     def __init__(self, request: GenerationRequest, *, needs_fill: bool = False):
         self.seq_id = next(_ids)

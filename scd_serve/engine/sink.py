@@ -1,8 +1,6 @@
-"""LayerSink: where a KV fill (a transfer) writes one request's prompt K/V, layer by layer.
-
-It checks every write (layer range, shape) before it touches the pool, and once closed
-(request aborted, failed or timed out) it refuses writes, so a late chunk can never land
-in blocks that were freed and handed to another request.
+"""LayerSink: where a KV fill writes one request's prompt K/V, layer by layer. Every write is
+checked (layer range, shape) before it touches the pool; once closed (aborted, failed, timed
+out) it refuses writes, so a late chunk never lands in blocks freed for another request.
 """
 
 from __future__ import annotations

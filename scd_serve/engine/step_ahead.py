@@ -16,10 +16,8 @@ log = logging.getLogger("scd_serve.engine")
 
 
 class StepAhead:
-    """The first decode step of a request whose K/V is being written a layer at a time: it
-    runs each layer of the step as soon as that layer and all before it have landed, and
-    hands the logits to `on_logits` when the last one has. A failure here only gives up the
-    head start (logged): the K/V is intact and the engine decodes the sequence as usual."""
+    """Runs each layer of the step once it and all before it have landed; the logits go to
+    `on_logits`. A failure only loses the head start (logged): the engine decodes as usual."""
 
     def __init__(self, begin: Callable[[], Any], num_layers: int, on_logits: Callable[[Any], None],
                  request_id: str = ""):

@@ -1,17 +1,10 @@
 """create_gateway_app: proxy OpenAI routes (SSE included) to the least-loaded decode worker.
 
-Decode workers come from the control-plane registry (ready ones only) and from a static
-list. A worker that cannot be reached is skipped for the next one before any byte went
-back to the client; once the response started it streams through (gateway/relay.py). A
-client that goes away closes the upstream request at any point, also while the gateway
-still waits for the response headers (a non-streaming request, a stream before its first
-token), so the decode worker aborts it; an upstream that breaks mid-stream ends the
-client's stream with an error event.
-
-The gateway answers /version itself and serves the workers' OpenAPI schema at
-/openapi.json (the routes it proxies take the same bodies); /tokenize and /detokenize go to
-a decode worker like generation does. Its own errors (no worker, unknown route, body too
-large) have the workers' shape: `{"error": {"message", "type", "param", "code", ...}}`.
+Decode workers come from the control-plane registry (ready ones only) and a static list.
+One that cannot be reached is skipped for the next before any byte went back; a client
+that leaves closes the upstream request at any point (gateway/relay.py), so the worker
+aborts it. The gateway answers /version itself, serves the workers' OpenAPI schema, and
+gives its own errors the workers' shape.
 """
 
 from __future__ import annotations
@@ -25,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from scd_serve import __version__
+from scd_serve.api.app import add_version_and_live, create_app
 from scd_serve.api.guard import RequestGuard, error_response
 from scd_serve.api.handlers import install_error_handlers
 from scd_serve.config.api import ApiConfig
@@ -38,6 +32,9 @@ from scd_serve.gateway.relay import ClientWatch, Upstream, relay
 log = logging.getLogger("scd_serve.gateway")
 FORWARD_HEADERS = ("authorization", "content-type", "accept")
 RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control", "x-scd-method", "x-scd-method-reason")
+# (method, path, timed): the routes passed to a decode worker; `timed` ones feed the latency histograms
+PROXIED = (("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True), ("GET", "/v1/models", False),
+           ("POST", "/tokenize", False), ("POST", "/detokenize", False))
 
 
 def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks=None) -> FastAPI:
@@ -73,7 +70,6 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
         return list(cands.values())
 
     async def proxy(request: Request, method: str, path: str, timed: bool = False) -> Response:
-        """`timed`: a generation request, whose latency the gateway's histograms record."""
         rid = request.scope.get("state", {}).get("request_id")
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
@@ -122,33 +118,15 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
         why = f"tried {', '.join(tried)}" if tried else "none registered and ready"
         return error_response(Unavailable(f"no decode worker available ({why})"), rid)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy(request, "POST", "/v1/completions", timed=True)
+    def proxied(method: str, path: str, timed: bool):
+        async def route(request: Request) -> Response:
+            return await proxy(request, method, path, timed)
+        return route
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy(request, "POST", "/v1/chat/completions", timed=True)
+    for method, path, timed in PROXIED:
+        app.add_api_route(path, proxied(method, path, timed), methods=[method])
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await proxy(request, "GET", "/v1/models")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await proxy(request, "POST", "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await proxy(request, "POST", "/detokenize")
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
-
-    @app.get("/live")
-    async def live() -> dict:
-        return {"status": "ok"}
+    add_version_and_live(app)
 
     def when_ready(request: Request, body) -> Response:
         """`body(number of ready decode workers)` while there is one, else 503."""
@@ -178,8 +156,6 @@ def worker_openapi(app: FastAPI) -> dict:
     """The decode workers' schema (request and error bodies of every route the gateway serves),
     titled as the gateway; built once, from an app that is never started."""
     if app.openapi_schema is None:
-        from scd_serve.api.app import create_app
-
         class NoBackend:  # the schema needs the routes, never a backend
             model_name = "gateway"
 

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 from contextlib import asynccontextmanager
 
 from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
 from scd_serve.config.decode import split_peers
 from scd_serve.config.gateway import GatewayConfig
-from scd_serve.control.lifecycle import bound_port, exit_now, setup_logging, stop_event
-
-log = logging.getLogger("scd_serve.gateway")
+from scd_serve.control.lifecycle import exit_now, setup_logging, start_http, stop_event
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,11 +56,7 @@ async def serve(config: GatewayConfig, control_config: ControlConfig | None = No
     app.state.metrics.registry.register(DroppedCollector(control))  # scd_control_dropped_messages_total
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
-    server.install_signal_handlers = lambda: None
-    http = asyncio.create_task(server.serve())
-    while not server.started and not http.done():
-        await asyncio.sleep(0.02)
-    port = bound_port(server, http)
+    http, port = await start_http(server)
     print(f"gateway serving http://{config.host}:{port}, control plane {control.url}", flush=True)
     await stop.wait()
     server.should_exit = True

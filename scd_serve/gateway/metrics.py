@@ -1,15 +1,15 @@
 """The gateway's Prometheus series: what it proxied, to whom, and what its clients waited.
 
-The latency histograms are measured where the client sits (behind the gateway, in front of
-every hop): time to the first server-sent event, the gaps between events, and the time to
-the end of the body. They are the only latency a user sees when compose publishes just the
-gateway. A non-streamed response has no first event: it counts toward end to end only.
+The latency histograms are measured where the client sits, in front of every hop (the only
+latency a user sees when compose publishes just the gateway); a non-streamed response has
+no first event and counts toward end to end only.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from functools import partial
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -20,25 +20,24 @@ from scd_serve.control.registry import Registry
 class GatewayMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("scd_gateway_requests_total", "requests proxied, by decode worker and status",
-                                ["worker", "status"], registry=r)
-        self.unreachable = Counter("scd_gateway_worker_errors_total", "decode workers that could not be reached",
-                                   ["worker"], registry=r)
-        self.broken = Counter("scd_gateway_upstream_broken_total", "responses whose upstream broke mid-body",
-                              ["worker"], registry=r)
-        self.workers = Gauge("scd_gateway_workers", "registered workers by role and readiness",
-                             ["role", "ready"], registry=r)
-        self.load = Gauge("scd_worker_load", "load each worker reported in its last heartbeat",
-                          ["role", "worker", "key"], registry=r)
-        self.ttft = Histogram("scd_gateway_time_to_first_token_seconds",
-                              "request received at the gateway -> first streamed event relayed",
-                              ["model_name"], buckets=LATENCY_BUCKETS, registry=r)
+        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
+        latency = partial(Histogram, buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = counter("scd_gateway_requests_total", "requests proxied, by decode worker and status",
+                                ["worker", "status"])
+        self.unreachable = counter("scd_gateway_worker_errors_total", "decode workers that could not be reached",
+                                   ["worker"])
+        self.broken = counter("scd_gateway_upstream_broken_total", "responses whose upstream broke mid-body",
+                              ["worker"])
+        self.workers = gauge("scd_gateway_workers", "registered workers by role and readiness", ["role", "ready"])
+        self.load = gauge("scd_worker_load", "load each worker reported in its last heartbeat",
+                          ["role", "worker", "key"])
+        self.ttft = latency("scd_gateway_time_to_first_token_seconds",
+                            "request received at the gateway -> first streamed event relayed", ["model_name"])
         self.inter_token = Histogram("scd_gateway_inter_token_latency_seconds",
                                      "gap between consecutive streamed events relayed", ["model_name"],
                                      buckets=TOKEN_GAP_BUCKETS, registry=r)
-        self.e2e = Histogram("scd_gateway_e2e_request_latency_seconds",
-                             "request received at the gateway -> last byte relayed, by status",
-                             ["model_name", "status"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = latency("scd_gateway_e2e_request_latency_seconds",
+                           "request received at the gateway -> last byte relayed, by status", ["model_name", "status"])
 
     def refresh(self, registry: Registry) -> None:
         self.workers.clear()

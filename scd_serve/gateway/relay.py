@@ -1,15 +1,10 @@
 """One proxied response: watch the client while waiting for the upstream, relay the body, close once.
 
-`ClientWatch` races upstream work (sending the request, waiting for the response headers)
-against the client's http.disconnect, so a client that leaves before the first byte cancels
-the upstream request: its connection closes and the decode worker aborts the generation.
-Once the response started, Starlette cancels the relay when the client leaves.
-
-`relay` streams the upstream body. If the upstream breaks mid-body (the worker died, the
-connection was cut), an SSE stream ends the way the workers end a failed stream: one
-`data: {"error": ...}` event (the error table's body) and `data: [DONE]`; only whole events
-are relayed, so the error never lands inside a half-sent one. Any other body is cut off
-(the client sees an incomplete response, never a clean but truncated one).
+`ClientWatch` races upstream work against the client's http.disconnect, so a client that
+leaves before the first byte cancels the upstream request (Starlette cancels the relay
+after that). If the upstream breaks mid-body, an SSE stream ends as the workers end a
+failed stream (a `data: {"error": ...}` event, then `data: [DONE]`; only whole events are
+relayed); any other body is cut off, never clean but truncated.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ import anyio
 import httpx
 
 from scd_serve.api.sse import data
+from scd_serve.control.lifecycle import cancel_all
 from scd_serve.errors import DeadlineExceeded, ScdError, Unavailable
 from scd_serve.gateway.metrics import RequestClock
 
@@ -54,13 +50,11 @@ class ClientWatch:
             await asyncio.wait({task, self.task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                await cancel_all(task)
         return None if task.cancelled() else task.result()
 
     async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        await cancel_all(self.task)
 
 
 class Upstream:

@@ -1,15 +1,12 @@
 """A checkpoint's safetensors files: which ones, their tensors memory-mapped, one fingerprint.
 
-Which files: those model.safetensors.index.json names when it exists (a directory may also
-hold files that are not this checkpoint, e.g. Mistral's consolidated.safetensors), else
-model.safetensors, else every *.safetensors but consolidated*.
+Which files: those model.safetensors.index.json names (a directory may hold others, e.g.
+Mistral's consolidated.safetensors), else model.safetensors, else every *.safetensors but
+consolidated*. Tensors are read through a private memory map: no copy of a tensor used as
+stored, and pages the forward never touches are never read.
 
-Tensors are read through a private memory map: no copy is made of a tensor used as stored,
-and pages the forward never touches are never read.
-
-The fingerprint hashes the spec and every tensor's name, dtype, shape and bytes, in name
-order (so it does not depend on sharding or on the dtype the model is loaded in). Its bytes
-are read from the map, never copied, and the result is cached per (files, sizes, mtimes) in
+The fingerprint hashes the spec and every tensor's name, dtype, shape and bytes in name
+order (independent of sharding and load dtype), and is cached per (files, sizes, mtimes) in
 $SCD_CACHE_DIR (default ~/.cache/scd-serve): a restart does not hash gigabytes again.
 """
 
@@ -17,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -128,18 +126,11 @@ def _header(file: Path) -> dict[str, tuple[str, list[int], int, int]]:
             raise ModelLoadError(f"{file}: bad header entry for {name!r} ({exc})") from None
         if not 8 + n <= start <= end <= size:
             raise ModelLoadError(f"{file}: tensor {name!r} lies outside the file")
-        if dtype in ST_DTYPES and (end - start) != _size(dtype) * _numel(shape):
+        if dtype in ST_DTYPES and (end - start) != _size(dtype) * math.prod(shape):
             raise ModelLoadError(f"{file}: tensor {name!r} has {end - start} bytes, {dtype}{shape} needs "
-                                 f"{_size(dtype) * _numel(shape)}")
+                                 f"{_size(dtype) * math.prod(shape)}")
         out[name] = (dtype, shape, start, end)
     return out
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def cache_dir() -> Path:

@@ -1,8 +1,7 @@
 """KVPool: one preallocated, paged K/V store shared by every sequence on a runtime.
 
-A sequence owns a list of block ids (handed out by the engine's block manager, which is
-plain Python); token position p of that sequence lives in block block_ids[p // block_size]
-at offset p % block_size. Keys are stored AFTER RoPE.
+Position p of a sequence lives in block block_ids[p // block_size] at offset p % block_size
+(block ids from the engine's block manager). Keys are stored AFTER RoPE.
 """
 
 from __future__ import annotations

@@ -42,10 +42,8 @@ def project_kv(lw: LayerWeights, spec: ModelSpec, x: Tensor) -> tuple[Tensor, Te
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     # q: [B, Tq, heads, hd]; k, v: [B, S, kv_heads, hd]; mask: [B, 1, Tq, S] bool (True = attend)
     # or None for plain causal with Tq == S. Returns [B, Tq, heads*hd].
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[2] != k.shape[2],
-    )
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=mask is None, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2).flatten(2)
 
 

@@ -1,13 +1,11 @@
 """Attention over paged K/V that reads the pool's blocks in place.
 
-A sequence's blocks fall into a few stretches of consecutive block ids (the block manager
-hands out neighbours when it can). Each stretch is a view of the pool, no copy, so a decode
-step reads every cached key once instead of copying each sequence's padded block table and
-then reading the copy (at Llama-3-8B, 32 sequences of 2k tokens, that copy is ~8.6 GB per
-step). Per stretch: scores against the view, one softmax across all stretches, the values
-summed per stretch; no copy of K or V. A prefill chunk over one stretch takes the fused SDPA
-instead (for one query, on the CPU, SDPA with grouped heads measured 1.6-2.3x slower than
-these two matmuls).
+A sequence's blocks fall into a few stretches of consecutive ids (the block manager hands
+out neighbours when it can). Each stretch is a view of the pool, so a decode step reads
+every cached key once instead of copying a padded block table (~8.6 GB per step at
+Llama-3-8B, 32 sequences of 2k tokens): scores per stretch, one softmax across them, values
+summed per stretch. A prefill chunk over one stretch takes the fused SDPA instead (for one
+query on the CPU, SDPA with grouped heads measured 1.6-2.3x slower than two matmuls).
 """
 
 from __future__ import annotations

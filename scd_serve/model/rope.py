@@ -1,8 +1,7 @@
 """Rotary position embedding with one model's own parameters (theta, scaling).
 
-Keys are kept pre-RoPE at every boundary of the runtime (prefill output, codec, recompute)
-and rotated here with THIS model's tables, so a producer and a consumer with different
-rope_theta each apply their own.
+Keys are pre-RoPE at every boundary of the runtime (prefill output, codec, recompute) and
+rotated here with THIS model's tables: a producer and a consumer each apply their own.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """ModelRuntime: layer-wise prefill with K/V capture, rotary helpers, recompute, paged KV pool,
-extend (prefix-attending chunks) and one batched decode step (model/step.py). See docs/architecture.md.
+extend (prefix-attending chunks) and batched decode steps (model/step.py).
 
 All compute runs under torch.no_grad (not inference_mode) so captured tensors can feed
 training code, e.g. the codec's aligner, without a clone.
@@ -81,12 +81,8 @@ class ModelRuntime:
         states = [state for _, state in it]
         if not capture:
             return PrefillOutput(logits=it.logits)
-        return PrefillOutput(
-            logits=it.logits,
-            keys=torch.stack([s.keys for s in states]),
-            values=torch.stack([s.values for s in states]),
-            attn_inputs=torch.stack([s.attn_input for s in states]),
-        )
+        stacked = (torch.stack([getattr(s, name) for s in states]) for name in ("keys", "values", "attn_input"))
+        return PrefillOutput(it.logits, *stacked)  # [L, T, ...] each
 
     def iter_prefill(self, input_ids, compute_logits: bool = True) -> PrefillIterator:
         ids = self._check_ids(input_ids)
@@ -117,11 +113,9 @@ class ModelRuntime:
 
     @torch.no_grad()
     def token_states(self, input_ids, chunk: int = 1024, layers: int | None = None) -> Tensor:
-        # input_ids: [U] -> each token's pre-RoPE K and V at its first `layers` layers (None: all)
-        # when it stands alone: attention then sees only the token itself, so its output is the
-        # token's own V. Token ids alone fix these rows (no position, no context); the pass costs
-        # what a prefill of U tokens does without attention, cut short at `layers`.
-        # -> [U, layers * 2 * kv_width] float32
+        # input_ids: [U] -> [U, layers * 2 * kv_width] float32: each token's pre-RoPE K and V at its
+        # first `layers` layers (None: all) when it stands alone, so attention's output is its own V
+        # (token ids alone fix these rows; the pass costs a prefill of U tokens without attention)
         ids = self._check_ids(input_ids)
         spec, out = self.spec, []
         for start in range(0, ids.shape[0], chunk):  # bounded activations for long id lists
@@ -174,12 +168,10 @@ class ModelRuntime:
 
     def extend(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, Tensor]],
                logits: str | Sequence[str] = "all") -> list[Tensor | None]:
-        """Run each item's new tokens over its cached prefix, writing their K/V to the pool, all
-        items in one forward (model/step.py).
-        items: (block_ids, num_cached, tokens [n]) -> per item, by `logits` (one for all items or
-        one per item): "all" [n, vocab] float32, "last" [1, vocab] (the next token's), "none" None.
-        At a real vocabulary the output head costs as much as several layers and its float32
-        rows ~0.6 MB per token, so callers ask only for the rows they read."""
+        """Each item's new tokens over its cached prefix, K/V written to the pool, in one forward.
+        items: (block_ids, num_cached, tokens [n]) -> per item, by `logits` (one for all or one
+        per item): "all" [n, vocab] float32, "last" [1, vocab], "none" None. Ask only for the
+        rows you read: at a real vocabulary the head costs as much as several layers."""
         return self.begin_extend(pool, items, logits).logits()
 
     def begin_extend(self, pool: KVPool, items: Sequence[tuple[Sequence[int], int, Tensor]],
@@ -213,10 +205,8 @@ class ModelRuntime:
         if max_new_tokens < 0:
             raise InvalidRequest(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if t + max_new_tokens > limit:
-            raise PromptTooLong(
-                f"prompt of {t} tokens + {max_new_tokens} new tokens = {t + max_new_tokens} exceeds "
-                f"the model's context of {limit} positions (max_position_embeddings)"
-            )
+            raise PromptTooLong(f"prompt of {t} tokens + {max_new_tokens} new tokens = {t + max_new_tokens} exceeds "
+                                f"the model's context of {limit} positions (max_position_embeddings)")
         if max_new_tokens == 0:
             return []
         num_blocks = -(-(t + max_new_tokens) // block_size)

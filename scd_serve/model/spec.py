@@ -1,8 +1,5 @@
-"""ModelSpec: the architecture facts of one HF decoder-only model, parsed from config.json.
-
-Parsed from the plain JSON dict (no transformers import) so a bad directory fails fast
-with a ModelLoadError that names what is wrong.
-"""
+"""ModelSpec: the architecture facts of one HF decoder-only model, parsed from config.json
+as a plain dict (no transformers import), so a bad directory fails fast, named."""
 
 from __future__ import annotations
 
@@ -66,8 +63,7 @@ def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     scaling = cfg.get("rope_scaling") or {}
     for key, value in scaling.items():
         params.setdefault(key, value)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = rope_type
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
 
 
@@ -78,20 +74,13 @@ def spec_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelSp
         raise ModelLoadError(f"{where}: unsupported model_type {family!r}; supported: {supported}")
     archs = cfg.get("architectures") or [SUPPORTED[family]]
     if SUPPORTED[family] not in archs:
-        raise ModelLoadError(
-            f"{where}: unsupported architecture {archs}; supported: {supported}"
-        )
+        raise ModelLoadError(f"{where}: unsupported architecture {archs}; supported: {supported}")
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        layers = int(cfg["num_hidden_layers"])
-        spec_kwargs = dict(
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        )
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        kv_heads, layers = int(cfg.get("num_key_value_heads") or heads), int(cfg["num_hidden_layers"])
+        sizes = dict(intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+                     max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                     rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{where}: missing or invalid field {exc}") from None
     head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -102,36 +91,20 @@ def spec_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelSp
         raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
     rope = rope_params(cfg)
     if rope["rope_type"] not in STATIC_ROPE_TYPES:
-        raise ModelLoadError(
-            f"{where}: rope type {rope['rope_type']!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}"
-        )
+        raise ModelLoadError(f"{where}: rope type {rope['rope_type']!r} is not supported; supported: "
+                             f"{', '.join(STATIC_ROPE_TYPES)}")
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelLoadError(f"{where}: partial_rotary_factor != 1 is not supported")
-
     bias = bool(cfg.get("attention_bias") or False)
-    attention_bias = True if family == "qwen2" else bias
-    o_bias = bias and family in ("llama", "qwen3")
-    mlp_bias = bool(cfg.get("mlp_bias") or False) and family == "llama"
     window, sliding = _sliding(cfg, family, layers)
-    return ModelSpec(
-        family=family,
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rope_theta=float(rope["rope_theta"]),
-        attention_bias=attention_bias,
-        qk_norm=family == "qwen3",
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
-        rope_type=rope["rope_type"],
-        sliding_window=window,
-        sliding_layers=sliding,
-        hidden_act=act,
-        **spec_kwargs,
-    )
+    return ModelSpec(family=family, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, rope_theta=float(rope["rope_theta"]),
+                     attention_bias=True if family == "qwen2" else bias, qk_norm=family == "qwen3",
+                     tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                     o_bias=bias and family in ("llama", "qwen3"),
+                     mlp_bias=bool(cfg.get("mlp_bias") or False) and family == "llama",
+                     rope_type=rope["rope_type"], sliding_window=window, sliding_layers=sliding, hidden_act=act,
+                     **sizes)
 
 
 def _sliding(cfg: dict[str, Any], family: str, layers: int) -> tuple[int | None, tuple[int, ...]]:

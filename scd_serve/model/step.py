@@ -1,13 +1,10 @@
 """Step: one forward over the pool for any mix of prefill chunks and decode tokens.
 
-Every item (block_ids, num_cached, tokens) feeds its tokens at positions num_cached.., writing
-their K/V there; the rows of all items go through each projection and MLP as one matrix (the
-weights are read once per step, whatever the mix), and each item attends over its own cached
-prefix in place (model/paged.py). `ModelRuntime.extend`, `decode_step` and `mixed_step` run it
-whole. The engine runs the first step of a request whose K/V arrives over the wire a layer at
-a time (engine/step_ahead.py): layer l of the step reads only layer l of the cache, so it
-can run as soon as that layer has landed, and when the last layer lands only that layer and
-the LM head are left.
+Each item (block_ids, num_cached, tokens) feeds its tokens at positions num_cached.. and
+writes their K/V there; all items' rows go through each projection and MLP as one matrix
+(the weights are read once per step), and each item attends over its own cached prefix in
+place (paged.py). Layer l reads only layer l of the cache, so the first step of a request
+whose K/V arrives a layer at a time can run as the layers land (engine/step_ahead.py).
 """
 
 from __future__ import annotations

@@ -11,12 +11,8 @@ from typing import Any
 
 import torch
 
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-}
+from scd_serve.model.spec import SUPPORTED
+
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, head_dim=16,
@@ -28,13 +24,14 @@ TINY = dict(
 def tiny_config(family: str, **overrides: Any):
     import transformers
 
-    cfg_cls = getattr(transformers, FAMILIES[family][0])
+    arch = SUPPORTED[family]  # LlamaForCausalLM -> LlamaConfig
+    cfg_cls = getattr(transformers, arch.removesuffix("ForCausalLM") + "Config")
     kwargs = dict(TINY) | overrides
     theta = kwargs.pop("rope_theta", None)
     cfg = cfg_cls(**kwargs)
     if theta is not None:
         cfg.rope_parameters = dict(cfg.rope_parameters, rope_theta=float(theta))
-    cfg.architectures = [FAMILIES[family][1]]
+    cfg.architectures = [arch]
     return cfg
 
 
@@ -45,7 +42,7 @@ def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0, toke
     path = Path(path)
     cfg = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family][1])(cfg).eval()
+    model = getattr(transformers, SUPPORTED[family])(cfg).eval()
     model.save_pretrained(str(path))
     if tokenizer:
         byte_tokenizer(cfg.vocab_size).save_pretrained(str(path))

@@ -1,8 +1,6 @@
-"""Weights of one model: read from its safetensors (model/checkpoint.py), checked against the spec.
-
-Tensors are regrouped per layer for the compact forward: k_proj and v_proj are fused into
-one [2*kv_width, hidden] matrix (one GEMM; recompute_kv uses the very same op, so it
-reproduces prefill's K/V bit for bit), gate and up likewise.
+"""Weights of one model: read from its safetensors (checkpoint.py), checked against the spec,
+regrouped per layer: k_proj and v_proj fused into one [2*kv_width, hidden] matrix (one GEMM;
+recompute_kv uses the same op, so it reproduces prefill's K/V bit for bit), gate and up too.
 """
 
 from __future__ import annotations
@@ -112,24 +110,14 @@ def group(found: dict[str, Tensor], spec: ModelSpec, device, dtype) -> ModelWeig
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        layers.append(
-            LayerWeights(
-                ln1=get(p + "input_layernorm.weight"),
-                wq=get(a + "q_proj.weight"),
-                bq=opt(a + "q_proj.bias"),
-                wkv=cat(a + "k_proj.weight", a + "v_proj.weight"),
-                bkv=cat(a + "k_proj.bias", a + "v_proj.bias"),
-                q_norm=opt(a + "q_norm.weight"),
-                k_norm=opt(a + "k_norm.weight"),
-                wo=get(a + "o_proj.weight"),
-                bo=opt(a + "o_proj.bias"),
-                ln2=get(p + "post_attention_layernorm.weight"),
-                w_gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
-                b_gate_up=cat(m + "gate_proj.bias", m + "up_proj.bias"),
-                w_down=get(m + "down_proj.weight"),
-                b_down=opt(m + "down_proj.bias"),
-            )
-        )
+        layers.append(LayerWeights(
+            ln1=get(p + "input_layernorm.weight"), wq=get(a + "q_proj.weight"), bq=opt(a + "q_proj.bias"),
+            wkv=cat(a + "k_proj.weight", a + "v_proj.weight"), bkv=cat(a + "k_proj.bias", a + "v_proj.bias"),
+            q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
+            wo=get(a + "o_proj.weight"), bo=opt(a + "o_proj.bias"), ln2=get(p + "post_attention_layernorm.weight"),
+            w_gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
+            b_gate_up=cat(m + "gate_proj.bias", m + "up_proj.bias"),
+            w_down=get(m + "down_proj.weight"), b_down=opt(m + "down_proj.bias")))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
     return ModelWeights(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head)

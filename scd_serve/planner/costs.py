@@ -1,15 +1,13 @@
 """Per-request payload and compute of each transfer method, for a model shape.
 
-These are the counting rules the planner uses; they follow the method note
-(docs/scd-method.md) and the baselines' definitions:
+The planner's counting rules, following the method note (docs/scd-method.md):
   raw         K and V of every layer in 16 bit
   quant4/2    KIVI-style: 4/2-bit K and V plus a 16-bit scale and zero per group
-  droidspeak  16-bit K/V for most layers; for the recomputed layers the 16-bit
-              attention input instead, from which the consumer recomputes K/V
-  reuse       per layer a rank-r_K code for K and rank-r_V code for V, 16 bit
+  droidspeak  16-bit K/V for most layers; the attention input of the recomputed layers
+  reuse       per layer a rank-r_K code for K and a rank-r_V code for V, 16 bit
   scd         reuse codes on reuse layers, a rank-r_H code of the attention input on
               patch layers (aligner + the consumer's own k/v projections)
-  scd-int8    scd with int8 codes (a 16-bit scale per code channel, a constant per layer)
+  scd-int8    scd with int8 codes (a 16-bit scale per code channel)
 Tokens shipped are T-1: the decode side runs the last prompt token as its first step.
 """
 

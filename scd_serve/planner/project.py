@@ -1,9 +1,8 @@
 """`scd-serve plan`: payload per request and projected TTFT per method for real model shapes.
 
-A projection, not a measurement: it counts bytes and FLOPs (costs.py) and divides by
-the link bandwidth and the compute/memory rates you give (or `--measure` on this
-machine). Rank ratios come from a codebook's manifest, so a plan fitted on the small
-demo pair can be scaled to Mistral-7B-sized layers.
+A projection, not a measurement: bytes and FLOPs (costs.py) over the link bandwidth and the
+compute/memory rates given (or `--measure`d here), with rank ratios from a codebook's
+manifest, so a plan fitted on the demo pair scales to Mistral-7B-sized layers.
 """
 
 from __future__ import annotations
@@ -79,19 +78,18 @@ def measure_rates() -> Rates:
 
     import torch
 
+    def per_second(fn, work: float) -> float:  # one warm-up, then five timed calls
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        return 5 * work / (time.perf_counter() - t0)
+
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    torch.mm(a, b)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        torch.mm(a, b)
-    tflops = 5 * 2 * 1024**3 / (time.perf_counter() - t0) / 1e12
+    tflops = per_second(lambda: torch.mm(a, b), 2 * 1024**3) / 1e12
     x = torch.empty(32 * 2**20)  # 128 MiB
     y = torch.empty_like(x)
-    y.copy_(x)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        y.copy_(x)
-    gbps = 5 * 2 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9  # read + write
+    gbps = per_second(lambda: y.copy_(x), 2 * x.numel() * 4) / 1e9  # read + write
     return Rates(tflops, tflops, gbps, "measured on this machine (float32 matmul, memory copy)")
 
 

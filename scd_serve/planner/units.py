@@ -18,9 +18,8 @@ def parse_bandwidth(text: str) -> float:
     """'100mbit' | '10Gbps' | '2.5gbit' | '1500MB/s' -> bytes per second."""
     m = _BW.match(str(text))
     if not m:
-        raise ConfigError(
-            f"bandwidth {text!r} not understood; write e.g. 100mbit, 10gbit, 25Gbps or 1500MB/s", field="bandwidth"
-        )
+        raise ConfigError(f"bandwidth {text!r} not understood; write e.g. 100mbit, 10gbit, 25Gbps or 1500MB/s",
+                          field="bandwidth")
     value, prefix, unit = float(m.group(1)), m.group(2), (m.group(3) or "bit")
     is_bytes = unit.lower().startswith("byte") or unit == "B/s"  # 'b/s', 'bit', 'bps' are bits
     scale = _PREFIX[prefix.lower()]

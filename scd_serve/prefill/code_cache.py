@@ -9,19 +9,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
 
 
 def cache_key(method: str, token_ids) -> tuple[str, int, bytes]:
     digest = hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=16).digest()
     return (method, len(token_ids), digest)
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
 
 
 class CodeCache:
@@ -30,7 +22,7 @@ class CodeCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple, tuple[list[list], int]] = OrderedDict()
         self.num_bytes = 0
-        self.stats = CacheStats()
+        self.num_hits = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -39,10 +31,9 @@ class CodeCache:
         """Per-layer Tensor message lists, or None; a hit becomes most recent."""
         entry = self._entries.get(key)
         if entry is None:
-            self.stats.misses += 1
             return None
         self._entries.move_to_end(key)
-        self.stats.hits += 1
+        self.num_hits += 1
         return entry[0]
 
     def put(self, key, layers: list[list]) -> bool:
@@ -56,7 +47,6 @@ class CodeCache:
         while self._entries and (self.num_bytes + size > self.max_bytes or len(self._entries) >= self.max_entries):
             _, (_, evicted) = self._entries.popitem(last=False)
             self.num_bytes -= evicted
-            self.stats.evictions += 1
         self._entries[key] = (layers, size)
         self.num_bytes += size
         return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 
 from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
@@ -43,13 +44,9 @@ def check_exposure(config: PrefillConfig, control: ControlConfig, insecure: bool
 
 
 def config_from_args(args) -> PrefillConfig:
-    return PrefillConfig(model=args.model, codebook=args.codebook, device=args.device, dtype=args.dtype,
-                         host=args.host, port=args.port, metrics_port=args.metrics_port,
-                         control_url=args.control_url, advertise=args.advertise,
-                         max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_model_len,
-                         cache_bytes=args.cache_mb << 20,
-                         transfer_lease_s=args.transfer_lease_s, chunk_bytes=args.chunk_bytes,
-                         transport=transport_config_from_args(args))
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(PrefillConfig) if hasattr(args, f.name)}
+    return PrefillConfig(**flags | dict(max_prompt_tokens=args.max_model_len, cache_bytes=args.cache_mb << 20,
+                                        transport=transport_config_from_args(args)))
 
 
 def build_codecs(rt, codebook: str) -> dict:

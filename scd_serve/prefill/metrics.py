@@ -1,10 +1,7 @@
 """The prefill worker's Prometheus series and the small HTTP server that exposes them.
 
 A prefill worker speaks gRPC only; `--metrics-port` adds GET /metrics (and /live) on its own
-port, behind the worker token when there is one (Prometheus sends it as a bearer token). The
-series say what the worker moved and how busy it is: transfers by method and outcome, prompt
-tokens, bytes sent, transfer time (cache hits apart), and at scrape time the running
-transfers, capacity and the code cache.
+port, behind the worker token when there is one (Prometheus sends it as a bearer token).
 """
 
 from __future__ import annotations
@@ -17,9 +14,6 @@ from prometheus_client.registry import Collector
 
 from scd_serve.api.auth import key_matches
 from scd_serve.api.metrics import LATENCY_BUCKETS
-
-OUTCOMES = ("served", "failed", "aborted", "cancelled")
-
 
 class PrefillMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):

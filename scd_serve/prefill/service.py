@@ -1,10 +1,9 @@
 """The prefill worker's gRPC service: run the producer, encode and stream each layer.
 
-Each Prefill call is one transfer: admitted at once or refused with RESOURCE_EXHAUSTED,
-registered in `transfers` until it ends, bounded by min(RPC deadline, transfer lease, the
-request's timeout_ms).
-The producer runs in a worker thread and hands each encoded layer to the event loop as
-soon as it is done, so the first chunk leaves while later layers still compute.
+Each Prefill call is one transfer: admitted at once or refused with RESOURCE_EXHAUSTED, and
+bounded by min(RPC deadline, transfer lease, the request's timeout_ms). The producer runs in
+a thread and hands each encoded layer over as soon as it is done, so the first chunk leaves
+while later layers still compute.
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """What heartbeats report (plain numbers)."""
         return {"running": len(self.transfers), "waiting": 0, "capacity": self.config.max_concurrent,
                 "served": self.num_served, "prefills": self.num_prefills, "failed": self.num_failed,
-                "cache_hits": self.cache.stats.hits, "cache_entries": len(self.cache),
+                "cache_hits": self.cache.num_hits, "cache_entries": len(self.cache),
                 "cache_bytes": self.cache.num_bytes}
 
     # ---- the transfer --------------------------------------------------------------------
@@ -134,12 +133,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                  t.cache_hit)
 
     async def _bounded(self, request, tokens: list[int], codec, t: Transfer, context) -> None:
-        """The whole stream under one deadline (lease or RPC deadline) and one abort switch.
-
-        One guard for the whole transfer instead of one per awaited write: a guard per
-        message cost two tasks and an asyncio.wait each, which is most of the Python time
-        of a cached resend. Abort cancels this task; the flag tells that cancellation from
-        the client going away (which must propagate)."""
+        """The whole stream under one deadline (lease or RPC deadline) and one abort switch: one
+        guard, not one per write (two tasks each: most of a cached resend's Python time). Abort
+        cancels this task; t.aborted tells it from the client going away (which propagates)."""
         task, timeout = t.task, asyncio.timeout(max(0.0, t.expires - time.monotonic()))
         try:
             async with timeout:

@@ -1,9 +1,6 @@
-"""PrefillWorker: one prefill worker's serving parts, built in one place.
-
-A PrefillServicer (the producer runtime and its codecs) behind a grpc.aio server with
-grpc.health.v1. `scd-serve prefill` (prefill/main.py), the soak's LocalStack and the test
-harnesses all build it here; what a test changes (a faulty servicer, a servicer subclass,
-an RPC cap) goes in as an argument.
+"""PrefillWorker: one prefill worker's serving parts (a PrefillServicer behind a grpc.aio
+server with grpc.health.v1), built in one place for `scd-serve prefill`, the soak's
+LocalStack and the test harnesses; what a test changes goes in as an argument.
 """
 
 from __future__ import annotations

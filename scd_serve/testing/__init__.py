@@ -1,6 +1,3 @@
-"""Test seams that ship with the package: fakes, fault injection and the soak driver.
-
-Nothing here is reachable from a production flag; tests, the soak run and benchmarks compose
-these around the real objects (`faults`), run a whole decode stack in one process (`soak`),
-or stand in for a model runtime (`fake_runtime`).
+"""Test seams that ship with the package, never reachable from a production flag: fault
+wrappers (`faults`), the in-process soak stack (`soak`), a stand-in runtime (`fake_runtime`).
 """

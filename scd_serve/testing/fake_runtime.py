@@ -1,12 +1,10 @@
 """FakeRuntime: a few-line stand-in for the model runtime, for fast engine and API tests.
 
-It honours the runtime contract the engine uses (new_kv_pool, extend, decode_step,
-write_kv, prefill, spec, tokenizer) with a model so small it runs in microseconds: each
-token's "K/V" is its embedding scaled by its position, and the next-token logits are a
-fixed projection of the mean cached V plus the input token's embedding. Outputs depend on
-every cached slot, so a wrong block table or cross-talk between sequences changes them.
-`greedy()` computes the same model without any pool, as a reference. Fault hooks:
-`fail_after_steps` (the forward raises) and `step_delay_s` (a slow or stalled step).
+It honours the runtime contract the engine uses with a model that runs in microseconds:
+a token's "K/V" is its embedding scaled by its position, and the next-token logits a fixed
+projection of the mean cached V plus the input token's embedding, so a wrong block table or
+cross-talk between sequences changes the output. `greedy()` is the same model without a
+pool; fault hooks: `fail_after_steps` (the forward raises), `step_delay_s` (a slow step).
 """
 
 from __future__ import annotations
@@ -17,19 +15,15 @@ from types import SimpleNamespace
 
 import torch
 
+from scd_serve.model import tiny
+
 _DIM = 8
 
 
 def byte_tokenizer():
-    """A byte-level BPE tokenizer with no merges: 256 byte tokens + <eos> (256). No files needed."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    """model/tiny.py's byte-level tokenizer (256 byte tokens) + <eos> (256). No files needed."""
+    fast = tiny.byte_tokenizer()
+    fast.add_special_tokens({"eos_token": "<eos>"})
     assert fast.eos_token_id == 256
     return fast
 

@@ -1,10 +1,8 @@
-"""Fault-injection seams: wrappers composed around real objects in tests and soak runs.
-
-Nothing here is reachable from a production flag. Each wrapper delegates everything it
-does not change to the object it wraps, so the code under test is the real code:
+"""Fault-injection seams, never reachable from a production flag: wrappers that delegate all
+they do not change to the real object they wrap, so the code under test is the real code.
 
     FaultyRuntime(rt, fail_after_steps=3)        model forward raises (or stalls) after N steps
-    FaultyProducer(rt, layer_delay_s=0.5)        prefill-side runtime: slow / dying per layer
+    FaultyProducer(rt, layer_delay_s=0.5)        prefill-side runtime: slow per layer
     FaultyServicer(servicer, corrupt_seq=1)      prefill gRPC servicer: sleep, die, corrupt a
                                                  byte, drop / duplicate a chunk, refuse calls
     on_decode(fill, before)                      before(layer) ahead of each decode_layer (stall, record)
@@ -67,34 +65,27 @@ class FaultyRuntime:
 
 
 class FaultyProducer:
-    """Prefill-side runtime: sleeps `layer_delay_s` per layer; `exit_at_layer` kills the process
-    with os._exit(1) (a crash, no cleanup) when that layer is reached."""
+    """Prefill-side runtime that sleeps `layer_delay_s` per layer."""
 
-    def __init__(self, rt: Any, layer_delay_s: float = 0.0, exit_at_layer: int | None = None):
+    def __init__(self, rt: Any, layer_delay_s: float = 0.0):
         self._rt = rt
         self.layer_delay_s = layer_delay_s
-        self.exit_at_layer = exit_at_layer
-        self.num_layers_run = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rt, name)
 
     def iter_prefill(self, ids, compute_logits: bool = True):
         for layer, state in self._rt.iter_prefill(ids, compute_logits=compute_logits):
-            if self.exit_at_layer is not None and layer >= self.exit_at_layer:
-                os._exit(1)
             if self.layer_delay_s:
                 time.sleep(self.layer_delay_s)
-            self.num_layers_run += 1
             yield layer, state
 
 
 class _Context:
     """A ServicerContext proxy whose write() goes through the servicer wrapper's faults."""
 
-    def __init__(self, ctx: Any, owner: FaultyServicer, request_id: str):
-        self._ctx, self._owner, self._rid = ctx, owner, request_id
-        self.num_chunks = 0
+    def __init__(self, ctx: Any, owner: FaultyServicer):
+        self._ctx, self._owner = ctx, owner
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ctx, name)
@@ -104,7 +95,6 @@ class _Context:
         if msg.WhichOneof("body") != "chunk":
             return await self._ctx.write(msg)
         seq = msg.chunk.seq
-        self.num_chunks += 1
         if o.exit_at_chunk is not None and seq >= o.exit_at_chunk:
             os._exit(1)
         if o.stall_at_chunk is not None and seq == o.stall_at_chunk:
@@ -191,7 +181,7 @@ class FaultyServicer:
                 await context.abort(self.fail_code, f"injected {self.fail_code.name} (faults.FaultyServicer)")
             if self.sleep_s:
                 await asyncio.sleep(self.sleep_s)
-            await self.inner.Prefill(request, _Context(context, self, rid))
+            await self.inner.Prefill(request, _Context(context, self))
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             raise

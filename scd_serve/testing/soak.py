@@ -1,11 +1,9 @@
 """A bounded soak of one in-process prefill + decode pair, and the stack it runs against.
 
-`LocalStack` wires the real pieces in one event loop: a PrefillServicer behind a grpc.aio
-server on 127.0.0.1:0, the decode side (PeerSet + RemoteKVFill), an Engine and the
-FastAPI app (in-process ASGI client, or uvicorn on 127.0.0.1:0 for real streaming and
-disconnects). Fault wrappers from scd_serve.testing.faults are passed in, never switched on by flags.
-`leaks()` names whatever is still held (KV blocks, transfers on either side, unfinished
-sequences); an empty dict is the clean state.
+`LocalStack` wires the real pieces in one event loop (a PrefillServicer on 127.0.0.1:0, the
+decode side, an Engine, the app through an in-process ASGI client or uvicorn for real
+streaming and disconnects); fault wrappers are passed in. `leaks()` names whatever is still
+held (KV blocks, transfers, unfinished sequences); an empty dict is the clean state.
 
     python -m scd_serve.testing.soak --minutes 10 --concurrency 8 --out soak.json
 """
@@ -29,7 +27,6 @@ from scd_serve.extras import extra
 DEFAULT_ENGINE = dict(num_blocks=128, block_size=8, max_model_len=256, max_num_seqs=16, max_concurrent=32,
                       request_timeout_s=30.0, queue_timeout_s=10.0, stall_timeout_s=2.0)
 DEFAULT_API = dict(max_model_len=256, max_tokens_cap=64, request_timeout_s=30.0)
-
 
 
 class LocalStack:
@@ -107,13 +104,12 @@ class LocalStack:
         """Also serve the app with uvicorn on 127.0.0.1:0 (same loop); returns its base URL."""
         import uvicorn
 
+        from scd_serve.control.lifecycle import start_http
+
         config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
                                 timeout_keep_alive=self.api_opts.get("timeout_keep_alive_s", 5))
         self.http_server = uvicorn.Server(config)
-        self.http_task = asyncio.create_task(self.http_server.serve())
-        while not self.http_server.started:
-            await asyncio.sleep(0.01)
-        port = self.http_server.servers[0].sockets[0].getsockname()[1]
+        self.http_task, port = await start_http(self.http_server)
         return f"http://127.0.0.1:{port}"
 
     async def stop(self) -> None:

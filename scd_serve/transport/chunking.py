@@ -1,10 +1,9 @@
 """Chunks of a transfer: built on the prefill side, verified on the decode side.
 
-`StreamVerifier` is the receiver's state machine (plain Python, no torch): it checks the
-header against what was asked, and each chunk's request id, position, layer range and
-digest BEFORE anything is decoded. Duplicates are ignored; gaps, overflow and bad digests
-end the transfer with TransferCorrupt. The header comes as its own message or inside
-chunk 0 (a cache hit); `on_message` takes either.
+`StreamVerifier` (plain Python) checks the header against what was asked and each chunk's
+request id, position, layer range and digest BEFORE anything is decoded. Identical resends
+are ignored; gaps, overflow and bad digests end the transfer with TransferCorrupt. The
+header comes alone or inside chunk 0 (a cache hit).
 """
 
 from __future__ import annotations
@@ -15,13 +14,6 @@ from dataclasses import dataclass, field
 from scd_serve.errors import TransferCorrupt, TransferFailed
 from scd_serve.transport.checksum import chunk_digest, seal
 from scd_serve.transport.proto import pb
-
-
-def make_chunk(request_id: str, seq: int, total: int, layer_start: int, layer_end: int,
-               tensors: list, encode_us: int = 0) -> pb.KVChunk:
-    chunk = pb.KVChunk(request_id=request_id, seq=seq, total=total, layer_start=layer_start,
-                       layer_end=layer_end, tensors=tensors, encode_us=encode_us)
-    return seal(chunk)
 
 
 def chunk_message(request_id: str, seq: int, total: int, layer_start: int, layer_end: int, tensors: list,
@@ -41,12 +33,9 @@ def chunk_message(request_id: str, seq: int, total: int, layer_start: int, layer
 
 def group_layers(layer_tensors: list[list], max_bytes: int, keep_ends: bool = False) -> list[tuple[int, int]]:
     """Split layers into contiguous ranges of at most max_bytes of code each (>= 1 layer).
-
     keep_ends (three layers or more): the first and the last layer go alone whatever their
     size, so the receiver starts rebuilding after one layer's bytes and has one layer left
-    to rebuild after the last byte; only the layers between are packed (fewer messages:
-    each has a fixed cost of ~0.2-0.4 ms on each side in Python gRPC, more than a small
-    layer's wire time)."""
+    after the last byte; only the layers between are packed (config/prefill.py: chunk_bytes)."""
     if keep_ends and len(layer_tensors) > 2:
         middle = group_layers(layer_tensors[1:-1], max_bytes)
         last = len(layer_tensors) - 1

@@ -33,13 +33,10 @@ class PrefillClient:
         return await self._stub.Info(pb.InfoRequest(), timeout=timeout or self.config.rpc_timeout_s)
 
     async def connect_streams(self, timeout: float) -> bool:
-        """Connect the stream channel now (one Info call on it that waits for the connection);
-        False if that fails within timeout.
-
-        It is a second channel: after a worker restart it may still sit in its reconnect
-        backoff (up to max_reconnect_backoff_ms) when Info already succeeds on the first,
-        and a stream call made then fails at once with UNAVAILABLE. The call also proves
-        that this channel's credentials and token are accepted."""
+        """Connect the stream channel now (an Info call on it that waits for the connection);
+        False if that fails within timeout. After a worker restart this second channel may sit
+        in its reconnect backoff while Info succeeds on the first, and a stream call then
+        fails at once with UNAVAILABLE; the call also proves its credentials are accepted."""
         self.deadlines.timeouts.append((_INFO, timeout))
         try:
             await asyncio.to_thread(self._stream_stub.Info, pb.InfoRequest(), timeout=timeout, wait_for_ready=True,

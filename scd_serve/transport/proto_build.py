@@ -1,11 +1,9 @@
 """The generator of the committed gRPC modules: proto/scd/v1/scd.proto -> scd_serve/_proto/.
 
 The generated modules are committed, so an installed package needs neither the .proto nor
-grpc_tools; nothing here runs at import time. After changing the .proto run `make proto`
-(scripts/gen_proto.py), with the grpcio-tools of constraints.txt: protoc writes its own
-version into the code (scd_pb2.py refuses a protobuf runtime older than it, scd_pb2_grpc.py
-a grpcio older than its plugin; pyproject.toml's lower bounds follow them), and
-tests/unit/test_packaging.py checks that a fresh generation equals the committed files.
+grpc_tools. After changing the .proto run `make proto` with the grpcio-tools of
+constraints.txt (protoc writes its version into the code, which sets pyproject.toml's lower
+bounds); tests/unit/test_packaging.py checks a fresh generation equals the committed files.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ async def _deny_async(request, context):
 
 
 async def _deny_stream(request, context):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong worker token")
+    await _deny_async(request, context)
     yield  # pragma: no cover - makes this an async generator like the real handler
 
 

@@ -14,15 +14,10 @@ def make_server(config: TransportConfig, max_concurrent_rpcs: int | None = None
                 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with message caps, optional token auth, and grpc.health.v1 added."""
     interceptors = [TokenAuthInterceptor(config.worker_token)] if config.worker_token else []
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # port 0 must give a port nobody else holds
-        ],
-        maximum_concurrent_rpcs=max_concurrent_rpcs,
-    )
+    options = [("grpc.max_send_message_length", config.max_message_bytes),
+               ("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.so_reuseport", 0)]  # port 0 must give a port nobody else holds
+    server = grpc.aio.server(interceptors=interceptors, options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, health_servicer

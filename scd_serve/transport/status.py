@@ -23,19 +23,14 @@ RETRYABLE = frozenset({
 })
 
 
-def grpc_code(err: errors.ScdError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, err.grpc_code)
-
-
 async def abort_with(context: grpc.aio.ServicerContext, err: errors.ScdError) -> None:
     """End the RPC with the status the error table gives (raises, like context.abort)."""
     context.set_trailing_metadata(((ERROR_TYPE_KEY, err.type),))
-    await context.abort(grpc_code(err), err.message)
+    await context.abort(getattr(grpc.StatusCode, err.grpc_code), err.message)
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """A client-side RPC error made locally (a fake transport),
-    shaped like one from a real channel so callers map every failure the same way."""
+    """A client-side RPC error made locally (a fake transport), shaped like a real channel's."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 

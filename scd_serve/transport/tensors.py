@@ -1,9 +1,8 @@
 """Code dicts <-> protobuf Tensor messages (name, layer, dtype, shape, raw bytes).
 
-Malformed messages raise ValueError; the receiver turns that into TransferCorrupt.
-
-Only the five code dtypes cross the wire; anything else is refused on both sides so a
-malformed message can never make the receiver allocate or reinterpret arbitrary memory.
+Only the five code dtypes cross the wire: anything else is refused on both sides, so a
+malformed message (ValueError, then TransferCorrupt) can never make the receiver allocate
+or reinterpret arbitrary memory.
 """
 
 from __future__ import annotations
@@ -68,6 +67,3 @@ def decode_code(tensors, layer: int) -> dict[str, torch.Tensor]:
         code[msg.name] = from_proto(msg)
     return code
 
-
-def code_bytes(tensors) -> int:
-    return sum(len(t.data) for t in tensors)

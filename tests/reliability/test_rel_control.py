@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from scd_serve.config.control import ControlConfig
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.heartbeat import HeartbeatClient
-from scd_serve.control.registry import encode
+from scd_serve.control.signing import encode
 from scd_serve.control.server import DroppedCollector, RegistryServer
 from scd_serve.control.signing import MAGIC, REGISTRY, WORKER, Envelope
 from scd_serve.gateway.app import create_gateway_app

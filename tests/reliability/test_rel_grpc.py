@@ -23,7 +23,7 @@ from scd_serve.testing.faults import FaultyServicer, on_decode
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from scd_serve.testing.soak import LocalStack, completion
-from scd_serve.transport.chunking import StreamVerifier, make_chunk
+from scd_serve.transport.chunking import StreamVerifier, chunk_message
 from scd_serve.transport.client import PrefillClient
 from scd_serve.transport.proto import pb
 from scd_serve.transport.tensors import decode_code, encode_code
@@ -246,7 +246,7 @@ def valid_chunk_bytes(rt):
     codec = codec_registry.build("identity", producer=rt)
     out = rt.prefill(torch.tensor([3, 4, 5, 6]))
     state = type("S", (), {"keys": out.keys[0], "values": out.values[0], "attn_input": out.attn_inputs[0]})()
-    chunk = make_chunk("fz", 0, 2, 0, 1, encode_code(0, codec.encode_layer(0, state)))
+    chunk = chunk_message("fz", 0, 2, 0, 1, encode_code(0, codec.encode_layer(0, state))).chunk
     return chunk.SerializeToString()
 
 

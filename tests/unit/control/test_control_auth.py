@@ -12,9 +12,9 @@ from scd_serve.config.control import SECRET_ENV, ControlConfig, add_control_argu
 from scd_serve.control.choice import Candidate, LoadBalancer
 from scd_serve.control.exposure import control_plane, is_loopback, listener, refuse_open, url_is_local
 from scd_serve.control.heartbeat import HeartbeatClient
-from scd_serve.control.registry import MAX_LOAD, Registry, encode, validate
+from scd_serve.control.registry import MAX_LOAD, Registry, validate
 from scd_serve.control.server import RegistryServer
-from scd_serve.control.signing import MAGIC, REGISTRY, WORKER, Envelope, Rejected
+from scd_serve.control.signing import MAGIC, REGISTRY, WORKER, Envelope, Rejected, encode
 from scd_serve.errors import ConfigError
 
 SECRET = "s" * 32
@@ -112,7 +112,7 @@ def test_decode_records_count_as_ready_only_after_verification():
     reg.apply(hb("d", address="h:1"))
     reg.apply(hb("p", role="prefill", address="h:2"))
     assert [r.id for r in reg.workers(ready_only=True)] == ["p"]
-    assert [r.id for r in reg.unverified()] == ["d"]
+    assert [r.id for r in reg.workers() if not r.verified] == ["d"]
     assert not reg.mark_verified("d", "h:9")  # a handshake at another address proves nothing
     assert reg.mark_verified("d", "h:1")
     assert [r.id for r in reg.workers(role="decode", ready_only=True)] == ["d"]

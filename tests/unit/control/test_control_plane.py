@@ -8,8 +8,16 @@ from polls import eventually
 from scd_serve.config.control import ControlConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
 from scd_serve.control.heartbeat import HeartbeatClient
-from scd_serve.control.registry import Registry, encode, parse
+from scd_serve.control.registry import Registry, validate
 from scd_serve.control.server import RegistryServer
+from scd_serve.control.signing import decode_json, encode
+
+
+def parse(raw: bytes, max_bytes: int) -> dict:
+    """One unsigned worker message checked as the registry checks it; ValueError names what is wrong."""
+    if len(raw) > max_bytes:
+        raise ValueError(f"message of {len(raw)} bytes exceeds {max_bytes}")
+    return validate(decode_json(raw))
 
 
 def hb(wid, role="prefill", address="127.0.0.1:1", ready=True, **load):
@@ -82,7 +90,7 @@ async def test_heartbeats_register_share_peers_and_expire():
         raw = server.ctx.socket(zmq.DEALER)
         raw.connect(server.url)
         await raw.send(b"not json")
-        assert await eventually(lambda: server.num_rejected >= 1, 10)
+        assert await eventually(lambda: sum(server.dropped.values()) >= 1, 10)
         raw.close(linger=0)
         assert len(server.registry.workers()) == 1
         # a clean close says bye, which removes it; with expiry switched off nothing else could

@@ -3,8 +3,28 @@
 import asyncio
 import time
 
+import torch
+
 from scd_serve.config.engine import EngineConfig
 from scd_serve.engine.request import GenerationRequest, SamplingParams
+from scd_serve.engine.sampler import _by_cut, candidates, shape_batch
+
+
+def probabilities(logits, params):
+    """logits [vocab] with one SamplingParams, or [B, vocab] with one per row -> the sampler's
+    probs (float64, same shape) after temperature, top_k, top_p and min_p."""
+    if logits.dim() == 1:
+        return probabilities(logits[None], [params])[0]
+    out = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
+    for group in _by_cut(range(len(params)), params, logits.shape[-1]):
+        probs, ids = candidates(logits[group], [params[i] for i in group])
+        out[group] = probs if ids is None else torch.zeros_like(out[group]).scatter_(1, ids, probs)
+    return out
+
+
+def shape_logits(row, seq, eos_token_ids):
+    """In place, one row [vocab]: the sampler's penalties, bias, and min_tokens mask."""
+    row.copy_(shape_batch(row[None], [seq], eos_token_ids)[0])
 
 
 def cfg(**kw):

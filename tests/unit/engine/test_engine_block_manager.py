@@ -96,5 +96,5 @@ def test_random_churn_keeps_ownership_and_counts_exact():
             else:
                 s.num_cached -= 1
         held = [blk for s in live for blk in s.block_ids]
-        assert len(held) == len(set(held)) == bm.num_used  # no block shared, none lost
+        assert len(held) == len(set(held)) == bm.num_blocks - bm.num_free  # no block shared, none lost
     assert len(bm._lowest) <= 4 * bm.num_blocks + 32

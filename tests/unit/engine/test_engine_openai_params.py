@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
-from engine_helpers import collect, req, wait_clean
+from engine_helpers import collect, probabilities, req, shape_logits, wait_clean
 
 from scd_serve.engine.generation_config import GenerationDefaults
 from scd_serve.engine.request import GenerationRequest, SamplingParams
-from scd_serve.engine.sampler import probabilities, sample, shape_logits
+from scd_serve.engine.sampler import sample
 from scd_serve.engine.sequence import Sequence
 from scd_serve.errors import InvalidRequest
 

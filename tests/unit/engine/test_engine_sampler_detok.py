@@ -2,10 +2,11 @@ import math
 
 import pytest
 import torch
+from engine_helpers import probabilities
 
 from scd_serve.engine.detokenizer import Detokenizer
 from scd_serve.engine.request import GenerationRequest, SamplingParams
-from scd_serve.engine.sampler import probabilities, sample
+from scd_serve.engine.sampler import sample
 from scd_serve.engine.sequence import Sequence
 from scd_serve.testing.fake_runtime import byte_tokenizer
 from scd_serve.errors import InvalidRequest, StepFailed

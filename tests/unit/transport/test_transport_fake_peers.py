@@ -1,6 +1,7 @@
 """The in-process fake transport drives the real decode path; registry updates add/drop peers."""
 
 import pytest
+from transport_fakes import FakePrefillClient
 
 from scd_serve import codec as codec_registry
 from scd_serve.config.decode import DecodeConfig
@@ -11,7 +12,6 @@ from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from scd_serve.prefill.service import PrefillServicer
 from scd_serve.transport.chunking import StreamVerifier
-from scd_serve.transport.fake import FakePrefillClient
 from scd_serve.transport.proto import pb
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from scd_serve.errors import TransferCorrupt, TransferFailed
 from scd_serve.transport.checksum import chunk_digest
-from scd_serve.transport.chunking import StreamVerifier, chunk_message, group_layers, make_chunk
+from scd_serve.transport.chunking import StreamVerifier, chunk_message, group_layers
 from scd_serve.transport.proto import pb
 from scd_serve.transport.tensors import DTYPES, decode_code, encode_code, from_proto
 
@@ -37,6 +37,10 @@ def test_non_transport_dtype_refused():
 def test_malformed_tensor_raises_value_error(msg, match):
     with pytest.raises(ValueError, match=match):
         from_proto(msg)
+
+
+def make_chunk(*args) -> pb.KVChunk:
+    return chunk_message(*args).chunk
 
 
 def _chunks(rid="r1", layers=3):

@@ -1,8 +1,7 @@
 """In-process fake transport: a PrefillClient look-alike that calls a servicer directly.
 
-Same messages, same verification path, no sockets: tests of the API and engine count
-prefill calls and inject faults without starting a gRPC server. Errors surface as
-grpc.aio.AioRpcError, exactly as through a real channel.
+Same messages, no sockets: tests count prefill calls and take workers down without starting
+a gRPC server. Errors surface as grpc.aio.AioRpcError, as through a real channel.
 """
 
 from __future__ import annotations
@@ -79,35 +78,6 @@ class FakeCall:
         raise StopAsyncIteration
 
 
-class BlockingFakeCall:
-    """A FakeCall read from a transfer thread, as PrefillClient.stream's calls are: each
-    message is fetched on the event loop that runs the servicer."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, servicer, request, timeout: float | None):
-        async def start() -> FakeCall:
-            return FakeCall(servicer, request, timeout)
-
-        self._loop = loop
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        self._call = FakeCall(servicer, request, timeout) if on_loop else \
-            asyncio.run_coroutine_threadsafe(start(), loop).result()
-
-    def cancel(self) -> None:
-        self._loop.call_soon_threadsafe(self._call.cancel)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return asyncio.run_coroutine_threadsafe(self._call.__anext__(), self._loop).result()
-        except StopAsyncIteration:
-            raise StopIteration from None
-
-
 class FakePrefillClient:
     """Drop-in for transport.client.PrefillClient backed by an in-process servicer."""
 
@@ -118,14 +88,12 @@ class FakePrefillClient:
         self.num_prefill_calls = 0
         self.timeouts: list[float | None] = []
         self.up = True  # tests flip this to simulate a dead worker
-        self._loop: asyncio.AbstractEventLoop | None = None  # the servicer's, seen at the handshake
 
     def _check_up(self) -> None:
         if not self.up:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address} is down")
 
     async def info(self, timeout: float | None = None) -> pb.InfoReply:
-        self._loop = asyncio.get_running_loop()
         self._check_up()
         return await self.servicer.Info(pb.InfoRequest(), FakeContext(timeout))
 
@@ -137,15 +105,6 @@ class FakePrefillClient:
         self.num_prefill_calls += 1
         self.timeouts.append(timeout)
         return FakeCall(self.servicer, request, timeout)
-
-    def stream(self, request: pb.PrefillRequest, timeout: float) -> BlockingFakeCall:
-        """PrefillClient.stream's twin, for a transfer thread (after the info() handshake)."""
-        if self._loop is None:
-            raise RuntimeError("FakePrefillClient.stream before info(): the handshake names the event loop")
-        self._check_up()
-        self.num_prefill_calls += 1
-        self.timeouts.append(timeout)
-        return BlockingFakeCall(self._loop, self.servicer, request, timeout)
 
     async def abort(self, request_id: str, reason: str, timeout: float | None = None) -> bool:
         self._check_up()
