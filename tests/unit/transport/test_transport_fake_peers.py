@@ -1,7 +1,7 @@
 """The in-process fake transport drives the real decode path; registry updates add/drop peers."""
 
 import pytest
-from transport_fakes import FakePrefillClient
+from scd_serve.testing.fake_transport import FakePrefillClient
 
 from scd_serve import codec as codec_registry
 from scd_serve.config.decode import DecodeConfig
