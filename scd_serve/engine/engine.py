@@ -114,19 +114,12 @@ class Engine:
                 and time.monotonic() - self._beat < self.config.stall_timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_filling": self.scheduler.num_filling,
-            "num_requests": self._num_handles(),
-            "num_free_blocks": self.block_manager.num_free,
-            "num_total_blocks": self.block_manager.num_blocks,
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_steps": self.num_steps,
-            "num_fallbacks": self.num_fallbacks,
-            "num_steps_ahead": self.runner.num_steps_ahead,
-            "ready": self.ready(),
-        }
+        s, bm = self.scheduler, self.block_manager
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_filling": s.num_filling,
+                "num_requests": self._num_handles(), "num_free_blocks": bm.num_free,
+                "num_total_blocks": bm.num_blocks, "num_generated_tokens": self.num_generated_tokens,
+                "num_steps": self.num_steps, "num_fallbacks": self.num_fallbacks,
+                "num_steps_ahead": self.runner.num_steps_ahead, "ready": self.ready()}
 
     # ---------------------------------------------------------------- requests
     async def generate(self, req: GenerationRequest, kv_fill: KVFill | None = None) -> AsyncIterator[TokenEvent]:

@@ -10,17 +10,13 @@ ERROR_TYPE_KEY = "scd-error-type"  # trailing metadata: the ScdError.type behind
 
 # What the decode side raises for a status from the prefill side.
 _FROM_CODE: dict[grpc.StatusCode, type[errors.ScdError]] = {
-    grpc.StatusCode.DATA_LOSS: errors.TransferCorrupt,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.Overloaded,
+    grpc.StatusCode.DATA_LOSS: errors.TransferCorrupt, grpc.StatusCode.RESOURCE_EXHAUSTED: errors.Overloaded,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
     grpc.StatusCode.FAILED_PRECONDITION: errors.IncompatiblePeer,
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
-}
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest}
 # Worth another try on another worker: the next one may be up, idle or intact.
-RETRYABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
-})
+RETRYABLE = frozenset(getattr(grpc.StatusCode, name) for name in (
+    "UNAVAILABLE", "RESOURCE_EXHAUSTED", "DATA_LOSS", "INTERNAL", "UNKNOWN", "CANCELLED"))
 
 
 async def abort_with(context: grpc.aio.ServicerContext, err: errors.ScdError) -> None:
