@@ -23,8 +23,7 @@ class ScdError(Exception):
     def __init__(self, message: str, *, field: str | None = None, headers: dict[str, str] | None = None,
                  code: str | None = None):
         super().__init__(message)
-        self.message = message
-        self.field = field
+        self.message, self.field = message, field
         self.headers = headers or {}
         if code is not None:
             self.code = code

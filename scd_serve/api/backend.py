@@ -35,9 +35,7 @@ class EngineBackend:
 
     def __init__(self, engine: Any, model_name: str, fills: Mapping[str, KVFill] | None = None,
                  peers_ready: Callable[[], bool] = lambda: True):
-        self.engine = engine
-        self.model_name = model_name
-        self.tokenizer = engine.tokenizer
+        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
         self.vocab_size = int(engine.runtime.spec.vocab_size)
         self.sampling_defaults = dict(engine.generation_defaults.sampling)
         self.fills: dict[str, KVFill | None] = {LOCAL: None, **(fills or {})}

@@ -25,8 +25,7 @@ def error_response(exc: ScdError, request_id: str | None) -> JSONResponse:
 
 class RequestGuard:
     def __init__(self, app, config: ApiConfig):
-        self.app = app
-        self.config = config
+        self.app, self.config = app, config
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

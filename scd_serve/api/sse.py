@@ -23,9 +23,7 @@ class Shape:
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False):
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id.removeprefix("req-")
-        self.model = model
-        self.chat = chat
-        self.include_usage = include_usage
+        self.model, self.chat, self.include_usage = model, chat, include_usage
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:

@@ -80,9 +80,7 @@ class WorkerRecord:
 class Registry:
     def __init__(self, ttl_s: float, clock=time.monotonic, max_workers: int = 256,
                  verify_roles: tuple[str, ...] = ()):
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self.max_workers = max_workers
+        self.ttl_s, self.clock, self.max_workers = ttl_s, clock, max_workers
         self.verify_roles = frozenset(verify_roles)
         self._workers: dict[str, WorkerRecord] = {}
 

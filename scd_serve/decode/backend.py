@@ -28,8 +28,7 @@ class DecodeBackend(EngineBackend):
         must_have_peer = self.needs_peer and peers.config.fallback != "local"
         super().__init__(engine, model_name, fills={m: self._watched_fill for m in codec_registry.METHODS},
                          peers_ready=(lambda: peers.ready()) if must_have_peer else (lambda: not peers.dead))
-        self.fill = fill
-        self.peers = peers
+        self.fill, self.peers = fill, peers
         self.auto = auto  # AutoMethod or None (then `auto` is refused)
         self._choices: dict[str, Choice] = {}  # request_id -> its method's choice, while it runs
         self._failed: dict[str, str] = {}  # request_id -> why its transfer failed, while it runs

@@ -64,9 +64,7 @@ class RemoteKVFill:
     def __init__(self, runtime, peers, codecs, config: DecodeConfig, metrics=None):
         self.rt = runtime
         self.metrics = metrics  # api.metrics.Metrics (observe_transfer) or None
-        self.peers = peers
-        self.codecs = codecs
-        self.config = config
+        self.peers, self.codecs, self.config = peers, codecs, config
         self.stats = TransferStats()
         self.shared = SharedTransfers(runtime.spec.num_layers)  # transfers other requests may copy
         self.per_peer: Counter = Counter()  # completed transfers per prefill address

@@ -214,7 +214,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
           + (f", quality budget {auto.chooser.budget:g}" if method == AUTO else ""), flush=True)
     if not peers.ready() and method != "local":
         log.warning("not ready yet: %s", peers.why_not_ready())
-    died = await first_of(stop.wait(), engine_death(engine))
+    died = await stopped_or_died(stop, engine)
     if died:  # /ready already says 503; answer 503 a moment longer, then exit nonzero for the supervisor
         log.error("engine loop died; exiting in %.0f s so a supervisor restarts this worker", DEATH_LINGER_S)
         await asyncio.sleep(DEATH_LINGER_S)
@@ -231,16 +231,13 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     return died
 
 
-async def engine_death(engine) -> bool:
-    """Returns True once the engine's step loop has died (it never comes back)."""
-    while engine.loop_alive():  # not ready(): that also turns false on a stall, which is not death
-        await asyncio.sleep(ENGINE_POLL_S)
-    return True
+async def stopped_or_died(stop: asyncio.Event, engine) -> bool:
+    """Wait for a stop signal or the engine loop's death (it never comes back); True if it died."""
+    async def death() -> None:
+        while engine.loop_alive():  # not ready(): that also turns false on a stall, which is not death
+            await asyncio.sleep(ENGINE_POLL_S)
 
-
-async def first_of(stopped, died) -> bool:
-    """Wait for a stop signal or engine death; True if the engine died."""
-    tasks = [asyncio.ensure_future(stopped), asyncio.ensure_future(died)]
+    tasks = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(death())]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for t in pending:
         t.cancel()

@@ -46,9 +46,7 @@ class Peer:
 
 class PeerSet:
     def __init__(self, runtime, codecs, config: DecodeConfig, client_factory=None):
-        self.rt = runtime
-        self.codecs = codecs
-        self.config = config
+        self.rt, self.codecs, self.config = runtime, codecs, config
         self.client_factory = client_factory or (lambda addr: PrefillClient(addr, config.transport))
         self.peers: dict[str, Peer] = {}
         self.balancer = LoadBalancer()

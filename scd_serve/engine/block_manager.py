@@ -17,8 +17,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self._free: set[int] = set(range(num_blocks))
         self._lowest: list[int] = list(range(num_blocks))  # min-heap over free ids; stale entries skipped
         self._owner: dict[int, int] = {}  # block id -> seq_id, to catch double frees early

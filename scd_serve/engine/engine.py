@@ -60,9 +60,7 @@ class Engine:
         if limit is not None and config.max_model_len > limit:
             raise ConfigError(f"engine.max_model_len {config.max_model_len} exceeds the model's "
                               f"max_position_embeddings {limit}")
-        self.config = config
-        self.runtime = runtime
-        self.tokenizer = runtime.tokenizer
+        self.config, self.runtime, self.tokenizer = config, runtime, runtime.tokenizer
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.generation_defaults = GenerationDefaults.load(runtime.path)

@@ -33,9 +33,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: frozenset[int] = frozenset()):
-        self.config = config
-        self.block_manager = block_manager
-        self.eos_token_ids = eos_token_ids
+        self.config, self.block_manager, self.eos_token_ids = config, block_manager, eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.filling: dict[int, Sequence] = {}
         self.running: list[Sequence] = []
