@@ -175,3 +175,9 @@ class ConfigError(ScdError):
     http_status = 500
     grpc_code = "INVALID_ARGUMENT"
 
+
+
+def check_range(name: str, value, lo: float, hi: float, *, open_low: bool = False) -> None:
+    """ConfigError `NAME must be in [LO, HI], got VALUE` ("(LO, HI]" with open_low) when value is outside."""
+    if not (lo < value <= hi if open_low else lo <= value <= hi):
+        raise ConfigError(f"{name} must be in {'(' if open_low else '['}{lo}, {hi}], got {value}")
