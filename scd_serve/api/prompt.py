@@ -54,11 +54,7 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, add_generation_
 
 
 def message_text(m: ChatMessage) -> str:
-    if m.content is None:
-        return ""
-    if isinstance(m.content, str):
-        return m.content
-    return "".join(part.text for part in m.content)
+    return m.content if isinstance(m.content, str) else "".join(part.text for part in m.content or ())
 
 
 def encode(tokenizer: Any, text: str, *, add_special_tokens: bool, field: str) -> list[int]:
