@@ -153,6 +153,5 @@ def run_serve(args) -> dict:
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
             "requests_per_rate": {str(r): requests_for(r, args) for r in rates},
             "slo": {"ttft_s": slo.ttft_s, "mean_itl_s": slo.itl_s}, "rates_rps": rates, "targets": results,
-            "concurrent_streams": args.concurrency,
-            "batching_speedup_tokens_per_s": ratio,
+            "concurrent_streams": args.concurrency, "batching_speedup_tokens_per_s": ratio,
             "target_4x_met": ratio is not None and ratio >= 4.0}

@@ -172,16 +172,15 @@ def make_shaped_pair(args: argparse.Namespace, log=print) -> dict:
     consumer_bytes = save(model, tokenizer, out / "consumer")
     lap("save consumer")
 
-    report = {
-        "note": "random weights: this pair measures cost, never quality",
-        "config": args.config, "layers": cfg["num_hidden_layers"], "seed": args.seed,
-        "rope_theta": {"producer": theta, "consumer": theta_b}, "perturb": args.perturb,
-        "params": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": {"producer": producer_bytes, "consumer": consumer_bytes},
-        "tokenizer_tokens": len(tokenizer), "records": {"calibration": min(args.records, len(records)),
-                                                         "heldout": max(0, min(args.records, len(records) - args.records))},
-        "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1),
-    }
+    report = {"note": "random weights: this pair measures cost, never quality",
+              "config": args.config, "layers": cfg["num_hidden_layers"], "seed": args.seed,
+              "rope_theta": {"producer": theta, "consumer": theta_b}, "perturb": args.perturb,
+              "params": sum(p.numel() for p in model.parameters()),
+              "weight_bytes": {"producer": producer_bytes, "consumer": consumer_bytes},
+              "tokenizer_tokens": len(tokenizer),
+              "records": {"calibration": min(args.records, len(records)),
+                          "heldout": max(0, min(args.records, len(records) - args.records))},
+              "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1)}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
 
