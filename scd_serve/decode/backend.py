@@ -98,12 +98,6 @@ class DecodeBackend(EngineBackend):
         return {"prefill": "no usable prefill worker: prompts are prefilled on this worker (fallback local)",
                 "prefill_peers": self.peers.status()}
 
-    def why_not_ready(self) -> str:
-        """'' when ready; else what is missing, naming a refused peer's differing fields."""
-        if not self.engine.ready():
-            return "engine loop not running"
-        return "" if self.ready() else self.peers.why_not_ready()
-
     def stats(self) -> dict[str, Any]:
         auto = {"auto": self.auto.chooser.snapshot()} if self.auto is not None else {}
         return self.engine.stats() | {"transfer": self.fill.snapshot(), "prefill_peers": self.peers.status()} | auto

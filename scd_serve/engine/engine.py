@@ -113,7 +113,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         s, bm = self.scheduler, self.block_manager
-        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_filling": s.num_filling,
+        return {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_filling": len(s.filling),
                 "num_requests": self._num_handles(), "num_free_blocks": bm.num_free,
                 "num_total_blocks": bm.num_blocks, "num_generated_tokens": self.num_generated_tokens,
                 "num_steps": self.num_steps, "num_fallbacks": self.num_fallbacks,

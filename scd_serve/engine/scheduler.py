@@ -38,18 +38,6 @@ class Scheduler:
         self.filling: dict[int, Sequence] = {}
         self.running: list[Sequence] = []
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_filling(self) -> int:
-        return len(self.filling)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.filling or self.running)
 
@@ -149,7 +137,7 @@ class Scheduler:
         return out
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        while self.waiting and self.num_running + self.num_filling < self.config.max_num_seqs:
+        while self.waiting and len(self.running) + len(self.filling) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break  # FIFO: no overtaking, so a long prompt is not starved by short ones
