@@ -1,8 +1,4 @@
-"""`scd-serve bench {ttft,serve}`: the two measured benchmarks (the planner is `scd-serve plan`).
-
-    scd-serve bench ttft --json out/ttft.json --plot out/ttft.png [--quick]
-    scd-serve bench serve --json out/serve.json [--quick]
-"""
+"""`scd-serve bench {ttft,serve}`: the two measured benchmarks (the planner is `scd-serve plan`)."""
 
 from __future__ import annotations
 

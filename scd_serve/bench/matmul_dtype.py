@@ -1,7 +1,5 @@
 """Which dtype is faster for this CPU's matmuls: a one-minute check before choosing `--dtype`.
 
-    python -m scd_serve.bench.matmul_dtype [--tokens 1024] [--hidden 896] [--inter 4864] [--threads 1]
-
 Without native bf16 (AVX512_BF16 or AMX) torch converts bfloat16 to float32 inside the
 kernels, which can cost more than the halved weights save. The default shapes are one
 Qwen2.5-0.5B MLP projection over a 1k-token prompt.

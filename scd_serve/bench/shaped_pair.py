@@ -1,7 +1,5 @@
 """`scd-serve make-shaped-pair`: a random-weight producer/consumer pair with a real model's shape.
 
-    scd-serve make-shaped-pair --config qwen2.5-0.5b --out out/shaped [--seed 0] [--rope-theta-consumer 1e4]
-
 Random weights say nothing about quality; the pair measures COST at a real shape
 (calibration time and memory, codebook against weight bytes, rebuild against prefill, TTFT)
 without downloading anything. Under --out:

@@ -3,9 +3,8 @@
 `LocalStack` wires the real pieces in one event loop (a PrefillServicer on 127.0.0.1:0, the
 decode side, an Engine, the app through an in-process ASGI client or uvicorn for real
 streaming and disconnects); fault wrappers are passed in. `leaks()` names whatever is still
-held (KV blocks, transfers, unfinished sequences); an empty dict is the clean state.
-
-    python -m scd_serve.testing.soak --minutes 10 --concurrency 8 --out soak.json
+held (KV blocks, transfers, unfinished sequences); an empty dict is the clean state. The soak
+itself: `python -m scd_serve.testing.soak --minutes 10` (docs/reliability.md).
 """
 
 from __future__ import annotations
