@@ -65,7 +65,6 @@ def read_secret(path: str) -> str:
     return secret
 
 
-def control_config_from_args(args, **overrides) -> ControlConfig:
+def control_config_from_args(args) -> ControlConfig:
     path = getattr(args, "cluster_secret_file", "")
-    secret = read_secret(path) if path else os.environ.get(SECRET_ENV, "").strip()
-    return ControlConfig(secret=secret, **overrides)
+    return ControlConfig(secret=read_secret(path) if path else os.environ.get(SECRET_ENV, "").strip())
