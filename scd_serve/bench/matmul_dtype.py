@@ -15,13 +15,6 @@ from scd_serve.bench.stats import median_s
 from scd_serve.model.loader import DTYPES
 
 
-def median_matmul_s(tokens: int, hidden: int, inter: int, dtype: torch.dtype, repeat: int) -> float:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)  # [T, hidden]: a prompt's activations
-    w = torch.randn(inter, hidden, generator=gen).to(dtype)  # [inter, hidden]: as nn.Linear stores it
-    return median_s(lambda _: torch.nn.functional.linear(x, w), repeat)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=1024)
@@ -37,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.repeat}")
     base = None
     for name in args.dtypes:
-        t = median_matmul_s(args.tokens, args.hidden, args.inter, DTYPES[name], args.repeat)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(args.tokens, args.hidden, generator=gen).to(DTYPES[name])  # [T, hidden]: activations
+        w = torch.randn(args.inter, args.hidden, generator=gen).to(DTYPES[name])  # [inter, hidden]: as nn.Linear
+        t = median_s(lambda _: torch.nn.functional.linear(x, w), args.repeat)
         base = base or t
         print(f"{name:<10}{t * 1e3:>10.1f} ms{flops / t / 1e9:>10.1f} GFLOP/s{t / base:>8.2f}x float32")
     return 0

@@ -54,17 +54,15 @@ def add_control_arguments(parser) -> None:
                    help="start even with a non-loopback listener or control plane that has no authentication")
 
 
-def read_secret(path: str) -> str:
-    """The secret in `path`, surrounding whitespace removed; ConfigError if unreadable or empty."""
+def control_config_from_args(args) -> ControlConfig:
+    """The secret from --cluster-secret-file (surrounding whitespace removed), else $SCD_CLUSTER_SECRET."""
+    path = getattr(args, "cluster_secret_file", "")
+    if not path:
+        return ControlConfig(secret=os.environ.get(SECRET_ENV, "").strip())
     try:
         secret = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--cluster-secret-file {path}: cannot read it ({type(exc).__name__})") from None
     if not secret:
         raise ConfigError(f"--cluster-secret-file {path} is empty")
-    return secret
-
-
-def control_config_from_args(args) -> ControlConfig:
-    path = getattr(args, "cluster_secret_file", "")
-    return ControlConfig(secret=read_secret(path) if path else os.environ.get(SECRET_ENV, "").strip())
+    return ControlConfig(secret=secret)
