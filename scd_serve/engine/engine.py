@@ -121,7 +121,12 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     async def generate(self, req: GenerationRequest, kv_fill: KVFill | None = None) -> AsyncIterator[TokenEvent]:
-        self._check_accepting()
+        if self._dead is not None:
+            raise EngineDead("the engine loop has stopped")
+        if not self._accepting:
+            raise ShuttingDown("server is shutting down")
+        if not self.loop_alive():
+            raise EngineDead("the engine loop is not running")
         n, max_tokens = req.num_prompt_tokens, req.params.max_tokens
         if n < 1:
             raise InvalidRequest("prompt is empty: it must contain at least one token", field="prompt")
@@ -182,14 +187,6 @@ class Engine:
             return item
 
     # ---------------------------------------------------------------- helpers (any thread)
-    def _check_accepting(self) -> None:
-        if self._dead is not None:
-            raise EngineDead("the engine loop has stopped")
-        if not self._accepting:
-            raise ShuttingDown("server is shutting down")
-        if not self.loop_alive():
-            raise EngineDead("the engine loop is not running")
-
     def loop_alive(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
