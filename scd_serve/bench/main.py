@@ -115,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _ttft(args) -> dict:
     from scd_serve.bench import plot
-    from scd_serve.bench.quality import f1_by_method
-    from scd_serve.bench.report import check_targets
+    from scd_serve.bench.report import check_targets, f1_by_method
     from scd_serve.bench.ttft import run_ttft
 
     if args.quick:

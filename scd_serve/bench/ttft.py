@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 from scd_serve.bench import procs
-from scd_serve.bench.link import open_link
 from scd_serve.bench.loadgen import random_prompt
+from scd_serve.bench.netns import NetnsLink
 from scd_serve.bench.report import summarize_rows
 from scd_serve.bench.stats import median
+from scd_serve.bench.tbproxy import ProxyLink
 from scd_serve.planner.shapes import load_shape
 from scd_serve.planner.units import fmt_bandwidth, parse_bandwidth
-from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed
+from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed, Unavailable
 
 RAW_SHARES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)  # raw wire time / oracle TTFT at the reference length
 CEILING_SHARE = 0.6  # a tbf rate above this share of the unshaped throughput is not what limits the wire
@@ -73,6 +74,20 @@ class ProbeProcess:
         except (OSError, subprocess.TimeoutExpired, ValueError):
             pass
         procs.stop(self.proc)
+
+
+def open_link(force_fallback: bool = False):
+    """An entered link (NetnsLink, kernel namespaces, when possible; else the labelled userspace
+    fallback, ProxyLink); the caller must call .down()."""
+    reason = "--no-netns given" if force_fallback else NetnsLink.available()
+    if reason is None:
+        try:
+            return NetnsLink().up()
+        except Unavailable as exc:
+            reason = exc.message
+    print(f"bench: network namespaces unavailable ({reason}); using the in-process "
+          f"userspace token-bucket proxy instead - results are labelled as such", file=sys.stderr)
+    return ProxyLink(reason).up()
 
 
 def choose_sweep(oracle_s: float, raw_bytes: float, shares=RAW_SHARES) -> list[float]:
