@@ -105,8 +105,7 @@ class PeerSet:
             # registry just dropped): that peer failed this check, the health loop goes on
             peer.info, peer.problem = None, "channel closed during a health check"
             return
-        # one slow answer on a loaded machine is not a dead peer; two in a row are
-        peer.missed_checks += 1
+        peer.missed_checks += 1  # one slow answer on a loaded machine is not a dead peer; two in a row are
         if peer.missed_checks >= MISSES_BEFORE_DOWN:
             peer.problem = "health check failed"
             log.warning("prefill %s stopped answering health checks", peer.address)

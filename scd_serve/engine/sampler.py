@@ -30,8 +30,7 @@ def generator_for(params: SamplingParams, device: torch.device | str = "cpu") ->
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> list[int | StepFailed]:
-    # logits: [B, vocab] (any float dtype/device); one row per sequence
-    raw = logits.float()
+    raw = logits.float()  # logits: [B, vocab] (any float dtype/device); one row per sequence
     finite = torch.isfinite(raw).all(dim=-1).tolist()
     ok = [i for i in range(len(seqs)) if finite[i]]
     shaped = [i for i in ok if seqs[i].request.params.shapes_logits]
