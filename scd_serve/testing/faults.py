@@ -99,7 +99,7 @@ class _Context:
         if seq == o.drop_seq:
             return None
         if o.mutate is not None and seq == o.mutate_seq:
-            from scd_serve.transport.checksum import seal
+            from scd_serve.transport.chunking import seal
 
             o.mutate(msg.chunk)
             seal(msg.chunk)  # a valid digest: only the semantic checks can catch it
