@@ -30,7 +30,6 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def choice(self, index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
-        """One whole choice."""
         body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return {"index": index} | body | {"logprobs": logprobs, "finish_reason": finish_reason,
                                           "stop_reason": stop_reason}

@@ -119,7 +119,6 @@ class NetnsLink:
             sender.wait()
 
     def exec_prefix(self, side: str) -> list[str]:
-        """Command prefix that runs a process on `side` ('producer' or 'consumer')."""
         return ["ip", "netns", "exec", self.producer_ns if side == "producer" else self.consumer_ns]
 
     def producer_addr(self, port: int) -> str:

@@ -104,7 +104,6 @@ class Registry:
         return True
 
     def expire(self) -> list[WorkerRecord]:
-        """Drop workers silent for longer than ttl_s; returns them."""
         cutoff = self.clock() - self.ttl_s
         gone = [r for r in self._workers.values() if r.last_seen < cutoff]
         for r in gone:

@@ -36,7 +36,6 @@ def chunk_digest(chunk) -> int:
 
 
 def seal(chunk):
-    """Set chunk.digest in place and return the chunk."""
     chunk.digest = chunk_digest(chunk)
     return chunk
 

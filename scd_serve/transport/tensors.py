@@ -52,7 +52,6 @@ def from_proto(msg: pb.Tensor) -> torch.Tensor:
 
 
 def decode_code(tensors, layer: int) -> dict[str, torch.Tensor]:
-    """The Tensor messages of one layer -> the codec's code dict."""
     code: dict[str, torch.Tensor] = {}
     for msg in tensors:
         if msg.layer != layer:
