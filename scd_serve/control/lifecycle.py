@@ -52,11 +52,13 @@ async def cancel_all(*tasks: asyncio.Future) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def consume_exception(fut: asyncio.Future) -> None:
-    """Done-callback: mark a future's exception as seen. For work whose failure is expected
-    once its request is gone (asyncio would otherwise log it at ERROR when collected)."""
-    if not fut.cancelled():
-        fut.exception()
+def detach(coro: Coroutine[Any, Any, Any], tasks: set[asyncio.Task]) -> None:
+    """Run `coro` as a task held in `tasks` (for cancel_all at close) until it ends. Its failure
+    is expected once its request is gone: marked seen (asyncio would log it at ERROR)."""
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def supervise(task: asyncio.Task, on_death: Callable[[BaseException], None] | None = None) -> asyncio.Task:

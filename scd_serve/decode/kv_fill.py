@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from scd_serve.config.decode import DecodeConfig
-from scd_serve.control.lifecycle import consume_exception
+from scd_serve.control.lifecycle import detach
 from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.consumer_codecs import bind_prompt
 from scd_serve.decode.receive import Received, drain, receive
@@ -316,10 +316,7 @@ class RemoteKVFill:
                 await peer.client.abort(rid, "decode side stopped reading", timeout=ABORT_TIMEOUT_S)
             except grpc.aio.AioRpcError:
                 pass  # the peer is gone; its lease frees the transfer
-        task = asyncio.ensure_future(abort())
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
-        task.add_done_callback(consume_exception)
+        detach(abort(), self._aborts)
 
     def close(self) -> None:
         """Shutdown: cancel the transfers' streams so that no thread waits on them."""

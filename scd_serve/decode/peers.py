@@ -17,7 +17,7 @@ import grpc
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
-from scd_serve.control.lifecycle import cancel_all, consume_exception, supervise
+from scd_serve.control.lifecycle import cancel_all, detach, supervise
 from scd_serve.decode.breaker import Breaker
 from scd_serve.transport.client import PrefillClient
 from scd_serve.transport.proto import PROTOCOL_VERSION
@@ -179,20 +179,14 @@ class PeerSet:
             known = w["address"] in self.peers
             peer = self.add(w["address"])
             if not known:  # handshake now rather than at the next health round
-                self._spawn(self.check(peer))
+                detach(self.check(peer), self._side_tasks)
             peer.load = w.get("load") if isinstance(w.get("load"), dict) else {}
             if not w.get("ready", False) and peer.usable:
                 peer.problem = "registry reports not ready"
         for address, peer in list(self.peers.items()):
             if not peer.static and address not in seen:
                 del self.peers[address]
-                self._spawn(peer.client.close())
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
-        task.add_done_callback(consume_exception)
+                detach(peer.client.close(), self._side_tasks)
 
     # ---- choice --------------------------------------------------------------------------
     def serving(self, method: str, num_tokens: int) -> list[Peer]:
