@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn
 
 from scd_serve.config.address import join_host_port
+from scd_serve.config.control import control_config_from_args
 from scd_serve.config.model import DTYPE_CHOICES
 
 
@@ -128,6 +129,15 @@ async def start_http(server) -> tuple[asyncio.Task, int]:
         raise ConfigError(f"HTTP listener on {server.config.host}:{server.config.port} did not start "
                           f"(port in use or shutting down)")
     return http, server.servers[0].sockets[0].getsockname()[1]
+
+
+def run_role(role: str, args, config_from_args, check_exposure, serve) -> NoReturn:
+    """A serving role's `run`: logging, its settings and the control plane's from the flags, the
+    exposure check, then serve(config, control) until stopped; exit 1 if it returned True (died)."""
+    setup_logging(role)
+    config, control = config_from_args(args), control_config_from_args(args)
+    check_exposure(config, control, args.insecure)
+    exit_now(1 if asyncio.run(serve(config, control)) else 0)
 
 
 def exit_now(code: int = 0) -> NoReturn:

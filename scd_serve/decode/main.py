@@ -8,12 +8,11 @@ import dataclasses
 import logging
 import os
 
-from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
+from scd_serve.config.control import ControlConfig, add_control_arguments
 from scd_serve.config.decode import (AUTO, DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, PRIOR_TABLE_MODES,
                                      ChooserConfig, DecodeConfig, split_peers)
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import (add_worker_arguments, advertised, exit_now, setup_logging, start_http,
-                                         stop_event)
+from scd_serve.control.lifecycle import add_worker_arguments, advertised, run_role, start_http, stop_event
 from scd_serve.errors import ConfigError, ScdError
 
 log = logging.getLogger("scd_serve.decode")
@@ -245,8 +244,5 @@ async def stopped_or_died(stop: asyncio.Event, engine) -> bool:
 
 
 def run(args) -> int:
-    setup_logging("decode")
-    config, control = config_from_args(args), control_config_from_args(args)
-    check_exposure(config, control, args.insecure)
-    died = asyncio.run(serve(config, args.method is not None, control))
-    exit_now(1 if died else 0)
+    run_role("decode", args, config_from_args, check_exposure,
+             lambda config, control: serve(config, args.method is not None, control))

@@ -31,10 +31,9 @@ def compat_problems(info, consumer_spec, method: str, codecs, expect_producer: s
     problems = []
     if info.protocol_version != PROTOCOL_VERSION:
         problems.append(f"protocol_version: {info.protocol_version} != {PROTOCOL_VERSION}")
-    for field, ours in (("num_layers", consumer_spec.num_layers), ("num_kv_heads", consumer_spec.num_kv_heads),
-                        ("head_dim", consumer_spec.head_dim)):
-        if getattr(info, field) != ours:
-            problems.append(f"{field}: producer {getattr(info, field)} != consumer {ours}")
+    for name in ("num_layers", "num_kv_heads", "head_dim"):
+        if getattr(info, name) != getattr(consumer_spec, name):
+            problems.append(f"{name}: producer {getattr(info, name)} != consumer {getattr(consumer_spec, name)}")
     if expect_producer and info.producer_fingerprint != expect_producer:
         problems.append(f"producer_fingerprint: {info.producer_fingerprint} != expected {expect_producer}")
     if method in ("local", "auto") or problems:  # auto: each method is checked when the chooser asks

@@ -7,10 +7,10 @@ import asyncio
 import dataclasses
 import logging
 
-from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
+from scd_serve.config.control import ControlConfig, add_control_arguments
 from scd_serve.config.prefill import DEFAULT_CODEBOOK, DEFAULT_PRODUCER, PrefillConfig
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import add_worker_arguments, advertised, exit_now, setup_logging, stop_event
+from scd_serve.control.lifecycle import add_worker_arguments, advertised, run_role, stop_event
 
 log = logging.getLogger("scd_serve.prefill")
 
@@ -107,8 +107,4 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
 
 
 def run(args) -> int:
-    setup_logging("prefill")
-    config, control = config_from_args(args), control_config_from_args(args)
-    check_exposure(config, control, args.insecure)
-    asyncio.run(serve(config, control))
-    exit_now(0)
+    run_role("prefill", args, config_from_args, check_exposure, serve)
