@@ -1,10 +1,8 @@
 """One transfer's receive loop, run in a thread: read, verify and rebuild each chunk in turn.
 
 The decode worker (kv_fill.py) and the bench probe both run it, so `bench ttft` times the
-worker's own path. It reads a blocking Prefill stream in the calling thread and rebuilds a
-chunk's layers as soon as it is verified, while later chunks are on the wire; it returns
-once the last chunk is rebuilt, and `drain` reads the stream's end off the path to the
-first token.
+worker's own path. A chunk's layers are rebuilt as soon as it is verified, while later chunks
+are on the wire; `drain` reads the stream's end off the path to the first token.
 """
 
 from __future__ import annotations

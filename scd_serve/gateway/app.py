@@ -10,7 +10,7 @@ gives its own errors the workers' shape.
 from __future__ import annotations
 
 import logging
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 
 import httpx
 from fastapi import FastAPI, Request
@@ -46,10 +46,7 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     async def lifespan(app: FastAPI):
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         state["client"] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=512))
-        if lifespan_hooks is not None:
-            async with lifespan_hooks(app):
-                yield
-        else:
+        async with lifespan_hooks(app) if lifespan_hooks is not None else nullcontext():
             yield
         await state["client"].aclose()
 
