@@ -4,8 +4,6 @@ It speaks enough of the streamed /v1/completions for the load generator. Request
 FIFO and one thread runs `model.generate`: with --batch 1 one request after another, with
 --batch N static batches of up to N (left-padded), each running until its longest request
 is done. This is serving without continuous batching.
-
-    python -m scd_serve.bench.baseline --model DIR --port 8100 [--batch 16]
 """
 
 from __future__ import annotations

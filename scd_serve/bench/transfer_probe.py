@@ -10,8 +10,6 @@ layer's times measure when its work was queued. TTFT = hand-off to the transfer 
 first token; the oracle is this consumer's own prefill. With a `worker` URL (`bench ttft
 --worker`) it times a real `scd-serve decode` instead: streamed /v1/completions with
 max_tokens=1, send -> first token event.
-
-    python -m scd_serve.bench.transfer_probe --consumer DIR [--codebook DIR]
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import random
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import httpx
@@ -240,12 +241,9 @@ async def _main(args) -> dict:
 
 def run(args) -> int:
     report = asyncio.run(_main(args))
-    text = json.dumps(report)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    summary = {k: v for k, v in report.items() if k != "rss_mb"}
-    print(json.dumps(summary, indent=1))
+        Path(args.out).write_text(json.dumps(report))
+    print(json.dumps({k: v for k, v in report.items() if k != "rss_mb"}, indent=1))
     return 0 if not report["leaks"] and report["unexpected_5xx"] == 0 else 1
 
 
