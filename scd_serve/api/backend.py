@@ -20,13 +20,9 @@ class Backend(Protocol):
     sampling_defaults: dict[str, Any]  # optional: generation_config.json's defaults for omitted fields
 
     def ready(self) -> bool: ...  # engine loop alive and peers reachable
-
     def engine_ready(self) -> bool: ...  # engine loop alive (GET /health)
-
     def ready_detail(self) -> dict[str, Any]: ...  # what /ready adds to {"status": "ready"}
-
     def stats(self) -> dict[str, Any]: ...  # engine stats (num_running, num_waiting, ...)
-
     def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]: ...  # async generator
 
 

@@ -79,14 +79,11 @@ def make_document(rng: random.Random, style: Style, target_len: int, num_questio
             words += [key, *value, style.end]
         else:
             words += _filler(rng, style)
-    mask = [False] * len(words)
+    mask = [False] * (len(words) + 1)
     words.append(style.q_header)
-    mask.append(False)
     for key, value in rng.sample(facts, num_questions):
-        words += [style.ask_word, key]
-        mask += [False] * 2
-        words += value + [style.end]
-        mask += [True] * (len(value) + 1)
+        words += [style.ask_word, key, *value, style.end]
+        mask += [False] * 2 + [True] * (len(value) + 1)
     return Document(words, mask), facts
 
 
