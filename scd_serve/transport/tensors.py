@@ -60,4 +60,3 @@ def decode_code(tensors, layer: int) -> dict[str, torch.Tensor]:
             raise ValueError(f"layer {layer}: tensor {msg.name!r} appears twice")
         code[msg.name] = from_proto(msg)
     return code
-
