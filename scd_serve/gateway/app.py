@@ -38,8 +38,7 @@ PROXIED = (("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", T
 
 
 def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks=None) -> FastAPI:
-    balancer = LoadBalancer()
-    metrics = GatewayMetrics()
+    balancer, metrics = LoadBalancer(), GatewayMetrics()
     state: dict = {}
 
     @asynccontextmanager
