@@ -44,9 +44,7 @@ def sampling_params(body, config: ApiConfig, max_tokens: int | None, *, chat: bo
     if body.stream and best_of != n:
         raise InvalidRequest("best_of must equal n when streaming (the best are known only at the end)",
                              field="best_of")
-    echo = bool(getattr(body, "echo", False))
-    logprobs = _logprobs(body, chat)
-    generate = True
+    echo, logprobs, generate = bool(getattr(body, "echo", False)), _logprobs(body, chat), True
     if max_tokens is None:
         max_tokens = min(config.default_max_tokens, config.max_tokens_cap)
     elif max_tokens == 0 and echo:  # a log-likelihood request: the prompt's log-probabilities only

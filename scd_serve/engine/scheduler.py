@@ -96,17 +96,14 @@ class Scheduler:
         """The KV fill wrote tokens 0..T-2: the sequence decodes from its last prompt token."""
         if self.filling.pop(seq.seq_id, None) is None:
             return  # aborted meanwhile
-        seq.num_cached = seq.num_tokens - 1
-        seq.status = SequenceStatus.RUNNING
+        seq.num_cached, seq.status = seq.num_tokens - 1, SequenceStatus.RUNNING
         self.running.append(seq)
 
     def fill_failed(self, seq: Sequence) -> bool:
         """Fallback: the fill broke off, so prefill locally into the blocks it already holds."""
         if self.filling.pop(seq.seq_id, None) is None:
             return False
-        seq.needs_fill = False
-        seq.num_cached = 0
-        seq.status = SequenceStatus.RUNNING
+        seq.needs_fill, seq.num_cached, seq.status = False, 0, SequenceStatus.RUNNING
         self.running.append(seq)
         return True
 
