@@ -69,8 +69,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.runner = Runner(runtime, config, self.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._wake, self._stop = threading.Event(), threading.Event()
         self._lock = threading.Lock()  # guards _handles (touched from any event loop)
         self._handles: dict[str, _Handle] = {}  # request_id -> handle, for admission
         self._live: dict[int, _Handle] = {}  # seq_id -> handle; loop thread only
@@ -79,9 +78,7 @@ class Engine:
         self._dead: BaseException | None = None
         self._accepting = True
         self._beat = time.monotonic()
-        self.num_generated_tokens = 0
-        self.num_steps = 0
-        self.num_fallbacks = 0
+        self.num_generated_tokens = self.num_steps = self.num_fallbacks = 0
         self._failed_steps = 0  # consecutive steps that raised
 
     # ---------------------------------------------------------------- lifecycle
