@@ -62,7 +62,8 @@ def best(outcomes: list[Outcome], n: int, best_of: int) -> list[Outcome]:
     if best_of == n:
         return outcomes
     return [o for start in range(0, len(outcomes), best_of)
-            for o in sorted(outcomes[start:start + best_of], key=lambda o: o.cumulative_logprob, reverse=True)[:n]]
+            for o in sorted(outcomes[start:start + best_of], key=lambda x: x.cumulative_logprob,
+                            reverse=True)[:n]]
 
 
 async def all_or_none(works: list[Awaitable[T]]) -> list[T]:

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dtypes:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(args.tokens, args.hidden, generator=gen).to(DTYPES[name])  # [T, hidden]: activations
-        w = torch.randn(args.inter, args.hidden, generator=gen).to(DTYPES[name])  # [inter, hidden]: as nn.Linear
+        w = torch.randn(args.inter, args.hidden, generator=gen).to(DTYPES[name])  # [inter, hidden], nn.Linear
         t = median_s(lambda _: torch.nn.functional.linear(x, w), args.repeat)
         base = base or t
         print(f"{name:<10}{t * 1e3:>10.1f} ms{flops / t / 1e9:>10.1f} GFLOP/s{t / base:>8.2f}x float32")

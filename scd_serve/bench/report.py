@@ -164,8 +164,8 @@ def f1_by_method(path: Path) -> dict[str, float]:
 
 
 def pick(doc: dict, bw_index: int, method: str, tokens: int, mode: str) -> dict | None:
-    return next((r for r in doc["sweep"][bw_index]["rows"]
-                 if r["method"] == method and r["prompt_tokens"] == tokens and r["mode"] in (mode, "local")), None)
+    return next((r for r in doc["sweep"][bw_index]["rows"] if r["method"] == method
+                 and r["prompt_tokens"] == tokens and r["mode"] in (mode, "local")), None)
 
 
 def check_targets(doc: dict, f1: dict[str, float] | None, tokens: int = 1024) -> dict:

@@ -32,8 +32,9 @@ def compat_problems(info, consumer_spec, method: str, codecs, expect_producer: s
     if info.protocol_version != PROTOCOL_VERSION:
         problems.append(f"protocol_version: {info.protocol_version} != {PROTOCOL_VERSION}")
     for name in ("num_layers", "num_kv_heads", "head_dim"):
-        if getattr(info, name) != getattr(consumer_spec, name):
-            problems.append(f"{name}: producer {getattr(info, name)} != consumer {getattr(consumer_spec, name)}")
+        theirs, ours = getattr(info, name), getattr(consumer_spec, name)
+        if theirs != ours:
+            problems.append(f"{name}: producer {theirs} != consumer {ours}")
     if expect_producer and info.producer_fingerprint != expect_producer:
         problems.append(f"producer_fingerprint: {info.producer_fingerprint} != expected {expect_producer}")
     if method in ("local", "auto") or problems:  # auto: each method is checked when the chooser asks

@@ -128,7 +128,8 @@ class Scheduler:
             deadline = seq.request.deadline
             if deadline is not None and now >= deadline:
                 out.append((seq, "deadline"))
-            elif seq.status is SequenceStatus.WAITING and now - seq.waiting_since >= self.config.queue_timeout_s:
+            elif (seq.status is SequenceStatus.WAITING
+                  and now - seq.waiting_since >= self.config.queue_timeout_s):
                 out.append((seq, "queue_timeout"))
         return out
 
