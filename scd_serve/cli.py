@@ -13,8 +13,7 @@ import sys
 from scd_serve.config.env import apply_env_defaults
 from scd_serve.errors import ScdError
 
-# name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
+COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "generate": ("scd_serve.model.generate", "greedy completion from one local model"),
     "make-demo-pair": ("scd_serve.pair.make_pair", "train the embedded producer/consumer pair"),
     "eval": ("scd_serve.quality.harness", "quality of a transfer method against the oracle"),

@@ -23,8 +23,7 @@ class ScdError(Exception):
     def __init__(self, message: str, *, field: str | None = None, headers: dict[str, str] | None = None,
                  code: str | None = None):
         super().__init__(message)
-        self.message = message
-        self.field = field
+        self.message, self.field = message, field
         self.headers = headers or {}
         if code is not None:
             self.code = code
@@ -37,9 +36,7 @@ class ScdError(Exception):
 class InvalidRequest(ScdError):
     """The client sent something we will not run (bad field, out-of-range parameter)."""
 
-    type = "invalid_request_error"
-    http_status = 400
-    grpc_code = "INVALID_ARGUMENT"
+    type, http_status, grpc_code = "invalid_request_error", 400, "INVALID_ARGUMENT"
 
 
 class ValidationFailed(InvalidRequest):
@@ -50,42 +47,29 @@ class ValidationFailed(InvalidRequest):
 
 
 class PromptTooLong(InvalidRequest):
-    type = "context_length_exceeded"
-    code = "context_length_exceeded"
+    type, code = "context_length_exceeded", "context_length_exceeded"
 
 
 class Unauthorized(ScdError):
-    type = "authentication_error"
-    http_status = 401
-    grpc_code = "UNAUTHENTICATED"
-    code = "invalid_api_key"
+    type, http_status, grpc_code, code = "authentication_error", 401, "UNAUTHENTICATED", "invalid_api_key"
 
 
 class NotFound(ScdError):
-    type = "not_found"
-    http_status = 404
-    grpc_code = "NOT_FOUND"
+    type, http_status, grpc_code = "not_found", 404, "NOT_FOUND"
 
 
 class PayloadTooLarge(ScdError):
-    type = "payload_too_large"
-    http_status = 413
-    grpc_code = "RESOURCE_EXHAUSTED"
+    type, http_status, grpc_code = "payload_too_large", 413, "RESOURCE_EXHAUSTED"
 
 
 class UnsupportedMediaType(ScdError):
-    type = "unsupported_media_type"
-    http_status = 415
-    grpc_code = "INVALID_ARGUMENT"
+    type, http_status, grpc_code = "unsupported_media_type", 415, "INVALID_ARGUMENT"
 
 
 class Overloaded(ScdError):
     """Admission control said no; the client should retry later (Retry-After is set)."""
 
-    type = "overloaded"
-    http_status = 429
-    grpc_code = "RESOURCE_EXHAUSTED"
-    code = "rate_limit_exceeded"
+    type, http_status, grpc_code, code = "overloaded", 429, "RESOURCE_EXHAUSTED", "rate_limit_exceeded"
 
     def __init__(self, message: str = "server is at capacity, retry later", *, retry_after_s: int = 1):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
@@ -94,9 +78,7 @@ class Overloaded(ScdError):
 class Unavailable(ScdError):
     """A peer or the engine is not ready (starting, draining, dead)."""
 
-    type = "unavailable"
-    http_status = 503
-    grpc_code = "UNAVAILABLE"
+    type, http_status, grpc_code = "unavailable", 503, "UNAVAILABLE"
 
 
 class ShuttingDown(Unavailable):
@@ -108,9 +90,7 @@ class EngineDead(Unavailable):
 
 
 class DeadlineExceeded(ScdError):
-    type = "deadline_exceeded"
-    http_status = 504
-    grpc_code = "DEADLINE_EXCEEDED"
+    type, http_status, grpc_code = "deadline_exceeded", 504, "DEADLINE_EXCEEDED"
 
 
 class StepFailed(ScdError):
@@ -123,56 +103,47 @@ class StepFailed(ScdError):
 class TransferCorrupt(ScdError):
     """A chunk failed its checksum or sequence check; it is never decoded."""
 
-    type = "transfer_corrupt"
-    http_status = 502
-    grpc_code = "DATA_LOSS"
+    type, http_status, grpc_code = "transfer_corrupt", 502, "DATA_LOSS"
 
 
 class TransferFailed(ScdError):
     """The transfer from the prefill worker broke off (peer died, stream cut)."""
 
-    type = "transfer_failed"
-    http_status = 502
-    grpc_code = "UNAVAILABLE"
+    type, http_status, grpc_code = "transfer_failed", 502, "UNAVAILABLE"
 
 
 class TransferTimedOut(TransferFailed):
     """The prefill worker did not finish (or went silent during) a transfer within the
     transfer's own deadline, while the request still had time: retried or served locally."""
 
-    type = "transfer_timeout"
-    http_status = 504
-    grpc_code = "DEADLINE_EXCEEDED"
+    type, http_status, grpc_code = "transfer_timeout", 504, "DEADLINE_EXCEEDED"
 
 
 class IncompatiblePeer(ScdError):
     """Handshake found a different codec version, dtype or model fingerprint."""
 
-    type = "incompatible_peer"
-    http_status = 503
-    grpc_code = "FAILED_PRECONDITION"
+    type, http_status, grpc_code = "incompatible_peer", 503, "FAILED_PRECONDITION"
 
 
 class ModelLoadError(ScdError):
     """A model directory is missing, unsupported or inconsistent."""
 
-    type = "model_load_error"
-    http_status = 500
-    grpc_code = "FAILED_PRECONDITION"
+    type, http_status, grpc_code = "model_load_error", 500, "FAILED_PRECONDITION"
 
 
 class CodebookError(ScdError):
     """A codebook is missing, truncated, of the wrong shapes or made for other models."""
 
-    type = "codebook_error"
-    http_status = 500
-    grpc_code = "FAILED_PRECONDITION"
+    type, http_status, grpc_code = "codebook_error", 500, "FAILED_PRECONDITION"
 
 
 class ConfigError(ScdError):
     """A configuration value is invalid; raised at the entry point before anything starts."""
 
-    type = "config_error"
-    http_status = 500
-    grpc_code = "INVALID_ARGUMENT"
+    type, http_status, grpc_code = "config_error", 500, "INVALID_ARGUMENT"
 
+
+def check_range(name: str, value, lo: float, hi: float, *, open_low: bool = False) -> None:
+    """ConfigError `NAME must be in [LO, HI], got VALUE` ("(LO, HI]" with open_low) when value is outside."""
+    if not (lo < value <= hi if open_low else lo <= value <= hi):
+        raise ConfigError(f"{name} must be in {'(' if open_low else '['}{lo}, {hi}], got {value}")

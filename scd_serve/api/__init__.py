@@ -1,2 +1,1 @@
-"""The HTTP surface: `app.create_app(config, backend)` with OpenAI routes, SSE, health and
-/metrics. Nothing is imported here."""
+"""The HTTP surface: `app.create_app(config, backend)`, OpenAI routes, SSE, health, /metrics."""

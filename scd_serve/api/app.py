@@ -34,8 +34,7 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
     docs = config.enable_docs
     app = FastAPI(title="scd-serve", version=__version__, lifespan=lifespan, redoc_url=None,
                   docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None)
-    app.state.config = config
-    app.state.backend = backend
+    app.state.config, app.state.backend = config, backend
     app.state.metrics = metrics or Metrics()
     app.state.model_names = list(config.served_model_names or (config.model_name or backend.model_name,))
     app.state.model_name = app.state.model_names[0]

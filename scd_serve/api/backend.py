@@ -20,13 +20,9 @@ class Backend(Protocol):
     sampling_defaults: dict[str, Any]  # optional: generation_config.json's defaults for omitted fields
 
     def ready(self) -> bool: ...  # engine loop alive and peers reachable
-
     def engine_ready(self) -> bool: ...  # engine loop alive (GET /health)
-
     def ready_detail(self) -> dict[str, Any]: ...  # what /ready adds to {"status": "ready"}
-
     def stats(self) -> dict[str, Any]: ...  # engine stats (num_running, num_waiting, ...)
-
     def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]: ...  # async generator
 
 
@@ -35,9 +31,7 @@ class EngineBackend:
 
     def __init__(self, engine: Any, model_name: str, fills: Mapping[str, KVFill] | None = None,
                  peers_ready: Callable[[], bool] = lambda: True):
-        self.engine = engine
-        self.model_name = model_name
-        self.tokenizer = engine.tokenizer
+        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
         self.vocab_size = int(engine.runtime.spec.vocab_size)
         self.sampling_defaults = dict(engine.generation_defaults.sampling)
         self.fills: dict[str, KVFill | None] = {LOCAL: None, **(fills or {})}

@@ -61,11 +61,9 @@ def best(outcomes: list[Outcome], n: int, best_of: int) -> list[Outcome]:
     """Per prompt (best_of consecutive outcomes), the n to return, best first when ranked."""
     if best_of == n:
         return outcomes
-    out = []
-    for start in range(0, len(outcomes), best_of):
-        group = outcomes[start:start + best_of]
-        out.extend(sorted(group, key=lambda o: o.cumulative_logprob, reverse=True)[:n])
-    return out
+    return [o for start in range(0, len(outcomes), best_of)
+            for o in sorted(outcomes[start:start + best_of], key=lambda x: x.cumulative_logprob,
+                            reverse=True)[:n]]
 
 
 async def all_or_none(works: list[Awaitable[T]]) -> list[T]:

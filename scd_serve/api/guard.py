@@ -25,8 +25,7 @@ def error_response(exc: ScdError, request_id: str | None) -> JSONResponse:
 
 class RequestGuard:
     def __init__(self, app, config: ApiConfig):
-        self.app = app
-        self.config = config
+        self.app, self.config = app, config
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -39,16 +38,14 @@ class RequestGuard:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
             await send(message)
 
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         try:
             self._check_key(scope["path"], headers)
             if scope["method"] in ("POST", "PUT", "PATCH"):
-                body = await self._read_body(headers, receive)
-                receive = _replay(body, receive)
+                receive = _replay(await self._read_body(headers, receive), receive)
         except ScdError as exc:
             return await error_response(exc, rid)(scope, receive, send_with_id)
         try:

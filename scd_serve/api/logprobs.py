@@ -60,19 +60,13 @@ def completion_logprobs(token_ids: Sequence[int], records: Sequence[TokenLogprob
 
 
 def merge_completion(a: dict[str, list] | None, b: dict[str, list]) -> dict[str, list]:
-    if a is None:
-        return b
-    return {k: a[k] + b[k] for k in a}
+    return b if a is None else {k: a[k] + b[k] for k in a}
 
 
 def chat_logprobs(token_ids: Sequence[int], records: Sequence[TokenLogprob | None], text: TokenText) -> dict:
-    content = []
-    for token_id, rec in zip(token_ids, records, strict=True):
-        if rec is None:
-            continue
-        content.append(_chat_entry(token_id, rec.logprob, text)
-                       | {"top_logprobs": [_chat_entry(t, lp, text) for t, lp in rec.top]})
-    return {"content": content}
+    return {"content": [_chat_entry(token_id, rec.logprob, text)
+                        | {"top_logprobs": [_chat_entry(t, lp, text) for t, lp in rec.top]}
+                        for token_id, rec in zip(token_ids, records, strict=True) if rec is not None]}
 
 
 def _chat_entry(token_id: int, lp: float, text: TokenText) -> dict:

@@ -39,7 +39,8 @@ def _one_prompt(prompt: str | list, tokenizer: Any, vocab_size: int, where: str)
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, add_generation_prompt: bool = True,
                     add_special_tokens: bool = False) -> list[int]:
-    plain = [{"role": m.role, "content": message_text(m)} for m in messages]
+    plain = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+              else "".join(part.text for part in m.content or ())} for m in messages]
     if getattr(tokenizer, "chat_template", None):
         try:
             text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -51,14 +52,6 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, add_generation_
         text += DEFAULT_GENERATION_PROMPT if add_generation_prompt else ""
     # the template already holds any BOS it wants
     return encode(tokenizer, text, add_special_tokens=add_special_tokens, field="messages")
-
-
-def message_text(m: ChatMessage) -> str:
-    if m.content is None:
-        return ""
-    if isinstance(m.content, str):
-        return m.content
-    return "".join(part.text for part in m.content)
 
 
 def encode(tokenizer: Any, text: str, *, add_special_tokens: bool, field: str) -> list[int]:

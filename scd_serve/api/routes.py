@@ -80,8 +80,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
         raise InvalidRequest(f"{len(prompts)} prompts x best_of {plan.best_of} = {len(prompts) * plan.best_of} "
                              f"generations; at most {MAX_CHOICES} per request", field="prompt")
     method = body.scd_method or config.default_method
-    deadline = time.monotonic() + config.request_timeout_s
-    reqs = []
+    deadline, reqs = time.monotonic() + config.request_timeout_s, []
     for p, (_, ids) in enumerate(prompts):
         room = config.max_model_len - len(ids)
         own = params
@@ -94,8 +93,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
             reqs.append(GenerationRequest(child_id, ids, dataclasses.replace(own, seed=child_seed(own.seed, j)),
                                           method, deadline=deadline))
     streams = [_timed(backend.generate(r), state.metrics, method, t0) for r in reqs]
-    route = request.url.path
-    num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+    route, num_prompt_tokens = request.url.path, sum(len(ids) for _, ids in prompts)
     served: dict = {}  # the `scd` field once known (the method `auto` picked)
 
     def on_end(status: int) -> None:

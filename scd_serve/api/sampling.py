@@ -44,9 +44,7 @@ def sampling_params(body, config: ApiConfig, max_tokens: int | None, *, chat: bo
     if body.stream and best_of != n:
         raise InvalidRequest("best_of must equal n when streaming (the best are known only at the end)",
                              field="best_of")
-    echo = bool(getattr(body, "echo", False))
-    logprobs = _logprobs(body, chat)
-    generate = True
+    echo, logprobs, generate = bool(getattr(body, "echo", False)), _logprobs(body, chat), True
     if max_tokens is None:
         max_tokens = min(config.default_max_tokens, config.max_tokens_cap)
     elif max_tokens == 0 and echo:  # a log-likelihood request: the prompt's log-probabilities only
@@ -95,14 +93,12 @@ def refuse_unsupported(body, chat: bool) -> None:
 
 def _logprobs(body, chat: bool) -> int | None:
     """-> the number of alternatives per token the client asked for, or None (off)."""
-    if not chat:
-        k = body.logprobs
-        if k is not None and not 0 <= k <= MAX_LOGPROBS:
-            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {k}", field="logprobs")
-        return k
-    k = body.top_logprobs
+    name = "top_logprobs" if chat else "logprobs"
+    k = getattr(body, name)
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", field="top_logprobs")
+        raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}", field=name)
+    if not chat:
+        return k
     if k and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", field="top_logprobs")
     return (k or 0) if body.logprobs else None

@@ -23,16 +23,13 @@ class Shape:
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False):
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id.removeprefix("req-")
-        self.model = model
-        self.chat = chat
-        self.include_usage = include_usage
+        self.model, self.chat, self.include_usage = model, chat, include_usage
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def choice(self, index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
-        """One whole choice."""
         body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return {"index": index} | body | {"logprobs": logprobs, "finish_reason": finish_reason,
                                           "stop_reason": stop_reason}

@@ -4,8 +4,6 @@ It speaks enough of the streamed /v1/completions for the load generator. Request
 FIFO and one thread runs `model.generate`: with --batch 1 one request after another, with
 --batch N static batches of up to N (left-padded), each running until its longest request
 is done. This is serving without continuous batching.
-
-    python -m scd_serve.bench.baseline --model DIR --port 8100 [--batch 16]
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ class _Streamer:
 
 def take_batch(jobs: queue.Queue, size: int) -> list:
     """The first queued job (waiting for it), then up to size-1 more arriving within BATCH_WAIT_S."""
-    batch = [jobs.get()]
-    deadline = time.monotonic() + BATCH_WAIT_S
+    batch, deadline = [jobs.get()], time.monotonic() + BATCH_WAIT_S
     while len(batch) < size:
         try:
             batch.append(jobs.get(timeout=max(0.0, deadline - time.monotonic())))

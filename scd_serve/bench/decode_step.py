@@ -1,7 +1,5 @@
 """Benchmark of ModelRuntime.decode_step (a command printing figures, not a test).
 
-    python -m scd_serve.bench.decode_step [--batch 1 8 32] [--context 128 2048] [--device cpu]
-
 A random model of the embedded pair's shape (or --model DIR) with random K/V for B sequences
 of about each context (lengths spread +-25%, so padding and masks are exercised).
 """

@@ -1,7 +1,5 @@
 """What the output head costs a prefill chunk: `extend` with every position's logits against none.
 
-    python -m scd_serve.bench.extend_logits MODEL_DIR [--tokens 512] [--repeats 3] [--threads 1]
-
 The engine asks a chunk for logits only for prompt log-probabilities; at a 150k vocabulary
 the head is several layers' work. Medians of each, alternated to share the noise.
 """

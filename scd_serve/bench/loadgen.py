@@ -74,11 +74,8 @@ def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
 
 def _tokens_in(event: dict) -> int:
     """Tokens carried by one SSE event: one per choice with text, except a bare finishing event."""
-    n = 0
-    for choice in event.get("choices") or []:
-        if choice.get("text") or (choice.get("text") is not None and choice.get("finish_reason") is None):
-            n += 1
-    return n
+    return sum(1 for c in event.get("choices") or []
+               if c.get("text") or (c.get("text") is not None and c.get("finish_reason") is None))
 
 
 def poisson_arrivals(rate: float, num: int, seed: int) -> list[float]:

@@ -1,8 +1,4 @@
-"""`scd-serve bench {ttft,serve}`: the two measured benchmarks (the planner is `scd-serve plan`).
-
-    scd-serve bench ttft --json out/ttft.json --plot out/ttft.png [--quick]
-    scd-serve bench serve --json out/serve.json [--quick]
-"""
+"""`scd-serve bench {ttft,serve}`: the two measured benchmarks (the planner is `scd-serve plan`)."""
 
 from __future__ import annotations
 
@@ -119,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _ttft(args) -> dict:
     from scd_serve.bench import plot
-    from scd_serve.bench.quality import f1_by_method
-    from scd_serve.bench.report import check_targets
+    from scd_serve.bench.report import check_targets, f1_by_method
     from scd_serve.bench.ttft import run_ttft
 
     if args.quick:

@@ -1,7 +1,5 @@
 """Which dtype is faster for this CPU's matmuls: a one-minute check before choosing `--dtype`.
 
-    python -m scd_serve.bench.matmul_dtype [--tokens 1024] [--hidden 896] [--inter 4864] [--threads 1]
-
 Without native bf16 (AVX512_BF16 or AMX) torch converts bfloat16 to float32 inside the
 kernels, which can cost more than the halved weights save. The default shapes are one
 Qwen2.5-0.5B MLP projection over a 1k-token prompt.
@@ -15,13 +13,6 @@ import torch
 
 from scd_serve.bench.stats import median_s
 from scd_serve.model.loader import DTYPES
-
-
-def median_matmul_s(tokens: int, hidden: int, inter: int, dtype: torch.dtype, repeat: int) -> float:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)  # [T, hidden]: a prompt's activations
-    w = torch.randn(inter, hidden, generator=gen).to(dtype)  # [inter, hidden]: as nn.Linear stores it
-    return median_s(lambda _: torch.nn.functional.linear(x, w), repeat)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.repeat}")
     base = None
     for name in args.dtypes:
-        t = median_matmul_s(args.tokens, args.hidden, args.inter, DTYPES[name], args.repeat)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(args.tokens, args.hidden, generator=gen).to(DTYPES[name])  # [T, hidden]: activations
+        w = torch.randn(args.inter, args.hidden, generator=gen).to(DTYPES[name])  # [inter, hidden], nn.Linear
+        t = median_s(lambda _: torch.nn.functional.linear(x, w), args.repeat)
         base = base or t
         print(f"{name:<10}{t * 1e3:>10.1f} ms{flops / t / 1e9:>10.1f} GFLOP/s{t / base:>8.2f}x float32")
     return 0

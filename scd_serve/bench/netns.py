@@ -11,11 +11,27 @@ import atexit
 import os
 import shutil
 import subprocess
+import sys
 
 from scd_serve.planner.units import tc_rate
 from scd_serve.errors import Unavailable
 
 MIN_BURST = 16 * 1024  # bytes; tbf splits larger GSO packets itself
+_SEND = """
+import socket, sys
+s = socket.create_server(({host!r}, 0)); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); buf = bytes(1 << 20); left = {n}
+while left > 0:
+    c.sendall(buf[:min(left, len(buf))]); left -= len(buf)
+c.close()
+"""
+_RECV = """
+import socket, time
+c = socket.create_connection(({host!r}, {port}), timeout=30); n = 0; t = None
+while b := c.recv(1 << 20):
+    t = t or time.perf_counter(); n += len(b)
+print(n / (time.perf_counter() - t))
+"""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -87,11 +103,22 @@ class NetnsLink:
             self.burst_bytes = burst
 
     def measure_throughput(self, nbytes: int = 8 << 20) -> float | None:
-        """Bytes/s of one TCP stream producer -> consumer through the shaped veth (None on failure)."""
-        return measure_tcp(self.exec_prefix("producer"), self.exec_prefix("consumer"), self.producer_host, nbytes)
+        """Bytes/s of a plain-socket stream producer -> consumer through the shaped veth (None on failure)."""
+        host = self.producer_host
+        send = [*self.exec_prefix("producer"), sys.executable, "-c", _SEND.format(host=host, n=nbytes)]
+        sender = subprocess.Popen(send, stdout=subprocess.PIPE, text=True)
+        try:
+            recv = _RECV.format(host=host, port=int(sender.stdout.readline()))
+            out = subprocess.run([*self.exec_prefix("consumer"), sys.executable, "-c", recv],
+                                 capture_output=True, text=True, timeout=120)
+            return float(out.stdout.strip())
+        except (ValueError, subprocess.TimeoutExpired):
+            return None
+        finally:
+            sender.kill()
+            sender.wait()
 
     def exec_prefix(self, side: str) -> list[str]:
-        """Command prefix that runs a process on `side` ('producer' or 'consumer')."""
         return ["ip", "netns", "exec", self.producer_ns if side == "producer" else self.consumer_ns]
 
     def producer_addr(self, port: int) -> str:
@@ -112,38 +139,3 @@ class NetnsLink:
     def describe(self) -> dict:
         return {"kind": self.kind, "producer_ns": self.producer_ns, "consumer_ns": self.consumer_ns,
                 "burst_bytes": self.burst_bytes, "shaped_in_kernel": True}
-
-
-_SEND = """
-import socket, sys
-s = socket.create_server(({host!r}, 0)); print(s.getsockname()[1], flush=True)
-c, _ = s.accept(); buf = bytes(1 << 20); left = {n}
-while left > 0:
-    c.sendall(buf[:min(left, len(buf))]); left -= len(buf)
-c.close()
-"""
-_RECV = """
-import socket, time
-c = socket.create_connection(({host!r}, {port}), timeout=30); n = 0; t = None
-while b := c.recv(1 << 20):
-    t = t or time.perf_counter(); n += len(b)
-print(n / (time.perf_counter() - t))
-"""
-
-
-def measure_tcp(send_prefix: list[str], recv_prefix: list[str], host: str, nbytes: int) -> float | None:
-    """A plain-socket transfer of `nbytes` from one side to the other; -> achieved bytes/s."""
-    import sys
-
-    sender = subprocess.Popen([*send_prefix, sys.executable, "-c", _SEND.format(host=host, n=nbytes)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(sender.stdout.readline())
-        out = subprocess.run([*recv_prefix, sys.executable, "-c", _RECV.format(host=host, port=port)],
-                             capture_output=True, text=True, timeout=120)
-        return float(out.stdout.strip())
-    except (ValueError, subprocess.TimeoutExpired):
-        return None
-    finally:
-        sender.kill()
-        sender.wait()

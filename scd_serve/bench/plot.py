@@ -8,10 +8,6 @@ from pathlib import Path
 from scd_serve.extras import pyplot
 
 
-def _plt():
-    return pyplot("bench", "bench --plot")
-
-
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -27,7 +23,7 @@ def _rows(doc: dict, tokens: int, mode: str):
 
 
 def ttft_vs_bandwidth(doc: dict, path: Path, tokens: int, mode: str = "warm") -> Path:
-    plt = _plt()
+    plt = pyplot("bench", "bench --plot")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, list[tuple[float, float]]] = {}
     for p, r in _rows(doc, tokens, mode):
@@ -47,8 +43,7 @@ def ttft_vs_bandwidth(doc: dict, path: Path, tokens: int, mode: str = "warm") ->
 
 
 def pareto(doc: dict, f1: dict[str, float], path: Path, tokens: int, mode: str = "warm") -> Path:
-    plt = _plt()
-    n = len(doc["sweep"])
+    plt, n = pyplot("bench", "bench --plot"), len(doc["sweep"])
     cols = min(3, max(1, n))
     rows = math.ceil(n / cols) if n else 1
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)

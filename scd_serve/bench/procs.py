@@ -75,6 +75,4 @@ def stop(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
 
 
 def log_tail(log: Path | None, n: int = 1200) -> str:
-    if log is None or not log.exists():
-        return ""
-    return "; log tail:\n" + log.read_text(errors="replace")[-n:]
+    return "" if log is None or not log.exists() else "; log tail:\n" + log.read_text(errors="replace")[-n:]

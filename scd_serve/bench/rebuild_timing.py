@@ -1,7 +1,5 @@
 """Rebuild time of each transfer method against the consumer's own prefill, same prompt length.
 
-    python -m scd_serve.bench.rebuild_timing --producer DIR --consumer DIR --codebook DIR --tokens 1024
-
 Rebuild = the codec's prompt-only prepare + decode_layer and the KV write of every layer;
 prefill = the consumer's layer-wise prefill + write_kv (the oracle). Medians of --repeat.
 --cold: a freshly loaded codec per rebuild, so no token's rows are kept from an earlier

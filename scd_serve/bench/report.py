@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+from pathlib import Path
 
 from scd_serve.bench.stats import median
 from scd_serve.config.prefill import PrefillConfig
+from scd_serve.errors import ConfigError
 
 BREAKDOWN = ("producer_s", "first_chunk_s", "wire_s", "rebuild_s", "rebuild_tail_s",
              "first_step_s")
@@ -140,11 +143,29 @@ def auto_targets(doc: dict) -> dict:
             "server_prediction_error": doc["auto"].get("server_prediction_error")}
 
 
+def f1_by_method(path: Path) -> dict[str, float]:
+    """F1 per transfer method from the eval harness's JSON (`scd-serve eval --table --json`)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read quality JSON {path}: {exc}", field="quality") from exc
+    rows = doc.get("methods") or doc.get("rows") or doc.get("results") or doc
+    out: dict[str, float] = {}
+    if isinstance(rows, dict):
+        rows = [dict(v, method=k) if isinstance(v, dict) else {"method": k, "f1": v} for k, v in rows.items()]
+    for row in rows if isinstance(rows, list) else []:
+        if isinstance(row, dict) and "method" in row and isinstance(row.get("f1"), (int, float)):
+            out[str(row["method"])] = float(row["f1"])
+    if not out:
+        raise ConfigError(f"no per-method F1 found in {path}", field="quality")
+    if "local" in out and "oracle" not in out:
+        out["oracle"] = out["local"]
+    return out
+
+
 def pick(doc: dict, bw_index: int, method: str, tokens: int, mode: str) -> dict | None:
-    for r in doc["sweep"][bw_index]["rows"]:
-        if r["method"] == method and r["prompt_tokens"] == tokens and r["mode"] in (mode, "local"):
-            return r
-    return None
+    return next((r for r in doc["sweep"][bw_index]["rows"] if r["method"] == method
+                 and r["prompt_tokens"] == tokens and r["mode"] in (mode, "local")), None)
 
 
 def check_targets(doc: dict, f1: dict[str, float] | None, tokens: int = 1024) -> dict:

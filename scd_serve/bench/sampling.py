@@ -1,7 +1,5 @@
 """Time the engine's sampler on one step's logits (a command printing figures, not a test).
 
-    python -m scd_serve.bench.sampling [--vocab 151936] [--batch 16] [--repeats 5]
-
 Random logits (scale 3) are flatter than a model's, so top_p sorts every row: its worst case.
 """
 

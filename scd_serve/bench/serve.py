@@ -60,8 +60,7 @@ def start_target(name: str, args, logs: Path):
         cmd = [sys.executable, "-m", "scd_serve.bench.baseline", "--model", args.consumer, "--port", str(port),
                "--threads", "1", "--batch", str(args.concurrency if name == "static" else 1)]
     log = logs / f"{name}.log"
-    proc = procs.spawn(cmd, log)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = procs.spawn(cmd, log), f"http://127.0.0.1:{port}"
     procs.wait_http(url + "/ready", proc, args.start_timeout, log)
     return proc, url
 
@@ -153,6 +152,5 @@ def run_serve(args) -> dict:
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
             "requests_per_rate": {str(r): requests_for(r, args) for r in rates},
             "slo": {"ttft_s": slo.ttft_s, "mean_itl_s": slo.itl_s}, "rates_rps": rates, "targets": results,
-            "concurrent_streams": args.concurrency,
-            "batching_speedup_tokens_per_s": ratio,
+            "concurrent_streams": args.concurrency, "batching_speedup_tokens_per_s": ratio,
             "target_4x_met": ratio is not None and ratio >= 4.0}

@@ -1,7 +1,5 @@
 """`scd-serve make-shaped-pair`: a random-weight producer/consumer pair with a real model's shape.
 
-    scd-serve make-shaped-pair --config qwen2.5-0.5b --out out/shaped [--seed 0] [--rope-theta-consumer 1e4]
-
 Random weights say nothing about quality; the pair measures COST at a real shape
 (calibration time and memory, codebook against weight bytes, rebuild against prefill, TTFT)
 without downloading anything. Under --out:
@@ -172,16 +170,15 @@ def make_shaped_pair(args: argparse.Namespace, log=print) -> dict:
     consumer_bytes = save(model, tokenizer, out / "consumer")
     lap("save consumer")
 
-    report = {
-        "note": "random weights: this pair measures cost, never quality",
-        "config": args.config, "layers": cfg["num_hidden_layers"], "seed": args.seed,
-        "rope_theta": {"producer": theta, "consumer": theta_b}, "perturb": args.perturb,
-        "params": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": {"producer": producer_bytes, "consumer": consumer_bytes},
-        "tokenizer_tokens": len(tokenizer), "records": {"calibration": min(args.records, len(records)),
-                                                         "heldout": max(0, min(args.records, len(records) - args.records))},
-        "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1),
-    }
+    report = {"note": "random weights: this pair measures cost, never quality",
+              "config": args.config, "layers": cfg["num_hidden_layers"], "seed": args.seed,
+              "rope_theta": {"producer": theta, "consumer": theta_b}, "perturb": args.perturb,
+              "params": sum(p.numel() for p in model.parameters()),
+              "weight_bytes": {"producer": producer_bytes, "consumer": consumer_bytes},
+              "tokenizer_tokens": len(tokenizer),
+              "records": {"calibration": min(args.records, len(records)),
+                          "heldout": max(0, min(args.records, len(records) - args.records))},
+              "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1)}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
 

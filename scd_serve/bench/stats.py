@@ -87,21 +87,13 @@ def median_s(fn, repeat: int, setup=lambda: None) -> float:
 
 def summarize(results: list[RequestResult], wall_s: float, slo: Slo) -> dict:
     ok = [r for r in results if r.ok]
-    tokens = sum(r.tokens for r in ok)
     good = [r for r in ok if slo.met(r)]
-    itls = [x for r in ok for x in r.itls]
-    return {
-        "requests": len(results),
-        "completed": len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "num_errors": len(results) - len(ok),
-        "wall_s": wall_s,
-        "ttft_s": dist([r.ttft for r in ok]),
-        "itl_s": dist(itls),
-        "e2e_s": dist([r.e2e for r in ok]),
-        "throughput_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
-        "throughput_requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
-        "goodput_requests_per_s": len(good) / wall_s if wall_s > 0 else 0.0,
-        "goodput_tokens_per_s": sum(r.tokens for r in good) / wall_s if wall_s > 0 else 0.0,
-        "slo": {"ttft_s": slo.ttft_s, "mean_itl_s": slo.itl_s, "met": len(good)},
-    }
+    rate = lambda x: x / wall_s if wall_s > 0 else 0.0  # noqa: E731
+    return {"requests": len(results), "completed": len(ok),
+            "errors": sorted({r.error for r in results if r.error})[:5], "num_errors": len(results) - len(ok),
+            "wall_s": wall_s, "ttft_s": dist([r.ttft for r in ok]),
+            "itl_s": dist([x for r in ok for x in r.itls]), "e2e_s": dist([r.e2e for r in ok]),
+            "throughput_tokens_per_s": rate(sum(r.tokens for r in ok)),
+            "throughput_requests_per_s": rate(len(ok)), "goodput_requests_per_s": rate(len(good)),
+            "goodput_tokens_per_s": rate(sum(r.tokens for r in good)),
+            "slo": {"ttft_s": slo.ttft_s, "mean_itl_s": slo.itl_s, "met": len(good)}}

@@ -10,8 +10,6 @@ layer's times measure when its work was queued. TTFT = hand-off to the transfer 
 first token; the oracle is this consumer's own prefill. With a `worker` URL (`bench ttft
 --worker`) it times a real `scd-serve decode` instead: streamed /v1/completions with
 max_tokens=1, send -> first token event.
-
-    python -m scd_serve.bench.transfer_probe --consumer DIR [--codebook DIR]
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ class Probe:
             from scd_serve.transport.client import PrefillClient
 
             c = PrefillClient(address, TransportConfig(prefill_timeout_s=600.0))
-            info = await c.info(timeout=30.0)
-            self.clients[address] = (c, info)
+            self.clients[address] = (c, await c.info(timeout=30.0))
         return self.clients[address]
 
     def prompt(self, n: int, seed: int) -> list[int]:
@@ -154,8 +151,7 @@ class Probe:
         for n in cmd["prompt_tokens"]:
             for method in cmd["methods"]:
                 if method == "oracle":
-                    ids = self.prompt(n, cmd["seed"])
-                    self.oracle(ids)  # warm-up
+                    self.oracle(self.prompt(n, cmd["seed"]))  # warm-up
                     samples = [self.oracle(self.prompt(n, cmd["seed"] + r)) for r in range(cmd["reps"])]
                     rows.append({"method": method, "prompt_tokens": n, "mode": "local", "samples": samples})
                     continue

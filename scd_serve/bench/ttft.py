@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 
 from scd_serve.bench import procs
-from scd_serve.bench.link import open_link
 from scd_serve.bench.loadgen import random_prompt
+from scd_serve.bench.netns import NetnsLink
 from scd_serve.bench.report import summarize_rows
 from scd_serve.bench.stats import median
+from scd_serve.bench.tbproxy import ProxyLink
+from scd_serve.planner.shapes import load_shape
 from scd_serve.planner.units import fmt_bandwidth, parse_bandwidth
-from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed
+from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed, Unavailable
 
 RAW_SHARES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)  # raw wire time / oracle TTFT at the reference length
 CEILING_SHARE = 0.6  # a tbf rate above this share of the unshaped throughput is not what limits the wire
@@ -74,24 +76,23 @@ class ProbeProcess:
         procs.stop(self.proc)
 
 
-def raw_payload_bytes(consumer_dir: str, tokens: int) -> float:
-    """16-bit K and V of every layer for T-1 tokens: what `raw` ships."""
-    from scd_serve.planner.shapes import load_shape
-
-    s = load_shape(consumer_dir)
-    return s.num_layers * (tokens - 1) * 2 * s.kv_width * 2
+def open_link(force_fallback: bool = False):
+    """An entered link (NetnsLink, kernel namespaces, when possible; else the labelled userspace
+    fallback, ProxyLink); the caller must call .down()."""
+    reason = "--no-netns given" if force_fallback else NetnsLink.available()
+    if reason is None:
+        try:
+            return NetnsLink().up()
+        except Unavailable as exc:
+            reason = exc.message
+    print(f"bench: network namespaces unavailable ({reason}); using the in-process "
+          f"userspace token-bucket proxy instead - results are labelled as such", file=sys.stderr)
+    return ProxyLink(reason).up()
 
 
 def choose_sweep(oracle_s: float, raw_bytes: float, shares=RAW_SHARES) -> list[float]:
     """Bandwidths (bytes/s) at which raw transfer takes each share of the oracle's TTFT."""
     return sorted((raw_bytes / (share * oracle_s) for share in shares), reverse=True)
-
-
-def bench_prompt(consumer_dir: str, n: int, seed: int) -> list[int]:
-    """The probe's prompt (Probe.prompt), so `auto` and the fixed methods are warm on the same codes."""
-    from scd_serve.planner.shapes import load_shape
-
-    return random_prompt(load_shape(consumer_dir).vocab_size, n, seed)
 
 
 def allowed_methods(args) -> dict:
@@ -121,8 +122,9 @@ def start_client(link, logs: Path, deadline_s: float) -> ProbeProcess:
 
 
 def auto_body(args, n: int, method: str = AUTO) -> dict:
-    return {"prompt": bench_prompt(args.consumer, n, args.seed), "max_tokens": 1, "temperature": 0.0,
-            "ignore_eos": True, "scd_method": method}
+    # the probe's prompt (Probe.prompt), so `auto` and the fixed methods are warm on the same codes
+    return {"prompt": random_prompt(load_shape(args.consumer).vocab_size, n, args.seed), "max_tokens": 1,
+            "temperature": 0.0, "ignore_eos": True, "scd_method": method}
 
 
 def start_prefill(args, link, logs: Path) -> tuple[subprocess.Popen, str]:
@@ -167,11 +169,10 @@ def run_ttft(args) -> dict:
     server = probe = worker_proc = client = None
     try:
         server, address = start_prefill(args, link, logs)
-        probe_cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.bench.transfer_probe",
-                     "--consumer", args.consumer]
-        if args.codebook:
-            probe_cmd += ["--codebook", args.codebook]
-        probe = ProbeProcess(probe_cmd, logs / "probe.log", args.start_timeout)
+        book = ["--codebook", args.codebook] if args.codebook else []
+        probe = ProbeProcess([*link.exec_prefix("consumer"), sys.executable, "-m",
+                              "scd_serve.bench.transfer_probe", "--consumer", args.consumer, *book],
+                             logs / "probe.log", args.start_timeout)
         base = {"prefill": address, "reps": args.reps, "seed": args.seed}
         # unshaped calibration: the oracle (local prefill) and the producer's prefill alone (identity, cold)
         link.set_rate(None)
@@ -181,10 +182,9 @@ def run_ttft(args) -> dict:
         oracle_ref = _median([s["ttft_s"] for r in calib if r["method"] == "oracle" and r["prompt_tokens"] == ref
                               for s in r["samples"]])
         ceiling = link.measure_throughput(32 << 20)  # unshaped: what the veth + CPU carry at most
-        if args.bandwidths:
-            sweep = [parse_bandwidth(b) for b in args.bandwidths]
-        else:
-            sweep = choose_sweep(oracle_ref, raw_payload_bytes(args.consumer, ref))
+        shape = load_shape(args.consumer)  # raw ships 16-bit K and V of every layer for T-1 tokens
+        sweep = ([parse_bandwidth(b) for b in args.bandwidths] if args.bandwidths
+                 else choose_sweep(oracle_ref, shape.num_layers * (ref - 1) * 2 * shape.kv_width * 2))
         notes = []
         if ceiling and any(bw > CEILING_SHARE * ceiling for bw in sweep):
             notes.append(f"rates above {CEILING_SHARE:.0%} of the unshaped link ({fmt_bandwidth(ceiling)}) are "
@@ -225,10 +225,9 @@ def run_ttft(args) -> dict:
                     client.ask({"cmd": "metrics", "url": worker}, 60)["text"])}
         link_info = {**link.describe(), "unshaped_tcp_bytes_per_s": ceiling, "notes": notes}
     finally:
-        if client:
-            client.close()
-        if probe:
-            probe.close()
+        for helper in (client, probe):
+            if helper:
+                helper.close()
         procs.stop(worker_proc)
         procs.stop(server)
         link.down()

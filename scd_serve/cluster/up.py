@@ -69,9 +69,7 @@ class Child:
     """One worker process; its stdout is echoed with a prefix and scanned for its URL line."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]):
-        self.name = name
-        self.argv = argv
-        self.env = env
+        self.name, self.argv, self.env = name, argv, env
         self.lines: list[str] = []
         self.restarts = 0
         self.start()
@@ -97,26 +95,20 @@ class Child:
             time.sleep(0.05)
         raise Unavailable(f"{self.name} did not start in time")
 
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def wait_or_kill(self, deadline: float) -> None:
-        try:
-            self.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only its processes
-            self.proc.wait(5)
-
 
 def stop_all(tiers: list[list[Child]]) -> None:
     """SIGTERM tier by tier (each tier in parallel), SIGKILL what outlives the grace period."""
     for tier in tiers:
         for child in tier:
-            child.terminate()
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for child in tier:
-            child.wait_or_kill(deadline)
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(child.proc.pid, signal.SIGKILL)  # its own session: only its processes
+                child.proc.wait(5)
 
 
 def _get_json(url: str) -> tuple[int, dict]:
@@ -173,8 +165,7 @@ def run(args) -> int:
         raise ConfigError("--prefill-workers and --decode-workers must be >= 1")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: _stop.set())
-    deadline = time.monotonic() + args.ready_timeout_s
-    env = cluster_env(os.environ)
+    deadline, env = time.monotonic() + args.ready_timeout_s, cluster_env(os.environ)
     insecure = ["--insecure"] if args.insecure else []
     gateway = Child("gateway", ["gateway", "--host", args.host, "--port", str(args.port),
                                 "--control-bind", "tcp://127.0.0.1:0", *insecure], env)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scd_serve.errors import ConfigError
+from scd_serve.errors import ConfigError, check_range
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,7 @@ class ApiConfig:
     timeout_keep_alive_s: int = 5  # idle keep-alive connections are closed after this (uvicorn)
 
     def __post_init__(self) -> None:
-        if not (0 <= self.port <= 65535):
-            raise ConfigError(f"api.port must be in [0, 65535], got {self.port}")
+        check_range("api.port", self.port, 0, 65535)
         for name in ("max_body_bytes", "max_model_len", "max_tokens_cap", "default_max_tokens",
                      "max_stop_chars", "timeout_keep_alive_s"):
             value = getattr(self, name)
@@ -38,8 +37,7 @@ class ApiConfig:
                 raise ConfigError(f"api.{name} must be an integer >= 1, got {value!r}")
         if self.max_stop < 0:
             raise ConfigError(f"api.max_stop must be >= 0, got {self.max_stop}")
-        if not (0 < self.request_timeout_s <= 86400):
-            raise ConfigError(f"api.request_timeout_s must be in (0, 86400], got {self.request_timeout_s}")
+        check_range("api.request_timeout_s", self.request_timeout_s, 0, 86400, open_low=True)
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
             raise ConfigError(f"api.served_model_names must be non-empty names, got {self.served_model_names!r}")
         if not self.default_method:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scd_serve.errors import ConfigError
+from scd_serve.errors import ConfigError, check_range
 
 SECRET_ENV = "SCD_CLUSTER_SECRET"
 MIN_SECRET_CHARS = 16
@@ -30,8 +30,7 @@ class ControlConfig:
     resolve_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not (0 < self.heartbeat_s <= 60):
-            raise ConfigError(f"control.heartbeat_s must be in (0, 60], got {self.heartbeat_s}")
+        check_range("control.heartbeat_s", self.heartbeat_s, 0, 60, open_low=True)
         if self.worker_ttl_s < 2 * self.heartbeat_s:
             raise ConfigError(f"control.worker_ttl_s ({self.worker_ttl_s}) must be at least twice "
                               f"heartbeat_s ({self.heartbeat_s})")
@@ -40,14 +39,10 @@ class ControlConfig:
         if self.secret and len(self.secret) < MIN_SECRET_CHARS:
             raise ConfigError(f"the cluster secret must have at least {MIN_SECRET_CHARS} characters "
                               f"(e.g. `openssl rand -hex 32`)")
-        if not (1 <= self.max_clock_skew_s <= 3600):
-            raise ConfigError(f"control.max_clock_skew_s must be in [1, 3600], got {self.max_clock_skew_s}")
-        if not (1 <= self.max_workers <= 65536):
-            raise ConfigError(f"control.max_workers must be in [1, 65536], got {self.max_workers}")
-        if not (0 < self.verify_timeout_s <= 60):
-            raise ConfigError(f"control.verify_timeout_s must be in (0, 60], got {self.verify_timeout_s}")
-        if not (0 < self.resolve_s <= 3600):
-            raise ConfigError(f"control.resolve_s must be in (0, 3600], got {self.resolve_s}")
+        check_range("control.max_clock_skew_s", self.max_clock_skew_s, 1, 3600)
+        check_range("control.max_workers", self.max_workers, 1, 65536)
+        check_range("control.verify_timeout_s", self.verify_timeout_s, 0, 60, open_low=True)
+        check_range("control.resolve_s", self.resolve_s, 0, 3600, open_low=True)
 
 
 def add_control_arguments(parser) -> None:
@@ -59,18 +54,15 @@ def add_control_arguments(parser) -> None:
                    help="start even with a non-loopback listener or control plane that has no authentication")
 
 
-def read_secret(path: str) -> str:
-    """The secret in `path`, surrounding whitespace removed; ConfigError if unreadable or empty."""
+def control_config_from_args(args) -> ControlConfig:
+    """The secret from --cluster-secret-file (surrounding whitespace removed), else $SCD_CLUSTER_SECRET."""
+    path = getattr(args, "cluster_secret_file", "")
+    if not path:
+        return ControlConfig(secret=os.environ.get(SECRET_ENV, "").strip())
     try:
         secret = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--cluster-secret-file {path}: cannot read it ({type(exc).__name__})") from None
     if not secret:
         raise ConfigError(f"--cluster-secret-file {path} is empty")
-    return secret
-
-
-def control_config_from_args(args, **overrides) -> ControlConfig:
-    path = getattr(args, "cluster_secret_file", "")
-    secret = read_secret(path) if path else os.environ.get(SECRET_ENV, "").strip()
-    return ControlConfig(secret=secret, **overrides)
+    return ControlConfig(secret=secret)

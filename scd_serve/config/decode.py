@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from scd_serve.config.model import DTYPE_CHOICES
 from scd_serve.config.transport import TransportConfig
 from scd_serve.config.address import check_address
-from scd_serve.errors import ConfigError
+from scd_serve.errors import ConfigError, check_range
 
 DEFAULT_CONSUMER = "models/demo-pair/consumer"
 DEFAULT_CODEBOOK = "models/demo-pair/codebook"
@@ -37,14 +37,10 @@ class ChooserConfig:
         b = self.quality_budget
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0):
             raise ConfigError(f"decode.chooser.quality_budget must be a finite KL >= 0 (or unset), got {b!r}")
-        if not 0 < self.smoothing <= 1:
-            raise ConfigError(f"decode.chooser.smoothing must be in (0, 1], got {self.smoothing}")
-        if not 0.1 <= self.stale_s <= 3600:
-            raise ConfigError(f"decode.chooser.stale_s must be in [0.1, 3600], got {self.stale_s}")
-        if not 1 <= self.probe_ratio <= 100:
-            raise ConfigError(f"decode.chooser.probe_ratio must be in [1, 100], got {self.probe_ratio}")
-        if not 0 <= self.cache_entries <= 1_000_000:
-            raise ConfigError(f"decode.chooser.cache_entries must be in [0, 1000000], got {self.cache_entries}")
+        check_range("decode.chooser.smoothing", self.smoothing, 0, 1, open_low=True)
+        check_range("decode.chooser.stale_s", self.stale_s, 0.1, 3600)
+        check_range("decode.chooser.probe_ratio", self.probe_ratio, 1, 100)
+        check_range("decode.chooser.cache_entries", self.cache_entries, 0, 1_000_000)
 
 
 def split_peers(value: str) -> tuple[str, ...]:
@@ -98,20 +94,15 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("decode.model must name a model directory")
-        if not (0 <= self.port <= 65535):
-            raise ConfigError(f"decode.port must be in [0, 65535], got {self.port}")
+        check_range("decode.port", self.port, 0, 65535)
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"decode.dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"decode.fallback must be one of {FALLBACKS}, got {self.fallback!r}")
-        if not 1 <= self.max_attempts <= 8:
-            raise ConfigError(f"decode.max_attempts must be in [1, 8], got {self.max_attempts}")
-        if not 1 <= self.breaker_failures <= 100:
-            raise ConfigError(f"decode.breaker_failures must be in [1, 100], got {self.breaker_failures}")
-        if not 0.01 <= self.breaker_cooldown_s <= 30:
-            raise ConfigError(f"decode.breaker_cooldown_s must be in [0.01, 30], got {self.breaker_cooldown_s}")
-        if not 0.05 <= self.health_period_s <= 60:
-            raise ConfigError(f"decode.health_period_s must be in [0.05, 60], got {self.health_period_s}")
+        check_range("decode.max_attempts", self.max_attempts, 1, 8)
+        check_range("decode.breaker_failures", self.breaker_failures, 1, 100)
+        check_range("decode.breaker_cooldown_s", self.breaker_cooldown_s, 0.01, 30)
+        check_range("decode.health_period_s", self.health_period_s, 0.05, 60)
         if not self.method:
             raise ConfigError("decode.method must name a transfer method (or 'local')")
         if not self.request_timeout_s > 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scd_serve.errors import ConfigError
+from scd_serve.errors import ConfigError, check_range
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,7 @@ class GatewayConfig:
     max_attempts: int = 2  # decode workers tried when one cannot be reached (before any byte)
 
     def __post_init__(self) -> None:
-        if not (0 <= self.port <= 65535):
-            raise ConfigError(f"gateway.port must be in [0, 65535], got {self.port}")
+        check_range("gateway.port", self.port, 0, 65535)
         if not self.control_bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"gateway.control_bind must look like tcp://HOST:PORT, got {self.control_bind!r}")
         if self.max_body_bytes < 1024:
@@ -30,5 +29,4 @@ class GatewayConfig:
         for name in ("connect_timeout_s", "request_timeout_s"):
             if not (0 < getattr(self, name) <= 86400):
                 raise ConfigError(f"gateway.{name} must be in (0, 86400] seconds")
-        if not 1 <= self.max_attempts <= 8:
-            raise ConfigError(f"gateway.max_attempts must be in [1, 8], got {self.max_attempts}")
+        check_range("gateway.max_attempts", self.max_attempts, 1, 8)

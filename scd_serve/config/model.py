@@ -14,12 +14,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # Local Hugging Face directory: config.json + *.safetensors (+ tokenizer files).
-    path: str
-    # "cpu" (default; nothing assumes a GPU) or "cuda" / "cuda:N".
-    device: str = "cpu"
-    # Compute and KV-pool dtype.
-    dtype: str = "float32"
+    path: str  # local Hugging Face directory: config.json + *.safetensors (+ tokenizer files)
+    device: str = "cpu"  # "cpu" (default; nothing assumes a GPU) or "cuda" / "cuda:N"
+    dtype: str = "float32"  # compute and KV-pool dtype
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:

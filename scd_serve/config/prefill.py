@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from scd_serve.config.model import DTYPE_CHOICES
 from scd_serve.config.transport import MiB, TransportConfig
-from scd_serve.errors import ConfigError
+from scd_serve.errors import ConfigError, check_range
 
 DEFAULT_PRODUCER = "models/demo-pair/producer"
 DEFAULT_CODEBOOK = "models/demo-pair/codebook"
@@ -40,8 +40,7 @@ class PrefillConfig:
         if not self.model:
             raise ConfigError("prefill.model must name a model directory")
         for name in ("port", "metrics_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ConfigError(f"prefill.{name} must be in [0, 65535], got {getattr(self, name)}")
+            check_range(f"prefill.{name}", getattr(self, name), 0, 65535)
         if self.metrics_port and self.metrics_port == self.port:
             raise ConfigError(f"prefill.metrics_port must differ from the gRPC port {self.port}")
         if self.dtype not in DTYPE_CHOICES:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from scd_serve.errors import ConfigError
 
@@ -62,9 +62,6 @@ def add_transport_arguments(parser) -> None:
                    help="decode side: longest wait for the next message of a transfer before the worker counts as hung")
 
 
-def transport_config_from_args(args, **overrides) -> TransportConfig:
-    return TransportConfig(max_message_bytes=args.max_message_mb * MiB, worker_token=args.worker_token,
-                           tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                           tls_server_name=args.tls_server_name, rpc_timeout_s=args.rpc_timeout_s,
-                           prefill_timeout_s=args.prefill_timeout_s, stall_timeout_s=args.stall_timeout_s,
-                           **overrides)
+def transport_config_from_args(args) -> TransportConfig:
+    flags = {f.name: getattr(args, f.name) for f in fields(TransportConfig) if hasattr(args, f.name)}
+    return TransportConfig(**flags | {"max_message_bytes": args.max_message_mb * MiB})

@@ -57,9 +57,7 @@ def listener(what: str, host: str, authenticated: bool, hint: str) -> Exposure:
 
 def control_plane(url: str, secret: str) -> Exposure | None:
     """The control plane a role binds or joins (None when it has none)."""
-    if not url:
-        return None
-    return Exposure("control plane", url, url_is_local(url), bool(secret), SECRET_HINT)
+    return Exposure("control plane", url, url_is_local(url), bool(secret), SECRET_HINT) if url else None
 
 
 def refuse_open(role: str, exposures: list[Exposure | None], insecure: bool) -> None:

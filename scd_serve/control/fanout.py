@@ -68,7 +68,11 @@ class HeartbeatFanout:
         while True:
             await asyncio.sleep(self.config.resolve_s)
             endpoints = await asyncio.get_running_loop().run_in_executor(None, self.resolver, self.url)
-            await self._sync_async(endpoints)
+            self._sync(endpoints)
+            for endpoint in [e for e in self.clients if e not in endpoints]:
+                log.info("control: the registry at %s is gone from %s", endpoint, self.url)
+                self._lists.pop(endpoint, None)
+                await self.clients.pop(endpoint).close()
 
     def _sync(self, endpoints: list[str]) -> None:
         for endpoint in endpoints:
@@ -78,13 +82,6 @@ class HeartbeatFanout:
                                          on_peers=lambda workers, e=endpoint: self._peers_from(e, workers))
                 self.clients[endpoint] = client
                 client.start()
-
-    async def _sync_async(self, endpoints: list[str]) -> None:
-        self._sync(endpoints)
-        for endpoint in [e for e in self.clients if e not in endpoints]:
-            log.info("control: the registry at %s is gone from %s", endpoint, self.url)
-            self._lists.pop(endpoint, None)
-            await self.clients.pop(endpoint).close()
 
     def _peers_from(self, endpoint: str, workers: list[dict]) -> None:
         self._lists[endpoint] = workers

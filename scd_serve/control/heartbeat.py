@@ -64,7 +64,11 @@ class HeartbeatClient:
                 pass  # registry not reachable yet: try again next period
             except Exception:  # a load() bug must not stop the heartbeats silently forever
                 log.exception("control: heartbeat failed")
-            self._check_silence()
+            silent = time.monotonic() - self._last_reply
+            if silent > max(SILENT_WARN_S, 10 * self.config.heartbeat_s) and not self._warned_silent:
+                self._warned_silent = True
+                log.warning("control: no valid answer from the registry at %s for %.0f s (is it up, and does "
+                            "it have the same cluster secret?)", self.url, silent)
             deadline = asyncio.get_running_loop().time() + self.config.heartbeat_s
             try:
                 while (left := deadline - asyncio.get_running_loop().time()) > 0:
@@ -74,13 +78,6 @@ class HeartbeatClient:
             except zmq.ZMQError as exc:  # the socket failed: try again next period, never stop
                 log.warning("control: receiving from the registry failed: %s", exc)
                 await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
-
-    def _check_silence(self) -> None:
-        silent = time.monotonic() - self._last_reply
-        if silent > max(SILENT_WARN_S, 10 * self.config.heartbeat_s) and not self._warned_silent:
-            self._warned_silent = True
-            log.warning("control: no valid answer from the registry at %s for %.0f s (is it up, and does it "
-                        "have the same cluster secret?)", self.url, silent)
 
     def _on_reply(self, raw: bytes) -> None:
         try:

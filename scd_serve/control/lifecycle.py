@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn
 
 from scd_serve.config.address import join_host_port
+from scd_serve.config.control import control_config_from_args
 from scd_serve.config.model import DTYPE_CHOICES
 
 
@@ -23,8 +24,7 @@ def setup_logging(role: str) -> None:
 
 def stop_event() -> asyncio.Event:
     """An event set by SIGINT or SIGTERM (call inside the running loop)."""
-    event = asyncio.Event()
-    loop = asyncio.get_running_loop()
+    event, loop = asyncio.Event(), asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, event.set)
     return event
@@ -52,11 +52,13 @@ async def cancel_all(*tasks: asyncio.Future) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def consume_exception(fut: asyncio.Future) -> None:
-    """Done-callback: mark a future's exception as seen. For work whose failure is expected
-    once its request is gone (asyncio would otherwise log it at ERROR when collected)."""
-    if not fut.cancelled():
-        fut.exception()
+def detach(coro: Coroutine[Any, Any, Any], tasks: set[asyncio.Task]) -> None:
+    """Run `coro` as a task held in `tasks` (for cancel_all at close) until it ends. Its failure
+    is expected once its request is gone: marked seen (asyncio would log it at ERROR)."""
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def supervise(task: asyncio.Task, on_death: Callable[[BaseException], None] | None = None) -> asyncio.Task:
@@ -126,6 +128,15 @@ async def start_http(server) -> tuple[asyncio.Task, int]:
         raise ConfigError(f"HTTP listener on {server.config.host}:{server.config.port} did not start "
                           f"(port in use or shutting down)")
     return http, server.servers[0].sockets[0].getsockname()[1]
+
+
+def run_role(role: str, args, config_from_args, check_exposure, serve) -> NoReturn:
+    """A serving role's `run`: logging, its settings and the control plane's from the flags, the
+    exposure check, then serve(config, control) until stopped; exit 1 if it returned True (died)."""
+    setup_logging(role)
+    config, control = config_from_args(args), control_config_from_args(args)
+    check_exposure(config, control, args.insecure)
+    exit_now(1 if asyncio.run(serve(config, control)) else 0)
 
 
 def exit_now(code: int = 0) -> NoReturn:

@@ -29,34 +29,28 @@ MAX_LOAD = 1e6
 def validate(msg: dict) -> dict:
     """The worker message `msg` (a decoded JSON object) checked field by field, loads clamped;
     Rejected("malformed") names what is wrong."""
-    try:
-        return _validate(msg)
-    except Rejected:
-        raise
-    except ValueError as exc:
-        raise Rejected("malformed", str(exc)) from None
-
-
-def _validate(msg: dict) -> dict:
     kind, wid = msg.get("type"), msg.get("id")
     if not isinstance(wid, str) or not 0 < len(wid) <= MAX_ID:
-        raise ValueError(f"id must be a string of 1..{MAX_ID} characters")
+        raise Rejected("malformed", f"id must be a string of 1..{MAX_ID} characters")
     if kind == "bye":
         return {"type": "bye", "id": wid}
     if kind != "heartbeat":
-        raise ValueError(f"unknown message type {kind!r}")
+        raise Rejected("malformed", f"unknown message type {kind!r}")
     if msg.get("role") not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}")
+        raise Rejected("malformed", f"role must be one of {ROLES}")
     if not isinstance(msg.get("ready"), bool):
-        raise ValueError("ready must be true or false")
+        raise Rejected("malformed", "ready must be true or false")
     load = msg.get("load", {})
     if not isinstance(load, dict) or len(load) > MAX_LOAD_KEYS or not all(
             isinstance(k, str) and len(k) <= 64 and isinstance(v, (int, float)) and not isinstance(v, bool)
             and math.isfinite(v) for k, v in load.items()):
-        raise ValueError(f"load must be an object of at most {MAX_LOAD_KEYS} finite numbers")
-    load = {k: min(max(v, 0), MAX_LOAD) for k, v in load.items()}
-    return {"type": "heartbeat", "id": wid, "role": msg["role"], "address": check_address(msg.get("address")),
-            "ready": msg["ready"], "load": load}
+        raise Rejected("malformed", f"load must be an object of at most {MAX_LOAD_KEYS} finite numbers")
+    try:
+        address = check_address(msg.get("address"))
+    except ValueError as exc:
+        raise Rejected("malformed", str(exc)) from None
+    return {"type": "heartbeat", "id": wid, "role": msg["role"], "address": address, "ready": msg["ready"],
+            "load": {k: min(max(v, 0), MAX_LOAD) for k, v in load.items()}}
 
 
 @dataclass
@@ -71,18 +65,13 @@ class WorkerRecord:
     verified: bool = True
 
     def public(self) -> dict:
-        d = asdict(self)
-        d.pop("last_seen")
-        d.pop("verified")
-        return d
+        return {k: v for k, v in asdict(self).items() if k not in ("last_seen", "verified")}
 
 
 class Registry:
     def __init__(self, ttl_s: float, clock=time.monotonic, max_workers: int = 256,
                  verify_roles: tuple[str, ...] = ()):
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self.max_workers = max_workers
+        self.ttl_s, self.clock, self.max_workers = ttl_s, clock, max_workers
         self.verify_roles = frozenset(verify_roles)
         self._workers: dict[str, WorkerRecord] = {}
 
@@ -115,7 +104,6 @@ class Registry:
         return True
 
     def expire(self) -> list[WorkerRecord]:
-        """Drop workers silent for longer than ttl_s; returns them."""
         cutoff = self.clock() - self.ttl_s
         gone = [r for r in self._workers.values() if r.last_seen < cutoff]
         for r in gone:

@@ -62,8 +62,7 @@ class Envelope:
                  clock=time.time):
         self._key = _key(secret) if secret else b""
         self.send_direction, self.recv_direction = send_direction, recv_direction
-        self.max_skew_s = max_skew_s
-        self.clock = clock
+        self.max_skew_s, self.clock = max_skew_s, clock
         self._nonces: OrderedDict[str, float] = OrderedDict()  # nonce -> when it was accepted
 
     @property

@@ -79,14 +79,11 @@ def make_document(rng: random.Random, style: Style, target_len: int, num_questio
             words += [key, *value, style.end]
         else:
             words += _filler(rng, style)
-    mask = [False] * len(words)
+    mask = [False] * (len(words) + 1)
     words.append(style.q_header)
-    mask.append(False)
     for key, value in rng.sample(facts, num_questions):
-        words += [style.ask_word, key]
-        mask += [False] * 2
-        words += value + [style.end]
-        mask += [True] * (len(value) + 1)
+        words += [style.ask_word, key, *value, style.end]
+        mask += [False] * 2 + [True] * (len(value) + 1)
     return Document(words, mask), facts
 
 
@@ -128,8 +125,7 @@ def load_split(name: str, n: int, seed: int = 0) -> list[dict]:
     if name not in SPLITS:
         raise InvalidRequest(f"unknown split {name!r}; choose one of {sorted(SPLITS)}", field="split")
     style_name, (lo, hi), num_q = SPLITS[name]
-    style = STYLES[style_name]
-    out = []
+    style, out = STYLES[style_name], []
     for i in range(n):
         rng = random.Random(f"{name}:{seed}:{i}")
         target = rng.randint(lo, hi) - 1  # -1 for <bos>

@@ -65,7 +65,9 @@ class AutoMethod:
             pair = method_kl(peer.info.producer_fingerprint, self.fingerprint, self.calibration.kl,
                              self.calibration.producer)
             kl = {m: pair[m] for m in self.peers.usable_methods(peer) if m in pair}
-            running = max(_number(peer.load.get("running")), self.peers.balancer.inflight[peer.address])
+            load = peer.load.get("running")
+            load = int(load) if isinstance(load, (int, float)) and not isinstance(load, bool) else 0
+            running = max(load, self.peers.balancer.inflight[peer.address])
             out.append(PeerView(peer.address, kl, running, int(peer.info.max_concurrent)))
         return out
 
@@ -120,7 +122,3 @@ class AutoMethod:
 def fixed(method: str) -> Choice:
     """The record of a request whose method was named (by it or the server's default): no choice made."""
     return Choice(method, reason="fixed")
-
-
-def _number(x) -> int:
-    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else 0

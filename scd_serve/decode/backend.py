@@ -28,8 +28,7 @@ class DecodeBackend(EngineBackend):
         must_have_peer = self.needs_peer and peers.config.fallback != "local"
         super().__init__(engine, model_name, fills={m: self._watched_fill for m in codec_registry.METHODS},
                          peers_ready=(lambda: peers.ready()) if must_have_peer else (lambda: not peers.dead))
-        self.fill = fill
-        self.peers = peers
+        self.fill, self.peers = fill, peers
         self.auto = auto  # AutoMethod or None (then `auto` is refused)
         self._choices: dict[str, Choice] = {}  # request_id -> its method's choice, while it runs
         self._failed: dict[str, str] = {}  # request_id -> why its transfer failed, while it runs
@@ -99,12 +98,6 @@ class DecodeBackend(EngineBackend):
         return {"prefill": "no usable prefill worker: prompts are prefilled on this worker (fallback local)",
                 "prefill_peers": self.peers.status()}
 
-    def why_not_ready(self) -> str:
-        """'' when ready; else what is missing, naming a refused peer's differing fields."""
-        if not self.engine.ready():
-            return "engine loop not running"
-        return "" if self.ready() else self.peers.why_not_ready()
-
     def stats(self) -> dict[str, Any]:
         auto = {"auto": self.auto.chooser.snapshot()} if self.auto is not None else {}
         return self.engine.stats() | {"transfer": self.fill.snapshot(), "prefill_peers": self.peers.status()} | auto
@@ -112,8 +105,7 @@ class DecodeBackend(EngineBackend):
     def load_report(self) -> dict[str, float]:
         """What heartbeats report to the control plane (numbers only)."""
         s = self.engine.stats()
-        t = self.fill.stats
         return {"running": s["num_running"], "waiting": s["num_waiting"] + s.get("num_filling", 0),
                 "capacity": self.engine.config.max_num_seqs, "free_blocks": s["num_free_blocks"],
-                "tokens": s["num_generated_tokens"], "transfers": t.num_transfers,
+                "tokens": s["num_generated_tokens"], "transfers": self.fill.stats.num_transfers,
                 "fallbacks": s.get("num_fallbacks", 0)}

@@ -25,8 +25,7 @@ class Breaker:
         self.clock = clock
         self.state = CLOSED
         self.failures = 0  # consecutive
-        self.cooldown_s = cooldown_s
-        self.open_until = 0.0
+        self.cooldown_s, self.open_until = cooldown_s, 0.0
         self.probing = False  # half-open: the one trial transfer is in flight
         self.num_opened = 0
 

@@ -59,8 +59,7 @@ class PromptCodec:
     rebuild seam stays decode_layer(layer, code, consumer) for every caller and wrapper."""
 
     def __init__(self, codec, tokens: list[int]):
-        self._codec = codec
-        self._tokens = tokens
+        self._codec, self._tokens = codec, tokens
 
     def __getattr__(self, name):
         return getattr(self._codec, name)

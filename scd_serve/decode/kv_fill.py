@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from scd_serve.config.decode import DecodeConfig
-from scd_serve.control.lifecycle import consume_exception
+from scd_serve.control.lifecycle import detach
 from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.consumer_codecs import bind_prompt
 from scd_serve.decode.receive import Received, drain, receive
@@ -64,9 +64,7 @@ class RemoteKVFill:
     def __init__(self, runtime, peers, codecs, config: DecodeConfig, metrics=None):
         self.rt = runtime
         self.metrics = metrics  # api.metrics.Metrics (observe_transfer) or None
-        self.peers = peers
-        self.codecs = codecs
-        self.config = config
+        self.peers, self.codecs, self.config = peers, codecs, config
         self.stats = TransferStats()
         self.shared = SharedTransfers(runtime.spec.num_layers)  # transfers other requests may copy
         self.per_peer: Counter = Counter()  # completed transfers per prefill address
@@ -195,8 +193,7 @@ class RemoteKVFill:
 
     async def _transfer(self, peer, req, tokens: list[int], sink) -> dict:
         codec = self.codecs.get(peer.info, req.method)
-        rid = req.request_id
-        start = time.monotonic()
+        rid, start = req.request_id, time.monotonic()
         deadline = start + self.config.transport.prefill_timeout_s
         if req.deadline is not None:
             deadline = min(deadline, req.deadline)
@@ -318,10 +315,7 @@ class RemoteKVFill:
                 await peer.client.abort(rid, "decode side stopped reading", timeout=ABORT_TIMEOUT_S)
             except grpc.aio.AioRpcError:
                 pass  # the peer is gone; its lease frees the transfer
-        task = asyncio.ensure_future(abort())
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
-        task.add_done_callback(consume_exception)
+        detach(abort(), self._aborts)
 
     def close(self) -> None:
         """Shutdown: cancel the transfers' streams so that no thread waits on them."""

@@ -8,12 +8,11 @@ import dataclasses
 import logging
 import os
 
-from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
+from scd_serve.config.control import ControlConfig, add_control_arguments
 from scd_serve.config.decode import (AUTO, DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, PRIOR_TABLE_MODES,
                                      ChooserConfig, DecodeConfig, split_peers)
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import (add_worker_arguments, advertised, exit_now, setup_logging, start_http,
-                                         stop_event)
+from scd_serve.control.lifecycle import add_worker_arguments, advertised, run_role, start_http, stop_event
 from scd_serve.errors import ConfigError, ScdError
 
 log = logging.getLogger("scd_serve.decode")
@@ -203,8 +202,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
                                            timeout_keep_alive=api_cfg.timeout_keep_alive_s,
                                            timeout_graceful_shutdown=int(config.shutdown_grace_s)))
     http, port = await start_http(server)
-    address = advertised(config.advertise, config.host, port)
-    heartbeat = None
+    address, heartbeat = advertised(config.advertise, config.host, port), None
     if config.control_url:
         heartbeat = HeartbeatFanout(config.control_url, "decode", address, backend.ready, backend.load_report,
                                     control or ControlConfig(), on_peers=peers.update_from_registry)
@@ -214,7 +212,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
           + (f", quality budget {auto.chooser.budget:g}" if method == AUTO else ""), flush=True)
     if not peers.ready() and method != "local":
         log.warning("not ready yet: %s", peers.why_not_ready())
-    died = await first_of(stop.wait(), engine_death(engine))
+    died = await stopped_or_died(stop, engine)
     if died:  # /ready already says 503; answer 503 a moment longer, then exit nonzero for the supervisor
         log.error("engine loop died; exiting in %.0f s so a supervisor restarts this worker", DEATH_LINGER_S)
         await asyncio.sleep(DEATH_LINGER_S)
@@ -231,16 +229,13 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     return died
 
 
-async def engine_death(engine) -> bool:
-    """Returns True once the engine's step loop has died (it never comes back)."""
-    while engine.loop_alive():  # not ready(): that also turns false on a stall, which is not death
-        await asyncio.sleep(ENGINE_POLL_S)
-    return True
+async def stopped_or_died(stop: asyncio.Event, engine) -> bool:
+    """Wait for a stop signal or the engine loop's death (it never comes back); True if it died."""
+    async def death() -> None:
+        while engine.loop_alive():  # not ready(): that also turns false on a stall, which is not death
+            await asyncio.sleep(ENGINE_POLL_S)
 
-
-async def first_of(stopped, died) -> bool:
-    """Wait for a stop signal or engine death; True if the engine died."""
-    tasks = [asyncio.ensure_future(stopped), asyncio.ensure_future(died)]
+    tasks = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(death())]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for t in pending:
         t.cancel()
@@ -248,8 +243,5 @@ async def first_of(stopped, died) -> bool:
 
 
 def run(args) -> int:
-    setup_logging("decode")
-    config, control = config_from_args(args), control_config_from_args(args)
-    check_exposure(config, control, args.insecure)
-    died = asyncio.run(serve(config, args.method is not None, control))
-    exit_now(1 if died else 0)
+    run_role("decode", args, config_from_args, check_exposure,
+             lambda config, control: serve(config, args.method is not None, control))

@@ -1,8 +1,10 @@
 """The prefill workers a decode worker can pull from: handshake, health, load-aware choice.
 
 Peers come from `--prefill` and from the control plane. Each is handshaken (Info) before use
-and after any failure; one that differs in a field that matters stays unusable, named. A
-health loop checks every peer each period, so /ready follows a dead one within ~2 periods.
+and after any failure; one that differs in a field that matters (does it produce what this
+worker can rebuild?) stays unusable, the differing fields named, so /ready and the log say
+exactly what to fix. A health loop checks every peer each period, so /ready follows a dead one
+within ~2 periods.
 """
 
 from __future__ import annotations
@@ -15,13 +17,51 @@ import grpc
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
-from scd_serve.control.lifecycle import cancel_all, consume_exception, supervise
+from scd_serve.control.lifecycle import cancel_all, detach, supervise
 from scd_serve.decode.breaker import Breaker
-from scd_serve.decode.compat import compat_problems, method_problems
 from scd_serve.transport.client import PrefillClient
+from scd_serve.transport.proto import PROTOCOL_VERSION
 
 log = logging.getLogger("scd_serve.decode")
 MISSES_BEFORE_DOWN = 2
+
+
+def compat_problems(info, consumer_spec, method: str, codecs, expect_producer: str = "") -> list[str]:
+    """[] if compatible; else one 'field: theirs != ours' line per difference."""
+    problems = []
+    if info.protocol_version != PROTOCOL_VERSION:
+        problems.append(f"protocol_version: {info.protocol_version} != {PROTOCOL_VERSION}")
+    for name in ("num_layers", "num_kv_heads", "head_dim"):
+        theirs, ours = getattr(info, name), getattr(consumer_spec, name)
+        if theirs != ours:
+            problems.append(f"{name}: producer {theirs} != consumer {ours}")
+    if expect_producer and info.producer_fingerprint != expect_producer:
+        problems.append(f"producer_fingerprint: {info.producer_fingerprint} != expected {expect_producer}")
+    if method in ("local", "auto") or problems:  # auto: each method is checked when the chooser asks
+        return problems
+    return problems + method_problems(info, method, codecs)
+
+
+def method_problems(info, method: str, codecs) -> list[str]:
+    """[] if this worker can rebuild `method` from the producer `info` describes."""
+    problems, offered = [], {c.codec_id: c for c in info.codecs}
+    theirs = offered.get(method)
+    if theirs is None:
+        return [f"codecs: method {method!r} not offered (offers {sorted(offered)})"]
+    why = codecs.can_build(info, method)
+    if why:
+        return [f"codecs: cannot build consumer half of {method!r}: {why}"]
+    ours = codecs.get(info, method)
+    if theirs.codec_version != ours.version:
+        problems.append(f"codec_version[{method}]: {theirs.codec_version} != {ours.version}")
+    calibrated_for = getattr(ours, "producer_fingerprint", "") or ""
+    if calibrated_for and info.producer_fingerprint != calibrated_for:
+        problems.append(f"producer_fingerprint: {info.producer_fingerprint} != {calibrated_for} "
+                        f"(the codebook of {method!r} was calibrated for it)")
+    our_book = getattr(ours, "codebook_id", "") or ""
+    if theirs.codebook_id != our_book:
+        problems.append(f"codebook_id[{method}]: {theirs.codebook_id or '-'} != {our_book or '-'}")
+    return problems
 
 
 @dataclass
@@ -46,9 +86,7 @@ class Peer:
 
 class PeerSet:
     def __init__(self, runtime, codecs, config: DecodeConfig, client_factory=None):
-        self.rt = runtime
-        self.codecs = codecs
-        self.config = config
+        self.rt, self.codecs, self.config = runtime, codecs, config
         self.client_factory = client_factory or (lambda addr: PrefillClient(addr, config.transport))
         self.peers: dict[str, Peer] = {}
         self.balancer = LoadBalancer()
@@ -107,8 +145,7 @@ class PeerSet:
             # registry just dropped): that peer failed this check, the health loop goes on
             peer.info, peer.problem = None, "channel closed during a health check"
             return
-        # one slow answer on a loaded machine is not a dead peer; two in a row are
-        peer.missed_checks += 1
+        peer.missed_checks += 1  # one slow answer on a loaded machine is not a dead peer; two in a row are
         if peer.missed_checks >= MISSES_BEFORE_DOWN:
             peer.problem = "health check failed"
             log.warning("prefill %s stopped answering health checks", peer.address)
@@ -141,20 +178,14 @@ class PeerSet:
             known = w["address"] in self.peers
             peer = self.add(w["address"])
             if not known:  # handshake now rather than at the next health round
-                self._spawn(self.check(peer))
+                detach(self.check(peer), self._side_tasks)
             peer.load = w.get("load") if isinstance(w.get("load"), dict) else {}
             if not w.get("ready", False) and peer.usable:
                 peer.problem = "registry reports not ready"
         for address, peer in list(self.peers.items()):
             if not peer.static and address not in seen:
                 del self.peers[address]
-                self._spawn(peer.client.close())
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
-        task.add_done_callback(consume_exception)
+                detach(peer.client.close(), self._side_tasks)
 
     # ---- choice --------------------------------------------------------------------------
     def serving(self, method: str, num_tokens: int) -> list[Peer]:

@@ -1,10 +1,8 @@
 """One transfer's receive loop, run in a thread: read, verify and rebuild each chunk in turn.
 
 The decode worker (kv_fill.py) and the bench probe both run it, so `bench ttft` times the
-worker's own path. It reads a blocking Prefill stream in the calling thread and rebuilds a
-chunk's layers as soon as it is verified, while later chunks are on the wire; it returns
-once the last chunk is rebuilt, and `drain` reads the stream's end off the path to the
-first token.
+worker's own path. A chunk's layers are rebuilt as soon as it is verified, while later chunks
+are on the wire; `drain` reads the stream's end off the path to the first token.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ def receive(call: Iterable, verifier: StreamVerifier, prepare: Callable[[], None
             rebuild_layer: Callable[[int, dict], None]) -> Received:
     """Read `call` (PrefillChunk messages) up to its last chunk; each passes the verifier before
     rebuild_layer(layer, code) decodes and writes it. Errors propagate (grpc.RpcError, ScdError)."""
-    got = Received()
-    t0 = time.perf_counter()
+    got, t0 = Received(), time.perf_counter()
     prepare()
     waiting = time.perf_counter()
     got.rebuild_s += waiting - t0

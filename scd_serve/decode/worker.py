@@ -25,15 +25,12 @@ class DecodeWorker:
                  client_factory: Callable | None = None):
         from scd_serve.api.metrics import Metrics
 
-        self.rt = runtime
-        self.config = config
-        self.engine_config = engine_config
+        self.rt, self.config, self.engine_config = runtime, config, engine_config
         self.api_config = api_config
         self.metrics = metrics if metrics is not None else Metrics()
         # the name the backend reports: the API's, else the model directory's
         self.model_name = api_config.model_name or os.path.basename(os.path.normpath(config.model))
-        self.runtime_wrap = runtime_wrap
-        self.client_factory = client_factory
+        self.runtime_wrap, self.client_factory = runtime_wrap, client_factory
         self.peers = self.fill = self.auto = self.engine = self.backend = self.app = None
 
     async def connect(self, health_loop: bool = True) -> DecodeWorker:

@@ -17,8 +17,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self._free: set[int] = set(range(num_blocks))
         self._lowest: list[int] = list(range(num_blocks))  # min-heap over free ids; stale entries skipped
         self._owner: dict[int, int] = {}  # block id -> seq_id, to catch double frees early
@@ -36,22 +35,14 @@ class BlockManager:
         return self.blocks_for(seq.num_tokens) - len(seq.block_ids) <= self.num_free
 
     def allocate(self, seq: Sequence) -> None:
-        need = self.blocks_for(seq.num_tokens) - len(seq.block_ids)
-        if need > self.num_free:
-            raise RuntimeError(f"allocate without can_allocate: need {need}, free {self.num_free}")
-        for _ in range(need):
-            self._take(seq)
+        self._take(seq, self.blocks_for(seq.num_tokens) - len(seq.block_ids), "allocate without can_allocate")
 
     # -- decode: the next step writes position num_cached; it needs a slot there.
     def can_append(self, seq: Sequence) -> bool:
         return self._append_need(seq) <= self.num_free
 
     def may_append(self, seq: Sequence) -> None:
-        need = self._append_need(seq)
-        if need > self.num_free:
-            raise RuntimeError(f"may_append without can_append: need {need}, free {self.num_free}")
-        for _ in range(need):
-            self._take(seq)
+        self._take(seq, self._append_need(seq), "may_append without can_append")
 
     def free(self, seq: Sequence) -> None:
         """Idempotent: a sequence with no blocks is left alone."""
@@ -67,12 +58,15 @@ class BlockManager:
     def _append_need(self, seq: Sequence) -> int:
         return max(0, self.blocks_for(seq.num_cached + 1) - len(seq.block_ids))
 
-    def _take(self, seq: Sequence) -> None:
-        block = seq.block_ids[-1] + 1 if seq.block_ids else -1
-        if block not in self._free:
-            block = heapq.heappop(self._lowest)
-            while block not in self._free:
+    def _take(self, seq: Sequence, need: int, misuse: str) -> None:
+        if need > self.num_free:
+            raise RuntimeError(f"{misuse}: need {need}, free {self.num_free}")
+        for _ in range(need):
+            block = seq.block_ids[-1] + 1 if seq.block_ids else -1
+            if block not in self._free:
                 block = heapq.heappop(self._lowest)
-        self._free.remove(block)
-        self._owner[block] = seq.seq_id
-        seq.block_ids.append(block)
+                while block not in self._free:
+                    block = heapq.heappop(self._lowest)
+            self._free.remove(block)
+            self._owner[block] = seq.seq_id
+            seq.block_ids.append(block)

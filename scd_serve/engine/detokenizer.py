@@ -18,8 +18,7 @@ class Detokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
         self.stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # output text so far (stop sequence cut off)
@@ -52,9 +51,7 @@ class Detokenizer:
         self.text += full[len(prefix):]
         hit = self._find_stop(start) if check_stop else None
         if hit is not None:
-            self.text = self.text[:hit[0]]
-            self.stop_reason = hit[1]
-            self.stopped = True
+            self.text, self.stop_reason, self.stopped = self.text[:hit[0]], hit[1], True
 
     def _take(self, final: bool) -> str:
         end = len(self.text) if final else len(self.text) - self._hold

@@ -60,9 +60,7 @@ class Engine:
         if limit is not None and config.max_model_len > limit:
             raise ConfigError(f"engine.max_model_len {config.max_model_len} exceeds the model's "
                               f"max_position_embeddings {limit}")
-        self.config = config
-        self.runtime = runtime
-        self.tokenizer = runtime.tokenizer
+        self.config, self.runtime, self.tokenizer = config, runtime, runtime.tokenizer
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.generation_defaults = GenerationDefaults.load(runtime.path)
@@ -71,8 +69,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.runner = Runner(runtime, config, self.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._wake, self._stop = threading.Event(), threading.Event()
         self._lock = threading.Lock()  # guards _handles (touched from any event loop)
         self._handles: dict[str, _Handle] = {}  # request_id -> handle, for admission
         self._live: dict[int, _Handle] = {}  # seq_id -> handle; loop thread only
@@ -81,9 +78,7 @@ class Engine:
         self._dead: BaseException | None = None
         self._accepting = True
         self._beat = time.monotonic()
-        self.num_generated_tokens = 0
-        self.num_steps = 0
-        self.num_fallbacks = 0
+        self.num_generated_tokens = self.num_steps = self.num_fallbacks = 0
         self._failed_steps = 0  # consecutive steps that raised
 
     # ---------------------------------------------------------------- lifecycle
@@ -114,23 +109,21 @@ class Engine:
                 and time.monotonic() - self._beat < self.config.stall_timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_filling": self.scheduler.num_filling,
-            "num_requests": self._num_handles(),
-            "num_free_blocks": self.block_manager.num_free,
-            "num_total_blocks": self.block_manager.num_blocks,
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_steps": self.num_steps,
-            "num_fallbacks": self.num_fallbacks,
-            "num_steps_ahead": self.runner.num_steps_ahead,
-            "ready": self.ready(),
-        }
+        s, bm = self.scheduler, self.block_manager
+        return {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_filling": len(s.filling),
+                "num_requests": self._num_handles(), "num_free_blocks": bm.num_free,
+                "num_total_blocks": bm.num_blocks, "num_generated_tokens": self.num_generated_tokens,
+                "num_steps": self.num_steps, "num_fallbacks": self.num_fallbacks,
+                "num_steps_ahead": self.runner.num_steps_ahead, "ready": self.ready()}
 
     # ---------------------------------------------------------------- requests
     async def generate(self, req: GenerationRequest, kv_fill: KVFill | None = None) -> AsyncIterator[TokenEvent]:
-        self._check_accepting()
+        if self._dead is not None:
+            raise EngineDead("the engine loop has stopped")
+        if not self._accepting:
+            raise ShuttingDown("server is shutting down")
+        if not self.loop_alive():
+            raise EngineDead("the engine loop is not running")
         n, max_tokens = req.num_prompt_tokens, req.params.max_tokens
         if n < 1:
             raise InvalidRequest("prompt is empty: it must contain at least one token", field="prompt")
@@ -191,14 +184,6 @@ class Engine:
             return item
 
     # ---------------------------------------------------------------- helpers (any thread)
-    def _check_accepting(self) -> None:
-        if self._dead is not None:
-            raise EngineDead("the engine loop has stopped")
-        if not self._accepting:
-            raise ShuttingDown("server is shutting down")
-        if not self.loop_alive():
-            raise EngineDead("the engine loop is not running")
-
     def loop_alive(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
@@ -324,8 +309,7 @@ class Engine:
                   h.seq.num_output_tokens)
 
     def _emit_token(self, seq: Sequence, token: int) -> None:
-        h = self._live[seq.seq_id]
-        params = seq.request.params
+        h, params = self._live[seq.seq_id], seq.request.params
         delta = h.detok.add(token, check_stop=seq.num_output_tokens >= params.min_tokens)
         if h.detok.stopped and not seq.is_finished:
             self.scheduler.finish(seq, "stop")

@@ -24,8 +24,7 @@ async def run_fill(kv_fill: KVFill, req: GenerationRequest, sink: LayerSink,
     meanwhile). Errors from the watch raise. The engine decodes as soon as the sink holds
     every layer, maybe before the fill returns: a token seen then is handed back (yielded
     first), and the fill is let finish, not cancelled (that would abort a good transfer)."""
-    fill = asyncio.ensure_future(kv_fill(req, sink))
-    watcher = asyncio.ensure_future(watch())
+    fill, watcher = asyncio.ensure_future(kv_fill(req, sink)), asyncio.ensure_future(watch())
     early: list = []
     try:
         await asyncio.wait({fill, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -48,13 +47,8 @@ async def run_fill(kv_fill: KVFill, req: GenerationRequest, sink: LayerSink,
             return TransferFailed(f"KV fill failed: {type(exc).__name__}"), early
         return TransferFailed(f"KV fill wrote {sink.num_written} of {sink.num_layers} layers"), early
     finally:
-        # Not awaited: a fill stuck in a thread cannot be cancelled (the sink is closed anyway)
+        # Not awaited: a fill stuck in a thread cannot be cancelled (the sink is closed anyway);
+        # its exception is marked seen (no 'exception was never retrieved' at ERROR)
         for t in (fill, watcher):
             t.cancel()
-            t.add_done_callback(_retrieve)
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    """Mark an abandoned task's exception as seen (no 'exception was never retrieved' at ERROR)."""
-    if not task.cancelled():
-        task.exception()
+            t.add_done_callback(lambda task: task.cancelled() or task.exception())

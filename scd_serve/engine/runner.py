@@ -105,9 +105,7 @@ class _FillWriter:
     before the first layer, and the step ahead told of each layer. LayerSink serializes calls."""
 
     def __init__(self, make_writer, ahead: StepAhead | None):
-        self._make_writer = make_writer
-        self._writer = None
-        self._ahead = ahead
+        self._make_writer, self._writer, self._ahead = make_writer, None, ahead
 
     def prepare(self) -> None:
         if self._writer is None:

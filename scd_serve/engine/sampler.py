@@ -30,8 +30,7 @@ def generator_for(params: SamplingParams, device: torch.device | str = "cpu") ->
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> list[int | StepFailed]:
-    # logits: [B, vocab] (any float dtype/device); one row per sequence
-    raw = logits.float()
+    raw = logits.float()  # logits: [B, vocab] (any float dtype/device); one row per sequence
     finite = torch.isfinite(raw).all(dim=-1).tolist()
     ok = [i for i in range(len(seqs)) if finite[i]]
     shaped = [i for i in ok if seqs[i].request.params.shapes_logits]
@@ -90,8 +89,7 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
 def shape_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
     """logits [B, vocab] float -> shaped [B, vocab]: penalties, bias, and the min_tokens mask."""
     b, vocab = logits.shape
-    dev = logits.device
-    params = [s.request.params for s in seqs]
+    dev, params = logits.device, [s.request.params for s in seqs]
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
     if rep:  # HF / vLLM: over every token seen, prompt included
         seen = _presence([seqs[i].token_ids for i in rep], vocab, dev) > 0
@@ -161,8 +159,7 @@ def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torc
     In float64, from logits shifted so each row's best is 0: any temperature > 0 keeps the best at
     exactly 0 and the rest <= 0, so softmax never sees inf - inf, and a tiny top_p does not round to 0."""
     dev, vocab = logits.device, logits.shape[-1]
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    ids = None
+    ks, ids = [p.top_k if 0 < p.top_k < vocab else vocab for p in params], None
     if max(ks) < vocab:
         logits, ids = torch.topk(logits, max(ks), dim=-1)  # sorted, descending
         logits = logits.masked_fill(torch.arange(max(ks), device=dev) >= torch.tensor(ks, device=dev)[:, None],

@@ -33,24 +33,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: frozenset[int] = frozenset()):
-        self.config = config
-        self.block_manager = block_manager
-        self.eos_token_ids = eos_token_ids
+        self.config, self.block_manager, self.eos_token_ids = config, block_manager, eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.filling: dict[int, Sequence] = {}
         self.running: list[Sequence] = []
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_filling(self) -> int:
-        return len(self.filling)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.filling or self.running)
@@ -110,17 +96,14 @@ class Scheduler:
         """The KV fill wrote tokens 0..T-2: the sequence decodes from its last prompt token."""
         if self.filling.pop(seq.seq_id, None) is None:
             return  # aborted meanwhile
-        seq.num_cached = seq.num_tokens - 1
-        seq.status = SequenceStatus.RUNNING
+        seq.num_cached, seq.status = seq.num_tokens - 1, SequenceStatus.RUNNING
         self.running.append(seq)
 
     def fill_failed(self, seq: Sequence) -> bool:
         """Fallback: the fill broke off, so prefill locally into the blocks it already holds."""
         if self.filling.pop(seq.seq_id, None) is None:
             return False
-        seq.needs_fill = False
-        seq.num_cached = 0
-        seq.status = SequenceStatus.RUNNING
+        seq.needs_fill, seq.num_cached, seq.status = False, 0, SequenceStatus.RUNNING
         self.running.append(seq)
         return True
 
@@ -151,7 +134,7 @@ class Scheduler:
         return out
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        while self.waiting and self.num_running + self.num_filling < self.config.max_num_seqs:
+        while self.waiting and len(self.running) + len(self.filling) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break  # FIFO: no overtaking, so a long prompt is not starved by short ones

@@ -76,6 +76,5 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
-        # the fed token (old last) now has K/V in the pool
-        self.num_cached = self.num_tokens
+        self.num_cached = self.num_tokens  # the fed token (old last) now has K/V in the pool
         self.token_ids.append(token_id)

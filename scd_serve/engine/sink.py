@@ -26,8 +26,7 @@ class LayerSink:
         self.num_layers = num_layers
         self.num_tokens = num_tokens  # T-1: every prompt token but the last
         self.shape = (num_tokens, kv_heads, head_dim)
-        self._lock = threading.Lock()
-        self._closed = False
+        self._lock, self._closed = threading.Lock(), False
         self._written: set[int] = set()
 
     @property

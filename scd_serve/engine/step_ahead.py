@@ -25,9 +25,7 @@ class StepAhead:
         self._landed = [False] * num_layers
         self._on_logits = on_logits
         self._step: Any = None
-        self._failed = False
-        self._delivered = False
-        self.request_id = request_id
+        self._failed, self._delivered, self.request_id = False, False, request_id
         self.elapsed_s = 0.0  # time spent in the step (setup, layers, head): what it costs the writer
 
     def start(self) -> None:

@@ -10,7 +10,7 @@ gives its own errors the workers' shape.
 from __future__ import annotations
 
 import logging
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 
 import httpx
 from fastapi import FastAPI, Request
@@ -38,18 +38,14 @@ PROXIED = (("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", T
 
 
 def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks=None) -> FastAPI:
-    balancer = LoadBalancer()
-    metrics = GatewayMetrics()
+    balancer, metrics = LoadBalancer(), GatewayMetrics()
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         state["client"] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=512))
-        if lifespan_hooks is not None:
-            async with lifespan_hooks(app):
-                yield
-        else:
+        async with lifespan_hooks(app) if lifespan_hooks is not None else nullcontext():
             yield
         await state["client"].aclose()
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 from contextlib import asynccontextmanager
 
-from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
+from scd_serve.config.control import ControlConfig, add_control_arguments
 from scd_serve.config.decode import split_peers
 from scd_serve.config.gateway import GatewayConfig
-from scd_serve.control.lifecycle import exit_now, setup_logging, start_http, stop_event
+from scd_serve.control.lifecycle import run_role, start_http, stop_event
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,8 +63,4 @@ async def serve(config: GatewayConfig, control_config: ControlConfig | None = No
 
 
 def run(args) -> int:
-    setup_logging("gateway")
-    config, control = config_from_args(args), control_config_from_args(args)
-    check_exposure(config, control, args.insecure)
-    asyncio.run(serve(config, control))
-    exit_now(0)
+    run_role("gateway", args, config_from_args, check_exposure, serve)

@@ -19,7 +19,7 @@ import httpx
 
 from scd_serve.api.sse import data
 from scd_serve.control.lifecycle import cancel_all
-from scd_serve.errors import DeadlineExceeded, ScdError, Unavailable
+from scd_serve.errors import DeadlineExceeded, Unavailable
 from scd_serve.gateway.metrics import RequestClock
 
 log = logging.getLogger("scd_serve.gateway")
@@ -71,13 +71,6 @@ class Upstream:
                 await self.resp.aclose()
 
 
-def broken_stream_error(exc: httpx.TransportError, worker: str) -> ScdError:
-    why = f"the decode worker {worker} failed mid-stream ({type(exc).__name__})"
-    if isinstance(exc, httpx.TimeoutException):
-        return DeadlineExceeded(why)
-    return Unavailable(why)
-
-
 async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: str | None,
                 on_broken: Callable[[], None], clock: RequestClock | None = None) -> AsyncIterator[bytes]:
     """The upstream body; an SSE stream that breaks ends with an error event and [DONE].
@@ -106,7 +99,9 @@ async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: s
                     type(exc).__name__, "error event sent" if sse else "cut off")
         if not sse:
             raise
-        yield (data(broken_stream_error(exc, worker).to_body(request_id)) + data("[DONE]")).encode()
+        why = f"the decode worker {worker} failed mid-stream ({type(exc).__name__})"
+        err = DeadlineExceeded(why) if isinstance(exc, httpx.TimeoutException) else Unavailable(why)
+        yield (data(err.to_body(request_id)) + data("[DONE]")).encode()
     finally:
         if clock is not None:
             clock.end()

@@ -40,9 +40,6 @@ class RankPlan:
     def num_patch(self, num_layers: int) -> int:
         return int(round(self.patch_fraction * num_layers))
 
-    def num_droid(self, num_layers: int) -> int:
-        return max(1, int(round(self.droidspeak_fraction * num_layers)))
-
 
 @dataclass(frozen=True)
 class MethodCost:
@@ -72,7 +69,7 @@ def method_cost(method: str, shape: ModelShape, prompt_tokens: int, plan: RankPl
         payload = L * t * 2 * d * per_elem
         return MethodCost(method, payload, 0.0, kv_all + payload, 0.0, payload + kv_all)
     if method == "droidspeak":
-        n = plan.num_droid(L)
+        n = max(1, int(round(plan.droidspeak_fraction * L)))
         payload = (L - n) * kv_layer + n * t * h * HALF
         flops = n * 2.0 * t * h * 2 * d  # consumer's own k_proj and v_proj
         weights = n * h * 2 * d * HALF

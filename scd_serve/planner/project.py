@@ -56,16 +56,14 @@ def project(shape: ModelShape, tokens: int, bw: float, plan: RankPlan, rates: Ra
     weights = shape.num_params * 2  # 16-bit
     kv_all = shape.num_layers * tokens * 2 * shape.kv_width * 2
     first = max(2.0 * shape.num_params / f, (weights + kv_all) / m)
-    oracle = shape.prefill_flops(tokens) / f
-    producer = shape.prefill_flops(tokens - 1) / f
+    oracle, producer = shape.prefill_flops(tokens) / f, shape.prefill_flops(tokens - 1) / f
     rows = []
     for name in methods:
         c: MethodCost = method_cost(name, shape, tokens, plan)
         if name == "oracle":
             rows.append(Projection(name, 0.0, 0.0, 0.0, 0.0, oracle, oracle, 1.0))
             continue
-        wire = c.payload_bytes / bw
-        rebuild = c.rebuild_flops / fr + c.rebuild_bytes / m
+        wire, rebuild = c.payload_bytes / bw, c.rebuild_flops / fr + c.rebuild_bytes / m
         encode = c.encode_flops / f + c.encode_bytes / m
         warm = max(wire, rebuild) + first
         rows.append(Projection(name, c.payload_bytes, wire, rebuild, first, warm, producer + encode + warm, oracle / warm))

@@ -18,8 +18,7 @@ def cache_key(method: str, token_ids) -> tuple[str, int, bytes]:
 
 class CodeCache:
     def __init__(self, max_bytes: int, max_entries: int):
-        self.max_bytes = max_bytes
-        self.max_entries = max_entries
+        self.max_bytes, self.max_entries = max_bytes, max_entries
         self._entries: OrderedDict[tuple, tuple[list[list], int]] = OrderedDict()
         self.num_bytes = 0
         self.num_hits = 0

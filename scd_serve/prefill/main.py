@@ -7,10 +7,10 @@ import asyncio
 import dataclasses
 import logging
 
-from scd_serve.config.control import ControlConfig, add_control_arguments, control_config_from_args
+from scd_serve.config.control import ControlConfig, add_control_arguments
 from scd_serve.config.prefill import DEFAULT_CODEBOOK, DEFAULT_PRODUCER, PrefillConfig
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import add_worker_arguments, advertised, exit_now, setup_logging, stop_event
+from scd_serve.control.lifecycle import add_worker_arguments, advertised, run_role, stop_event
 
 log = logging.getLogger("scd_serve.prefill")
 
@@ -77,8 +77,7 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
     worker = PrefillWorker(rt, codecs, config)
     await worker.start()
     servicer, port = worker.servicer, worker.port
-    address = advertised(config.advertise, config.host, port)
-    heartbeat = None
+    address, heartbeat = advertised(config.advertise, config.host, port), None
     if config.control_url:
         heartbeat = HeartbeatFanout(config.control_url, "prefill", address, lambda: not stop.is_set(),
                                     servicer.load_report, control or ControlConfig())
@@ -107,8 +106,4 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
 
 
 def run(args) -> int:
-    setup_logging("prefill")
-    config, control = config_from_args(args), control_config_from_args(args)
-    check_exposure(config, control, args.insecure)
-    asyncio.run(serve(config, control))
-    exit_now(0)
+    run_role("prefill", args, config_from_args, check_exposure, serve)

@@ -82,8 +82,7 @@ class FakePrefillClient:
     """Drop-in for transport.client.PrefillClient backed by an in-process servicer."""
 
     def __init__(self, servicer, address: str = "fake:0", config: TransportConfig | None = None):
-        self.servicer = servicer
-        self.address = address
+        self.servicer, self.address = servicer, address
         self.config = config or TransportConfig()
         self.num_prefill_calls = 0
         self.timeouts: list[float | None] = []

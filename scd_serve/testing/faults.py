@@ -26,10 +26,8 @@ class FaultyRuntime:
 
     def __init__(self, rt: Any, fail_after_steps: int | None = None, stall_after_steps: int | None = None,
                  stall_s: float = 0.0):
-        self._rt = rt
-        self.fail_after_steps = fail_after_steps
-        self.stall_after_steps = stall_after_steps
-        self.stall_s = stall_s
+        self._rt, self.fail_after_steps = rt, fail_after_steps
+        self.stall_after_steps, self.stall_s = stall_after_steps, stall_s
         self.num_steps = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -68,8 +66,7 @@ class FaultyProducer:
     """Prefill-side runtime that sleeps `layer_delay_s` per layer."""
 
     def __init__(self, rt: Any, layer_delay_s: float = 0.0):
-        self._rt = rt
-        self.layer_delay_s = layer_delay_s
+        self._rt, self.layer_delay_s = rt, layer_delay_s
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rt, name)
@@ -102,7 +99,7 @@ class _Context:
         if seq == o.drop_seq:
             return None
         if o.mutate is not None and seq == o.mutate_seq:
-            from scd_serve.transport.checksum import seal
+            from scd_serve.transport.chunking import seal
 
             o.mutate(msg.chunk)
             seal(msg.chunk)  # a valid digest: only the semantic checks can catch it

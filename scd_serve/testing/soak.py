@@ -3,9 +3,8 @@
 `LocalStack` wires the real pieces in one event loop (a PrefillServicer on 127.0.0.1:0, the
 decode side, an Engine, the app through an in-process ASGI client or uvicorn for real
 streaming and disconnects); fault wrappers are passed in. `leaks()` names whatever is still
-held (KV blocks, transfers, unfinished sequences); an empty dict is the clean state.
-
-    python -m scd_serve.testing.soak --minutes 10 --concurrency 8 --out soak.json
+held (KV blocks, transfers, unfinished sequences); an empty dict is the clean state. The soak
+itself: `python -m scd_serve.testing.soak --minutes 10` (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import random
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import httpx
@@ -189,8 +189,7 @@ async def soak(stack: LocalStack, minutes: float, concurrency: int, max_requests
                 n += 1
                 if n == 200:
                     rss_at[200] = proc.memory_info().rss / 2**20
-                kind = rng.choice(kinds)
-                method = rng.choice(stack.methods + ("local",))
+                kind, method = rng.choice(kinds), rng.choice(stack.methods + ("local",))
                 key = f"{kind}:{await _one(http, kind, rng, method)}"
                 counts[key] = counts.get(key, 0) + 1
 
@@ -241,12 +240,9 @@ async def _main(args) -> dict:
 
 def run(args) -> int:
     report = asyncio.run(_main(args))
-    text = json.dumps(report)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    summary = {k: v for k, v in report.items() if k != "rss_mb"}
-    print(json.dumps(summary, indent=1))
+        Path(args.out).write_text(json.dumps(report))
+    print(json.dumps({k: v for k, v in report.items() if k != "rss_mb"}, indent=1))
     return 0 if not report["leaks"] and report["unexpected_5xx"] == 0 else 1
 
 

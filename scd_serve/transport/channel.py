@@ -92,6 +92,5 @@ def make_stream_channel(address: str, config: TransportConfig) -> grpc.Channel:
     per message (~0.2 ms on a 2-core VM, more than a small layer's rebuild)."""
     options = channel_options(config) + [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
     creds = channel_credentials(config)
-    if creds is None:
-        return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, creds, options=options)
+    return (grpc.insecure_channel(address, options=options) if creds is None
+            else grpc.secure_channel(address, creds, options=options))

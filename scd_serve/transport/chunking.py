@@ -3,17 +3,41 @@
 `StreamVerifier` (plain Python) checks the header against what was asked and each chunk's
 request id, position, layer range and digest BEFORE anything is decoded. Identical resends
 are ignored; gaps, overflow and bad digests end the transfer with TransferCorrupt. The
-header comes alone or inside chunk 0 (a cache hit).
+header comes alone or inside chunk 0 (a cache hit). The xxh64 digest covers a chunk's
+identity, position and every tensor byte in a canonical field order, not SerializeToString()'s:
+protobuf serialization is not guaranteed to be deterministic across versions.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import xxhash
+
 from scd_serve.errors import TransferCorrupt, TransferFailed
-from scd_serve.transport.checksum import chunk_digest, seal
 from scd_serve.transport.proto import pb
+
+
+def chunk_digest(chunk) -> int:
+    """xxh64 (seed 0) of request_id, seq, total, layer range and all tensors, in order."""
+    h = xxhash.xxh64(seed=0)
+    rid = chunk.request_id.encode()
+    h.update(struct.pack("<I", len(rid)) + rid)
+    h.update(struct.pack("<IIII", chunk.seq, chunk.total, chunk.layer_start, chunk.layer_end))
+    for t in chunk.tensors:
+        name, dtype = t.name.encode(), t.dtype.encode()
+        h.update(struct.pack("<III", t.layer, len(name), len(dtype)) + name + dtype)
+        h.update(struct.pack("<I", len(t.shape)) + struct.pack(f"<{len(t.shape)}Q", *t.shape))
+        h.update(struct.pack("<Q", len(t.data)))
+        h.update(t.data)
+    return h.intdigest()
+
+
+def seal(chunk):
+    chunk.digest = chunk_digest(chunk)
+    return chunk
 
 
 def chunk_message(request_id: str, seq: int, total: int, layer_start: int, layer_end: int, tensors: list,
@@ -144,6 +168,5 @@ class StreamVerifier:
     def finish(self) -> None:
         """Call when the stream ends: every chunk must have arrived."""
         if not self.complete:
-            got = self.next_seq
-            want = self.header.total_chunks if self.header else "?"
+            got, want = self.next_seq, self.header.total_chunks if self.header else "?"
             raise TransferFailed(f"request {self.request_id}: stream ended after {got} of {want} chunks")

@@ -21,8 +21,7 @@ class PrefillClient:
     """One channel to HOST:PORT. Every call passes an explicit timeout (seconds)."""
 
     def __init__(self, address: str, config: TransportConfig, strict_deadlines: bool = False):
-        self.address = address
-        self.config = config
+        self.address, self.config = address, config
         self.channel, self.deadlines = make_channel(address, config, strict_deadlines)
         self._stub = pb_grpc.PrefillServiceStub(self.channel)
         self._stream_channel = make_stream_channel(address, config)

@@ -1,5 +1,5 @@
 """The generated protobuf and gRPC modules (committed in scd_serve/_proto; `make proto`
-regenerates them from proto/scd/v1/scd.proto, see transport/proto_build.py)."""
+regenerates them from proto/scd/v1/scd.proto, see scripts/gen_proto.py)."""
 
 from __future__ import annotations
 

@@ -38,13 +38,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                _deny_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(
-            _deny_async, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+        make, deny = ((grpc.unary_stream_rpc_method_handler, _deny_stream) if handler.response_streaming
+                      else (grpc.unary_unary_rpc_method_handler, _deny_async))
+        return make(deny, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
 
 
 def auth_metadata(config: TransportConfig) -> tuple[tuple[str, str], ...]:

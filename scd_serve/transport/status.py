@@ -10,17 +10,13 @@ ERROR_TYPE_KEY = "scd-error-type"  # trailing metadata: the ScdError.type behind
 
 # What the decode side raises for a status from the prefill side.
 _FROM_CODE: dict[grpc.StatusCode, type[errors.ScdError]] = {
-    grpc.StatusCode.DATA_LOSS: errors.TransferCorrupt,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.Overloaded,
+    grpc.StatusCode.DATA_LOSS: errors.TransferCorrupt, grpc.StatusCode.RESOURCE_EXHAUSTED: errors.Overloaded,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
     grpc.StatusCode.FAILED_PRECONDITION: errors.IncompatiblePeer,
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
-}
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest}
 # Worth another try on another worker: the next one may be up, idle or intact.
-RETRYABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
-})
+RETRYABLE = frozenset(getattr(grpc.StatusCode, name) for name in (
+    "UNAVAILABLE", "RESOURCE_EXHAUSTED", "DATA_LOSS", "INTERNAL", "UNKNOWN", "CANCELLED"))
 
 
 async def abort_with(context: grpc.aio.ServicerContext, err: errors.ScdError) -> None:
@@ -37,8 +33,7 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str) -> errors.ScdError:
     """An RPC failure seen by the decode side -> the ScdError to raise."""
     code = exc.code()
-    detail = exc.details() or code.name
-    cls = _FROM_CODE.get(code, errors.TransferFailed)
+    detail, cls = exc.details() or code.name, _FROM_CODE.get(code, errors.TransferFailed)
     if cls is errors.Overloaded:
         return errors.Overloaded(f"prefill worker {peer} is full: {detail}")
     err = cls(f"prefill worker {peer}: {code.name}: {detail}")

@@ -13,13 +13,8 @@ import torch
 
 from scd_serve.transport.proto import pb
 
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n)
+                                  for n in ("float16", "bfloat16", "float32", "int8", "uint8")}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_RANK = 6
 
@@ -57,7 +52,6 @@ def from_proto(msg: pb.Tensor) -> torch.Tensor:
 
 
 def decode_code(tensors, layer: int) -> dict[str, torch.Tensor]:
-    """The Tensor messages of one layer -> the codec's code dict."""
     code: dict[str, torch.Tensor] = {}
     for msg in tensors:
         if msg.layer != layer:
@@ -66,4 +60,3 @@ def decode_code(tensors, layer: int) -> dict[str, torch.Tensor]:
             raise ValueError(f"layer {layer}: tensor {msg.name!r} appears twice")
         code[msg.name] = from_proto(msg)
     return code
-

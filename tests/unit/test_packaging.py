@@ -27,16 +27,18 @@ from packaging.utils import canonicalize_name
 from polls import eventually_sync
 
 from scd_serve.errors import ConfigError
-from scd_serve.transport import proto_build
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gen_proto  # noqa: E402  (scripts/gen_proto.py: the generator of the committed stubs)
+
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 OPTIONAL = ("psutil", "matplotlib", "asgi_lifespan", "grpc_tools")  # extras only (tqdm comes with transformers)
 
 
 def test_committed_stubs_equal_a_fresh_generation():
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the test extra) generates the stubs")
-    differ = [str(p.relative_to(ROOT)) for p in proto_build.differences()]  # generates into a temp dir
+    differ = [str(p.relative_to(ROOT)) for p in gen_proto.differences()]  # generates into a temp dir
     assert not differ, (f"{differ} differ from what proto/ generates with this grpcio-tools: run `make proto` "
                         f"(with the grpcio-tools of constraints.txt) and commit the result")
 

@@ -83,7 +83,7 @@ def test_sweep_spans_raw_negligible_to_dominant():
 def test_f1_is_read_from_the_eval_harness_json(tmp_path):
     import json
 
-    from scd_serve.bench.quality import f1_by_method
+    from scd_serve.bench.report import f1_by_method
 
     doc = {"methods": [{"method": "oracle", "f1": 0.8}, {"method": "scd", "f1": 0.75},
                        {"method": "reuse", "skipped": "needs --codebook"}]}

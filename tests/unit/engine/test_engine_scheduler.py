@@ -89,7 +89,7 @@ def test_max_num_seqs_bounds_the_batch_and_fifo_order_holds():
     for x in seqs:
         s.add(x)
     batch, _ = step(s)
-    assert batch.decodes == seqs[:2] and s.num_waiting == 2
+    assert batch.decodes == seqs[:2] and len(s.waiting) == 2
 
 
 def test_waiting_when_pool_is_full_then_admitted_after_free():

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scd_serve.errors import TransferCorrupt, TransferFailed
-from scd_serve.transport.checksum import chunk_digest
+from scd_serve.transport.chunking import chunk_digest
 from scd_serve.transport.chunking import StreamVerifier, chunk_message, group_layers
 from scd_serve.transport.proto import pb
 from scd_serve.transport.tensors import DTYPES, decode_code, encode_code, from_proto
