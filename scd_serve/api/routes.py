@@ -93,7 +93,8 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
             reqs.append(GenerationRequest(child_id, ids, dataclasses.replace(own, seed=child_seed(own.seed, j)),
                                           method, deadline=deadline))
     streams = [_timed(backend.generate(r), state.metrics, method, t0) for r in reqs]
-    route, num_prompt_tokens = request.url.path, sum(len(ids) for _, ids in prompts)
+    route = request.url.path
+    num_prompt_tokens = sum(len(ids) for _, ids in prompts)
     served: dict = {}  # the `scd` field once known (the method `auto` picked)
 
     def on_end(status: int) -> None:

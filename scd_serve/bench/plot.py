@@ -43,7 +43,8 @@ def ttft_vs_bandwidth(doc: dict, path: Path, tokens: int, mode: str = "warm") ->
 
 
 def pareto(doc: dict, f1: dict[str, float], path: Path, tokens: int, mode: str = "warm") -> Path:
-    plt, n = pyplot("bench", "bench --plot"), len(doc["sweep"])
+    plt = pyplot("bench", "bench --plot")
+    n = len(doc["sweep"])
     cols = min(3, max(1, n))
     rows = math.ceil(n / cols) if n else 1
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)

@@ -60,7 +60,8 @@ def start_target(name: str, args, logs: Path):
         cmd = [sys.executable, "-m", "scd_serve.bench.baseline", "--model", args.consumer, "--port", str(port),
                "--threads", "1", "--batch", str(args.concurrency if name == "static" else 1)]
     log = logs / f"{name}.log"
-    proc, url = procs.spawn(cmd, log), f"http://127.0.0.1:{port}"
+    proc = procs.spawn(cmd, log)
+    url = f"http://127.0.0.1:{port}"
     procs.wait_http(url + "/ready", proc, args.start_timeout, log)
     return proc, url
 

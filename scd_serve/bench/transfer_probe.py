@@ -51,7 +51,8 @@ class Probe:
             from scd_serve.transport.client import PrefillClient
 
             c = PrefillClient(address, TransportConfig(prefill_timeout_s=600.0))
-            self.clients[address] = (c, await c.info(timeout=30.0))
+            info = await c.info(timeout=30.0)
+            self.clients[address] = (c, info)
         return self.clients[address]
 
     def prompt(self, n: int, seed: int) -> list[int]:
@@ -151,7 +152,8 @@ class Probe:
         for n in cmd["prompt_tokens"]:
             for method in cmd["methods"]:
                 if method == "oracle":
-                    self.oracle(self.prompt(n, cmd["seed"]))  # warm-up
+                    ids = self.prompt(n, cmd["seed"])
+                    self.oracle(ids)  # warm-up
                     samples = [self.oracle(self.prompt(n, cmd["seed"] + r)) for r in range(cmd["reps"])]
                     rows.append({"method": method, "prompt_tokens": n, "mode": "local", "samples": samples})
                     continue

@@ -165,7 +165,8 @@ def run(args) -> int:
         raise ConfigError("--prefill-workers and --decode-workers must be >= 1")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: _stop.set())
-    deadline, env = time.monotonic() + args.ready_timeout_s, cluster_env(os.environ)
+    deadline = time.monotonic() + args.ready_timeout_s
+    env = cluster_env(os.environ)
     insecure = ["--insecure"] if args.insecure else []
     gateway = Child("gateway", ["gateway", "--host", args.host, "--port", str(args.port),
                                 "--control-bind", "tcp://127.0.0.1:0", *insecure], env)

@@ -105,7 +105,8 @@ class DecodeBackend(EngineBackend):
     def load_report(self) -> dict[str, float]:
         """What heartbeats report to the control plane (numbers only)."""
         s = self.engine.stats()
+        t = self.fill.stats
         return {"running": s["num_running"], "waiting": s["num_waiting"] + s.get("num_filling", 0),
                 "capacity": self.engine.config.max_num_seqs, "free_blocks": s["num_free_blocks"],
-                "tokens": s["num_generated_tokens"], "transfers": self.fill.stats.num_transfers,
+                "tokens": s["num_generated_tokens"], "transfers": t.num_transfers,
                 "fallbacks": s.get("num_fallbacks", 0)}

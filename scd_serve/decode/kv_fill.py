@@ -193,7 +193,8 @@ class RemoteKVFill:
 
     async def _transfer(self, peer, req, tokens: list[int], sink) -> dict:
         codec = self.codecs.get(peer.info, req.method)
-        rid, start = req.request_id, time.monotonic()
+        rid = req.request_id
+        start = time.monotonic()
         deadline = start + self.config.transport.prefill_timeout_s
         if req.deadline is not None:
             deadline = min(deadline, req.deadline)

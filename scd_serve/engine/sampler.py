@@ -159,7 +159,8 @@ def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torc
     In float64, from logits shifted so each row's best is 0: any temperature > 0 keeps the best at
     exactly 0 and the rest <= 0, so softmax never sees inf - inf, and a tiny top_p does not round to 0."""
     dev, vocab = logits.device, logits.shape[-1]
-    ks, ids = [p.top_k if 0 < p.top_k < vocab else vocab for p in params], None
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ids = None
     if max(ks) < vocab:
         logits, ids = torch.topk(logits, max(ks), dim=-1)  # sorted, descending
         logits = logits.masked_fill(torch.arange(max(ks), device=dev) >= torch.tensor(ks, device=dev)[:, None],

@@ -56,7 +56,8 @@ def project(shape: ModelShape, tokens: int, bw: float, plan: RankPlan, rates: Ra
     weights = shape.num_params * 2  # 16-bit
     kv_all = shape.num_layers * tokens * 2 * shape.kv_width * 2
     first = max(2.0 * shape.num_params / f, (weights + kv_all) / m)
-    oracle, producer = shape.prefill_flops(tokens) / f, shape.prefill_flops(tokens - 1) / f
+    oracle = shape.prefill_flops(tokens) / f
+    producer = shape.prefill_flops(tokens - 1) / f
     rows = []
     for name in methods:
         c: MethodCost = method_cost(name, shape, tokens, plan)

@@ -189,7 +189,8 @@ async def soak(stack: LocalStack, minutes: float, concurrency: int, max_requests
                 n += 1
                 if n == 200:
                     rss_at[200] = proc.memory_info().rss / 2**20
-                kind, method = rng.choice(kinds), rng.choice(stack.methods + ("local",))
+                kind = rng.choice(kinds)
+                method = rng.choice(stack.methods + ("local",))
                 key = f"{kind}:{await _one(http, kind, rng, method)}"
                 counts[key] = counts.get(key, 0) + 1
 
