@@ -80,7 +80,8 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
         raise InvalidRequest(f"{len(prompts)} prompts x best_of {plan.best_of} = {len(prompts) * plan.best_of} "
                              f"generations; at most {MAX_CHOICES} per request", field="prompt")
     method = body.scd_method or config.default_method
-    deadline, reqs = time.monotonic() + config.request_timeout_s, []
+    deadline = time.monotonic() + config.request_timeout_s
+    reqs = []
     for p, (_, ids) in enumerate(prompts):
         room = config.max_model_len - len(ids)
         own = params

@@ -125,7 +125,8 @@ def load_split(name: str, n: int, seed: int = 0) -> list[dict]:
     if name not in SPLITS:
         raise InvalidRequest(f"unknown split {name!r}; choose one of {sorted(SPLITS)}", field="split")
     style_name, (lo, hi), num_q = SPLITS[name]
-    style, out = STYLES[style_name], []
+    style = STYLES[style_name]
+    out = []
     for i in range(n):
         rng = random.Random(f"{name}:{seed}:{i}")
         target = rng.randint(lo, hi) - 1  # -1 for <bos>

@@ -202,7 +202,8 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
                                            timeout_keep_alive=api_cfg.timeout_keep_alive_s,
                                            timeout_graceful_shutdown=int(config.shutdown_grace_s)))
     http, port = await start_http(server)
-    address, heartbeat = advertised(config.advertise, config.host, port), None
+    address = advertised(config.advertise, config.host, port)
+    heartbeat = None
     if config.control_url:
         heartbeat = HeartbeatFanout(config.control_url, "decode", address, backend.ready, backend.load_report,
                                     control or ControlConfig(), on_peers=peers.update_from_registry)

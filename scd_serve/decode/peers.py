@@ -44,7 +44,8 @@ def compat_problems(info, consumer_spec, method: str, codecs, expect_producer: s
 
 def method_problems(info, method: str, codecs) -> list[str]:
     """[] if this worker can rebuild `method` from the producer `info` describes."""
-    problems, offered = [], {c.codec_id: c for c in info.codecs}
+    problems = []
+    offered = {c.codec_id: c for c in info.codecs}
     theirs = offered.get(method)
     if theirs is None:
         return [f"codecs: method {method!r} not offered (offers {sorted(offered)})"]

@@ -309,7 +309,8 @@ class Engine:
                   h.seq.num_output_tokens)
 
     def _emit_token(self, seq: Sequence, token: int) -> None:
-        h, params = self._live[seq.seq_id], seq.request.params
+        h = self._live[seq.seq_id]
+        params = seq.request.params
         delta = h.detok.add(token, check_stop=seq.num_output_tokens >= params.min_tokens)
         if h.detok.stopped and not seq.is_finished:
             self.scheduler.finish(seq, "stop")

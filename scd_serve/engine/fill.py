@@ -24,7 +24,8 @@ async def run_fill(kv_fill: KVFill, req: GenerationRequest, sink: LayerSink,
     meanwhile). Errors from the watch raise. The engine decodes as soon as the sink holds
     every layer, maybe before the fill returns: a token seen then is handed back (yielded
     first), and the fill is let finish, not cancelled (that would abort a good transfer)."""
-    fill, watcher = asyncio.ensure_future(kv_fill(req, sink)), asyncio.ensure_future(watch())
+    fill = asyncio.ensure_future(kv_fill(req, sink))
+    watcher = asyncio.ensure_future(watch())
     early: list = []
     try:
         await asyncio.wait({fill, watcher}, return_when=asyncio.FIRST_COMPLETED)

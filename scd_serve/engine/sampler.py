@@ -89,7 +89,8 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
 def shape_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
     """logits [B, vocab] float -> shaped [B, vocab]: penalties, bias, and the min_tokens mask."""
     b, vocab = logits.shape
-    dev, params = logits.device, [s.request.params for s in seqs]
+    dev = logits.device
+    params = [s.request.params for s in seqs]
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
     if rep:  # HF / vLLM: over every token seen, prompt included
         seen = _presence([seqs[i].token_ids for i in rep], vocab, dev) > 0

@@ -77,7 +77,8 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
     worker = PrefillWorker(rt, codecs, config)
     await worker.start()
     servicer, port = worker.servicer, worker.port
-    address, heartbeat = advertised(config.advertise, config.host, port), None
+    address = advertised(config.advertise, config.host, port)
+    heartbeat = None
     if config.control_url:
         heartbeat = HeartbeatFanout(config.control_url, "prefill", address, lambda: not stop.is_set(),
                                     servicer.load_report, control or ControlConfig())
