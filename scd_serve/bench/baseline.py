@@ -51,7 +51,8 @@ class _Streamer:
 
 def take_batch(jobs: queue.Queue, size: int) -> list:
     """The first queued job (waiting for it), then up to size-1 more arriving within BATCH_WAIT_S."""
-    batch, deadline = [jobs.get()], time.monotonic() + BATCH_WAIT_S
+    batch = [jobs.get()]
+    deadline = time.monotonic() + BATCH_WAIT_S
     while len(batch) < size:
         try:
             batch.append(jobs.get(timeout=max(0.0, deadline - time.monotonic())))

@@ -24,7 +24,8 @@ def setup_logging(role: str) -> None:
 
 def stop_event() -> asyncio.Event:
     """An event set by SIGINT or SIGTERM (call inside the running loop)."""
-    event, loop = asyncio.Event(), asyncio.get_running_loop()
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, event.set)
     return event

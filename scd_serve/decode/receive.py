@@ -45,7 +45,8 @@ def receive(call: Iterable, verifier: StreamVerifier, prepare: Callable[[], None
             rebuild_layer: Callable[[int, dict], None]) -> Received:
     """Read `call` (PrefillChunk messages) up to its last chunk; each passes the verifier before
     rebuild_layer(layer, code) decodes and writes it. Errors propagate (grpc.RpcError, ScdError)."""
-    got, t0 = Received(), time.perf_counter()
+    got = Received()
+    t0 = time.perf_counter()
     prepare()
     waiting = time.perf_counter()
     got.rebuild_s += waiting - t0

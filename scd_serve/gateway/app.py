@@ -38,7 +38,8 @@ PROXIED = (("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", T
 
 
 def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks=None) -> FastAPI:
-    balancer, metrics = LoadBalancer(), GatewayMetrics()
+    balancer = LoadBalancer()
+    metrics = GatewayMetrics()
     state: dict = {}
 
     @asynccontextmanager

@@ -64,7 +64,8 @@ def project(shape: ModelShape, tokens: int, bw: float, plan: RankPlan, rates: Ra
         if name == "oracle":
             rows.append(Projection(name, 0.0, 0.0, 0.0, 0.0, oracle, oracle, 1.0))
             continue
-        wire, rebuild = c.payload_bytes / bw, c.rebuild_flops / fr + c.rebuild_bytes / m
+        wire = c.payload_bytes / bw
+        rebuild = c.rebuild_flops / fr + c.rebuild_bytes / m
         encode = c.encode_flops / f + c.encode_bytes / m
         warm = max(wire, rebuild) + first
         rows.append(Projection(name, c.payload_bytes, wire, rebuild, first, warm, producer + encode + warm, oracle / warm))

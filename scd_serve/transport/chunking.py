@@ -168,5 +168,6 @@ class StreamVerifier:
     def finish(self) -> None:
         """Call when the stream ends: every chunk must have arrived."""
         if not self.complete:
-            got, want = self.next_seq, self.header.total_chunks if self.header else "?"
+            got = self.next_seq
+            want = self.header.total_chunks if self.header else "?"
             raise TransferFailed(f"request {self.request_id}: stream ended after {got} of {want} chunks")

@@ -25,7 +25,8 @@ def make_server(config: TransportConfig, max_concurrent_rpcs: int | None = None
 
 def bind(server: grpc.aio.Server, host: str, port: int, config: TransportConfig) -> int:
     """Listen on host:port (port 0 = OS picks) and return the bound port."""
-    address, creds = join_host_port(host, port), server_credentials(config)
+    address = join_host_port(host, port)
+    creds = server_credentials(config)
     bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not listen on {address}")

@@ -33,7 +33,8 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str) -> errors.ScdError:
     """An RPC failure seen by the decode side -> the ScdError to raise."""
     code = exc.code()
-    detail, cls = exc.details() or code.name, _FROM_CODE.get(code, errors.TransferFailed)
+    detail = exc.details() or code.name
+    cls = _FROM_CODE.get(code, errors.TransferFailed)
     if cls is errors.Overloaded:
         return errors.Overloaded(f"prefill worker {peer} is full: {detail}")
     err = cls(f"prefill worker {peer}: {code.name}: {detail}")
