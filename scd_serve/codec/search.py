@@ -9,8 +9,8 @@
 3. Patch candidates are ordered by their measured benefit (KL drop when that layer alone
    is patched in the all-Reuse start plan); the patch count k is the one whose plan ships
    the fewest numbers within budget (ties: fewer patches). The curve over k is kept.
-4. With a width cap, a patch set's plan that is over budget or over the cap is replaced by its
-   least-KL plan under the cap (fit_width); nothing in budget: the least KL under the cap.
+4. With a width cap, a patch set's plan that is over the cap is replaced by its least-KL plan
+   under the cap (fit_width); nothing in budget: the least KL under the cap.
 """
 
 from __future__ import annotations
@@ -60,12 +60,15 @@ class PlanSearch:
                     self.profile[(s, layer, r)] = self.profile_probe.measure({layer: self.stream_kv(s, r)})
             self.progress(f"profiled layer {layer}")
 
-    def patch_order(self) -> tuple[list[int], dict[int, float]]:
-        """Layers by measured benefit of patching them alone (positive benefit only)."""
-        base = self.measure(self.full_rank())
-        benefit = {i: base - self.measure(self.full_rank((i,))) for i in range(self.num_layers)}
+    def patch_order(self) -> tuple[list[int], dict[int, float], dict[tuple[int, ...], float]]:
+        """Layers by measured benefit of patching them alone (positive benefit only), the benefits,
+        and the full-rank KLs measured on the way (by patch set: no patch, each layer alone)."""
+        full_kl = {(): self.measure(self.full_rank())}
+        full_kl |= {(i,): self.measure(self.full_rank((i,))) for i in range(self.num_layers)}
+        benefit = {i: full_kl[()] - full_kl[(i,)] for i in range(self.num_layers)}
         self.progress("ranked patch candidates")
-        return [i for i in sorted(benefit, key=benefit.get, reverse=True) if benefit[i] > 0], benefit
+        order = [i for i in sorted(benefit, key=benefit.get, reverse=True) if benefit[i] > 0]
+        return order, benefit, full_kl
 
     def _moves(self, plan: Plan):
         for i, lp in enumerate(plan.layers):
@@ -90,10 +93,12 @@ class PlanSearch:
             plan, predicted = plan.with_layer(layer, lp), predicted + delta
             seq.append(plan)
 
-    def fit_budget(self, patches: tuple[int, ...], budget: float) -> SearchPoint:
-        """Fewest numbers per token with this patch set and measured KL <= budget."""
+    def fit_budget(self, patches: tuple[int, ...], budget: float,
+                   kl_start: float | None = None) -> SearchPoint:
+        """Fewest numbers per token with this patch set and measured KL <= budget (kl_start as in
+        fit_width)."""
         start = self.full_rank(patches)
-        kl_start = self.measure(start)
+        kl_start = self.measure(start) if kl_start is None else kl_start
         if kl_start > budget:
             return SearchPoint(len(patches), start, kl_start, kl_start, False)
         seq = self._descend(start, lambda plan, pred, delta: kl_start + pred + delta <= budget)
@@ -110,11 +115,13 @@ class PlanSearch:
                 hi = mid
         return SearchPoint(len(patches), seq[lo], kl_lo, kl_start, True)
 
-    def fit_width(self, patches: tuple[int, ...], width: int) -> SearchPoint:
+    def fit_width(self, patches: tuple[int, ...], width: int,
+                  kl_start: float | None = None) -> SearchPoint:
         """Least predicted KL with this patch set at no more than `width` numbers per token
-        (the equal-payload comparison, e.g. Reuse-only at SCD's payload)."""
+        (the equal-payload comparison, e.g. Reuse-only at SCD's payload). kl_start: the full-rank
+        plan's KL where already measured (a probe pass saved)."""
         start = self.full_rank(patches)
-        kl_start = self.measure(start)
+        kl_start = self.measure(start) if kl_start is None else kl_start
         seq = self._descend(start, lambda plan, pred, delta: True)
         plan = next((p for p in seq if p.code_width() <= width), seq[-1])
         kl = self.measure(plan) if plan is not start else kl_start
@@ -127,13 +134,13 @@ class PlanSearch:
         self.budget = budget
         if not self.profile:
             self.run_profile()
-        order, benefit = self.patch_order()
+        order, benefit, full_kl = self.patch_order()
         curve = []
         for k in range(min(max_patches, len(order)) + 1):
             patches = tuple(sorted(order[:k]))
-            point = self.fit_budget(patches, budget)
+            point = self.fit_budget(patches, budget, full_kl.get(patches))
             if max_width is not None and point.plan.code_width() > max_width:
-                point = self.fit_width(patches, max_width)
+                point = self.fit_width(patches, max_width, point.kl_full_rank)
             curve.append(point)
             self.progress(f"{k} patches: {curve[-1].plan.code_width()} numbers/token, KL {curve[-1].kl:.4f}")
         allowed = [p for p in curve if max_width is None or p.plan.code_width() <= max_width] or curve

@@ -119,7 +119,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         max_width = None if cfg.max_payload is None else max(1, int(cfg.max_payload * 2 * cspec.kv_width * num_layers))
         best, curve, benefit = search.run(cfg.kl_budget, max_patches, max_width)
         # Reuse-only at SCD's payload: the equal-payload ablation of Patch
-        reuse = search.fit_width((), best.plan.code_width()) if best.plan.patch_layers else best
+        reuse = (search.fit_width((), best.plan.code_width(), curve[0].kl_full_rank)  # curve[0]: no patches
+                 if best.plan.patch_layers else best)
     plan, kl_linear = best.plan, best.kl
     stats_kl = best.kl
     if cfg.aligner_steps and plan.patch_layers:  # MLP aligners where patches were chosen

@@ -11,7 +11,7 @@ class FakeProbe:
     handles badly and Patch handles well; an interaction term makes the sum super-additive."""
 
     def __init__(self):
-        self.num_measurements = 0
+        self.measured = []  # each replacement measured, as its tags
 
     @staticmethod
     def layer_cost(layer, tag):
@@ -26,7 +26,7 @@ class FakeProbe:
         return (0.6 if layer == 2 else 0.0) + 0.2 / rk + 0.4 / rv
 
     def measure(self, replace):
-        self.num_measurements += 1
+        self.measured.append(tuple(tag(None, i) for i, tag in sorted(replace.items())))
         total = sum(self.layer_cost(i, tag(None, i)) for i, tag in replace.items())
         return total * (1 + 0.05 * len(replace))
 
@@ -90,3 +90,11 @@ def test_layer_plan_validation():
     with pytest.raises(ValueError):
         LayerPlan("zip", 1, 1)
     assert LayerPlan(PATCH, r_h=8).code_width == 8
+
+
+def test_width_cap_measures_each_plan_once():
+    search, probe = make_search()
+    search.run_profile()
+    probe.measured.clear()
+    search.run(budget=0.01, max_patches=2, max_width=40)  # every full-rank plan over budget and cap
+    assert probe.measured and len(set(probe.measured)) == len(probe.measured)
