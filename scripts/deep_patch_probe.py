@@ -7,12 +7,16 @@ A question about codec design (issue 18), asked with full-rank linear maps (no c
 - `deep@L`: layers < L as in `linear-kv`; at L the consumer's residual stream is a ridge map of
   the producer's residual at L, and the consumer runs its own layers L..N-1 over the prompt
   (attention included), so what those layers compute from context is its own computation;
-- `deep-exact@L`: the same with the consumer's own K/V below L (isolates the upper part).
-Each is scored by greedy exact match of the answer on held-out task prompts, beside the oracle
-(the consumer's own prefill). Maps are fitted on calibration prompts.
+- `deep-exact@L`: the same with the consumer's own K/V below L (isolates the upper part);
+- with --codebook: `scd` (the codebook's scd plan on every layer) and `scd-deep@L` (its layers
+  below L, the consumer's own from L as in `deep@L`), the codec question: would a run of the
+  upper layers beat the plan's per-layer Reuse and Patch there?
+Each is scored by greedy exact match of the answer on held-out task prompts, and on the answer's
+teacher-forced tokens by top-1 agreement with the oracle (the consumer's own prefill) and
+KL(method || oracle). Maps are fitted on calibration prompts.
 
     python scripts/deep_patch_probe.py PRODUCER CONSUMER calibration.jsonl heldout.jsonl \
-        [--fit 48] [--eval 60] [--layers 3 4 5 6]
+        [--fit 48] [--eval 60] [--layers 3 4 5 6] [--codebook DIR]
 """
 
 import argparse
@@ -23,8 +27,10 @@ import torch
 from scd_serve.model import rope
 from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
 from scd_serve.model.runtime import ModelRuntime
-from scd_serve.quality.metrics import exact_match
-from scd_serve.quality.transfer import BLOCK, Handoff, greedy_after, teacher_forced
+from scd_serve.codec.codebook import Codebook
+from scd_serve.quality.harness import build_codec
+from scd_serve.quality.metrics import exact_match, kl_and_tv
+from scd_serve.quality.transfer import BLOCK, Handoff, greedy_after, teacher_forced, transfer
 
 
 @torch.no_grad()
@@ -63,16 +69,17 @@ def ids_of(rt, rec):
     return torch.tensor(rt.tokenizer(rec["prompt"])["input_ids"])
 
 
-def answer(rt, kvs, ids, n):
-    """Greedy answer tokens after writing per-layer (k_pre, v) of ids[:-1] and running ids[-1]."""
-    prefix = ids.shape[0] - 1
-    nb = -(-(prefix + n + 2) // BLOCK)
-    pool, blocks = rt.new_kv_pool(nb, BLOCK), list(range(nb))
-    for layer, (k, v) in enumerate(kvs):
-        rt.write_kv(pool, blocks, layer, k[:prefix], v[:prefix])
-    h = Handoff(pool, blocks, prefix, 0, 0.0)
-    first = teacher_forced(rt, h, ids[-1:])[-1]
-    return rt.tokenizer.decode(greedy_after(rt, h, first, n, -1), skip_special_tokens=True)
+def answer(rt, h, writes, ids, gold):
+    """Into handoff h's pool (None: a fresh one) write (layer, (k_pre, v)) of ids[:-1], then run
+    ids[-1] and the gold answer's tokens but the last. -> (greedy answer text, teacher-forced logits [n, vocab])."""
+    prefix, n = ids.shape[0] - 1, gold.shape[0]
+    if h is None:
+        nb = -(-(prefix + n + 2) // BLOCK)
+        h = Handoff(rt.new_kv_pool(nb, BLOCK), list(range(nb)), prefix, 0, 0.0)
+    for layer, (k, v) in writes:
+        rt.write_kv(h.pool, h.blocks, layer, k[:prefix], v[:prefix])
+    logits = teacher_forced(rt, h, torch.cat([ids[-1:], gold[:-1]]))
+    return rt.tokenizer.decode(greedy_after(rt, h, logits[0], n, -1), skip_special_tokens=True), logits
 
 
 def main():
@@ -85,6 +92,7 @@ def main():
     ap.add_argument("--eval", type=int, default=60)
     ap.add_argument("--per-prompt", type=int, default=400)
     ap.add_argument("--layers", type=int, nargs="+", default=[3, 4, 5, 6])
+    ap.add_argument("--codebook", help="also score its scd plan, and that plan below L with the run from L")
     args = ap.parse_args()
     torch.set_num_threads(1)
     pa, cb = ModelRuntime.load(args.producer), ModelRuntime.load(args.consumer)
@@ -106,32 +114,45 @@ def main():
 
     kvw = cb.spec.num_kv_heads * cb.spec.head_dim
     shape = (cb.spec.num_kv_heads, cb.spec.head_dim)
+    codec = args.codebook and build_codec("scd", pa, cb, Codebook.load(args.codebook))
     names = ["oracle", "linear-kv"] + [f"{p}@{i}" for i in args.layers for p in ("deep", "deep-exact")]
+    names += ["scd"] + [f"scd-deep@{i}" for i in args.layers] if codec else []
     hits = {n: [] for n in names}
     agree = {n: [] for n in names}  # answer text identical to the oracle's
+    top1 = {n: [] for n in names}  # per answer token: argmax equals the oracle's
+    kl = {n: [] for n in names}
     for j, line in enumerate(open(args.heldout).read().splitlines()[: args.eval]):
         rec = json.loads(line)
         ids = ids_of(cb, rec)
-        n = len(cb.tokenizer(rec["answer"], add_special_tokens=False)["input_ids"])
+        gold = torch.tensor(cb.tokenizer(rec["answer"], add_special_tokens=False)["input_ids"])
         sa, sb = states(pa, ids), states(cb, ids)
         own = [(s[2], s[3]) for s in sb]
         lin = []
         for i in range(n_layers):
             kv = apply(kv_map[i], sa[i][1])
             lin.append((kv[:, :kvw].unflatten(1, shape), kv[:, kvw:].unflatten(1, shape)))
-        runs = {"oracle": own, "linear-kv": lin}
+        runs = {"oracle": (None, enumerate(own)), "linear-kv": (None, enumerate(lin))}
         for i in args.layers:
             upper = [(s[2], s[3]) for s in run_layers(cb, apply(h_map[i], sa[i][0]), i)]
-            runs[f"deep@{i}"] = lin[:i] + upper
-            runs[f"deep-exact@{i}"] = own[:i] + upper
-        texts = {name: answer(cb, kvs, ids, n) for name, kvs in runs.items()}
-        for name, text in texts.items():
+            runs[f"deep@{i}"] = (None, enumerate(lin[:i] + upper))
+            runs[f"deep-exact@{i}"] = (None, enumerate(own[:i] + upper))
+            if codec:  # the codec's handoff for every layer, then the run's over layers i..
+                runs[f"scd-deep@{i}"] = (transfer("scd", codec, pa, cb, ids[:-1], gold.shape[0] + 2),
+                                         list(enumerate(upper, i)))
+        if codec:
+            runs["scd"] = (transfer("scd", codec, pa, cb, ids[:-1], gold.shape[0] + 2), [])
+        out = {name: answer(cb, h, writes, ids, gold) for name, (h, writes) in runs.items()}
+        for name, (text, logits) in out.items():
             hits[name].append(exact_match(text, rec["answer"]))
-            agree[name].append(float(text == texts["oracle"]))
+            agree[name].append(float(text == out["oracle"][0]))
+            top1[name] += (logits.argmax(-1) == out["oracle"][1].argmax(-1)).float().tolist()
+            kl[name] += kl_and_tv(logits, out["oracle"][1])[0].tolist()
         if (j + 1) % 10 == 0:
             print(j + 1, {k: round(sum(v) / len(v), 3) for k, v in hits.items()}, flush=True)
     print("final EM", {k: round(sum(v) / len(v), 3) for k, v in hits.items()})
     print("final agreement with the oracle", {k: round(sum(v) / len(v), 3) for k, v in agree.items()})
+    print("final top-1 agreement", {k: round(sum(v) / len(v), 3) for k, v in top1.items()})
+    print("final KL", {k: round(sum(v) / len(v), 3) for k, v in kl.items()})
 
 
 if __name__ == "__main__":
