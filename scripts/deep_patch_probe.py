@@ -24,8 +24,6 @@ import json
 
 import torch
 
-from scd_serve.model import rope
-from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.codec.codebook import Codebook
 from scd_serve.quality.harness import build_codec
@@ -33,26 +31,9 @@ from scd_serve.quality.metrics import exact_match, kl_and_tv
 from scd_serve.quality.transfer import BLOCK, Handoff, greedy_after, teacher_forced, transfer
 
 
-@torch.no_grad()
-def run_layers(rt, h, first: int):
-    """Layers first..N-1 over the prompt from residual h [T, d] -> per layer (residual in, attn input, k_pre, v)."""
-    spec, t = rt.spec, h.shape[0]
-    pos = torch.arange(t)
-    cos, sin = rt.rotary.tables(pos)
-    out = []
-    for layer in range(first, spec.num_layers):
-        lw = rt.weights.layers[layer]
-        x = rms_norm(h, lw.ln1, spec.rms_norm_eps)
-        k, v = project_kv(lw, spec, x)
-        q = rope.apply(project_q(lw, spec, x), cos, sin)
-        out.append((h, x, k, v))
-        h = finish_layer(lw, spec, h, attend(q[None], rope.apply(k, cos, sin)[None], v[None],
-                                                causal_mask(pos[None], torch.tensor([t]), t, spec.window(layer)))[0])
-    return out
-
-
 def states(rt, ids):
-    return run_layers(rt, rt.weights.embed[ids], 0)
+    """-> per layer LayerState (keys, values, attn_input, residual) of the prompt."""
+    return [state for _, state in rt.iter_prefill(ids, compute_logits=False)]
 
 
 def fit(x, y, lam=1e-4):
@@ -103,10 +84,10 @@ def main():
         ids = ids_of(pa, json.loads(line))
         idx = torch.randperm(ids.shape[0], generator=gen)[: args.per_prompt]
         for layer, (sa, sb) in enumerate(zip(states(pa, ids), states(cb, ids))):
-            xs.setdefault(("x", layer), []).append(sa[1][idx].double())
-            xs.setdefault(("kv", layer), []).append(torch.cat([sb[2].flatten(1), sb[3].flatten(1)], 1)[idx].double())
-            xs.setdefault(("ha", layer), []).append(sa[0][idx].double())
-            xs.setdefault(("hb", layer), []).append(sb[0][idx].double())
+            xs.setdefault(("x", layer), []).append(sa.attn_input[idx].double())
+            xs.setdefault(("kv", layer), []).append(torch.cat([sb.keys.flatten(1), sb.values.flatten(1)], 1)[idx].double())
+            xs.setdefault(("ha", layer), []).append(sa.residual[idx].double())
+            xs.setdefault(("hb", layer), []).append(sb.residual[idx].double())
     xs = {k: torch.cat(v) for k, v in xs.items()}
     kv_map = [fit(xs[("x", i)], xs[("kv", i)]) for i in range(n_layers)]
     h_map = {i: fit(xs[("ha", i)], xs[("hb", i)]) for i in args.layers}
@@ -126,14 +107,14 @@ def main():
         ids = ids_of(cb, rec)
         gold = torch.tensor(cb.tokenizer(rec["answer"], add_special_tokens=False)["input_ids"])
         sa, sb = states(pa, ids), states(cb, ids)
-        own = [(s[2], s[3]) for s in sb]
+        own = [(s.keys, s.values) for s in sb]
         lin = []
         for i in range(n_layers):
-            kv = apply(kv_map[i], sa[i][1])
+            kv = apply(kv_map[i], sa[i].attn_input)
             lin.append((kv[:, :kvw].unflatten(1, shape), kv[:, kvw:].unflatten(1, shape)))
         runs = {"oracle": (None, enumerate(own)), "linear-kv": (None, enumerate(lin))}
         for i in args.layers:
-            upper = [(s[2], s[3]) for s in run_layers(cb, apply(h_map[i], sa[i][0]), i)]
+            upper = [(s.keys, s.values) for _, s in cb.run_from(i, apply(h_map[i], sa[i].residual))]
             runs[f"deep@{i}"] = (None, enumerate(lin[:i] + upper))
             runs[f"deep-exact@{i}"] = (None, enumerate(own[:i] + upper))
             if codec:  # the codec's handoff for every layer, then the run's over layers i..

@@ -27,6 +27,7 @@ class LayerState:
     keys: Tensor  # [T, kv_heads, head_dim] pre-RoPE (after k_norm for Qwen3)
     values: Tensor  # [T, kv_heads, head_dim]
     attn_input: Tensor  # [T, hidden] after input_layernorm
+    residual: Tensor | None = None  # [T, hidden] the layer's input, before input_layernorm
 
 
 @dataclass
@@ -89,21 +90,34 @@ class ModelRuntime:
         return PrefillIterator(self._prefill_layers(ids, compute_logits))
 
     @torch.no_grad()
-    def _prefill_layers(self, ids: Tensor, compute_logits: bool):
+    def _prefill_layers(self, ids: Tensor, compute_logits: bool, first: int = 0, h: Tensor | None = None):
+        """Layers first.. over the whole prompt, from the residual h [T, hidden] entering `first`
+        (None: the token embeddings, first = 0)."""
         spec, rot = self.spec, self.rotary
-        t = ids.shape[0]
+        h = self.weights.embed[ids] if h is None else h  # [T, hidden]
+        t = h.shape[0]
         pos = torch.arange(t, device=self.device)
-        h = self.weights.embed[ids]  # [T, hidden]
         masks = self._masks(pos[None], torch.tensor([t], device=self.device), t)
         cos, sin = rot.tables(pos)  # once per forward, shared by all layers
-        for layer, lw in enumerate(self.weights.layers):
+        for layer in range(first, spec.num_layers):
+            lw = self.weights.layers[layer]
             x = rms_norm(h, lw.ln1, spec.rms_norm_eps)  # [T, hidden]
             k_pre, v = project_kv(lw, spec, x)
             q = rope.apply(project_q(lw, spec, x), cos, sin)
             attn = attend(q[None], rope.apply(k_pre, cos, sin)[None], v[None], masks[spec.window(layer)])
+            state = LayerState(keys=k_pre, values=v, attn_input=x, residual=h)
             h = finish_layer(lw, spec, h, attn[0])
-            yield layer, LayerState(keys=k_pre, values=v, attn_input=x)
+            yield layer, state
         return self.logits_of(h) if compute_logits else None
+
+    def run_from(self, layer: int, residual: Tensor) -> PrefillIterator:
+        """The prompt's layers layer.. computed here from the residual stream entering `layer`
+        ([T, hidden], positions 0..T-1): what the consumer computes from context on its own
+        when it runs its upper layers instead of rebuilding them. Yields (layer, LayerState)."""
+        self._check_layer(layer)
+        if residual.dim() != 2 or residual.shape[1] != self.spec.hidden_size:
+            raise InvalidRequest(f"residual must be [T, {self.spec.hidden_size}], got {tuple(residual.shape)}")
+        return PrefillIterator(self._prefill_layers(None, False, layer, residual.to(self.device, self.dtype)))
 
     @torch.no_grad()
     def token_inputs(self, input_ids) -> Tensor:

@@ -124,6 +124,25 @@ def test_iter_prefill_streams_layers_then_logits(pair):
     assert torch.equal(it.logits, full.logits)
 
 
+def test_run_from_a_layer_recomputes_the_upper_layers(pair):
+    """Given the residual entering layer L, run_from computes layers L.. as the prefill did;
+    a residual of the wrong width is refused with a message that names the shape."""
+    from scd_serve.errors import InvalidRequest
+
+    rt, _ = pair
+    ids = prompt(14, 5)
+    states = [state for _, state in rt.iter_prefill(ids, compute_logits=False)]
+    first = rt.spec.num_layers // 2
+    upper = list(rt.run_from(first, states[first].residual))
+    assert [layer for layer, _ in upper] == list(range(first, rt.spec.num_layers))
+    for layer, state in upper:
+        assert torch.allclose(state.keys, states[layer].keys, atol=1e-5)
+        assert torch.allclose(state.values, states[layer].values, atol=1e-5)
+    assert torch.equal(states[0].residual, rt.weights.embed[ids])
+    with pytest.raises(InvalidRequest, match="residual must be"):
+        rt.run_from(first, states[first].residual[:, :-1])
+
+
 def test_greedy_32_tokens_match_transformers(pair):
     rt, hf = pair
     ids = prompt(9, 4)
