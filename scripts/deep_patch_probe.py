@@ -28,12 +28,12 @@ from scd_serve.model.runtime import ModelRuntime
 from scd_serve.codec.codebook import Codebook
 from scd_serve.quality.harness import build_codec
 from scd_serve.quality.metrics import exact_match, kl_and_tv
-from scd_serve.quality.transfer import BLOCK, Handoff, greedy_after, teacher_forced, transfer
+from scd_serve.quality.transfer import BLOCK, Handoff, greedy_after, teacher_forced
 
 
 def states(rt, ids):
     """-> per layer LayerState (keys, values, attn_input, residual) of the prompt."""
-    return [state for _, state in rt.iter_prefill(ids, compute_logits=False)]
+    return [state for _, state in rt.iter_prefill(ids, compute_logits=False, residuals=True)]
 
 
 def fit(x, y, lam=1e-4):
@@ -50,14 +50,13 @@ def ids_of(rt, rec):
     return torch.tensor(rt.tokenizer(rec["prompt"])["input_ids"])
 
 
-def answer(rt, h, writes, ids, gold):
-    """Into handoff h's pool (None: a fresh one) write (layer, (k_pre, v)) of ids[:-1], then run
-    ids[-1] and the gold answer's tokens but the last. -> (greedy answer text, teacher-forced logits [n, vocab])."""
+def answer(rt, kvs, ids, gold):
+    """Write per-layer (k_pre, v) of ids[:-1], then run ids[-1] and the gold answer's tokens but
+    the last. -> (greedy answer text, teacher-forced logits [n, vocab])."""
     prefix, n = ids.shape[0] - 1, gold.shape[0]
-    if h is None:
-        nb = -(-(prefix + n + 2) // BLOCK)
-        h = Handoff(rt.new_kv_pool(nb, BLOCK), list(range(nb)), prefix, 0, 0.0)
-    for layer, (k, v) in writes:
+    nb = -(-(prefix + n + 2) // BLOCK)
+    h = Handoff(rt.new_kv_pool(nb, BLOCK), list(range(nb)), prefix, 0, 0.0)
+    for layer, (k, v) in enumerate(kvs):
         rt.write_kv(h.pool, h.blocks, layer, k[:prefix], v[:prefix])
     logits = teacher_forced(rt, h, torch.cat([ids[-1:], gold[:-1]]))
     return rt.tokenizer.decode(greedy_after(rt, h, logits[0], n, -1), skip_special_tokens=True), logits
@@ -112,17 +111,18 @@ def main():
         for i in range(n_layers):
             kv = apply(kv_map[i], sa[i].attn_input)
             lin.append((kv[:, :kvw].unflatten(1, shape), kv[:, kvw:].unflatten(1, shape)))
-        runs = {"oracle": (None, enumerate(own)), "linear-kv": (None, enumerate(lin))}
+        runs = {"oracle": own, "linear-kv": lin}
+        if codec:  # as serving rebuilds them: codes of the producer's prefill of the prefix
+            prefix = ids[:-1]
+            runs["scd"] = [codec.decode_layer(layer, codec.encode_layer(layer, state), cb, tokens=prefix)
+                           for layer, state in pa.iter_prefill(prefix, compute_logits=False)]
         for i in args.layers:
             upper = [(s.keys, s.values) for _, s in cb.run_from(i, apply(h_map[i], sa[i].residual))]
-            runs[f"deep@{i}"] = (None, enumerate(lin[:i] + upper))
-            runs[f"deep-exact@{i}"] = (None, enumerate(own[:i] + upper))
-            if codec:  # the codec's handoff for every layer, then the run's over layers i..
-                runs[f"scd-deep@{i}"] = (transfer("scd", codec, pa, cb, ids[:-1], gold.shape[0] + 2),
-                                         list(enumerate(upper, i)))
-        if codec:
-            runs["scd"] = (transfer("scd", codec, pa, cb, ids[:-1], gold.shape[0] + 2), [])
-        out = {name: answer(cb, h, writes, ids, gold) for name, (h, writes) in runs.items()}
+            runs[f"deep@{i}"] = lin[:i] + upper
+            runs[f"deep-exact@{i}"] = own[:i] + upper
+            if codec:
+                runs[f"scd-deep@{i}"] = runs["scd"][:i] + upper
+        out = {name: answer(cb, kvs, ids, gold) for name, kvs in runs.items()}
         for name, (text, logits) in out.items():
             hits[name].append(exact_match(text, rec["answer"]))
             agree[name].append(float(text == out["oracle"][0]))

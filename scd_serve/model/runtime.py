@@ -27,7 +27,9 @@ class LayerState:
     keys: Tensor  # [T, kv_heads, head_dim] pre-RoPE (after k_norm for Qwen3)
     values: Tensor  # [T, kv_heads, head_dim]
     attn_input: Tensor  # [T, hidden] after input_layernorm
-    residual: Tensor | None = None  # [T, hidden] the layer's input, before input_layernorm
+    # [T, hidden] the layer's input, before input_layernorm; only when asked (residuals=True): most
+    # callers keep states per layer, and this is as wide as attn_input
+    residual: Tensor | None = None
 
 
 @dataclass
@@ -85,12 +87,13 @@ class ModelRuntime:
         stacked = (torch.stack([getattr(s, name) for s in states]) for name in ("keys", "values", "attn_input"))
         return PrefillOutput(it.logits, *stacked)  # [L, T, ...] each
 
-    def iter_prefill(self, input_ids, compute_logits: bool = True) -> PrefillIterator:
+    def iter_prefill(self, input_ids, compute_logits: bool = True, residuals: bool = False) -> PrefillIterator:
         ids = self._check_ids(input_ids)
-        return PrefillIterator(self._prefill_layers(ids, compute_logits))
+        return PrefillIterator(self._prefill_layers(ids, compute_logits, residuals))
 
     @torch.no_grad()
-    def _prefill_layers(self, ids: Tensor, compute_logits: bool, first: int = 0, h: Tensor | None = None):
+    def _prefill_layers(self, ids: Tensor, compute_logits: bool, residuals: bool, first: int = 0,
+                        h: Tensor | None = None):
         """Layers first.. over the whole prompt, from the residual h [T, hidden] entering `first`
         (None: the token embeddings, first = 0)."""
         spec, rot = self.spec, self.rotary
@@ -105,7 +108,7 @@ class ModelRuntime:
             k_pre, v = project_kv(lw, spec, x)
             q = rope.apply(project_q(lw, spec, x), cos, sin)
             attn = attend(q[None], rope.apply(k_pre, cos, sin)[None], v[None], masks[spec.window(layer)])
-            state = LayerState(keys=k_pre, values=v, attn_input=x, residual=h)
+            state = LayerState(keys=k_pre, values=v, attn_input=x, residual=h if residuals else None)
             h = finish_layer(lw, spec, h, attn[0])
             yield layer, state
         return self.logits_of(h) if compute_logits else None
@@ -117,7 +120,7 @@ class ModelRuntime:
         self._check_layer(layer)
         if residual.dim() != 2 or residual.shape[1] != self.spec.hidden_size:
             raise InvalidRequest(f"residual must be [T, {self.spec.hidden_size}], got {tuple(residual.shape)}")
-        return PrefillIterator(self._prefill_layers(None, False, layer, residual.to(self.device, self.dtype)))
+        return PrefillIterator(self._prefill_layers(None, False, False, layer, residual.to(self.device, self.dtype)))
 
     @torch.no_grad()
     def token_inputs(self, input_ids) -> Tensor:

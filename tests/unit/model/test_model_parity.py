@@ -125,13 +125,15 @@ def test_iter_prefill_streams_layers_then_logits(pair):
 
 
 def test_run_from_a_layer_recomputes_the_upper_layers(pair):
-    """Given the residual entering layer L, run_from computes layers L.. as the prefill did;
-    a residual of the wrong width is refused with a message that names the shape."""
+    """Given the residual entering layer L (iter_prefill keeps it when asked), run_from computes
+    layers L.. as the prefill did; a residual of the wrong width is refused with a message that
+    names the shape."""
     from scd_serve.errors import InvalidRequest
 
     rt, _ = pair
     ids = prompt(14, 5)
-    states = [state for _, state in rt.iter_prefill(ids, compute_logits=False)]
+    assert all(s.residual is None for _, s in rt.iter_prefill(ids, compute_logits=False))  # only when asked
+    states = [state for _, state in rt.iter_prefill(ids, compute_logits=False, residuals=True)]
     first = rt.spec.num_layers // 2
     upper = list(rt.run_from(first, states[first].residual))
     assert [layer for layer, _ in upper] == list(range(first, rt.spec.num_layers))
