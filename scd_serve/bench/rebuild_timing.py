@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.randint(4, rt_b.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0))
     blocks = list(range(-(-args.tokens // 16)))
     pool = rt_b.new_kv_pool(len(blocks), 16)
-    states = [s for _, s in rt_a.iter_prefill(ids, compute_logits=False)]
+    states = [s for _, s in rt_a.iter_prefill(ids, compute_logits=False, residuals=True)]  # any plan encodes
 
     def prefill(_=None):
         for layer, s in rt_b.iter_prefill(ids, compute_logits=False):

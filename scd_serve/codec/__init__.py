@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scd_serve.codec.base import (ATTN_INPUT, KEYS, VALUES, TransferCodec, payload_bytes)
+from scd_serve.codec.base import (ATTN_INPUT, KEYS, VALUES, TransferCodec, payload_bytes, wants_residuals)
 from scd_serve.codec.baselines import IdentityCodec, RawCodec
 from scd_serve.codec.droidspeak import DroidSpeakCodec
 from scd_serve.codec.codebook import Codebook, as_codebook
@@ -67,5 +67,5 @@ def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any
     return factory(producer, consumer, codebook)
 
 
-__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "payload_bytes", "Codebook", "TransferCodec",
+__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "payload_bytes", "wants_residuals", "Codebook", "TransferCodec",
            "KEYS", "VALUES", "ATTN_INPUT"]

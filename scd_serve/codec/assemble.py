@@ -8,7 +8,7 @@ import torch
 
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.fit import LayerFit
-from scd_serve.codec.plan import REUSE, Plan
+from scd_serve.codec.plan import Plan
 from scd_serve.codec.codec_spec import CodecSpec
 
 
@@ -21,8 +21,7 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
     prior: dict[str, Any] | None = None
     for plan in plans.values():
         for i, lp in enumerate(plan.layers):
-            streams = [("k", lp.r_k), ("v", lp.r_v)] if lp.mode == REUSE else [("h", lp.r_h)]
-            for s, r in streams:
+            for s, r in lp.streams:
                 jc, p = fits[i].codes[s], f"layers.{i}.{s}"
                 width = max(r, tensors[f"{p}.enc"].shape[1] if f"{p}.enc" in tensors else 0)
                 tensors[f"{p}.enc"] = jc.enc[:, :width].float().contiguous()
@@ -34,8 +33,8 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
                     if prior is None:  # one prior object serves every layer
                         prior = fits[i].prior.manifest()
                         tensors.update(fits[i].prior.tensors())
-                if s == "h":
-                    for name, t in fits[i].aligners[r].tensors().items():
+                if s in "hr":
+                    for name, t in fits[i].aligner(s, r).tensors().items():
                         tensors[f"{p}.g.r{r}.{name}"] = t
                 else:
                     tensors[f"{p}.mu_b"] = jc.mu_b.float()

@@ -23,7 +23,7 @@ from scd_serve.errors import CodebookError
 
 CODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.uint8)
 # Names of the producer states a method may need per layer (LayerState attributes).
-KEYS, VALUES, ATTN_INPUT = "keys", "values", "attn_input"
+KEYS, VALUES, ATTN_INPUT, RESIDUAL = "keys", "values", "attn_input", "residual"
 
 
 @runtime_checkable
@@ -32,7 +32,7 @@ class TransferCodec(Protocol):
     version: str
 
     def states_needed(self, layer: int) -> frozenset[str]:
-        """Which producer states (KEYS, VALUES, ATTN_INPUT) encode_layer reads for `layer`."""
+        """Which producer states (KEYS, VALUES, ATTN_INPUT, RESIDUAL) encode_layer reads for `layer`."""
 
     def encode_layer(self, layer: int, state: Any) -> dict[str, torch.Tensor]:
         """Producer side. state: keys [T,kvh,hd] pre-RoPE, values [T,kvh,hd], attn_input [T,hidden]."""
@@ -51,6 +51,11 @@ def state_field(state: Any, name: str) -> torch.Tensor:
     if value is None:
         raise CodebookError(f"producer state '{name}' was not captured but the codec needs it")
     return value
+
+
+def wants_residuals(codec: Any, num_layers: int) -> bool:
+    """Whether the producer's prefill must keep each layer's residual (iter_prefill(residuals=))."""
+    return any(RESIDUAL in codec.states_needed(i) for i in range(num_layers))
 
 
 def payload_bytes(code: Mapping[str, torch.Tensor]) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from scd_serve.codec.base import positions_for
 from scd_serve.codec.fit import LayerFit, code_rows
-from scd_serve.codec.plan import REUSE, LayerPlan
+from scd_serve.codec.plan import PATCH, REUSE, LayerPlan
 from scd_serve.codec.kl_probe import Example, LayerKV
 from scd_serve.codec.codec_spec import CodecSpec, rotate_with, spec_of
 
@@ -24,6 +24,7 @@ class Candidates:
         self.cspec: CodecSpec = spec_of(consumer)
         self._decoders: dict[tuple[int, str, int], Tensor] = {}
         self._ctx: dict[int, Tensor] = {}  # id(example) -> its prior's context of the prefix
+        self._run: tuple[int, dict[int, tuple[Tensor, Tensor]]] | None = None  # (id(example), layer -> K/V)
 
     def _shape(self, x: Tensor) -> Tensor:
         return x.reshape(x.shape[0], self.cspec.num_kv_heads, self.cspec.head_dim)
@@ -59,12 +60,26 @@ class Candidates:
             h = g(z) + self.prior(ex, layer, "h")  # [P, hidden] consumer H_in estimate
             return self.consumer.recompute_kv(layer, h.to(_dtype(self.consumer)))  # moved by the runtime
 
+    def run(self, ex: Example, layer: int, start: bool) -> tuple[Tensor, Tensor]:
+        """A run's layer: its first (start) maps the residual and runs the consumer's layers from
+        there (all of them, kept for this example); the layers above read what it computed."""
+        if start:
+            jc = self.fits[layer].codes["r"]
+            z = code_rows(jc, ex.producer[layer].residual.double(), jc.max_rank)
+            with torch.no_grad():
+                h = self.fits[layer].run_aligner(z)  # [P, hidden] the consumer's residual estimate
+            self._run = id(ex), {i: (s.keys, s.values) for i, s in self.consumer.run_from(layer, h)}
+        assert self._run is not None and self._run[0] == id(ex), "the probe measures a run's layers in order"
+        return self._run[1][layer]
+
     # ---- LayerKV factories for the probe ------------------------------------------------
     def layer_kv(self, lp: LayerPlan) -> LayerKV:
         if lp.mode == REUSE:
             return lambda ex, layer: (self.reuse_stream(ex, layer, "k", lp.r_k),
                                       self.reuse_stream(ex, layer, "v", lp.r_v))
-        return lambda ex, layer: self.patch(ex, layer, lp.r_h)
+        if lp.mode == PATCH:
+            return lambda ex, layer: self.patch(ex, layer, lp.r_h)
+        return lambda ex, layer: self.run(ex, layer, start=lp.r_h > 0)
 
     def stream_kv(self, s: str, rank: int) -> LayerKV:
         if s == "k":

@@ -3,10 +3,10 @@
 Layout of a codebook directory:
   manifest.json          codec version, both models' specs and fingerprints, plans, stats,
                          sha256 and size of the tensor file
-  codebook.safetensors   per layer and stream s in {k, v, h}:
+  codebook.safetensors   per layer and stream s in {k, v, h, r}:
                          layers.L.s.mu_a [dA], layers.L.s.enc [dA, R]      (producer side)
                          layers.L.s.mu_b [dB], layers.L.s.dec.rR [R, dB]   (consumer side, k and v)
-                         layers.L.h.g.rR.<param>                           (consumer aligner)
+                         layers.L.s.g.rR.<param>          (consumer aligner of h: H_in, r: residual)
                          layers.L.s.prior [rows, dB], .prior_bias [dB]
                                                  (consumer token prior, optional: rows = the
                                                  feature prior's rank, or taps * (vocab + 1))
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from scd_serve.codec.plan import PATCH, REUSE, Plan
+from scd_serve.codec.plan import Plan
 from scd_serve.codec.codec_spec import CodecSpec, spec_of
 from scd_serve.errors import CodebookError
 
@@ -115,19 +115,19 @@ class Codebook:
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes every plan's tensors must have (ranks may be stored wider for nesting)."""
         a, b = self.side_spec("producer"), self.side_spec("consumer")
-        width = {"k": (a.kv_width, b.kv_width), "v": (a.kv_width, b.kv_width), "h": (a.hidden_size, b.hidden_size)}
+        hidden = (a.hidden_size, b.hidden_size)
+        width = {"k": (a.kv_width, b.kv_width), "v": (a.kv_width, b.kv_width), "h": hidden, "r": hidden}
         shapes: dict[str, tuple[int, ...]] = {}
         for name in self.manifest.get("plans", {}):
             plan = self.plan(name)
             if len(plan.layers) != a.num_layers:
                 raise CodebookError(f"plan '{name}' has {len(plan.layers)} layers, the models have {a.num_layers}")
             for i, lp in enumerate(plan.layers):
-                streams = [("k", lp.r_k), ("v", lp.r_v)] if lp.mode == REUSE else [("h", lp.r_h)]
-                for s, r in streams:
+                for s, r in lp.streams:
                     da, db = width[s]
                     p = f"layers.{i}.{s}"
                     shapes[f"{p}.mu_a"] = (da,)
-                    if s == "h":  # the aligner carries its own bias
+                    if s in "hr":  # the aligner carries its own bias
                         shapes[f"{p}.g.r{r}.linear.weight"] = (db, r)
                     else:
                         shapes[f"{p}.mu_b"], shapes[f"{p}.dec.r{r}"] = (db,), (r, db)
@@ -152,14 +152,8 @@ class Codebook:
 
     def _ranks_of(self, stem: str) -> list[int]:
         _, layer, s = stem.split(".")
-        ranks = []
-        for name in self.manifest.get("plans", {}):
-            lp = self.plan(name).layers[int(layer)]
-            if lp.mode == PATCH and s == "h":
-                ranks.append(lp.r_h)
-            elif lp.mode == REUSE and s in "kv":
-                ranks.append(lp.r_k if s == "k" else lp.r_v)
-        return ranks
+        return [r for name in self.manifest.get("plans", {})
+                for stream, r in self.plan(name).layers[int(layer)].streams if stream == s]
 
     # ---- I/O -----------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:

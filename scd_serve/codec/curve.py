@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scd_serve.codec.plan import PATCH, Plan
+from scd_serve.codec.plan import REUSE, Plan
 from scd_serve.codec.search import SearchPoint
 from scd_serve.extras import pyplot
 
@@ -34,10 +34,10 @@ def plot_tradeoff(curve: list[SearchPoint], chosen: Plan, raw_width: int, budget
     layers = range(len(chosen.layers))
     rk = [lp.r_k for lp in chosen.layers]
     rv = [lp.r_v for lp in chosen.layers]
-    rh = [lp.r_h if lp.mode == PATCH else 0 for lp in chosen.layers]
+    rh = [lp.r_h if lp.mode != REUSE else 0 for lp in chosen.layers]
     bx.bar([i - 0.25 for i in layers], rk, width=0.25, label="r_k (reuse)")
     bx.bar(list(layers), rv, width=0.25, label="r_v (reuse)")
-    bx.bar([i + 0.25 for i in layers], rh, width=0.25, label="r_h (patch)")
+    bx.bar([i + 0.25 for i in layers], rh, width=0.25, label="r_h (patch; run: the residual)")
     bx.set_xlabel("layer")
     bx.set_ylabel("code rank")
     bx.set_title("chosen plan")

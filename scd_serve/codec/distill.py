@@ -8,18 +8,22 @@ the aligners of Patch layers are tuned end to end. As in serving, the consumer r
 tokens of each calibration prompt itself over the K/V rebuilt for the rest; the loss is
 KL(oracle || method) on those tokens. The encoders (the producer's side, the payload) stay as
 fitted, so codes and payload do not change. Held-out prompts pick the step to keep, and the
-closed form is kept where tuning does not beat it on them.
+closed form is kept where tuning does not beat it on them. A run's layers (plan.py) are the
+consumer's own computation from the residual code: computed once per example and held fixed.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from scd_serve.codec.lowrank import Aligner
-from scd_serve.codec.plan import REUSE
+from scd_serve.codec.base import wants_residuals
+from scd_serve.codec.plan import PATCH, REUSE, RUN
+from scd_serve.extras import tqdm
 from scd_serve.model import rope
 from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
 
@@ -41,6 +45,7 @@ class DistillExample:
     priors: list[dict[str, Any]]  # per layer {stream: token prior [P, dB] fp16, or 0.0}
     oracle_logp: Tensor  # [m, ORACLE_TOP] the oracle's largest log-probabilities over feed
     oracle_ids: Tensor  # [m, ORACLE_TOP] their token ids
+    ran: dict[int, tuple[Tensor, Tensor]]  # a run's layers -> their K/V [P, kv_heads, head_dim], fixed
 
 
 def suffix_logits(rt: Any, keys: list[Tensor], values: list[Tensor], feed: Tensor) -> Tensor:
@@ -76,6 +81,8 @@ class Decoders(torch.nn.Module):
         self.dec, self.mu = torch.nn.ParameterDict(), {}
         self.aligners = torch.nn.ModuleDict()
         for i, lp in enumerate(self.plan.layers):
+            if lp.mode == RUN:
+                continue
             if lp.mode == REUSE:
                 for s, r in (("k", lp.r_k), ("v", lp.r_v)):
                     dec = book.tensor(f"layers.{i}.{s}.dec.r{r}").to(device, torch.float32, copy=True)
@@ -92,7 +99,9 @@ class Decoders(torch.nn.Module):
         for i, lp in enumerate(self.plan.layers):
             code = {s: z.float() for s, z in ex.codes[i].items()}
             prior = {s: p if isinstance(p, float) else p.float() for s, p in ex.priors[i].items()}
-            if lp.mode == REUSE:
+            if lp.mode == RUN:
+                k, v = ex.ran[i]
+            elif lp.mode == REUSE:
                 k, v = (code[s] @ self.dec[f"{i}_{s}"] + self.mu[f"{i}_{s}"] + prior[s] for s in "kv")
                 k = k.reshape(k.shape[0], spec.num_kv_heads, spec.head_dim)
                 v = v.reshape(v.shape[0], spec.num_kv_heads, spec.head_dim)
@@ -114,7 +123,7 @@ class Decoders(torch.nn.Module):
             if lp.mode == REUSE:
                 for s, r in (("k", lp.r_k), ("v", lp.r_v)):
                     book.tensors[f"layers.{i}.{s}.dec.r{r}"] = self.dec[f"{i}_{s}"].detach().cpu().contiguous()
-            else:
+            elif lp.mode == PATCH:
                 for name, t in self.aligners[str(i)].tensors().items():
                     book.tensors[f"layers.{i}.h.g.r{lp.r_h}.{name}"] = t.cpu()
 
@@ -124,22 +133,27 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
     """pairs: (prompt ids [T], scored ids [n], possibly empty) -> examples that feed the
     prompt's last min(tail, T // 2) tokens and the scored ones but the last (kl_probe's layout);
     a prompt with nothing scored feeds its last min(BARE_TAIL, T // 2)."""
-    out = []
+    out, lps = [], codec.plan.layers
     with torch.no_grad():
         for prompt, scored in pairs:
             prompt, scored = torch.as_tensor(prompt).long(), torch.as_tensor(scored).long()
             fed = tail if scored.numel() else BARE_TAIL
             p = prompt.shape[0] - max(1, min(fed, prompt.shape[0] // 2))
             prefix, feed = prompt[:p], torch.cat([prompt, scored])[p:-1] if scored.numel() else prompt[p:]
-            codes, priors = [], []
-            for layer, state in producer.iter_prefill(prefix, compute_logits=False):
-                code, prior = codec.decoder_inputs(layer, codec.encode_layer(layer, state), consumer, prefix)
+            codes, priors, ran = [], [], {}
+            states = producer.iter_prefill(prefix, compute_logits=False, residuals=wants_residuals(codec, len(lps)))
+            for (layer, state), lp in zip(states, lps):
+                code = codec.encode_layer(layer, state)
+                if lp.mode == RUN:  # the consumer's own layers: fixed, nothing to tune
+                    ran[layer] = codec.decode_layer(layer, code, consumer, prefix)
+                    code = {}
+                code, prior = codec.decoder_inputs(layer, code, consumer, prefix) if code else ({}, {})
                 codes.append({s: z.half() for s, z in code.items()})
                 priors.append({s: x if isinstance(x, float) else x.half() for s, x in prior.items()})
             own = [s for _, s in consumer.iter_prefill(prefix, compute_logits=False)]
             logits = suffix_logits(consumer, [s.keys for s in own], [s.values for s in own], feed)
             top = torch.log_softmax(logits.float(), -1).topk(min(ORACLE_TOP, logits.shape[-1]), dim=-1)
-            out.append(DistillExample(feed, codes, priors, top.values, top.indices))
+            out.append(DistillExample(feed, codes, priors, top.values, top.indices, ran))
             if progress:
                 progress()
     return out
@@ -179,3 +193,23 @@ def distill(codec: Any, consumer: Any, examples: list[DistillExample], steps: in
     decoders.write(codec.codebook)
     return {"held_out_kl_before": before, "held_out_kl_after": best, "step_kept": best_step,
             "train_examples": len(train), "held_out_examples": len(held_out)}
+
+
+def distill_plan(book: Any, producer: Any, consumer: Any, cfg: Any, show_progress: bool,
+                 pairs: list) -> dict[str, Any]:
+    """Tune the scd plan's decoders on the consumer's KL, in place (calibrate's step, with progress bars)."""
+    from scd_serve import codec as registry
+
+    started = time.time()
+    codec = registry.build("scd", producer=producer, consumer=consumer, codebook=book)
+    with tqdm(total=len(pairs), desc="distill examples", disable=not show_progress) as bar:
+        examples = make_examples(codec, producer, consumer, pairs, cfg.probe_tail, bar.update)
+    with tqdm(total=cfg.distill_steps, desc="distill", disable=not show_progress) as bar:
+        def progress(step: int, kl: float | None) -> None:
+            bar.update()
+            if kl is not None:
+                bar.set_postfix_str(f"held-out KL {kl:.4f}")
+
+        out = distill(codec, consumer, examples, cfg.distill_steps, cfg.distill_lr, cfg.distill_batch,
+                      cfg.seed, progress)
+    return out | {"seconds": round(time.time() - started, 1)}

@@ -1,7 +1,8 @@
 """Paired calibration rows from both models and the per-layer Reuse/Patch fits.
 
 Rows are token positions of the calibration prompts, the same positions for the producer
-(A) and the consumer (B): pre-RoPE keys, values and normalized attention inputs.
+(A) and the consumer (B): pre-RoPE keys, values and normalized attention inputs, and at the
+layers a run may start from, the residual stream entering the layer.
 """
 
 from __future__ import annotations
@@ -15,23 +16,28 @@ from scd_serve.codec.lowrank import Aligner, JointCode, fit_aligner, fit_joint
 
 Tensor = torch.Tensor
 STREAMS = ("k", "v", "h")
-_FIELDS = {"k": "keys", "v": "values", "h": "attn_input"}
+_FIELDS = {"k": "keys", "v": "values", "h": "attn_input", "r": "residual"}
 
 
 @dataclass
 class LayerFit:
-    codes: dict[str, JointCode]  # stream -> joint code (k, v: pre-RoPE K and V; h: H_in)
+    codes: dict[str, JointCode]  # stream -> joint code (k, v: pre-RoPE K and V; h: H_in; r: residual)
     aligners: dict[int, Aligner] = field(default_factory=dict)  # r_h -> g
     aligner_err: dict[int, float] = field(default_factory=dict)  # r_h -> relative L2 error
+    run_aligner: Aligner | None = None  # the residual's map, at its code's full rank
     # stream -> token prior (head [rows, dB], bias [dB]) of `prior`; codes carry B - prior
     priors: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     prior: Any = None  # DensePrior (codec/prior.py) or FeaturePrior (codec/features.py)
 
+    def aligner(self, s: str, rank: int) -> Aligner:
+        return self.aligners[rank] if s == "h" else self.run_aligner
+
 
 def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_rows: int,
                  seed: int = 0, progress: Callable[[], None] | None = None,
-                 prior: Any = None) -> list[dict[str, Any]]:
-    """-> per layer {stream: (A rows [N, dA], B rows [N, dB])}, at most max_rows rows, float32.
+                 prior: Any = None, run_layers: Iterable[int] = ()) -> list[dict[str, Any]]:
+    """-> per layer {stream: (A rows [N, dA], B rows [N, dB])}, at most max_rows rows, float32;
+    stream r (the residuals) only at run_layers.
 
     With `prior` (a PriorFit or FeatureFit), every position (not only the sampled rows) is
     counted into its normal equations for targets (layer, stream), and each layer's dict also
@@ -47,15 +53,18 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
         if prior is not None:
             ctx = prior.add_tokens(ids, consumer)
             ctx_parts.append(ctx[idx])
-        states = zip(producer.iter_prefill(ids, compute_logits=False), consumer.iter_prefill(ids, compute_logits=False))
+        run_layers = set(run_layers)
+        states = zip(producer.iter_prefill(ids, compute_logits=False, residuals=bool(run_layers)),
+                     consumer.iter_prefill(ids, compute_logits=False, residuals=bool(run_layers)))
         for (layer, sa), (_, sb) in states:
+            streams = STREAMS + ("r",) * (layer in run_layers)
             if len(parts) <= layer:
-                parts.append({s: ([], []) for s in STREAMS})
-            for s in STREAMS:
+                parts.append({s: ([], []) for s in streams})
+            for s in streams:
                 a, b = getattr(sa, _FIELDS[s]), getattr(sb, _FIELDS[s])
                 parts[layer][s][0].append(a.reshape(t, -1)[idx.to(a.device)].float().cpu())
                 parts[layer][s][1].append(b.reshape(t, -1)[idx.to(b.device)].float().cpu())
-                if prior is not None:
+                if prior is not None and s != "r":
                     prior.add_target((layer, s), ctx, b.reshape(t, -1))
         if progress:
             progress()
@@ -86,12 +95,17 @@ def code_rows(jc: JointCode, a: Tensor, rank: int) -> Tensor:
 
 def fit_layer(rows: dict[str, tuple[Tensor, Tensor]], kv_rank: int, h_ranks: Iterable[int],
               aligner_width: int) -> LayerFit:
-    """Joint codes for k, v (up to kv_rank) and h, and linear aligners for every r_h."""
+    """Joint codes for k, v (up to kv_rank) and h, and linear aligners for every r_h; where the
+    rows hold residuals (r), their full-rank code and linear map."""
     h_ranks = sorted(set(h_ranks))
-    codes = {s: fit_joint(*rows[s], max_rank=kv_rank if s != "h" else max(h_ranks)) for s in STREAMS}
+    codes = {s: fit_joint(*rows[s], max_rank=kv_rank if s in "kv" else max(h_ranks)) for s in STREAMS + ("r",)
+             if s in rows}
     fit = LayerFit(codes)
     for r in h_ranks:
         train_aligner(fit, rows["h"], r, aligner_width, steps=0)
+    if "r" in rows:
+        fit.run_aligner, _ = fit_aligner(code_rows(codes["r"], rows["r"][0], max(h_ranks)), rows["r"][1],
+                                         aligner_width, steps=0)
     return fit
 
 

@@ -43,8 +43,10 @@ def kl_divergence(logits_p: Tensor, logits_q: Tensor) -> Tensor:
 
 
 def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Tensor]],
-                  block_size: int = 16, tail: int = 1, progress: Callable[[], None] | None = None) -> list[Example]:
-    """pairs: (prompt_ids [T], answer_ids [n]) -> examples with oracle pools and logits.
+                  block_size: int = 16, tail: int = 1, progress: Callable[[], None] | None = None,
+                  residual_layers: Iterable[int] = ()) -> list[Example]:
+    """pairs: (prompt_ids [T], answer_ids [n]) -> examples with oracle pools and logits; the
+    producer's residuals kept at residual_layers (where runs may start).
 
     The consumer runs the last `tail` prompt tokens itself (serving: 1); a longer tail scores
     more positions per prompt (the question as well as the answer), so the probe's KL is less
@@ -55,7 +57,9 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
         p = prompt.shape[0] - min(max(tail, 1), prompt.shape[0] - 1)
         full = torch.cat([prompt, answer])
         feed = full[p:-1]  # [n]
-        states_a = [s for _, s in producer.iter_prefill(prompt[:p], compute_logits=False)]
+        keep = set(residual_layers)
+        states_a = [s if i in keep else with_fields(s, residual=None)
+                    for i, s in producer.iter_prefill(prompt[:p], compute_logits=False, residuals=bool(keep))]
         # the consumer's own H_in is never read back (only its K/V restore the oracle): not kept,
         # as it is the widest of the three states
         states_b = [with_fields(s, attn_input=None) for _, s in consumer.iter_prefill(prompt[:p], compute_logits=False)]

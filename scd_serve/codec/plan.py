@@ -1,5 +1,9 @@
-"""The transfer plan: per layer, Reuse with ranks (r_k, r_v) or Patch with rank r_h.
+"""The transfer plan: per layer, Reuse with ranks (r_k, r_v), Patch with rank r_h, or Run.
 
+Run (our addition): the first run layer ships a rank-r_h code of the producer's residual stream
+entering it; the consumer maps it to its own residual and computes that layer and every layer
+above over the prompt itself (r_h = 0 above: nothing shipped). What the upper layers compute
+from context is then the consumer's own computation, at (N - L) / N of a prefill's work.
 Fixed offline by calibration and stored in the codebook manifest; serving only looks it up.
 """
 
@@ -8,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-REUSE, PATCH = "reuse", "patch"
+REUSE, PATCH, RUN = "reuse", "patch", "run"
 
 
 @dataclass(frozen=True)
@@ -19,21 +23,29 @@ class LayerPlan:
     r_h: int = 0
 
     def __post_init__(self):
-        if self.mode not in (REUSE, PATCH):
-            raise ValueError(f"layer mode must be '{REUSE}' or '{PATCH}', not {self.mode!r}")
+        if self.mode not in (REUSE, PATCH, RUN):
+            raise ValueError(f"layer mode must be '{REUSE}', '{PATCH}' or '{RUN}', not {self.mode!r}")
         ranks = (self.r_k, self.r_v) if self.mode == REUSE else (self.r_h,)
-        if min(ranks) < 1:
+        if min(ranks) < (0 if self.mode == RUN else 1):
             raise ValueError(f"{self.mode} layer needs positive ranks, got {self}")
+
+    @property
+    def streams(self) -> tuple[tuple[str, int], ...]:
+        """(stream, rank) of each code the layer ships: k, v (Reuse), h (Patch: H_in), r (the
+        run's first layer: the residual); none above a run's first layer."""
+        if self.mode == REUSE:
+            return ("k", self.r_k), ("v", self.r_v)
+        return ((("h" if self.mode == PATCH else "r"), self.r_h),) if self.r_h else ()
 
     @property
     def code_width(self) -> int:
         """Numbers per token this layer ships."""
-        return self.r_k + self.r_v if self.mode == REUSE else self.r_h
+        return sum(r for _, r in self.streams)
 
     def to_json(self) -> dict[str, Any]:
         if self.mode == REUSE:
             return {"mode": REUSE, "r_k": self.r_k, "r_v": self.r_v}
-        return {"mode": PATCH, "r_h": self.r_h}
+        return {"mode": self.mode, "r_h": self.r_h}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LayerPlan:
@@ -43,6 +55,24 @@ class LayerPlan:
 @dataclass(frozen=True)
 class Plan:
     layers: tuple[LayerPlan, ...]
+
+    def __post_init__(self):
+        start = self.run_layer
+        if start is not None and (not self.layers[start].r_h or any(
+                lp.mode != RUN or lp.r_h for lp in self.layers[start + 1:])):
+            raise ValueError(f"a run ships a code at its first layer ({start}) and runs every layer above "
+                             f"(mode '{RUN}', r_h 0): got {[lp.to_json() for lp in self.layers[start:]]}")
+
+    @property
+    def run_layer(self) -> int | None:
+        """The layer from which the consumer runs its own layers (None: no run)."""
+        return next((i for i, lp in enumerate(self.layers) if lp.mode == RUN), None)
+
+    @classmethod
+    def with_run(cls, below: Plan, layer: int, rank: int) -> Plan:
+        """`below`'s layers under `layer`, then a run from `layer` on a rank-`rank` residual code."""
+        above = (LayerPlan(RUN, r_h=0),) * (len(below.layers) - layer - 1)
+        return cls(below.layers[:layer] + (LayerPlan(RUN, r_h=rank),) + above)
 
     @property
     def patch_layers(self) -> tuple[int, ...]:

@@ -4,6 +4,8 @@ Reuse layer: the producer sends z_k = (k_pre,A - mu_a) Enc_k[:, :r_k] and likewi
 consumer rebuilds k_pre,B = z_k Dec_B + mu_b (pre-RoPE; write_kv applies the consumer's RoPE).
 Patch layer: the producer sends z_h = (H_in,A - mu_a) Enc_h; the consumer maps it with its
 aligner g to its own H_in,B and recomputes the layer's K/V with its own weights.
+Run (plan.py): the producer sends z_r of its residual entering the run's first layer; the
+consumer maps it to its own residual and runs that layer and all above over the prompt.
 Codes ship as fp16, or as int8 with one fp16 scale per code channel (absmax over the tokens).
 Where the codebook has a token prior (features.py, or prior.py's dense tables), the consumer
 adds prior(prompt tokens) to each rebuilt stream; the codes carry only the rest.
@@ -11,15 +13,20 @@ adds prior(prompt tokens) to each rebuilt stream; the codes carry only the rest.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Mapping
 
 import torch
 
-from scd_serve.codec.base import ATTN_INPUT, KEYS, VALUES, check_code, state_field, to_consumer
+from scd_serve.codec.base import ATTN_INPUT, KEYS, RESIDUAL, VALUES, check_code, state_field, to_consumer
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.lowrank import Aligner
-from scd_serve.codec.plan import REUSE, Plan
+from scd_serve.codec.plan import REUSE, RUN, Plan
 from scd_serve.errors import CodebookError
+
+STATES = {"k": KEYS, "v": VALUES, "h": ATTN_INPUT, "r": RESIDUAL}  # code stream -> producer state
+# runs held at once (one per prompt being rebuilt); beyond it the oldest, a failed transfer's, goes
+MAX_RUNS = 64
 
 
 def quantize_int8(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,9 +59,11 @@ class ScdCodec:
         self._priors: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._context_prior = codebook.context_prior()
         self._last_context: tuple[Any, torch.device, torch.Tensor] | None = None
+        self._runs: dict[int, tuple[Any, Any]] = {}  # id(tokens) -> (tokens, the run's PrefillIterator)
+        self._runs_lock = threading.Lock()  # rebuild threads start and end runs concurrently
 
     def states_needed(self, layer: int) -> frozenset[str]:
-        return frozenset({KEYS, VALUES}) if self.plan.layers[layer].mode == REUSE else frozenset({ATTN_INPUT})
+        return frozenset(STATES[s] for s, _ in self.plan.layers[layer].streams)
 
     # ---- producer ------------------------------------------------------------------------
     def _encoder(self, layer: int, s: str, rank: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,13 +85,9 @@ class ScdCodec:
         lp = self.plan.layers[layer]
         if not self.codes:
             return {}
-        if lp.mode == REUSE:
-            streams = [("k", KEYS, lp.r_k), ("v", VALUES, lp.r_v)]
-        else:
-            streams = [("h", ATTN_INPUT, lp.r_h)]
         code: dict[str, torch.Tensor] = {}
-        for s, field, rank in streams:
-            x = state_field(state, field).float()
+        for s, rank in lp.streams:
+            x = state_field(state, STATES[s]).float()
             x = x.reshape(x.shape[0], -1)  # [T, d]
             mu, enc = self._encoder(layer, s, rank, x)
             code.update(self._pack(f"z{s}", (x - mu) @ enc))  # z: [T, r]
@@ -103,9 +108,9 @@ class ScdCodec:
                               self.codebook.tensor(f"{p}.mu_b").to(device, torch.float32))
         return self._dec[key]
 
-    def _aligner(self, layer: int, rank: int, device) -> Aligner:
+    def _aligner(self, layer: int, s: str, rank: int, device) -> Aligner:
         if layer not in self._aligners:
-            prefix = f"layers.{layer}.h.g.r{rank}."
+            prefix = f"layers.{layer}.{s}.g.r{rank}."
             t = {k[len(prefix):]: v for k, v in self.codebook.tensors.items() if k.startswith(prefix)}
             self._aligners[layer] = Aligner.from_tensors(t).to(device)
         return self._aligners[layer]
@@ -148,8 +153,7 @@ class ScdCodec:
                        tokens: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What decode_layer combines with the layer's decoder or aligner (distill.py tunes those):
         -> ({stream: code [T, r] as received}, {stream: token prior [T, dB], or 0.0})."""
-        streams = "kv" if self.plan.layers[layer].mode == REUSE else "h"
-        codes = {s: self._unpack(code, f"z{s}", consumer) for s in streams}
+        codes = {s: self._unpack(code, f"z{s}", consumer) for s, _ in self.plan.layers[layer].streams}
         return codes, {s: self._prior(layer, s, tokens, z, consumer) for s, z in codes.items()}
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
@@ -173,8 +177,40 @@ class ScdCodec:
                 b = z @ dec + mu + priors[s]  # [T, dB]
                 out.append(b.reshape(z.shape[0], spec.num_kv_heads, spec.head_dim))
             return out[0], out[1]
+        if lp.mode == RUN:
+            return self._run(layer, codes, priors, consumer, tokens)
         z = codes["h"]
         with torch.no_grad():
-            h = self._aligner(layer, lp.r_h, z.device)(z) + priors["h"]  # [T, hidden] H_in,B
+            h = self._aligner(layer, "h", lp.r_h, z.device)(z) + priors["h"]  # [T, hidden] H_in,B
         dtype = getattr(consumer, "dtype", torch.float32)
         return consumer.recompute_kv(layer, h.to(dtype if isinstance(dtype, torch.dtype) else torch.float32))
+
+    def _run(self, layer: int, codes: dict[str, torch.Tensor], priors: dict[str, Any], consumer: Any,
+             tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A run's layer: the first maps the residual code and starts the consumer's own forward
+        from it; each layer above takes that prompt's next layer (the tokens object, the same for
+        every layer of a rebuild, names the prompt)."""
+        if tokens is None:
+            raise CodebookError("a run is computed per prompt: decode_layer needs the prompt's token ids (tokens=)")
+        key, last = id(tokens), len(self.plan.layers) - 1
+        if "r" in codes:
+            with torch.no_grad():  # [T, hidden] the consumer's residual entering `layer`
+                h = self._aligner(layer, "r", self.plan.layers[layer].r_h, codes["r"].device)(codes["r"]) + priors["r"]
+            run = consumer.run_from(layer, h)
+            with self._runs_lock:
+                self._runs[key] = (tokens, run)
+                while len(self._runs) > MAX_RUNS:
+                    self._runs.pop(next(iter(self._runs)))
+        else:
+            with self._runs_lock:
+                held, run = self._runs.get(key, (None, None))
+            if held is not tokens:
+                raise CodebookError(f"layer {layer} is computed by a run whose first layer "
+                                    f"({self.plan.run_layer}) was not decoded for this prompt")
+        at, state = next(run)
+        if at != layer:
+            raise CodebookError(f"the run is at layer {at}, decode_layer asked for {layer}: a run decodes in order")
+        if layer == last:
+            with self._runs_lock:
+                self._runs.pop(key, None)
+        return state.keys, state.values

@@ -11,12 +11,14 @@
    the fewest numbers within budget (ties: fewer patches). The curve over k is kept.
 4. With a width cap, a patch set's plan that is over the cap is replaced by its least-KL plan
    under the cap (fit_width); nothing in budget: the least KL under the cap.
+5. Optionally (with_run), the chosen plan's upper layers give way to a run of the consumer's
+   own layers from a candidate layer, where that measures less KL.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterable
 
 from scd_serve.codec.plan import PATCH, REUSE, LayerPlan, Plan
 from scd_serve.codec.kl_probe import KLProbe, LayerKV
@@ -126,6 +128,22 @@ class PlanSearch:
         plan = next((p for p in seq if p.code_width() <= width), seq[-1])
         kl = self.measure(plan) if plan is not start else kl_start
         return SearchPoint(len(patches), plan, kl, kl_start, kl <= self.budget if self.budget else True)
+
+    def with_run(self, plan: Plan, kl: float, layers: Iterable[int], rank: int,
+                 max_width: int | None = None) -> tuple[Plan, float, dict[int, float]]:
+        """`plan` with its layers from L up replaced by a run from L (plan.py) on a rank-`rank`
+        residual code, for the candidate L of least measured KL when that is below `kl` (the
+        plan's) within max_width; else `plan`. -> (plan, its KL, measured KL per candidate)."""
+        measured = {}
+        for layer in sorted(layers):
+            candidate = Plan.with_run(plan, layer, rank)
+            if max_width is None or candidate.code_width() <= max_width:
+                measured[layer] = self.measure(candidate)
+                self.progress(f"run from layer {layer}: KL {measured[layer]:.4f}")
+        best = min(measured, key=measured.get, default=None)
+        if best is None or measured[best] >= kl:
+            return plan, kl, measured
+        return Plan.with_run(plan, best, rank), measured[best], measured
 
     def run(self, budget: float, max_patches: int,
             max_width: int | None = None) -> tuple[SearchPoint, list[SearchPoint], dict[int, float]]:

@@ -33,6 +33,8 @@ class CalibrateConfig:
     # Adam steps and hidden width of each patch aligner MLP (0 steps: linear aligner only).
     aligner_steps: int = 300
     aligner_width: int = 128
+    # Layers a run of the consumer's own upper layers may start from (plan.py; empty: none).
+    run_layers: tuple[int, ...] = ()
     # Token prior: "features" (codec/features.py, size independent of the vocabulary), "dense"
     # (codec/prior.py: tables of taps * (vocab + 1) rows) or "none"; taps: recent prompt tokens it
     # reads; width, rank: the feature prior's random features and shared basis; ridge: see `ridge`.

@@ -6,7 +6,8 @@ The planner's counting rules, following the method note (docs/scd-method.md):
   droidspeak  16-bit K/V for most layers; the attention input of the recomputed layers
   reuse       per layer a rank-r_K code for K and a rank-r_V code for V, 16 bit
   scd         reuse codes on reuse layers, a rank-r_H code of the attention input on
-              patch layers (aligner + the consumer's own k/v projections)
+              patch layers (aligner + the consumer's own k/v projections); a run ships one
+              code of the residual and the consumer computes the run's layers (their prefill)
   scd-int8    scd with int8 codes (a 16-bit scale per code channel)
 Tokens shipped are T-1: the decode side runs the last prompt token as its first step.
 """
@@ -32,6 +33,8 @@ class RankPlan:
     reuse_k_ratio: float | None = None  # ranks of the reuse-only plan; None = same as scd's
     reuse_v_ratio: float | None = None
     aligner_width_ratio: float = 0.25  # hidden width of the aligner's MLP branch / hidden_size
+    run_fraction: float = 0.0  # share of layers the consumer runs itself (a run: codec/plan.py)
+    run_ratio: float = 1.0  # rank of the run's residual code / hidden_size
     droidspeak_fraction: float = 4 / 32  # share of layers DroidSpeak recomputes (first eighth)
     quant_group: int = 32  # elements per fp16 scale/min pair in quant4/quant2 (as scd_serve.codec.quant)
     source: str = "defaults (payload ratios of the SCD paper: reuse 0.60x raw, scd 0.76x raw)"
@@ -75,16 +78,21 @@ def method_cost(method: str, shape: ModelShape, prompt_tokens: int, plan: RankPl
         weights = n * h * 2 * d * HALF
         return MethodCost(method, payload, 0.0, 0.0, flops, payload + kv_all + weights)
     n_patch = plan.num_patch(L) if method in ("scd", "scd-int8") else 0
-    n_reuse = L - n_patch
+    n_run = int(round(plan.run_fraction * L)) if method in ("scd", "scd-int8") else 0
+    r_run = plan.run_ratio * h if n_run else 0.0
+    n_reuse = L - n_patch - n_run
     code_bytes = 1 if method == "scd-int8" else HALF
-    payload = (n_reuse * t * (rk + rv) + n_patch * t * rh) * code_bytes
+    payload = (n_reuse * t * (rk + rv) + n_patch * t * rh + t * r_run) * code_bytes
     if method == "scd-int8":
-        payload += (n_reuse * (rk + rv) + n_patch * rh) * HALF  # fp16 scale per code channel
-    enc = n_reuse * 2.0 * t * d * (rk + rv) + n_patch * 2.0 * t * h * rh
+        payload += (n_reuse * (rk + rv) + n_patch * rh + r_run) * HALF  # fp16 scale per code channel
+    enc = n_reuse * 2.0 * t * d * (rk + rv) + n_patch * 2.0 * t * h * rh + 2.0 * t * h * r_run
     reuse_flops = n_reuse * 2.0 * t * d * (rk + rv)
     # aligner: linear r_H -> hidden plus an MLP r_H -> w -> hidden; then the k/v projections
     w = plan.aligner_width_ratio * h
     aligner = rh * h + rh * w + w * h
     patch_flops = n_patch * (2.0 * t * aligner + 2.0 * t * h * 2 * d)
-    weights = (n_reuse * (rk + rv) * d + n_patch * (aligner + 2 * h * d)) * HALF
-    return MethodCost(method, payload, enc, weights, reuse_flops + patch_flops, payload + kv_all + weights)
+    run_flops = (2.0 * t * r_run * h + n_run * shape.layer_flops(t)) if n_run else 0.0  # map, then the layers
+    weights = (n_reuse * (rk + rv) * d + n_patch * (aligner + 2 * h * d) + r_run * h
+               + n_run * shape.layer_params) * HALF
+    return MethodCost(method, payload, enc, weights, reuse_flops + patch_flops + run_flops,
+                      payload + kv_all + weights)

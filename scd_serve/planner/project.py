@@ -130,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  caveat: {plan.caveat}", file=out)
     print(f"  r_K/d={plan.k_ratio:.3f} r_V/d={plan.v_ratio:.3f} patch layers {plan.num_patch(shape.num_layers)}/"
           f"{shape.num_layers} r_H/hidden={plan.h_ratio:.3f}"
+          + (f"; the consumer runs {int(round(plan.run_fraction * shape.num_layers))} layers itself from a "
+             f"residual code of r/hidden={plan.run_ratio:.3f}" if plan.run_fraction else "")
           + (f"; reuse-only plan r_K/d={plan.reuse_k_ratio:.3f} r_V/d={plan.reuse_v_ratio:.3f}"
              if plan.reuse_k_ratio is not None else ""), file=out)
     print(f"rates ({rates.source}): prefill {rates.prefill_tflops:.3g} TFLOP/s, rebuild {rates.rebuild_tflops:.3g} "

@@ -21,13 +21,20 @@ def rank_plan_from_codebook(path: Path) -> RankPlan:
 
 
 def _ratios(plan: list[dict], kv_width: int, hidden: int) -> tuple[float, float, float, float]:
-    """(mean r_k/d, mean r_v/d over reuse layers, patch share, mean r_h/hidden over patch layers)."""
+    """(mean r_k/d, mean r_v/d over reuse layers, patch share, mean r_h/hidden over patch layers);
+    a run's layers are none of these (_run gives theirs)."""
     reuse = [lp for lp in plan if lp.get("mode") == "reuse"]
     patch = [lp for lp in plan if lp.get("mode") == "patch"]
     k = sum(lp["r_k"] for lp in reuse) / (len(reuse) * kv_width) if reuse else 0.0
     v = sum(lp["r_v"] for lp in reuse) / (len(reuse) * kv_width) if reuse else 0.0
     h = sum(lp["r_h"] for lp in patch) / (len(patch) * hidden) if patch else 0.0
     return k, v, len(patch) / len(plan), h
+
+
+def _run(plan: list[dict], hidden: int) -> dict[str, float]:
+    """A run's share of the layers and its residual code's rank / hidden (none: {})."""
+    run = [lp for lp in plan if lp.get("mode") == "run"]
+    return {"run_fraction": len(run) / len(plan), "run_ratio": max(lp["r_h"] for lp in run) / hidden} if run else {}
 
 
 def _from_manifest(doc: dict, where: str) -> RankPlan:
@@ -58,6 +65,7 @@ def _from_manifest(doc: dict, where: str) -> RankPlan:
                   "unseen tokens add about the FLOPs of a prefill's projections")
     data = (doc.get("calibration") or {}).get("data", {}).get("source", "the built-in calibration split")
     return RankPlan(k_ratio=k, v_ratio=v, patch_fraction=patch, h_ratio=h, reuse_k_ratio=rk, reuse_v_ratio=rv,
+                    **_run(scd, hidden),
                     droidspeak_fraction=(len(droid) / layers) if droid else RankPlan.droidspeak_fraction,
                     source=f"codebook {where} (ratios of its scd/reuse plans; fitted on a {layers}-layer, hidden "
                            f"{hidden} consumer, calibration data: {data}; token prior: {kind})", caveat=caveat)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scd_serve.codec.base import wants_residuals
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, InvalidRequest, Overloaded,
                               PayloadTooLarge, ScdError, TransferFailed)
@@ -235,7 +236,8 @@ def _produce(rt, codec, tokens: list[int], stop: threading.Event, emit) -> None:
     try:
         ids = torch.tensor(tokens, dtype=torch.long)  # ids: [T]
         start = time.perf_counter()
-        for layer, state in rt.iter_prefill(ids, compute_logits=False):
+        residuals = wants_residuals(codec, rt.spec.num_layers)
+        for layer, state in rt.iter_prefill(ids, compute_logits=False, residuals=residuals):
             if stop.is_set():
                 return
             tensors = encode_code(layer, codec.encode_layer(layer, state))

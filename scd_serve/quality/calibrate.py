@@ -2,7 +2,8 @@
 
 Steps: paired states of both models on calibration prompts -> joint codes per layer and
 stream (Reuse) and per candidate patch layer (Patch, linear aligners) -> measured profiling
-and plan search under the budget (see search.py) -> MLP aligners for the chosen patches ->
+and plan search under the budget (see search.py) -> MLP aligners for the chosen patches -> a
+run of the consumer's upper layers where asked for and measured better (plan.py) ->
 DroidSpeak layer choice -> codebook -> the scd plan's decoders distilled on the consumer's KL
 (distill.py) -> re-measured through the real codecs -> trade-off PNG.
 """
@@ -27,7 +28,7 @@ from scd_serve.codec.memory import check_fits, estimate
 from scd_serve.codec.feature_fit import FeatureFit
 from scd_serve.codec.features import FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
-from scd_serve.codec.distill import distill, make_examples as make_distill_examples
+from scd_serve.codec.distill import distill_plan
 from scd_serve.codec.kl_probe import KLProbe, make_examples
 from scd_serve.codec.search import PlanSearch, SearchPoint
 from scd_serve.codec.codec_spec import spec_of
@@ -82,6 +83,9 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         raise ConfigError(f"producer has {pspec.num_layers} layers, consumer {cspec.num_layers}: "
                           "a per-layer codebook needs the same layer count")
     started, num_layers = time.time(), cspec.num_layers
+    if any(not 0 < i < num_layers for i in cfg.run_layers):
+        raise ConfigError(f"run layers must be in 1..{num_layers - 1} (a run from 0 is a local prefill), "
+                          f"got {list(cfg.run_layers)}", field="run_layers")
     kv_grid = rank_grid(cspec.kv_width, KV_FRACTIONS)
     h_grid = rank_grid(cspec.hidden_size, H_FRACTIONS)
     # Token priors absorb how differently two models mix nearby tokens; for one model the
@@ -89,7 +93,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     same_model = bool(pspec.fingerprint and pspec.fingerprint == cspec.fingerprint)
     prior_fit = prior_fitter(cfg, consumer, fit_prompts) if cfg.uses_prior and not same_model else None
     with tqdm(total=len(fit_prompts), desc="collect states", disable=not show_progress) as bar:
-        rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update, prior=prior_fit)
+        rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update, prior=prior_fit,
+                            run_layers=cfg.run_layers)
     prior, priors = None, {}
     if prior_fit is not None:  # one dense solve: minutes at real shapes, and the fit's memory peak
         with tqdm(total=1, desc=f"solve token prior ({cfg.prior})", disable=not show_progress) as bar:
@@ -109,7 +114,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     del rows
     with tqdm(total=len(probe_pairs), desc="probe prompts", disable=not show_progress) as bar:
         probe = KLProbe(consumer, make_examples(producer, consumer, probe_pairs, tail=cfg.probe_tail,
-                                                progress=bar.update))
+                                                progress=bar.update, residual_layers=cfg.run_layers))
     cands = Candidates(fits, producer, consumer)
     with tqdm(total=num_layers, desc="profile + search", disable=not show_progress) as bar:
         search = PlanSearch(probe, num_layers, kv_grid, h_grid, cands.layer_kv, cands.stream_kv,
@@ -118,9 +123,6 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         max_patches = num_layers // 2 if cfg.max_patches is None else cfg.max_patches
         max_width = None if cfg.max_payload is None else max(1, int(cfg.max_payload * 2 * cspec.kv_width * num_layers))
         best, curve, benefit = search.run(cfg.kl_budget, max_patches, max_width)
-        # Reuse-only at SCD's payload: the equal-payload ablation of Patch
-        reuse = (search.fit_width((), best.plan.code_width(), curve[0].kl_full_rank)  # curve[0]: no patches
-                 if best.plan.patch_layers else best)
     plan, kl_linear = best.plan, best.kl
     stats_kl = best.kl
     if cfg.aligner_steps and plan.patch_layers:  # MLP aligners where patches were chosen
@@ -137,6 +139,13 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
             log(f"MLP aligners: measured KL {kl_mlp:.4f} over budget and linear ({kl_linear:.4f}); kept the linear ones")
         else:
             stats_kl = kl_mlp
+    run = {"kl_without": stats_kl}
+    if cfg.run_layers:
+        plan, stats_kl, measured = search.with_run(plan, stats_kl, cfg.run_layers, h_grid[-1], max_width)
+        run["kl"] = {str(layer): kl for layer, kl in measured.items()}
+    # Reuse-only at SCD's payload: the equal-payload ablation of Patch (and of a run)
+    reuse = (search.fit_width((), plan.code_width(), curve[0].kl_full_rank)  # curve[0]: no patches
+             if plan.patch_layers or plan.run_layer is not None else best)
     ds_layers = droidspeak_layers(probe, cands, num_layers, max(1, len(plan.patch_layers)), show_progress)
     # zero payload: what the consumer's token priors alone rebuild (how much the codes add)
     prior_only_kl = probe.measure({i: cands.prior_only for i in range(num_layers)}) if priors else None
@@ -146,11 +155,12 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         "kv_rank_grid": kv_grid, "h_rank_grid": h_grid, "prior_only_kl": prior_only_kl,
         "prior_ridge": getattr(prior_fit, "ridge", cfg.ridge),
         "patch_benefit": {str(k): v for k, v in benefit.items()},
+        "run": run | {"layer": plan.run_layer},
         "curve": [{"patches": p.num_patches, "patch_layers": list(p.plan.patch_layers),
                    "code_width": p.plan.code_width(), "kl": p.kl, "kl_full_rank": p.kl_full_rank,
                    "feasible": p.feasible} for p in curve],
         "reuse_rel_err": [{s: fits[i].codes[s].rel_error(getattr(lp, f"r_{s}")) for s in "kv"}
-                          if lp.mode == "reuse" else {"aligner": fits[i].aligner_err[lp.r_h]}
+                          if lp.mode == "reuse" else {"aligner": fits[i].aligner_err.get(lp.r_h)}
                           for i, lp in enumerate(plan.layers)],
     }
     stats["reuse_plan"] = {"code_width": reuse.plan.code_width(), "kl": reuse.kl}
@@ -169,26 +179,6 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     stats["seconds"] = round(time.time() - started, 1)
     stats["probe_measurements"] = probe.num_measurements
     return Calibration(book, curve, methods)
-
-
-def distill_plan(book: Codebook, producer: Any, consumer: Any, cfg: CalibrateConfig, show_progress: bool,
-                 pairs: list) -> dict[str, Any]:
-    """Tune the scd plan's decoders on the consumer's KL (codec/distill.py), in place."""
-    from scd_serve import codec as registry
-
-    started = time.time()
-    codec = registry.build("scd", producer=producer, consumer=consumer, codebook=book)
-    with tqdm(total=len(pairs), desc="distill examples", disable=not show_progress) as bar:
-        examples = make_distill_examples(codec, producer, consumer, pairs, cfg.probe_tail, bar.update)
-    with tqdm(total=cfg.distill_steps, desc="distill", disable=not show_progress) as bar:
-        def progress(step: int, kl: float | None) -> None:
-            bar.update()
-            if kl is not None:
-                bar.set_postfix_str(f"held-out KL {kl:.4f}")
-
-        out = distill(codec, consumer, examples, cfg.distill_steps, cfg.distill_lr, cfg.distill_batch,
-                      cfg.seed, progress)
-    return out | {"seconds": round(time.time() - started, 1)}
 
 
 def prior_fitter(cfg: CalibrateConfig, consumer: Any, fit_prompts: list) -> Any:
@@ -289,6 +279,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the cap meets the budget, the least KL under it (default: no cap)")
     parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")
     parser.add_argument("--aligner-steps", type=int, default=300)
+    parser.add_argument("--run-layers", type=int, nargs="+", default=[], metavar="L",
+                        help="layers from which the consumer may run its own upper layers over the prompt (from "
+                             "a full-rank code of the producer's residual; those above ship nothing): the one of "
+                             "least measured KL replaces the plan's layers from there when it beats the plan. "
+                             "It costs the decode worker (layers - L) / layers of a prefill (default: none)")
     parser.add_argument("--distill-steps", type=int, default=CalibrateConfig.distill_steps,
                         help="Adam steps that tune the scd plan's decoders and aligners on the consumer's own "
                              "next-token KL over the fit prompts (payload unchanged; 0: closed-form fits only)")
@@ -334,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = CalibrateConfig(kl_budget=args.kl_budget, num_prompts=args.num_prompts,
                           num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
                           max_patches=args.max_patches, max_payload=args.max_payload,
-                          aligner_steps=args.aligner_steps,
+                          aligner_steps=args.aligner_steps, run_layers=tuple(args.run_layers),
                           distill_steps=args.distill_steps, distill_lr=args.distill_lr, seed=args.seed,
                           prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
                           prior_states=args.prior_states, prior_state_layers=args.prior_state_layers,
@@ -376,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
     png = plot_tradeoff(result.curve, chosen, 2 * spec.num_layers * spec.kv_width, cfg.kl_budget, out / "tradeoff.png")
     stats = result.codebook.manifest["calibration"]
     print(f"codebook: {out} ({'within' if stats['feasible'] else 'OVER'} KL budget {cfg.kl_budget}); "
-          f"patch layers {list(chosen.patch_layers)}; droidspeak layers {result.codebook.droidspeak_layers}; "
+          f"patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
           f"{stats['seconds']} s")
     if "distill" in stats:
         d = stats["distill"]

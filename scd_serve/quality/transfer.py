@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scd_serve.codec.base import payload_bytes
+from scd_serve.codec.base import payload_bytes, wants_residuals
 
 ORACLE = "oracle"
 BLOCK = 16
@@ -43,7 +43,8 @@ def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens:
             rt_b.write_kv(pool, blocks, layer, state.keys, state.values)
         rebuild = time.perf_counter() - start
     else:
-        for layer, state in rt_a.iter_prefill(prefix, compute_logits=False):
+        residuals = wants_residuals(codec, rt_a.spec.num_layers)
+        for layer, state in rt_a.iter_prefill(prefix, compute_logits=False, residuals=residuals):
             code = codec.encode_layer(layer, state)  # producer side, not timed as rebuild
             nbytes += payload_bytes(code)
             start = time.perf_counter()

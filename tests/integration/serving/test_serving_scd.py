@@ -12,12 +12,15 @@ from serving_helpers import engine_for, greedy, make_decode, prompts, start_pref
 pytestmark = pytest.mark.timeout(90)
 
 
-def save_codebook(rt, path, rank):
-    rows = collect_rows(rt, rt, [__import__("torch").tensor(p) for p in prompts(6, seed=11)], max_rows=4096)
-    d = spec_of(rt).kv_width
-    fits = [fit_layer(r, d, (8, 32), aligner_width=32) for r in rows]
-    plan = Plan(tuple(LayerPlan(REUSE, rank, rank) for _ in range(spec_of(rt).num_layers)))
-    build_codebook(fits, {"scd": plan, "reuse": plan}, spec_of(rt), spec_of(rt)).save(path)
+def save_codebook(rt, path, rank, run_from=None):
+    """run_from: the scd plan runs the consumer's layers from there on a full-rank residual code."""
+    spec = spec_of(rt)
+    rows = collect_rows(rt, rt, [__import__("torch").tensor(p) for p in prompts(6, seed=11)], max_rows=4096,
+                        run_layers=() if run_from is None else (run_from,))
+    fits = [fit_layer(r, spec.kv_width, (8, spec.hidden_size), aligner_width=32) for r in rows]
+    plan = Plan(tuple(LayerPlan(REUSE, rank, rank) for _ in range(spec.num_layers)))
+    scd = plan if run_from is None else Plan.with_run(plan, run_from, spec.hidden_size)
+    build_codebook(fits, {"scd": scd, "reuse": plan}, spec, spec).save(path)
     return str(path)
 
 
@@ -42,6 +45,31 @@ async def test_scd_full_rank_same_model_matches_local_greedy(setup):
         for i, p in enumerate(prompts(3, seed=5)):
             assert await greedy(engine, f"s{i}", p, "scd", fill) == await greedy(engine, f"l{i}", p)
         assert fill.stats.num_transfers == 3 and fill.stats.payload_bytes > 0
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
+
+
+async def test_a_run_of_the_upper_layers_serves_concurrent_prompts_as_local_greedy(setup, tmp_path):
+    """The scd plan runs the consumer's own layers from the middle: the prefill worker ships the
+    residual there (and nothing above), each decode-side transfer holds its own run."""
+    import asyncio
+
+    rt, full, _ = setup
+    book = save_codebook(rt, tmp_path / "book-run", spec_of(rt).kv_width, run_from=spec_of(rt).num_layers // 2)
+    node = await start_prefill(rt, methods=("scd",), codebook=book)
+    peers, fill = await make_decode(rt, [node.address], method="scd", codebook=book)
+    engine = engine_for(rt)
+    try:
+        assert peers.ready(), peers.why_not_ready()
+        batch = prompts(4, seed=6)
+        got = await asyncio.gather(*(greedy(engine, f"r{i}", p, "scd", fill) for i, p in enumerate(batch)))
+        assert got == [await greedy(engine, f"l{i}", p) for i, p in enumerate(batch)]
+        # fp16 codes: K/V below the run, the residual at its first layer, nothing above
+        spec, half = spec_of(rt), spec_of(rt).num_layers // 2
+        shipped, raw = half * 2 * spec.kv_width + spec.hidden_size, spec.num_layers * 2 * spec.kv_width
+        assert fill.stats.num_transfers == 4 and fill.stats.payload_bytes * raw == fill.stats.raw_kv_bytes * shipped
     finally:
         await engine.stop(grace_s=1)
         await peers.close()

@@ -83,6 +83,23 @@ def test_rank_ratios_come_from_the_codebook_manifest(tmp_path, capsys):
     assert "patch layers 8/32" in capsys.readouterr().out
 
 
+def test_a_run_ships_one_residual_code_and_costs_its_layers_on_the_decode_side(tmp_path, capsys):
+    spec = {"num_layers": 4, "hidden_size": 64, "num_kv_heads": 2, "head_dim": 16, "rope_theta": 1e4}
+    plans = {"scd": [{"mode": "reuse", "r_k": 8, "r_v": 16}] * 2 + [{"mode": "run", "r_h": 64},
+                                                                    {"mode": "run", "r_h": 0}]}
+    (tmp_path / "manifest.json").write_text(json.dumps({"producer": spec, "consumer": spec, "plans": plans}))
+    from scd_serve.planner.ranks import rank_plan_from_codebook
+
+    rp = rank_plan_from_codebook(tmp_path)
+    assert (rp.run_fraction, rp.run_ratio, rp.patch_fraction) == (0.5, 1.0, 0.0)
+    s = load_shape("mistral-7b")  # 32 layers: 16 reuse, a run of 16 from a 4096-wide residual code
+    scd = method_cost("scd", s, 1025, rp)
+    assert scd.payload_bytes == 1024 * (16 * (256 + 512) + 4096) * 2
+    assert scd.rebuild_flops > 16 * s.layer_flops(1024) > method_cost("scd", s, 1025, RankPlan()).rebuild_flops
+    assert main(["plan", "--model-config", "mistral-7b", "--bandwidth", "1gbit", "--codebook", str(tmp_path)]) == 0
+    assert "the consumer runs 16 layers itself" in capsys.readouterr().out
+
+
 def test_bad_codebook_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "manifest.json").write_text("{}")
     assert main(["plan", "--model-config", "mistral-7b", "--bandwidth", "1gbit", "--codebook", str(tmp_path)]) == 2
