@@ -43,6 +43,7 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
     counted into its normal equations for targets (layer, stream), and each layer's dict also
     holds "ctx": the sampled rows' contexts (token ids [N, taps] or features [N, m])."""
     prompts = [torch.as_tensor(p).long() for p in prompts]
+    run_layers = set(run_layers)
     per_prompt = max(1, max_rows // max(len(prompts), 1))
     gen = torch.Generator().manual_seed(seed)
     parts: list[dict[str, tuple[list, list]]] = []
@@ -53,7 +54,6 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
         if prior is not None:
             ctx = prior.add_tokens(ids, consumer)
             ctx_parts.append(ctx[idx])
-        run_layers = set(run_layers)
         states = zip(producer.iter_prefill(ids, compute_logits=False, residuals=bool(run_layers)),
                      consumer.iter_prefill(ids, compute_logits=False, residuals=bool(run_layers)))
         for (layer, sa), (_, sb) in states:

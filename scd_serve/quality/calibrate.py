@@ -146,7 +146,9 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     # Reuse-only at SCD's payload: the equal-payload ablation of Patch (and of a run)
     reuse = (search.fit_width((), plan.code_width(), curve[0].kl_full_rank)  # curve[0]: no patches
              if plan.patch_layers or plan.run_layer is not None else best)
-    ds_layers = droidspeak_layers(probe, cands, num_layers, max(1, len(plan.patch_layers)), show_progress)
+    # DroidSpeak recomputes as many layers as scd's consumer computes (its patches and its run)
+    computed = len(plan.patch_layers) + (num_layers - plan.run_layer if plan.run_layer is not None else 0)
+    ds_layers = droidspeak_layers(probe, cands, num_layers, max(1, computed), show_progress)
     # zero payload: what the consumer's token priors alone rebuild (how much the codes add)
     prior_only_kl = probe.measure({i: cands.prior_only for i in range(num_layers)}) if priors else None
     stats = {

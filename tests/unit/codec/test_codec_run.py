@@ -93,6 +93,9 @@ def test_calibration_measures_each_run_layer_and_keeps_a_run_only_where_it_measu
         assert plan.run_layer == int(best) and stats["plan_kl"] == run["kl"][best]
     else:
         assert plan.run_layer is None and stats["plan_kl"] == run["kl_without"]
+    # the DroidSpeak baseline recomputes as many layers as scd's consumer computes
+    computed = len(plan.patch_layers) + (4 - plan.run_layer if plan.run_layer is not None else 0)
+    assert len(result.codebook.droidspeak_layers) == max(1, computed)
     # the codebook, whatever it chose, loads, validates and serves through the real codec
     book = Codebook.load(result.codebook.save(tmp_path / "book"), producer=producer, consumer=consumer)
     assert book.plan("scd") == plan and result.methods["scd"]["kl"] >= 0
