@@ -375,6 +375,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"codebook: {out} ({'within' if stats['feasible'] else 'OVER'} KL budget {cfg.kl_budget}); "
           f"patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
           f"{stats['seconds']} s")
+    if stats["run"].get("kl"):
+        measured = ", ".join(f"{layer}: {kl:.4f}" for layer, kl in stats["run"]["kl"].items())
+        print(f"runs measured (probe KL by first layer): {measured}; without a run {stats['run']['kl_without']:.4f}")
     if "distill" in stats:
         d = stats["distill"]
         print(f"distilled the scd plan: held-out KL {d['held_out_kl_before']:.4f} -> {d['held_out_kl_after']:.4f} "

@@ -68,6 +68,22 @@ def test_calibrate_in_bfloat16_then_eval(pair, tmp_path, capsys):
     assert row["method"] == "scd" and row["kl"] >= 0 and 0 < row["ratio_to_raw16"] <= 1.0
 
 
+def test_calibrate_measures_the_run_layers_asked_for_then_eval(pair, tmp_path, capsys):
+    a, b, data = pair
+    assert main(calibrate_args(a, b, data / "prompt.jsonl", tmp_path / "book", "--run-layers", "1")) == 0
+    assert "runs measured (probe KL by first layer): 1: " in capsys.readouterr().out
+    run = Codebook.load(tmp_path / "book").manifest["calibration"]["run"]
+    assert set(run["kl"]) == {"1"} and run["layer"] == (1 if run["kl"]["1"] < run["kl_without"] else None)
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--producer", str(a), "--consumer", str(b), "--data", str(data / "text.jsonl"),
+                 "--codebook", str(tmp_path / "book"), "--method", "scd", "--max-tokens", "24",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["methods"][0]["kl"] >= 0
+    assert main(calibrate_args(a, b, data / "prompt.jsonl", tmp_path / "book2", "--run-layers", "99")) == 2
+    err = capsys.readouterr().err
+    assert "run layers must be in 1.." in err and "got [99]" in err and "Traceback" not in err
+
+
 @pytest.fixture
 def no_load(monkeypatch):
     def boom(*args, **kwargs):
