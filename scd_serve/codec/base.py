@@ -24,6 +24,8 @@ from scd_serve.errors import CodebookError
 CODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.uint8)
 # Names of the producer states a method may need per layer (LayerState attributes).
 KEYS, VALUES, ATTN_INPUT, RESIDUAL = "keys", "values", "attn_input", "residual"
+# SCD's code streams (plan.py) -> the producer state each encodes
+STREAM_STATES = {"k": KEYS, "v": VALUES, "h": ATTN_INPUT, "r": RESIDUAL}
 
 
 @runtime_checkable

@@ -146,8 +146,10 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
                 code = codec.encode_layer(layer, state)
                 if lp.mode == RUN:  # the consumer's own layers: fixed, nothing to tune
                     ran[layer] = codec.decode_layer(layer, code, consumer, prefix)
-                    code = {}
-                code, prior = codec.decoder_inputs(layer, code, consumer, prefix) if code else ({}, {})
+                    codes.append({})
+                    priors.append({})
+                    continue
+                code, prior = codec.decoder_inputs(layer, code, consumer, prefix)
                 codes.append({s: z.half() for s, z in code.items()})
                 priors.append({s: x if isinstance(x, float) else x.half() for s, x in prior.items()})
             own = [s for _, s in consumer.iter_prefill(prefix, compute_logits=False)]

@@ -12,11 +12,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from scd_serve.codec.base import STREAM_STATES
 from scd_serve.codec.lowrank import Aligner, JointCode, fit_aligner, fit_joint
 
 Tensor = torch.Tensor
-STREAMS = ("k", "v", "h")
-_FIELDS = {"k": "keys", "v": "values", "h": "attn_input", "r": "residual"}
+STREAMS = ("k", "v", "h")  # fitted at every layer; "r" at the layers a run may start from
 
 
 @dataclass
@@ -61,7 +61,7 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
             if len(parts) <= layer:
                 parts.append({s: ([], []) for s in streams})
             for s in streams:
-                a, b = getattr(sa, _FIELDS[s]), getattr(sb, _FIELDS[s])
+                a, b = getattr(sa, STREAM_STATES[s]), getattr(sb, STREAM_STATES[s])
                 parts[layer][s][0].append(a.reshape(t, -1)[idx.to(a.device)].float().cpu())
                 parts[layer][s][1].append(b.reshape(t, -1)[idx.to(b.device)].float().cpu())
                 if prior is not None and s != "r":

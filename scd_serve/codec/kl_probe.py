@@ -58,7 +58,7 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
         full = torch.cat([prompt, answer])
         feed = full[p:-1]  # [n]
         keep = set(residual_layers)
-        states_a = [s if i in keep else with_fields(s, residual=None)
+        states_a = [s if s.residual is None or i in keep else with_fields(s, residual=None)
                     for i, s in producer.iter_prefill(prompt[:p], compute_logits=False, residuals=bool(keep))]
         # the consumer's own H_in is never read back (only its K/V restore the oracle): not kept,
         # as it is the widest of the three states

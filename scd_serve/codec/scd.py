@@ -18,13 +18,12 @@ from typing import Any, Mapping
 
 import torch
 
-from scd_serve.codec.base import ATTN_INPUT, KEYS, RESIDUAL, VALUES, check_code, state_field, to_consumer
+from scd_serve.codec.base import STREAM_STATES, check_code, state_field, to_consumer
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.plan import REUSE, RUN, Plan
 from scd_serve.errors import CodebookError
 
-STATES = {"k": KEYS, "v": VALUES, "h": ATTN_INPUT, "r": RESIDUAL}  # code stream -> producer state
 # runs held at once (one per prompt being rebuilt); beyond it the oldest, a failed transfer's, goes
 MAX_RUNS = 64
 
@@ -63,7 +62,7 @@ class ScdCodec:
         self._runs_lock = threading.Lock()  # rebuild threads start and end runs concurrently
 
     def states_needed(self, layer: int) -> frozenset[str]:
-        return frozenset(STATES[s] for s, _ in self.plan.layers[layer].streams)
+        return frozenset(STREAM_STATES[s] for s, _ in self.plan.layers[layer].streams)
 
     # ---- producer ------------------------------------------------------------------------
     def _encoder(self, layer: int, s: str, rank: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +86,7 @@ class ScdCodec:
             return {}
         code: dict[str, torch.Tensor] = {}
         for s, rank in lp.streams:
-            x = state_field(state, STATES[s]).float()
+            x = state_field(state, STREAM_STATES[s]).float()
             x = x.reshape(x.shape[0], -1)  # [T, d]
             mu, enc = self._encoder(layer, s, rank, x)
             code.update(self._pack(f"z{s}", (x - mu) @ enc))  # z: [T, r]

@@ -236,9 +236,8 @@ def _produce(rt, codec, tokens: list[int], stop: threading.Event, emit) -> None:
     try:
         ids = torch.tensor(tokens, dtype=torch.long)  # ids: [T]
         start = time.perf_counter()
-        # asked for only when the codec reads them: a wrapped runtime (tests' slow ones) need not know it
-        residuals = {"residuals": True} if wants_residuals(codec, rt.spec.num_layers) else {}
-        for layer, state in rt.iter_prefill(ids, compute_logits=False, **residuals):
+        residuals = wants_residuals(codec, rt.spec.num_layers)
+        for layer, state in rt.iter_prefill(ids, compute_logits=False, residuals=residuals):
             if stop.is_set():
                 return
             tensors = encode_code(layer, codec.encode_layer(layer, state))
