@@ -69,6 +69,9 @@ class ModelRuntime:
         self.dtype = dtype
         self.weights = loaded.weights
         self.rotary = loaded.rotary
+        # decode attention through model/paged_kernel.py where it serves (CUDA with Triton);
+        # False keeps paged.py's torch path everywhere (benchmarks compare the two)
+        self.paged_kernel = True
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu",

@@ -18,6 +18,7 @@ from scd_serve.errors import InvalidRequest, PromptTooLong
 from scd_serve.model import rope
 from scd_serve.model.kv_pool import KVPool
 from scd_serve.model.layers import finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model import paged_kernel
 from scd_serve.model.paged import GATHER_BYTES, attend_gathered, attend_paged, stretches
 
 if TYPE_CHECKING:
@@ -68,7 +69,9 @@ class Step:
         self.slots = torch.tensor(slots, device=dev)  # [N] where each row's K/V goes
         self.h = rt.weights.embed[torch.tensor(tokens, device=dev)]  # [N, hidden]: every item's rows, in order
         self.cos, self.sin = rt.rotary.tables(torch.tensor(positions, device=dev))
-        self.gathered = self._gather_plan(pool)
+        kernel = rt.paged_kernel and paged_kernel.usable(rt.device, pool.block_size)
+        self.kernel_rows = self._kernel_plan() if kernel else None
+        self.gathered = None if kernel else self._gather_plan(pool)
         self.layer = 0  # the next layer to run
 
     def _gather_plan(self, pool: KVPool) -> tuple[Tensor, Tensor] | None:
@@ -82,6 +85,24 @@ class Step:
         table = [b + [b[0]] * (width - len(b)) for b in self.blocks]
         dev = self.rt.device
         return torch.tensor(table, device=dev), torch.tensor([c + 1 for c in self.cached], device=dev)
+
+    def _kernel_plan(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(rows [D], block table [D, W], key counts [D]) of the items with one token, for
+        paged_kernel (CUDA): their attention runs as one call; None when there are none."""
+        rows, ones = [], []
+        at = 0
+        for i, n in enumerate(self.lengths):
+            if n == 1:
+                rows.append(at)
+                ones.append(i)
+            at += n
+        if not ones:
+            return None
+        width = max(len(self.blocks[i]) for i in ones)
+        table = [self.blocks[i] + [self.blocks[i][0]] * (width - len(self.blocks[i])) for i in ones]
+        dev = self.rt.device
+        return (torch.tensor(rows, device=dev), torch.tensor(table, device=dev),
+                torch.tensor([self.cached[i] + 1 for i in ones], device=dev))
 
     @property
     def done(self) -> bool:
@@ -110,15 +131,24 @@ class Step:
         window = spec.window(layer)
         k_layer, v_layer = self.pool.k[layer], self.pool.v[layer]
         if self.gathered is not None:  # small decode-only step: one batched call
-            self.h = finish_layer(lw, spec, self.h, attend_gathered(k_layer, v_layer, *self.gathered, q, window))
-            self.layer += 1
-            return
-        parts, at = [], 0
-        for runs, cached, n in zip(self.runs, self.cached, self.lengths):
-            parts.append(attend_paged(k_layer, v_layer, runs, cached + n, q[at:at + n], cached, window))
-            at += n
-        self.h = finish_layer(lw, spec, self.h, torch.cat(parts) if len(parts) > 1 else parts[0])
+            out = attend_gathered(k_layer, v_layer, *self.gathered, q, window)
+        else:
+            out = self._attend_in_place(k_layer, v_layer, q, window)
+        self.h = finish_layer(lw, spec, self.h, out)
         self.layer += 1
+
+    def _attend_in_place(self, k_layer: Tensor, v_layer: Tensor, q: Tensor, window: int | None) -> Tensor:
+        # q: [N, heads, hd] -> [N, heads*hd]; one-token items through the kernel when it serves
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        if self.kernel_rows is not None:
+            rows, table, lengths = self.kernel_rows
+            out[rows] = paged_kernel.attend_blocks(k_layer, v_layer, table, lengths, q[rows], window)
+        at = 0
+        for runs, cached, n in zip(self.runs, self.cached, self.lengths):
+            if n > 1 or self.kernel_rows is None:
+                out[at:at + n] = attend_paged(k_layer, v_layer, runs, cached + n, q[at:at + n], cached, window)
+            at += n
+        return out
 
     @torch.no_grad()
     def logits(self) -> list[Tensor | None]:

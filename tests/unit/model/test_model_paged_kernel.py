@@ -1,0 +1,117 @@
+"""The CUDA decode-attention kernel (model/paged_kernel.py) equals the torch path.
+
+On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), in a child process:
+the variable decides how Triton compiles at import, and with it set every Step in the test
+process would take the interpreted kernel. With a GPU, the last test runs it compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from scd_serve.model import paged_kernel
+
+pytestmark = pytest.mark.skipif(paged_kernel.triton is None, reason="Triton is not installed")
+
+# Shared by the child and the CUDA test: random pools, tables over shuffled blocks, one query each.
+SETUP = """
+import random, torch
+from scd_serve.model.paged import attend_gathered
+from scd_serve.model.paged_kernel import attend_blocks
+
+def case(seed, heads, kv_heads, hd, block, window, dtype, device="cpu"):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1, block - 1, block, block + 1, rng.randint(2, 6 * block)]
+    width = -(-max(lengths) // block)
+    ids = list(range(len(lengths) * width + 3))
+    rng.shuffle(ids)
+    table = torch.tensor(ids[:len(lengths) * width]).view(len(lengths), width)
+    k = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
+    v = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
+    q = torch.randn(len(lengths), heads, hd, generator=gen).to(dtype)
+    args = [x.to(device) for x in (k, v, table, torch.tensor(lengths), q)]
+    got = attend_blocks(*args, window).float().cpu()
+    want = attend_gathered(*[x.cpu().float() if x.is_floating_point() else x.cpu() for x in args], window)
+    return (got - want).abs().max().item()
+"""
+
+# (heads, kv_heads, head_dim, block, window): grouped and plain heads, a head_dim that is not a
+# power of two, larger blocks, sliding windows that start inside a block
+SHAPES = [(4, 2, 32, 16, None), (8, 1, 24, 16, None), (2, 2, 64, 32, 20), (14, 2, 64, 16, None), (6, 3, 16, 16, 7)]
+
+
+def interpreted(code: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_the_kernel_equals_attention_over_a_gathered_copy_in_the_interpreter():
+    out = interpreted(SETUP + textwrap.dedent(f"""
+        for seed, shape in enumerate({SHAPES!r}):
+            print(case(seed, *shape, torch.float32), case(seed, *shape, torch.bfloat16))
+        """))
+    errors = [tuple(map(float, line.split())) for line in out.splitlines()]
+    assert len(errors) == len(SHAPES)
+    for fp32, bf16 in errors:
+        # float32: the same sums in another order; bfloat16: the output rounded to 8 mantissa bits
+        assert fp32 <= 1e-5 and bf16 <= 2e-2, errors
+
+
+def test_decode_and_mixed_steps_through_the_kernel_equal_the_torch_path(tmp_path):
+    """A model's steps (decode-only and a prefill chunk beside decode tokens, on scattered
+    blocks, with a sliding-window layer) give the same logits with the kernel as without."""
+    out = interpreted(f"""
+        import torch
+        from scd_serve.model.runtime import ModelRuntime
+        from scd_serve.model.tiny import save_tiny_model
+
+        path = save_tiny_model({str(tmp_path)!r}, "qwen2", tokenizer=False, num_hidden_layers=3, hidden_size=64,
+                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                               use_sliding_window=True, sliding_window=20, max_window_layers=1)
+        rt = ModelRuntime.load(path)
+        tables = [[9, 3, 14, 0], [5, 6, 7, 8], [12, 1, 10, 2]]
+        prompts = [list(range(5, 45)), list(range(50, 67)), list(range(100, 133))]
+
+        def run(kernel):
+            rt.paged_kernel = kernel
+            pool = rt.new_kv_pool(16, 16)
+            rt.extend(pool, [(t, 0, torch.tensor(p[:-1])) for t, p in zip(tables[:2], prompts[:2])], "none")
+            mixed = rt.extend(pool, [(tables[0], len(prompts[0]) - 1, torch.tensor(prompts[0][-1:])),
+                                     (tables[2], 0, torch.tensor(prompts[2])),
+                                     (tables[1], len(prompts[1]) - 1, torch.tensor(prompts[1][-1:]))], "last")
+            items = [(t, len(p), 7) for t, p in zip(tables, prompts)]
+            return torch.cat(mixed), rt.decode_step(pool, items)
+
+        (m0, d0), (m1, d1) = run(False), run(True)
+        print((m0 - m1).abs().max().item(), (d0 - d1).abs().max().item(), m0.abs().max().item())
+        """)
+    mixed, decode, scale = map(float, out.split())
+    assert scale > 0.1 and mixed <= 1e-4 and decode <= 1e-4, out
+
+
+def test_the_kernel_serves_only_cuda_and_blocks_it_can_tile(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not paged_kernel.usable(torch.device("cpu"), 16)
+    assert paged_kernel.usable(torch.device("cuda"), 16) and paged_kernel.usable(torch.device("cuda"), 64)
+    assert not paged_kernel.usable(torch.device("cuda"), 8)  # tl.dot needs 16 on every side
+    assert not paged_kernel.usable(torch.device("cuda"), 24)  # not a power of two
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_kernel_equals_the_torch_path_on_cuda(dtype):
+    scope: dict = {}
+    exec(SETUP, scope)
+    for seed, shape in enumerate(SHAPES):
+        err = scope["case"](seed, *shape, dtype, device="cuda")
+        assert err <= (1e-5 if dtype == torch.float32 else 2e-2), (shape, err)
