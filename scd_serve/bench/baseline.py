@@ -19,6 +19,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from scd_serve.config.model import DTYPE_NAMES
+
 
 BATCH_WAIT_S = 0.05  # how long the worker waits for more queued requests to fill a static batch
 
@@ -61,12 +63,14 @@ def take_batch(jobs: queue.Queue, size: int) -> list:
     return batch
 
 
-def create_app(model_dir: str, threads: int | None = None, batch: int = 1):
+def create_app(model_dir: str, threads: int | None = None, batch: int = 1, device: str = "cpu",
+               dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa").to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     jobs: queue.Queue = queue.Queue()
 
@@ -75,8 +79,10 @@ def create_app(model_dir: str, threads: int | None = None, batch: int = 1):
             jobs_now = take_batch(jobs, batch)
             loop = jobs_now[0][2]
             width = max(len(ids) for ids, _, _, _ in jobs_now)
-            input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids, _, _, _ in jobs_now])  # left padding
-            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _, _ in jobs_now])
+            input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids, _, _, _ in jobs_now],
+                                     device=device)  # left padding
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _, _ in jobs_now],
+                                device=device)
             longest = max(m for _, m, _, _ in jobs_now)
             streamer = _Streamer(loop, [out for _, _, _, out in jobs_now], [m for _, m, _, _ in jobs_now])
             try:
@@ -130,12 +136,15 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--threads", type=int)
     p.add_argument("--batch", type=int, default=1, help="static batch size (1 = strictly sequential)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     a = p.parse_args()
     if a.batch < 1:
         p.error("--batch must be >= 1")
     import uvicorn
 
-    uvicorn.run(create_app(a.model, a.threads, a.batch), host=a.host, port=a.port, log_level="warning")
+    print(f"generate baseline: {a.model} on {a.device} in {a.dtype}, static batches of {a.batch}", flush=True)
+    uvicorn.run(create_app(a.model, a.threads, a.batch, a.device, a.dtype), host=a.host, port=a.port, log_level="warning")
 
 
 if __name__ == "__main__":

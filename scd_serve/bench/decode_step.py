@@ -13,6 +13,7 @@ import time
 import torch
 
 from scd_serve.config.model import DTYPE_NAMES
+from scd_serve.model import paged_kernel
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 
@@ -51,12 +52,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    p.add_argument("--attention", default="auto", choices=["auto", "torch"],
+                   help="auto: the Triton kernel where it serves (CUDA), else torch; torch: torch's path everywhere")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or save_tiny_model(tmp, "qwen3", tokenizer=False, **PAIR_SHAPE)
         rt = ModelRuntime.load(path, args.device, getattr(torch, args.dtype))
+    rt.paged_kernel = args.attention == "auto"
+    kernel = rt.paged_kernel and paged_kernel.usable(rt.device, args.block_size)
     print(f"model {rt.fingerprint} layers={rt.spec.num_layers} hidden={rt.spec.hidden_size} device={rt.device} "
-          f"dtype={args.dtype} threads={torch.get_num_threads()}")
+          f"dtype={args.dtype} threads={torch.get_num_threads()} attention={'triton' if kernel else 'torch'}")
     print(f"{'batch':>5} {'context':>7} {'ms/step':>8} {'tokens/s':>9}")
     for context in args.context:
         for batch in args.batch:

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from scd_serve.config.model import DTYPE_NAMES
 from scd_serve.errors import ConfigError
 
 DEMO = "models/demo-pair"
@@ -56,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--json", required=True)
     s.add_argument("--consumer", default=f"{DEMO}/consumer")
     s.add_argument("--method", default="local", help="scd_method of every request ('local' = no transfer)")
+    s.add_argument("--device", default="cpu", help="every target's device: cpu or cuda[:N]")
+    s.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="every target's weights and KV dtype")
     s.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
                    help="extra argument for `scd-serve decode` (repeatable), e.g. --engine-arg=--prefill=H:P")
     s.add_argument("--rates", nargs="+", help="request rates (req/s); default: 0.5, 1, 2, 4 x baseline capacity")

@@ -53,12 +53,13 @@ def start_target(name: str, args, logs: Path):
     if name == "engine":
         cmd = [sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.consumer, "--host", "127.0.0.1",
                "--port", str(port), "--method", args.method, "--request-timeout-s", str(args.request_timeout),
-               *args.engine_args]
+               "--device", args.device, "--dtype", args.dtype, *args.engine_args]
         if args.method == "local" and not any(a.startswith("--codebook") for a in args.engine_args):
             cmd += ["--codebook", ""]  # no transfer: the engine alone
     else:
         cmd = [sys.executable, "-m", "scd_serve.bench.baseline", "--model", args.consumer, "--port", str(port),
-               "--threads", "1", "--batch", str(args.concurrency if name == "static" else 1)]
+               "--threads", "1", "--batch", str(args.concurrency if name == "static" else 1),
+               "--device", args.device, "--dtype", args.dtype]
     log = logs / f"{name}.log"
     proc = procs.spawn(cmd, log)
     url = f"http://127.0.0.1:{port}"
@@ -115,6 +116,7 @@ def run_mixed(args, vocab: int, logs: Path, slo: Slo) -> dict:
         return tps[a] / tps[b] if tps.get(a) and tps.get(b) else None
 
     return {"benchmark": "serve-mixed", "machine": machine(), "consumer": args.consumer, "method": args.method,
+            "device": args.device, "dtype": args.dtype,
             "requests": args.mixed_requests, "prompt_range": args.prompt_range, "output_range": args.output_range,
             "concurrent_streams": args.concurrency, "targets": results, "tokens_per_s": tps,
             "engine_over_static": ratio("engine", "static"), "engine_over_sequential": ratio("engine", "baseline")}
@@ -150,6 +152,7 @@ def run_serve(args) -> dict:
     base = results["baseline"]["concurrent"]["throughput_tokens_per_s"]
     ratio = eng / base if base else None
     return {"benchmark": "serve", "machine": machine(), "consumer": args.consumer, "method": args.method,
+            "device": args.device, "dtype": args.dtype,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
             "requests_per_rate": {str(r): requests_for(r, args) for r in rates},
             "slo": {"ttft_s": slo.ttft_s, "mean_itl_s": slo.itl_s}, "rates_rps": rates, "targets": results,

@@ -208,8 +208,8 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
         heartbeat = HeartbeatFanout(config.control_url, "decode", address, backend.ready, backend.load_report,
                                     control or ControlConfig(), on_peers=peers.update_from_registry)
         heartbeat.start()
-    print(f"decode worker serving http://{config.host}:{port} (advertised {address}), consumer {rt.fingerprint}, "
-          f"default method {method}, fallback {config.fallback}"
+    print(f"decode worker serving http://{config.host}:{port} (advertised {address}), consumer {rt.fingerprint} "
+          f"on {rt.device} in {str(rt.dtype).removeprefix('torch.')}, default method {method}, fallback {config.fallback}"
           + (f", quality budget {auto.chooser.budget:g}" if method == AUTO else ""), flush=True)
     if not peers.ready() and method != "local":
         log.warning("not ready yet: %s", peers.why_not_ready())

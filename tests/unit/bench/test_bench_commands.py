@@ -92,9 +92,13 @@ def test_bench_ttft_auto_row_and_rate_change_mode(pair, tmp_path, capsys):
 
 def test_bench_serve_mixed_runs_engine_static_batches_and_sequential(pair, tmp_path):
     out = tmp_path / "mixed.json"
-    assert main(["bench", "serve", "--quick", "--mixed", "--json", str(out), "--consumer", pair[1]]) == 0
+    assert main(["bench", "serve", "--quick", "--mixed", "--json", str(out), "--consumer", pair[1],
+                 "--dtype", "bfloat16"]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc["targets"]) == {"baseline", "static", "engine"}
+    assert set(doc["targets"]) == {"baseline", "static", "engine"} and doc["dtype"] == "bfloat16"
+    logs = tmp_path / "bench-serve-logs"
+    for name in doc["targets"]:  # every target says what it loaded
+        assert "bfloat16" in (logs / f"{name}.log").read_text(), name
     for t in doc["targets"].values():
         assert t["completed"] == t["requests"] == 4 and t["throughput_tokens_per_s"] > 0
     assert doc["engine_over_static"] > 0 and doc["engine_over_sequential"] > 0
