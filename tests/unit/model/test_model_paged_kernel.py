@@ -25,7 +25,7 @@ import random, torch
 from scd_serve.model.paged import attend_gathered
 from scd_serve.model.paged_kernel import attend_blocks
 
-def case(seed, heads, kv_heads, hd, block, window, dtype, device="cpu"):
+def case(seed, heads, kv_heads, hd, block, window, dtype, device="cpu", splits=None):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     lengths = [1, block - 1, block, block + 1, rng.randint(2, 6 * block)]
@@ -37,7 +37,7 @@ def case(seed, heads, kv_heads, hd, block, window, dtype, device="cpu"):
     v = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
     q = torch.randn(len(lengths), heads, hd, generator=gen).to(dtype)
     args = [x.to(device) for x in (k, v, table, torch.tensor(lengths), q)]
-    got = attend_blocks(*args, window).float().cpu()
+    got = attend_blocks(*args, window, splits).float().cpu()
     want = attend_gathered(*[x.cpu().float() if x.is_floating_point() else x.cpu() for x in args], window)
     return (got - want).abs().max().item()
 """
@@ -56,12 +56,14 @@ def interpreted(code: str) -> str:
 
 
 def test_the_kernel_equals_attention_over_a_gathered_copy_in_the_interpreter():
+    """Every split of the blocks (flash-decoding), 64 more than any table has."""
     out = interpreted(SETUP + textwrap.dedent(f"""
         for seed, shape in enumerate({SHAPES!r}):
-            print(case(seed, *shape, torch.float32), case(seed, *shape, torch.bfloat16))
+            for splits in (1, 2, 5, 64):  # one program per sequence and kv head, or its blocks split
+                print(case(seed, *shape, torch.float32, splits=splits), case(seed, *shape, torch.bfloat16, splits=splits))
         """))
     errors = [tuple(map(float, line.split())) for line in out.splitlines()]
-    assert len(errors) == len(SHAPES)
+    assert len(errors) == 4 * len(SHAPES)
     for fp32, bf16 in errors:
         # float32: the same sums in another order; bfloat16: the output rounded to 8 mantissa bits
         assert fp32 <= 1e-5 and bf16 <= 2e-2, errors
@@ -113,5 +115,6 @@ def test_the_compiled_kernel_equals_the_torch_path_on_cuda(dtype):
     scope: dict = {}
     exec(SETUP, scope)
     for seed, shape in enumerate(SHAPES):
-        err = scope["case"](seed, *shape, dtype, device="cuda")
-        assert err <= (1e-5 if dtype == torch.float32 else 2e-2), (shape, err)
+        for splits in (None, 1, 3):  # None: enough to fill the device's SMs
+            err = scope["case"](seed, *shape, dtype, device="cuda", splits=splits)
+            assert err <= (1e-5 if dtype == torch.float32 else 2e-2), (shape, splits, err)
