@@ -8,8 +8,8 @@ the aligners of Patch layers are tuned end to end. As in serving, the consumer r
 tokens of each calibration prompt itself over the K/V rebuilt for the rest; the loss is
 KL(oracle || method) on those tokens. The encoders (the producer's side, the payload) stay as
 fitted, so codes and payload do not change. Held-out prompts pick the step to keep, and the
-closed form is kept where tuning does not beat it on them. A run's layers (plan.py) are the
-consumer's own computation from the residual code: computed once per example and held fixed.
+closed form is kept where tuning does not beat it on them. A run (plan.py) tunes the map of
+its residual code: the consumer's own layers from the mapped residual are part of the graph.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.base import wants_residuals
-from scd_serve.codec.plan import PATCH, REUSE, RUN
+from scd_serve.codec.plan import REUSE, RUN
 from scd_serve.extras import tqdm
 from scd_serve.model import rope
 from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
@@ -41,11 +41,10 @@ BARE_TAIL = 16
 @dataclass
 class DistillExample:
     feed: Tensor  # [m] the prompt's last tokens (and the scored ones), run by the consumer itself
-    codes: list[dict[str, Tensor]]  # per layer {"k"|"v"|"h": code [P, r] fp16, as received}
+    codes: list[dict[str, Tensor]]  # per layer {"k"|"v"|"h"|"r": code [P, r] fp16, as received}
     priors: list[dict[str, Any]]  # per layer {stream: token prior [P, dB] fp16, or 0.0}
     oracle_logp: Tensor  # [m, ORACLE_TOP] the oracle's largest log-probabilities over feed
     oracle_ids: Tensor  # [m, ORACLE_TOP] their token ids
-    ran: dict[int, tuple[Tensor, Tensor]]  # a run's layers -> their K/V [P, kv_heads, head_dim], fixed
 
 
 def suffix_logits(rt: Any, keys: list[Tensor], values: list[Tensor], feed: Tensor) -> Tensor:
@@ -72,8 +71,8 @@ def suffix_logits(rt: Any, keys: list[Tensor], values: list[Tensor], feed: Tenso
 
 
 class Decoders(torch.nn.Module):
-    """The trainable consumer side of one plan: Dec_B per Reuse stream, g per Patch layer.
-    Another plan of the codebook that uses the same (layer, stream, rank) shares the tuned tensor."""
+    """The trainable consumer side of one plan: Dec_B per Reuse stream, g per Patch layer and
+    for a run's residual. Another plan of the codebook that uses the same (layer, stream, rank) shares the tuned tensor."""
 
     def __init__(self, codec: Any, device: torch.device):
         super().__init__()
@@ -81,26 +80,27 @@ class Decoders(torch.nn.Module):
         self.dec, self.mu = torch.nn.ParameterDict(), {}
         self.aligners = torch.nn.ModuleDict()
         for i, lp in enumerate(self.plan.layers):
-            if lp.mode == RUN:
-                continue
             if lp.mode == REUSE:
                 for s, r in (("k", lp.r_k), ("v", lp.r_v)):
                     dec = book.tensor(f"layers.{i}.{s}.dec.r{r}").to(device, torch.float32, copy=True)
                     self.dec[f"{i}_{s}"] = torch.nn.Parameter(dec)
                     self.mu[f"{i}_{s}"] = book.tensor(f"layers.{i}.{s}.mu_b").to(device, torch.float32)
-            else:
-                prefix = f"layers.{i}.h.g.r{lp.r_h}."
+            for s, r in lp.streams if lp.mode != REUSE else ():  # h of a Patch, r of a run's first layer
+                prefix = f"layers.{i}.{s}.g.r{r}."
                 t = {k[len(prefix):]: v for k, v in book.tensors.items() if k.startswith(prefix)}
                 self.aligners[str(i)] = Aligner.from_tensors(t).to(device).train()
 
     def rebuild(self, rt: Any, ex: DistillExample) -> tuple[list[Tensor], list[Tensor]]:
         """-> per layer pre-RoPE keys and values [P, kv_heads, head_dim]."""
-        spec, keys, values = rt.spec, [], []
+        spec, keys, values, run = rt.spec, [], [], None
         for i, lp in enumerate(self.plan.layers):
             code = {s: z.float() for s, z in ex.codes[i].items()}
             prior = {s: p if isinstance(p, float) else p.float() for s, p in ex.priors[i].items()}
             if lp.mode == RUN:
-                k, v = ex.ran[i]
+                if run is None:  # the run's first layer: the consumer's own forward from the mapped residual
+                    run = rt.run_from(i, self.aligners[str(i)](code["r"]) + prior["r"], grad=True)
+                _, state = next(run)
+                k, v = state.keys, state.values
             elif lp.mode == REUSE:
                 k, v = (code[s] @ self.dec[f"{i}_{s}"] + self.mu[f"{i}_{s}"] + prior[s] for s in "kv")
                 k = k.reshape(k.shape[0], spec.num_kv_heads, spec.head_dim)
@@ -123,9 +123,9 @@ class Decoders(torch.nn.Module):
             if lp.mode == REUSE:
                 for s, r in (("k", lp.r_k), ("v", lp.r_v)):
                     book.tensors[f"layers.{i}.{s}.dec.r{r}"] = self.dec[f"{i}_{s}"].detach().cpu().contiguous()
-            elif lp.mode == PATCH:
+            for s, r in lp.streams if lp.mode != REUSE else ():
                 for name, t in self.aligners[str(i)].tensors().items():
-                    book.tensors[f"layers.{i}.h.g.r{lp.r_h}.{name}"] = t.cpu()
+                    book.tensors[f"layers.{i}.{s}.g.r{r}.{name}"] = t.cpu()
 
 
 def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Tensor, Tensor]], tail: int,
@@ -140,22 +140,16 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
             fed = tail if scored.numel() else BARE_TAIL
             p = prompt.shape[0] - max(1, min(fed, prompt.shape[0] // 2))
             prefix, feed = prompt[:p], torch.cat([prompt, scored])[p:-1] if scored.numel() else prompt[p:]
-            codes, priors, ran = [], [], {}
+            codes, priors = [], []
             states = producer.iter_prefill(prefix, compute_logits=False, residuals=wants_residuals(codec, len(lps)))
             for (layer, state), lp in zip(states, lps):
-                code = codec.encode_layer(layer, state)
-                if lp.mode == RUN:  # the consumer's own layers: fixed, nothing to tune
-                    ran[layer] = codec.decode_layer(layer, code, consumer, prefix)
-                    codes.append({})
-                    priors.append({})
-                    continue
-                code, prior = codec.decoder_inputs(layer, code, consumer, prefix)
+                code, prior = codec.decoder_inputs(layer, codec.encode_layer(layer, state), consumer, prefix)
                 codes.append({s: z.half() for s, z in code.items()})
                 priors.append({s: x if isinstance(x, float) else x.half() for s, x in prior.items()})
             own = [s for _, s in consumer.iter_prefill(prefix, compute_logits=False)]
             logits = suffix_logits(consumer, [s.keys for s in own], [s.values for s in own], feed)
             top = torch.log_softmax(logits.float(), -1).topk(min(ORACLE_TOP, logits.shape[-1]), dim=-1)
-            out.append(DistillExample(feed, codes, priors, top.values, top.indices, ran))
+            out.append(DistillExample(feed, codes, priors, top.values, top.indices))
             if progress:
                 progress()
     return out

@@ -97,8 +97,11 @@ class ModelRuntime:
     @torch.no_grad()
     def _prefill_layers(self, ids: Tensor, compute_logits: bool, residuals: bool, first: int = 0,
                         h: Tensor | None = None):
+        return (yield from self._layers(ids, compute_logits, residuals, first, h))
+
+    def _layers(self, ids: Tensor, compute_logits: bool, residuals: bool, first: int = 0, h: Tensor | None = None):
         """Layers first.. over the whole prompt, from the residual h [T, hidden] entering `first`
-        (None: the token embeddings, first = 0)."""
+        (None: the token embeddings, first = 0); differentiable unless the caller is not."""
         spec, rot = self.spec, self.rotary
         h = self.weights.embed[ids] if h is None else h  # [T, hidden]
         t = h.shape[0]
@@ -116,14 +119,16 @@ class ModelRuntime:
             yield layer, state
         return self.logits_of(h) if compute_logits else None
 
-    def run_from(self, layer: int, residual: Tensor) -> PrefillIterator:
+    def run_from(self, layer: int, residual: Tensor, grad: bool = False) -> PrefillIterator:
         """The prompt's layers layer.. computed here from the residual stream entering `layer`
         ([T, hidden], positions 0..T-1): what the consumer computes from context on its own
-        when it runs its upper layers instead of rebuilding them. Yields (layer, LayerState)."""
+        when it runs its upper layers instead of rebuilding them. Yields (layer, LayerState).
+        grad: keep the graph back to `residual` (distillation tunes the map that made it)."""
         self._check_layer(layer)
         if residual.dim() != 2 or residual.shape[1] != self.spec.hidden_size:
             raise InvalidRequest(f"residual must be [T, {self.spec.hidden_size}], got {tuple(residual.shape)}")
-        return PrefillIterator(self._prefill_layers(None, False, False, layer, residual.to(self.device, self.dtype)))
+        layers = self._layers if grad else self._prefill_layers
+        return PrefillIterator(layers(None, False, False, layer, residual.to(self.device, self.dtype)))
 
     @torch.no_grad()
     def token_inputs(self, input_ids) -> Tensor:
