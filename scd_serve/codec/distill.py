@@ -72,7 +72,8 @@ def suffix_logits(rt: Any, keys: list[Tensor], values: list[Tensor], feed: Tenso
 
 class Decoders(torch.nn.Module):
     """The trainable consumer side of one plan: Dec_B per Reuse stream, g per Patch layer and
-    for a run's residual. Another plan of the codebook that uses the same (layer, stream, rank) shares the tuned tensor."""
+    for a run's residual. Another plan of the codebook that uses the same (layer, stream, rank)
+    shares the tuned tensor."""
 
     def __init__(self, codec: Any, device: torch.device):
         super().__init__()

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from scd_serve.errors import InvalidRequest, PromptTooLong
-from scd_serve.model import rope
+from scd_serve.model import paged_kernel, rope
 from scd_serve.model.kv_pool import KVPool
 from scd_serve.model.layers import finish_layer, project_kv, project_q, rms_norm
-from scd_serve.model import paged_kernel
 from scd_serve.model.paged import GATHER_BYTES, attend_gathered, attend_paged, stretches
 
 if TYPE_CHECKING:
@@ -86,9 +85,10 @@ class Step:
         dev = self.rt.device
         return torch.tensor(table, device=dev), torch.tensor([c + 1 for c in self.cached], device=dev)
 
-    def _kernel_plan(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(rows [D], block table [D, W], key counts [D]) of the items with one token, for
-        paged_kernel (CUDA): their attention runs as one call; None when there are none."""
+    def _kernel_plan(self) -> tuple[Tensor | None, Tensor, Tensor] | None:
+        """(rows [D] or None when every item is one token, block table [D, W], key counts [D]) of
+        the items with one token, for paged_kernel (CUDA): their attention runs as one call;
+        None when there are none."""
         rows, ones = [], []
         at = 0
         for i, n in enumerate(self.lengths):
@@ -101,8 +101,8 @@ class Step:
         width = max(len(self.blocks[i]) for i in ones)
         table = [self.blocks[i] + [self.blocks[i][0]] * (width - len(self.blocks[i])) for i in ones]
         dev = self.rt.device
-        return (torch.tensor(rows, device=dev), torch.tensor(table, device=dev),
-                torch.tensor([self.cached[i] + 1 for i in ones], device=dev))
+        return (None if len(ones) == len(self.lengths) else torch.tensor(rows, device=dev),
+                torch.tensor(table, device=dev), torch.tensor([self.cached[i] + 1 for i in ones], device=dev))
 
     @property
     def done(self) -> bool:
@@ -142,7 +142,11 @@ class Step:
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if self.kernel_rows is not None:
             rows, table, lengths = self.kernel_rows
-            out[rows] = paged_kernel.attend_blocks(k_layer, v_layer, table, lengths, q[rows], window)
+            one_token = paged_kernel.attend_blocks(k_layer, v_layer, table, lengths, q if rows is None else q[rows],
+                                                   window)
+            if rows is None:  # a decode-only step
+                return one_token
+            out[rows] = one_token
         at = 0
         for runs, cached, n in zip(self.runs, self.cached, self.lengths):
             if n > 1 or self.kernel_rows is None:
