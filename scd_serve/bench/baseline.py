@@ -144,7 +144,8 @@ def main() -> None:
     import uvicorn
 
     print(f"generate baseline: {a.model} on {a.device} in {a.dtype}, static batches of {a.batch}", flush=True)
-    uvicorn.run(create_app(a.model, a.threads, a.batch, a.device, a.dtype), host=a.host, port=a.port, log_level="warning")
+    uvicorn.run(create_app(a.model, a.threads, a.batch, a.device, a.dtype), host=a.host, port=a.port,
+                log_level="warning")
 
 
 if __name__ == "__main__":
