@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21's GPU figures in one command, for a session lent a GPU (about 7 minutes on an H200):
+# Issue 21's GPU figures in one command, for a session lent a GPU (estimated at about 7 minutes on an H200; not yet run on one):
 #   here:  bash scripts/gpu_wheels.sh
 #   there: bash scripts/gpu_check.sh        (device run: carry [".whl"], timeout_s 600)
 # Stages, each under its own deadline, each writing to $OUT (out/gpu when unset) as it ends:
