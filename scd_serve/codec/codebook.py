@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.plan import Plan
 from scd_serve.codec.codec_spec import CodecSpec, spec_of
 from scd_serve.errors import CodebookError
@@ -96,6 +97,11 @@ class Codebook:
         if name not in self.tensors:
             raise CodebookError(f"codebook tensor '{name}' is missing")
         return self.tensors[name]
+
+    def aligner(self, layer: int, s: str, rank: int) -> Aligner:
+        """The consumer's map g of stream s (h: H_in, r: a run's residual) at `rank`."""
+        prefix = f"layers.{layer}.{s}.g.r{rank}."
+        return Aligner.from_tensors({k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)})
 
     # ---- checks --------------------------------------------------------------------------
     def check_models(self, producer: Any = None, consumer: Any = None) -> None:

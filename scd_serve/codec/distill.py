@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import torch
 
-from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.base import wants_residuals
 from scd_serve.codec.plan import REUSE, RUN
 from scd_serve.extras import tqdm
@@ -81,15 +80,13 @@ class Decoders(torch.nn.Module):
         self.dec, self.mu = torch.nn.ParameterDict(), {}
         self.aligners = torch.nn.ModuleDict()
         for i, lp in enumerate(self.plan.layers):
-            if lp.mode == REUSE:
-                for s, r in (("k", lp.r_k), ("v", lp.r_v)):
+            for s, r in lp.streams:
+                if s in "kv":
                     dec = book.tensor(f"layers.{i}.{s}.dec.r{r}").to(device, torch.float32, copy=True)
                     self.dec[f"{i}_{s}"] = torch.nn.Parameter(dec)
                     self.mu[f"{i}_{s}"] = book.tensor(f"layers.{i}.{s}.mu_b").to(device, torch.float32)
-            for s, r in lp.streams if lp.mode != REUSE else ():  # h of a Patch, r of a run's first layer
-                prefix = f"layers.{i}.{s}.g.r{r}."
-                t = {k[len(prefix):]: v for k, v in book.tensors.items() if k.startswith(prefix)}
-                self.aligners[str(i)] = Aligner.from_tensors(t).to(device).train()
+                else:  # h of a Patch, r of a run's first layer
+                    self.aligners[str(i)] = book.aligner(i, s, r).to(device).train()
 
     def rebuild(self, rt: Any, ex: DistillExample) -> tuple[list[Tensor], list[Tensor]]:
         """-> per layer pre-RoPE keys and values [P, kv_heads, head_dim]."""
@@ -121,12 +118,12 @@ class Decoders(torch.nn.Module):
     def write(self, book: Any) -> None:
         """Store the tuned tensors in the codebook under the plan's names."""
         for i, lp in enumerate(self.plan.layers):
-            if lp.mode == REUSE:
-                for s, r in (("k", lp.r_k), ("v", lp.r_v)):
+            for s, r in lp.streams:
+                if s in "kv":
                     book.tensors[f"layers.{i}.{s}.dec.r{r}"] = self.dec[f"{i}_{s}"].detach().cpu().contiguous()
-            for s, r in lp.streams if lp.mode != REUSE else ():
-                for name, t in self.aligners[str(i)].tensors().items():
-                    book.tensors[f"layers.{i}.{s}.g.r{r}.{name}"] = t.cpu()
+                else:
+                    for name, t in self.aligners[str(i)].tensors().items():
+                        book.tensors[f"layers.{i}.{s}.g.r{r}.{name}"] = t.cpu()
 
 
 def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Tensor, Tensor]], tail: int,
@@ -134,7 +131,7 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
     """pairs: (prompt ids [T], scored ids [n], possibly empty) -> examples that feed the
     prompt's last min(tail, T // 2) tokens and the scored ones but the last (kl_probe's layout);
     a prompt with nothing scored feeds its last min(BARE_TAIL, T // 2)."""
-    out, lps = [], codec.plan.layers
+    out, residuals = [], wants_residuals(codec, len(codec.plan.layers))
     with torch.no_grad():
         for prompt, scored in pairs:
             prompt, scored = torch.as_tensor(prompt).long(), torch.as_tensor(scored).long()
@@ -142,8 +139,7 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
             p = prompt.shape[0] - max(1, min(fed, prompt.shape[0] // 2))
             prefix, feed = prompt[:p], torch.cat([prompt, scored])[p:-1] if scored.numel() else prompt[p:]
             codes, priors = [], []
-            states = producer.iter_prefill(prefix, compute_logits=False, residuals=wants_residuals(codec, len(lps)))
-            for (layer, state), lp in zip(states, lps):
+            for layer, state in producer.iter_prefill(prefix, compute_logits=False, residuals=residuals):
                 code, prior = codec.decoder_inputs(layer, codec.encode_layer(layer, state), consumer, prefix)
                 codes.append({s: z.half() for s, z in code.items()})
                 priors.append({s: x if isinstance(x, float) else x.half() for s, x in prior.items()})

@@ -51,13 +51,12 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
     The consumer runs the last `tail` prompt tokens itself (serving: 1); a longer tail scores
     more positions per prompt (the question as well as the answer), so the probe's KL is less
     noisy for the same number of prompts."""
-    out = []
+    out, keep = [], set(residual_layers)
     for prompt, answer in pairs:
         prompt, answer = torch.as_tensor(prompt).long(), torch.as_tensor(answer).long()
         p = prompt.shape[0] - min(max(tail, 1), prompt.shape[0] - 1)
         full = torch.cat([prompt, answer])
         feed = full[p:-1]  # [n]
-        keep = set(residual_layers)
         states_a = [s if s.residual is None or i in keep else with_fields(s, residual=None)
                     for i, s in producer.iter_prefill(prompt[:p], compute_logits=False, residuals=bool(keep))]
         # the consumer's own H_in is never read back (only its K/V restore the oracle): not kept,

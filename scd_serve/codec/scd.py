@@ -109,9 +109,7 @@ class ScdCodec:
 
     def _aligner(self, layer: int, s: str, rank: int, device) -> Aligner:
         if layer not in self._aligners:
-            prefix = f"layers.{layer}.{s}.g.r{rank}."
-            t = {k[len(prefix):]: v for k, v in self.codebook.tensors.items() if k.startswith(prefix)}
-            self._aligners[layer] = Aligner.from_tensors(t).to(device)
+            self._aligners[layer] = self.codebook.aligner(layer, s, rank).to(device)
         return self._aligners[layer]
 
     def _prior(self, layer: int, s: str, tokens: torch.Tensor | None, like: torch.Tensor,

@@ -10,6 +10,7 @@ whose K/V arrives a layer at a time can run as the layers land (engine/step_ahea
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,28 +82,28 @@ class Step:
         width = max(len(b) for b in self.blocks)
         if len(self.blocks) * width * pool.bytes_per_block // pool.k.shape[0] > GATHER_BYTES:
             return None
-        table = [b + [b[0]] * (width - len(b)) for b in self.blocks]
-        dev = self.rt.device
-        return torch.tensor(table, device=dev), torch.tensor([c + 1 for c in self.cached], device=dev)
+        return self._one_token_table(range(len(self.blocks)))
 
     def _kernel_plan(self) -> tuple[Tensor | None, Tensor, Tensor] | None:
         """(rows [D] or None when every item is one token, block table [D, W], key counts [D]) of
         the items with one token, for paged_kernel (CUDA): their attention runs as one call;
         None when there are none."""
-        rows, ones = [], []
-        at = 0
-        for i, n in enumerate(self.lengths):
-            if n == 1:
-                rows.append(at)
-                ones.append(i)
-            at += n
+        ones = [i for i, n in enumerate(self.lengths) if n == 1]
         if not ones:
             return None
-        width = max(len(self.blocks[i]) for i in ones)
-        table = [self.blocks[i] + [self.blocks[i][0]] * (width - len(self.blocks[i])) for i in ones]
+        rows = None
+        if len(ones) < len(self.lengths):
+            first_rows = [0, *accumulate(self.lengths)]  # item i's rows start at first_rows[i]
+            rows = torch.tensor([first_rows[i] for i in ones], device=self.rt.device)
+        return (rows, *self._one_token_table(ones))
+
+    def _one_token_table(self, items: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """(block table [D, W], each row padded with its first block; key counts [D]) of the
+        given one-token items: keys 0..num_cached, the token's own written this step."""
+        width = max(len(self.blocks[i]) for i in items)
+        table = [self.blocks[i] + [self.blocks[i][0]] * (width - len(self.blocks[i])) for i in items]
         dev = self.rt.device
-        return (None if len(ones) == len(self.lengths) else torch.tensor(rows, device=dev),
-                torch.tensor(table, device=dev), torch.tensor([self.cached[i] + 1 for i in ones], device=dev))
+        return torch.tensor(table, device=dev), torch.tensor([self.cached[i] + 1 for i in items], device=dev)
 
     @property
     def done(self) -> bool:
