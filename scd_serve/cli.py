@@ -16,6 +16,7 @@ from scd_serve.errors import ScdError
 COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "generate": ("scd_serve.model.generate", "greedy completion from one local model"),
     "make-demo-pair": ("scd_serve.pair.make_pair", "train the embedded producer/consumer pair"),
+    "make-pair-zoo": ("scd_serve.pair.zoo_recipe", "train a zoo of base/fine-tune pairs on real text (hours)"),
     "eval": ("scd_serve.quality.harness", "quality of a transfer method against the oracle"),
     "calibrate": ("scd_serve.quality.calibrate", "fit an SCD codebook for a producer/consumer pair"),
     "prefill": ("scd_serve.prefill.main", "run a prefill worker (producer model)"),
