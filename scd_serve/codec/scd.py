@@ -39,15 +39,14 @@ class ScdCodec:
     """One plan of a codebook, with 16-bit or int8 codes.
 
     codes=False is the zero-payload ablation `prior-only`: every layer rebuilt from the
-    consumer's means and token priors alone (the Reuse plan's tensors), nothing shipped."""
+    consumer's means and token priors (where the codebook has them) alone (the Reuse plan's
+    tensors), nothing shipped."""
 
     def __init__(self, name: str, codebook: Codebook, plan: Plan, int8: bool = False,
                  dtype: torch.dtype = torch.float16, codes: bool = True):
         self.name = name
         self.version = f"{name}/{codebook.manifest.get('version')}/{codebook.manifest.get('tensors_sha256', '')[:12]}"
         self.codebook, self.plan, self.int8, self.dtype, self.codes = codebook, plan, int8, dtype, codes
-        if not codes and codebook.prior is None:
-            raise CodebookError("prior-only needs a codebook with token priors (calibrate with --prior-taps > 0)")
         # for the serving handshake: which codebook, and which models it was fitted for
         self.codebook_id = codebook.manifest.get("tensors_sha256", "")[:16]
         self.producer_fingerprint = codebook.side_spec("producer").fingerprint or ""

@@ -26,7 +26,7 @@ from scd_serve.model.loader import DTYPES
 from scd_serve.corpus.qa import STYLES, load_split
 from scd_serve.quality.data import FORMATS_HELP, add_truncation_arguments
 from scd_serve.quality.metrics import exact_match, kl_and_tv, token_f1
-from scd_serve.quality.transfer import ORACLE, greedy_after, teacher_forced, transfer
+from scd_serve.quality.transfer import MISMATCHED, ORACLE, donor_prefix, greedy_after, teacher_forced, transfer
 
 DEFAULT_PAIR = Path("models/demo-pair")
 
@@ -82,13 +82,15 @@ def eval_qa(method: str, codec, rt_a, rt_b, examples: list[dict]) -> dict:
     sums = dict(f1=0.0, em=0.0, kl=0.0, tv=0.0, agree=0.0, top1=0.0)
     positions = agree_n = prompt_tokens = nbytes = 0
     rebuild = oracle_prefill = 0.0
-    for ex in tqdm(examples, desc=f"eval {method}", leave=False):
-        ids = torch.tensor(tok(ex["prompt"])["input_ids"])
+    all_ids = [torch.tensor(tok(ex["prompt"])["input_ids"]) for ex in examples]
+    for i, ex in enumerate(tqdm(examples, desc=f"eval {method}", leave=False)):
+        ids = all_ids[i]
+        donor = donor_prefix(all_ids, i, ids.numel() - 1) if method == MISMATCHED else None
         answer = tok(ex["answer"], add_special_tokens=False)["input_ids"] + [stop]
         forced = torch.cat([ids[-1:], torch.tensor(answer[:-1])])  # last prompt token + answer
         runs = {}
         for name in dict.fromkeys([ORACLE, method]):
-            h = transfer(name, codec, rt_a, rt_b, ids[:-1], len(forced) + 8)
+            h = transfer(name, codec, rt_a, rt_b, ids[:-1], len(forced) + 8, donor if name == method else None)
             logits = teacher_forced(rt_b, h, forced)  # [len(answer), vocab]
             runs[name] = (logits, greedy_after(rt_b, h, logits[0], len(answer) + 2, stop), h)
         logits, greedy, h = runs[method]
@@ -120,10 +122,11 @@ def eval_qa(method: str, codec, rt_a, rt_b, examples: list[dict]) -> dict:
 def eval_ppl(method: str, codec, rt_a, rt_b, texts: list[dict]) -> float:
     """exp(mean NLL) of each text's second half, its first half transferred by `method`."""
     nll, count = 0.0, 0
-    for ex in tqdm(texts, desc=f"ppl {method}", leave=False):
-        ids = torch.tensor(rt_b.tokenizer(ex["text"])["input_ids"])
+    all_ids = [torch.tensor(rt_b.tokenizer(ex["text"])["input_ids"]) for ex in texts]
+    for i, ids in enumerate(tqdm(all_ids, desc=f"ppl {method}", leave=False)):
         half = ids.shape[0] // 2
-        h = transfer(method, codec, rt_a, rt_b, ids[:half], ids.shape[0] - half)
+        donor = donor_prefix(all_ids, i, half) if method == MISMATCHED else None
+        h = transfer(method, codec, rt_a, rt_b, ids[:half], ids.shape[0] - half, donor)
         logits = teacher_forced(rt_b, h, ids[half:-1])  # predicts ids[half+1:]
         nll += float(torch.nn.functional.cross_entropy(logits.float(), ids[half + 1 :], reduction="sum"))
         count += ids.shape[0] - half - 1
@@ -139,7 +142,7 @@ def build_codec(method: str, rt_a, rt_b, codebook):
         return None
     from scd_serve import codec as codecs
 
-    return codecs.build(method, producer=rt_a, consumer=rt_b, codebook=codebook)
+    return codecs.build("scd" if method == MISMATCHED else method, producer=rt_a, consumer=rt_b, codebook=codebook)
 
 
 def evaluate(rt_a, rt_b, method: str, codebook=None, limit: int = 150, text_limit: int = 30,
@@ -164,8 +167,8 @@ def table_methods(codebook) -> list[tuple[str, str | None]]:
     needs = getattr(codecs, "NEEDS_CODEBOOK", frozenset())
     rows = [(ORACLE, None)] + [(m, "needs --codebook" if m in needs and codebook is None else None)
                                for m in codecs.METHODS]
-    if codebook is not None and codecs.as_codebook(codebook).prior:  # zero-payload ablation
-        rows += [(m, None) for m in codecs.ABLATIONS]
+    if codebook is not None:  # the controls: zero payload, and another prompt's codes
+        rows += [(m, None) for m in codecs.ABLATIONS] + [(MISMATCHED, None)]
     return rows
 
 

@@ -24,7 +24,7 @@ import torch
 from scd_serve.extras import tqdm
 from scd_serve.quality.data import Prompt, Prompts
 from scd_serve.quality.metrics import exact_match, kl_and_tv, token_f1
-from scd_serve.quality.transfer import ORACLE, Handoff, teacher_forced, transfer
+from scd_serve.quality.transfer import MISMATCHED, ORACLE, Handoff, donor_prefix, teacher_forced, transfer
 
 Tensor = torch.Tensor
 
@@ -73,9 +73,10 @@ def run_oracle(rt_b, p: Prompt, greedy_tokens: int, stop: int) -> OracleRun:
     return OracleRun(logits, greedy, 0, h.rebuild_s, scored)
 
 
-def run_method(method: str, codec, rt_a, rt_b, p: Prompt, oracle: OracleRun, greedy_tokens: int, stop: int) -> Run:
+def run_method(method: str, codec, rt_a, rt_b, p: Prompt, oracle: OracleRun, greedy_tokens: int, stop: int,
+               donor: Tensor | None = None) -> Run:
     n_gen = num_generated(p, greedy_tokens)
-    h = transfer(method, codec, rt_a, rt_b, p.ids[:-1], max(n_gen, len(oracle.scored)) + 2)
+    h = transfer(method, codec, rt_a, rt_b, p.ids[:-1], max(n_gen, len(oracle.scored)) + 2, donor)
     logits = teacher_forced(rt_b, h, torch.cat([p.ids[-1:], oracle.scored[:-1]]))
     return Run(logits, continue_greedy(rt_b, h, logits[0], n_gen, stop), h.payload_bytes, h.rebuild_s)
 
@@ -145,15 +146,17 @@ class Scorer:
     def evaluate(self, codecs: dict[str, object]) -> list[dict]:
         """codecs: method -> codec (None for the oracle). -> one row per method, in order."""
         tallies = {m: Tally(m) for m in codecs}
-        bar = tqdm(self.prompts.items, desc=f"eval {len(codecs)} method(s)", disable=not self.show_progress)
-        for p in bar:
+        items = self.prompts.items
+        bar = tqdm(items, desc=f"eval {len(codecs)} method(s)", disable=not self.show_progress)
+        for i, p in enumerate(bar):
             start = time.perf_counter()
             oracle = run_oracle(self.rt_b, p, self.greedy_tokens, self.stop)
             oracle_s = time.perf_counter() - start
             for method, codec in codecs.items():
                 start = time.perf_counter()
+                donor = donor_prefix([q.ids for q in items], i, p.ids.numel() - 1) if method == MISMATCHED else None
                 run = oracle if method == ORACLE else run_method(method, codec, self.rt_a, self.rt_b, p, oracle,
-                                                                 self.greedy_tokens, self.stop)
+                                                                 self.greedy_tokens, self.stop, donor)
                 values = score(run, oracle, p, self.greedy_tokens)
                 values |= {"bytes": run.payload_bytes, "rebuild": run.rebuild_s, "prefill": oracle.rebuild_s}
                 if p.answer is not None:

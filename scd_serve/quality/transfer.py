@@ -16,6 +16,9 @@ import torch
 from scd_serve.codec.base import payload_bytes, wants_residuals
 
 ORACLE = "oracle"
+# the control that shows codes carry the prompt: scd rebuilt from another prompt's codes (its
+# producer states over other text of the same length), the token priors still of this prompt
+MISMATCHED = "mismatched"
 BLOCK = 16
 
 
@@ -28,11 +31,15 @@ class Handoff:
     rebuild_s: float  # consumer time to turn codes into its KV (oracle: its own prefill)
 
 
-def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens: int) -> Handoff:
+def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens: int,
+             donor: torch.Tensor | None = None) -> Handoff:
     """Fill a fresh consumer pool with K/V for `prefix` ([T] long) by `method`.
 
     extra_tokens: room to leave for the tokens that run after the prefix.
+    donor: [T] long, what the producer runs instead of the prefix (the MISMATCHED control).
     """
+    if donor is not None and donor.shape != prefix.shape:
+        raise ValueError(f"a donor prompt must have the prefix's {prefix.shape[0]} tokens, got {donor.shape[0]}")
     total = prefix.shape[0] + extra_tokens
     num_blocks = -(-total // BLOCK)
     pool, blocks = rt_b.new_kv_pool(num_blocks, BLOCK), list(range(num_blocks))
@@ -44,7 +51,8 @@ def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens:
         rebuild = time.perf_counter() - start
     else:
         residuals = wants_residuals(codec, rt_a.spec.num_layers)
-        for layer, state in rt_a.iter_prefill(prefix, compute_logits=False, residuals=residuals):
+        source = prefix if donor is None else donor
+        for layer, state in rt_a.iter_prefill(source, compute_logits=False, residuals=residuals):
             code = codec.encode_layer(layer, state)  # producer side, not timed as rebuild
             nbytes += payload_bytes(code)
             start = time.perf_counter()
@@ -72,3 +80,19 @@ def greedy_after(rt_b, h: Handoff, first_logits: torch.Tensor, max_new: int, sto
         token = int(rt_b.decode_step(h.pool, [(h.blocks, pos, token)])[0].argmax())
         out.append(token)
     return out[:-1] if out[-1] == stop_id else out
+
+
+def donor_prefix(prompts: list[torch.Tensor], i: int, length: int) -> torch.Tensor:
+    """`length` tokens of the prompts after prompt i (cyclic, i's own excluded), one after
+    another: other text of the same length, for the MISMATCHED control. -> [length] long."""
+    others = [prompts[(i + j) % len(prompts)] for j in range(1, len(prompts))]
+    if not others:
+        raise ValueError("the mismatched-codes control needs at least two prompts")
+    out, size = [], 0
+    while size < length:
+        for p in others:
+            out.append(p)
+            size += p.numel()
+            if size >= length:
+                break
+    return torch.cat(out)[:length].long()

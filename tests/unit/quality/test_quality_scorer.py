@@ -11,6 +11,7 @@ from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from scd_serve.quality.data import Prompt, Prompts, Record, tokenize
 from scd_serve.quality.scorer import OracleRun, Run, Scorer, Tally, answer_text, score
+from scd_serve.quality.transfer import MISMATCHED, donor_prefix
 
 
 def logits_of(*rows):
@@ -84,3 +85,48 @@ def test_oracle_against_itself_and_identity_on_one_model(rt):
     given = len(prompts.items[0].reference) + len(prompts.items[1].reference)  # 11 bytes + 2
     assert given + 1 <= oracle["scored_positions"] <= given + 5
     assert same["payload_bytes_per_token"] > 0
+
+
+def test_the_oracles_perplexity_is_the_models_own_over_the_second_half(rt, tmp_path):
+    """The scorer's oracle PPL equals transformers' own forward over the whole text, scored on the
+    same positions: a rebuilt cache that scores below it does so for real, not by the scorer."""
+    import transformers
+
+    records = [Record("f:1", "text", "the quick brown fox jumps over the lazy dog again and again"),
+               Record("f:2", "text", "pack my box with five dozen liquor jugs, said the sphinx")]
+    prompts = tokenize(records, rt.tokenizer, 64, "f")
+    (oracle,) = Scorer(rt, rt, prompts, greedy_tokens=3, show_progress=False).evaluate({"oracle": None})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(rt.path), dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    for p in prompts.items:
+        full = torch.cat([p.ids, p.reference])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(full[None]).logits[0].double(), -1)
+        first = p.ids.numel()  # position first - 1 predicts the first scored token
+        nll -= float(logp[first - 1: full.numel() - 1].gather(1, full[first:, None]).sum())
+        count += p.reference.numel()
+    assert oracle["ppl"] == pytest.approx(math.exp(nll / count), rel=1e-4)
+
+
+def test_donor_prefix_is_other_prompts_text_of_the_same_length():
+    prompts = [torch.arange(0, 5), torch.arange(10, 13), torch.arange(20, 24)]
+    d = donor_prefix(prompts, 0, 5)
+    assert d.tolist() == [10, 11, 12, 20, 21]  # the prompts after 0, never 0's own
+    assert donor_prefix(prompts, 2, 9).tolist() == [0, 1, 2, 3, 4, 10, 11, 12, 0]  # cyclic, repeated when short
+    with pytest.raises(ValueError, match="two prompts"):
+        donor_prefix(prompts[:1], 0, 3)
+
+
+def test_mismatched_codes_control_rebuilds_from_another_prompts_codes(rt):
+    """Through an exact codec on one model the prompt's own codes give the oracle, another
+    prompt's codes do not: the control measures whether codes carry the prompt."""
+    records = [Record("f:1", "text", "the cat sat on the mat and looked at the rain outside"),
+               Record("f:2", "text", "numbers: one two three four five six seven eight nine"),
+               Record("f:3", "text", "a b c d e f g h i j k l m n o p q r s t u v w x y z")]
+    prompts = tokenize(records, rt.tokenizer, 64, "f")
+    ident = codec.build("identity", producer=rt, consumer=rt)
+    _, own, mismatched = Scorer(rt, rt, prompts, greedy_tokens=3, show_progress=False).evaluate(
+        {"oracle": None, "identity": ident, MISMATCHED: ident})
+    assert own["kl"] == 0.0
+    assert mismatched["kl"] > 0.05 and mismatched["top1"] < 1.0
+    assert mismatched["payload_bytes_per_token"] == own["payload_bytes_per_token"]
