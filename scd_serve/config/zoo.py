@@ -82,26 +82,26 @@ def _producers() -> tuple[ZooProducerConfig, ...]:
     return (
         # Qwen2: q/k/v biases, grouped-query attention (6 heads over 2 K/V heads), head_dim 32
         ZooProducerConfig("qwen", "qwen2", num_layers=6, hidden_size=192, num_heads=6, num_kv_heads=2,
-                          intermediate_size=768, steps=2500),
+                          intermediate_size=768, steps=2000),
         # Llama: no biases, plain multi-head attention, deeper and narrower, head_dim 32
         ZooProducerConfig("llama", "llama", num_layers=8, hidden_size=128, num_heads=4, num_kv_heads=4,
-                          intermediate_size=512, steps=2500),
+                          intermediate_size=512, steps=2000),
     )
 
 
 def _pairs() -> tuple[ZooPairConfig, ...]:
     long_ctx = dict(rope_theta=1e6, seq_len=1024)  # a long-context extension: new base, longer texts
     return (  # the first two are made first: they are built like the pairs users reported
-        ZooPairConfig("qwen-rope-code", "qwen", "code", steps=1500, **long_ctx),
-        ZooPairConfig("llama-lora-code", "llama", "code", steps=1500, method="lora", lr=2e-3),
+        ZooPairConfig("qwen-rope-code", "qwen", "code", steps=1200, **long_ctx),
+        ZooPairConfig("llama-lora-code", "llama", "code", steps=1200, method="lora", lr=2e-3),
         ZooPairConfig("qwen-code-short", "qwen", "code", steps=200),
         ZooPairConfig("qwen-code-long", "qwen", "code", steps=2000),
         ZooPairConfig("qwen-rope", "qwen", "stdlib", steps=400, lr=5e-4, **long_ctx),
-        ZooPairConfig("qwen-instruct", "qwen", "code", steps=800, instruct=True, seq_len=512),
-        ZooPairConfig("llama-docs", "llama", "docs", steps=1000),
-        ZooPairConfig("llama-lora-rope-docs", "llama", "docs", steps=1000, method="lora", lr=2e-3, **long_ctx),
-        ZooPairConfig("qwen-rope-code-s7", "qwen", "code", steps=1500, seed=7, held_back=True, **long_ctx),
-        ZooPairConfig("llama-lora-code-s7", "llama", "code", steps=1500, method="lora", lr=2e-3, seed=7,
+        ZooPairConfig("qwen-instruct", "qwen", "code", steps=600, instruct=True, seq_len=512),
+        ZooPairConfig("llama-docs", "llama", "docs", steps=800),
+        ZooPairConfig("llama-lora-rope-docs", "llama", "docs", steps=800, method="lora", lr=2e-3, **long_ctx),
+        ZooPairConfig("qwen-rope-code-s7", "qwen", "code", steps=1200, seed=7, held_back=True, **long_ctx),
+        ZooPairConfig("llama-lora-code-s7", "llama", "code", steps=1200, method="lora", lr=2e-3, seed=7,
                       held_back=True),
     )
 
