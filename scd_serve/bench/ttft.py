@@ -97,16 +97,21 @@ def choose_sweep(oracle_s: float, raw_bytes: float, shares=RAW_SHARES) -> list[f
 
 def allowed_methods(args) -> dict:
     """What the worker's `auto` may pick here: the budget in force and the methods within it
-    (calibrated KL; raw/identity where producer and consumer are one model; local always)."""
+    (calibrated top-1 or KL, as decode/chooser.py rules; raw/identity where producer and
+    consumer are one model; local always)."""
+    from scd_serve.config.decode import ChooserConfig
     from scd_serve.decode.auto import Calibration
-    from scd_serve.decode.chooser import LOSSLESS
+    from scd_serve.decode.chooser import LOSSLESS, Chooser
 
     cal = Calibration.load(args.codebook)
     budget = args.quality_budget if args.quality_budget is not None else (cal.budget or 0.0)
-    kl = dict(cal.kl)
+    rule = Chooser(ChooserConfig(), budget, 1.0, min_top1=cal.min_top1, strict_kl=args.quality_budget is not None)
+    kl, top1 = dict(cal.kl), dict(cal.top1)
     if Path(args.producer).resolve() == Path(args.consumer).resolve():
         kl.update({m: 0.0 for m in LOSSLESS})
-    return {"budget": budget, "kl": kl, "methods": sorted(m for m, v in kl.items() if v <= budget) + [LOCAL]}
+        top1.update({m: 1.0 for m in LOSSLESS})
+    return {"budget": budget, "min_top1": cal.min_top1, "kl": kl, "top1": top1,
+            "methods": sorted(m for m, v in kl.items() if rule.within(v, top1.get(m))) + [LOCAL]}
 
 
 def log_dir(args) -> Path:

@@ -10,7 +10,7 @@ import torch
 
 from scd_serve.codec.base import positions_for
 from scd_serve.codec.fit import LayerFit, code_rows
-from scd_serve.codec.plan import PATCH, REUSE, LayerPlan
+from scd_serve.codec.plan import OWN, PATCH, REUSE, LayerPlan
 from scd_serve.codec.kl_probe import Example, LayerKV
 from scd_serve.codec.codec_spec import CodecSpec, rotate_with, spec_of
 
@@ -74,6 +74,10 @@ class Candidates:
 
     # ---- LayerKV factories for the probe ------------------------------------------------
     def layer_kv(self, lp: LayerPlan) -> LayerKV:
+        if lp.mode == OWN:
+            from scd_serve.codec.scd import own_kv
+
+            return lambda ex, layer: own_kv(self.consumer, layer, ex.tokens)
         if lp.mode == REUSE:
             return lambda ex, layer: (self.reuse_stream(ex, layer, "k", lp.r_k),
                                       self.reuse_stream(ex, layer, "v", lp.r_v))

@@ -21,7 +21,8 @@ from typing import Any, Callable
 import torch
 
 from scd_serve.codec.base import wants_residuals
-from scd_serve.codec.plan import REUSE, RUN
+from scd_serve.codec.scd import own_kv
+from scd_serve.codec.plan import OWN, REUSE, RUN
 from scd_serve.extras import tqdm
 from scd_serve.model import rope
 from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
@@ -44,6 +45,7 @@ class DistillExample:
     priors: list[dict[str, Any]]  # per layer {stream: token prior [P, dB] fp16, or 0.0}
     oracle_logp: Tensor  # [m, ORACLE_TOP] the oracle's largest log-probabilities over feed
     oracle_ids: Tensor  # [m, ORACLE_TOP] their token ids
+    own: tuple[Tensor, Tensor] | None = None  # an own layer's K/V (plan.py), computed once
 
 
 def suffix_logits(rt: Any, keys: list[Tensor], values: list[Tensor], feed: Tensor) -> Tensor:
@@ -94,7 +96,9 @@ class Decoders(torch.nn.Module):
         for i, lp in enumerate(self.plan.layers):
             code = {s: z.float() for s, z in ex.codes[i].items()}
             prior = {s: p if isinstance(p, float) else p.float() for s, p in ex.priors[i].items()}
-            if lp.mode == RUN:
+            if lp.mode == OWN:
+                k, v = ex.own  # exact and fixed: nothing to tune
+            elif lp.mode == RUN:
                 if run is None:  # the run's first layer: the consumer's own forward from the mapped residual
                     run = rt.run_from(i, self.aligners[str(i)](code["r"]) + prior["r"], grad=True)
                 _, state = next(run)
@@ -143,22 +147,29 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
                 code, prior = codec.decoder_inputs(layer, codec.encode_layer(layer, state), consumer, prefix)
                 codes.append({s: z.half() for s, z in code.items()})
                 priors.append({s: x if isinstance(x, float) else x.half() for s, x in prior.items()})
-            own = [s for _, s in consumer.iter_prefill(prefix, compute_logits=False)]
-            logits = suffix_logits(consumer, [s.keys for s in own], [s.values for s in own], feed)
+            oracle = [s for _, s in consumer.iter_prefill(prefix, compute_logits=False)]
+            logits = suffix_logits(consumer, [s.keys for s in oracle], [s.values for s in oracle], feed)
             top = torch.log_softmax(logits.float(), -1).topk(min(ORACLE_TOP, logits.shape[-1]), dim=-1)
-            out.append(DistillExample(feed, codes, priors, top.values, top.indices))
+            own = own_kv(consumer, 0, prefix) if codec.plan.layers[0].mode == OWN else None
+            out.append(DistillExample(feed, codes, priors, top.values, top.indices, own))
             if progress:
                 progress()
     return out
 
 
 def distill(codec: Any, consumer: Any, examples: list[DistillExample], steps: int, lr: float, batch: int,
-            seed: int = 0, progress: Callable[[int, float | None], None] | None = None) -> dict[str, Any]:
-    """Tune `codec`'s plan in its codebook, in place. The last sixth of the examples (at least
-    one) is held out; it picks the step kept, the closed form (step 0) included.
+            seed: int = 0, progress: Callable[[int, float | None], None] | None = None,
+            held_out: list[DistillExample] | None = None) -> dict[str, Any]:
+    """Tune `codec`'s plan in its codebook, in place. `held_out` (default: the last sixth of the
+    examples, at least one) picks the step kept, the closed form (step 0) included; calibration
+    passes prompts of other documents, so the step kept is the one that generalizes, not the one
+    that fits the training documents best.
     progress(step, held-out KL or None) after every step. -> held-out KL before and after."""
-    num_held = max(1, len(examples) // 6)
-    train, held_out = examples[:-num_held] or examples, examples[-num_held:]
+    if held_out:
+        train = examples
+    else:
+        num_held = max(1, len(examples) // 6)
+        train, held_out = examples[:-num_held] or examples, examples[-num_held:]
     decoders = Decoders(codec, consumer.device)
     gen = torch.Generator().manual_seed(seed)
 
@@ -189,14 +200,16 @@ def distill(codec: Any, consumer: Any, examples: list[DistillExample], steps: in
 
 
 def distill_plan(book: Any, producer: Any, consumer: Any, cfg: Any, show_progress: bool,
-                 pairs: list) -> dict[str, Any]:
-    """Tune the scd plan's decoders on the consumer's KL, in place (calibrate's step, with progress bars)."""
+                 pairs: list, held_out_pairs: list | None = None) -> dict[str, Any]:
+    """Tune the scd plan's decoders on the consumer's KL, in place (calibrate's step, with progress
+    bars); held_out_pairs (prompt, scored) pick the step kept."""
     from scd_serve import codec as registry
 
     started = time.time()
     codec = registry.build("scd", producer=producer, consumer=consumer, codebook=book)
     with tqdm(total=len(pairs), desc="distill examples", disable=not show_progress) as bar:
         examples = make_examples(codec, producer, consumer, pairs, cfg.probe_tail, bar.update)
+        held_out = make_examples(codec, producer, consumer, held_out_pairs, cfg.probe_tail) if held_out_pairs else None
     with tqdm(total=cfg.distill_steps, desc="distill", disable=not show_progress) as bar:
         def progress(step: int, kl: float | None) -> None:
             bar.update()
@@ -204,5 +217,5 @@ def distill_plan(book: Any, producer: Any, consumer: Any, cfg: Any, show_progres
                 bar.set_postfix_str(f"held-out KL {kl:.4f}")
 
         out = distill(codec, consumer, examples, cfg.distill_steps, cfg.distill_lr, cfg.distill_batch,
-                      cfg.seed, progress)
+                      cfg.seed, progress, held_out)
     return out | {"seconds": round(time.time() - started, 1)}

@@ -77,6 +77,13 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
     return out
 
 
+@dataclass(frozen=True)
+class Measured:
+    kl: float  # mean KL(method || oracle) per scored position, nats
+    top1: float  # share of scored positions whose most likely next token is the oracle's
+    positions: int
+
+
 class KLProbe:
     def __init__(self, consumer: Any, examples: list[Example]):
         self.consumer = consumer
@@ -89,8 +96,12 @@ class KLProbe:
 
     def measure(self, replace: dict[int, LayerKV]) -> float:
         """Mean KL over all answer positions with layers in `replace` rebuilt by their function."""
+        return self.measure_all(replace).kl
+
+    def measure_all(self, replace: dict[int, LayerKV]) -> Measured:
+        """KL and top-1 agreement over all answer positions with layers in `replace` rebuilt."""
         self.num_measurements += 1
-        total, count = 0.0, 0
+        total, agree, count = 0.0, 0, 0
         first = min(replace, default=len(self.examples[0].consumer) if self.examples else 0)
         for ex in self.examples:
             for layer, fn in replace.items():
@@ -99,9 +110,11 @@ class KLProbe:
             step = self.consumer.begin_extend(ex.pool, [(ex.blocks, ex.prefix, ex.feed)])
             # the layers below are the oracle's; each layer run writes the feed's own K/V before reading it
             step.resume(first, ex.feed_h[first])
-            kl = kl_divergence(step.logits()[0], ex.oracle_logits)
+            logits = step.logits()[0]
+            kl = kl_divergence(logits, ex.oracle_logits)
             total, count = total + float(kl.sum()), count + kl.numel()
+            agree += int((logits.argmax(-1) == ex.oracle_logits.argmax(-1)).sum())
             for layer in replace:  # back to the oracle state
                 s = ex.consumer[layer]
                 self.consumer.write_kv(ex.pool, ex.blocks, layer, s.keys, s.values)
-        return total / max(count, 1)
+        return Measured(total / max(count, 1), agree / max(count, 1), count)

@@ -1,4 +1,8 @@
-"""The transfer plan: per layer, Reuse with ranks (r_k, r_v), Patch with rank r_h, or Run.
+"""The transfer plan: per layer, Reuse with ranks (r_k, r_v), Patch with rank r_h, Run, or Own.
+
+Own (our addition, layer 0 only): the layer's input is the token's embedding alone, so the
+consumer computes its K/V from its own weights and the prompt's token ids: exact, nothing shipped,
+a projection's cost.
 
 Run (our addition): the first run layer ships a rank-r_h code of the producer's residual stream
 entering it; the consumer maps it to its own residual and computes that layer and every layer
@@ -12,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-REUSE, PATCH, RUN = "reuse", "patch", "run"
+REUSE, PATCH, RUN, OWN = "reuse", "patch", "run", "own"
 
 
 @dataclass(frozen=True)
@@ -23,8 +27,12 @@ class LayerPlan:
     r_h: int = 0
 
     def __post_init__(self):
-        if self.mode not in (REUSE, PATCH, RUN):
-            raise ValueError(f"layer mode must be '{REUSE}', '{PATCH}' or '{RUN}', not {self.mode!r}")
+        if self.mode not in (REUSE, PATCH, RUN, OWN):
+            raise ValueError(f"layer mode must be '{REUSE}', '{PATCH}', '{RUN}' or '{OWN}', not {self.mode!r}")
+        if self.mode == OWN:
+            if self.r_k or self.r_v or self.r_h:
+                raise ValueError(f"an '{OWN}' layer ships nothing, got {self}")
+            return
         ranks = (self.r_k, self.r_v) if self.mode == REUSE else (self.r_h,)
         if min(ranks) < (0 if self.mode == RUN else 1):
             raise ValueError(f"{self.mode} layer needs positive ranks, got {self}")
@@ -32,7 +40,9 @@ class LayerPlan:
     @property
     def streams(self) -> tuple[tuple[str, int], ...]:
         """(stream, rank) of each code the layer ships: k, v (Reuse), h (Patch: H_in), r (the
-        run's first layer: the residual); none above a run's first layer."""
+        run's first layer: the residual); none above a run's first layer, nor for an own layer."""
+        if self.mode == OWN:
+            return ()
         if self.mode == REUSE:
             return ("k", self.r_k), ("v", self.r_v)
         return ((("h" if self.mode == PATCH else "r"), self.r_h),) if self.r_h else ()
@@ -43,6 +53,8 @@ class LayerPlan:
         return sum(r for _, r in self.streams)
 
     def to_json(self) -> dict[str, Any]:
+        if self.mode == OWN:
+            return {"mode": OWN}
         if self.mode == REUSE:
             return {"mode": REUSE, "r_k": self.r_k, "r_v": self.r_v}
         return {"mode": self.mode, "r_h": self.r_h}
@@ -57,6 +69,9 @@ class Plan:
     layers: tuple[LayerPlan, ...]
 
     def __post_init__(self):
+        if any(lp.mode == OWN for lp in self.layers[1:]):
+            raise ValueError(f"only layer 0 can be '{OWN}' (its input is the token alone), got "
+                             f"{[lp.to_json() for lp in self.layers]}")
         start = self.run_layer
         if start is not None and (not self.layers[start].r_h or any(
                 lp.mode != RUN or lp.r_h for lp in self.layers[start + 1:])):

@@ -21,7 +21,7 @@ import torch
 from scd_serve.codec.base import STREAM_STATES, check_code, state_field, to_consumer
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.lowrank import Aligner
-from scd_serve.codec.plan import REUSE, RUN, Plan
+from scd_serve.codec.plan import OWN, REUSE, RUN, Plan
 from scd_serve.errors import CodebookError
 
 # runs held at once (one per prompt being rebuilt); beyond it the oldest, a failed transfer's, goes
@@ -160,10 +160,16 @@ class ScdCodec:
         if not self.codes:
             if tokens is None:
                 raise CodebookError("prior-only rebuilds from the prompt's token ids: pass tokens=")
+            if lp.mode == OWN:  # zero payload already: computed as in the plan
+                return own_kv(consumer, layer, tokens)
             like = to_consumer(torch.empty(len(tokens), 0), consumer)  # [T, 0]: the length and device
             return tuple(  # type: ignore[return-value]
                 (self.codebook.tensor(f"layers.{layer}.{s}.mu_b").to(like.device) + self._prior(layer, s, tokens, like, consumer))
-                .reshape(like.shape[0], spec.num_kv_heads, spec.head_dim) for s in "kv")
+                .expand(like.shape[0], -1).reshape(like.shape[0], spec.num_kv_heads, spec.head_dim) for s in "kv")
+        if lp.mode == OWN:  # layer 0 from the consumer's own embeddings of the prompt: exact
+            if tokens is None:
+                raise CodebookError(f"layer {layer} is computed from the prompt's token ids: pass tokens=")
+            return own_kv(consumer, layer, tokens)
         codes, priors = self.decoder_inputs(layer, code, consumer, tokens)  # codes: {stream: [T, r]}
         if lp.mode == REUSE:
             out = []
@@ -210,3 +216,10 @@ class ScdCodec:
             with self._runs_lock:
                 self._runs.pop(key, None)
         return state.keys, state.values
+
+
+def own_kv(consumer: Any, layer: int, tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """An own layer's K/V (plan.py): the consumer's projections of its own layer-0 input. -> [T, kvh, hd] x2"""
+    h = consumer.token_inputs(torch.as_tensor(tokens).reshape(-1))  # [T, hidden]
+    dtype = getattr(consumer, "dtype", torch.float32)
+    return consumer.recompute_kv(layer, h.to(dtype if isinstance(dtype, torch.dtype) else torch.float32))

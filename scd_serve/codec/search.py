@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
-from scd_serve.codec.plan import PATCH, REUSE, LayerPlan, Plan
+from scd_serve.codec.plan import OWN, PATCH, REUSE, LayerPlan, Plan
 from scd_serve.codec.kl_probe import KLProbe, LayerKV
 
 
@@ -36,10 +36,13 @@ class SearchPoint:
 class PlanSearch:
     def __init__(self, probe: KLProbe, num_layers: int, kv_grid: list[int], h_grid: list[int],
                  layer_kv: Callable[[LayerPlan], LayerKV], stream_kv: Callable[[str, int], LayerKV],
-                 progress: Callable[[str], None] | None = None, profile_probe: KLProbe | None = None):
+                 progress: Callable[[str], None] | None = None, profile_probe: KLProbe | None = None,
+                 own_layers: Iterable[int] = ()):
         """layer_kv(lp) rebuilds a layer by its plan; stream_kv(stream, rank) rebuilds one stream
-        ("k" / "v" at rank with the other stream oracle, or "h" at rank)."""
+        ("k" / "v" at rank with the other stream oracle, or "h" at rank). own_layers: computed by
+        the consumer itself in every plan (plan.py's OWN: exact, nothing to search)."""
         self.probe, self.num_layers = probe, num_layers
+        self.own_layers = frozenset(own_layers)
         self.profile_probe = profile_probe or probe  # may be a cheaper subset: it only predicts
         self.grid = {"k": sorted(kv_grid), "v": sorted(kv_grid), "h": sorted(h_grid)}
         self.layer_kv, self.stream_kv = layer_kv, stream_kv
@@ -52,11 +55,15 @@ class PlanSearch:
 
     def full_rank(self, patches: tuple[int, ...] = ()) -> Plan:
         rk, rh = self.grid["k"][-1], self.grid["h"][-1]
-        return Plan(tuple(LayerPlan(PATCH, r_h=rh) if i in patches else LayerPlan(REUSE, rk, rk)
-                          for i in range(self.num_layers)))
+        return Plan(tuple(LayerPlan(OWN) if i in self.own_layers else LayerPlan(PATCH, r_h=rh) if i in patches
+                          else LayerPlan(REUSE, rk, rk) for i in range(self.num_layers)))
+
+    @property
+    def searched_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i not in self.own_layers]
 
     def run_profile(self) -> None:
-        for layer in range(self.num_layers):
+        for layer in self.searched_layers:
             for s in ("k", "v", "h"):
                 for r in self.grid[s]:
                     self.profile[(s, layer, r)] = self.profile_probe.measure({layer: self.stream_kv(s, r)})
@@ -66,14 +73,16 @@ class PlanSearch:
         """Layers by measured benefit of patching them alone (positive benefit only), the benefits,
         and the full-rank KLs measured on the way (by patch set: no patch, each layer alone)."""
         full_kl = {(): self.measure(self.full_rank())}
-        full_kl |= {(i,): self.measure(self.full_rank((i,))) for i in range(self.num_layers)}
-        benefit = {i: full_kl[()] - full_kl[(i,)] for i in range(self.num_layers)}
+        full_kl |= {(i,): self.measure(self.full_rank((i,))) for i in self.searched_layers}
+        benefit = {i: full_kl[()] - full_kl[(i,)] for i in self.searched_layers}
         self.progress("ranked patch candidates")
         order = [i for i in sorted(benefit, key=benefit.get, reverse=True) if benefit[i] > 0]
         return order, benefit, full_kl
 
     def _moves(self, plan: Plan):
         for i, lp in enumerate(plan.layers):
+            if lp.mode == OWN:
+                continue
             streams = ("k", "v") if lp.mode == REUSE else ("h",)
             for s in streams:
                 cur = getattr(lp, f"r_{s}")

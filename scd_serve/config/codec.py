@@ -14,9 +14,13 @@ PRIOR_KINDS = ("features", "dense", "none")
 class CalibrateConfig:
     # Expected KL(consumer with the codec || oracle) per answer token, nats, on the probe prompts.
     kl_budget: float
-    # Prompts whose paired states fit the codes; prompts whose KL steers the plan (disjoint).
+    # The agreement target: share of next tokens equal to the consumer's own (what `auto` reads).
+    min_top1: float = 0.95
+    # Prompts whose paired states fit the codes; prompts whose KL steers the plan; prompts of other
+    # documents on which the codebook's figures are measured (all three disjoint: calibration_data.py).
     num_prompts: int = 192
-    num_probe_prompts: int = 32
+    num_probe_prompts: int = 24
+    num_report_prompts: int = 24
     # Of those, how many the per-stream profile uses (it only predicts; plans are measured on all).
     num_profile_prompts: int = 16
     # Prompt tokens the consumer runs itself in the probe, scored with the answer (1: the serving
@@ -57,7 +61,9 @@ class CalibrateConfig:
     def __post_init__(self) -> None:
         if not 0 < self.kl_budget < 100:
             raise ConfigError(f"kl_budget must be in (0, 100) nats, got {self.kl_budget}")
-        for name in ("num_prompts", "num_probe_prompts", "max_rows", "aligner_width", "probe_tail",
+        if not 0 < self.min_top1 <= 1:
+            raise ConfigError(f"min_top1 must be in (0, 1] (a share of next tokens), got {self.min_top1}")
+        for name in ("num_prompts", "num_probe_prompts", "num_report_prompts", "max_rows", "aligner_width", "probe_tail",
                      "num_profile_prompts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

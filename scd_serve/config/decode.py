@@ -21,9 +21,13 @@ AUTO = "auto"  # the method that picks, per request, the fastest one the quality
 class ChooserConfig:
     """The `auto` method (decode/chooser.py): which methods it may pick, how it learns."""
 
-    # Methods whose calibrated KL (codebook manifest) is at most this may be picked; None = the
-    # codebook's KL budget. raw and identity are lossless only where producer == consumer.
+    # The quality budget. Where the codebook measured a method's top-1 agreement (the share of next
+    # tokens equal to the consumer's own, on held-out prompts), it must reach min_top1 (None: the
+    # codebook's target, 0.95 by default); where it did not, the method's KL must be at most
+    # quality_budget (None: the codebook's KL budget). A quality_budget set here holds for every
+    # method. raw and identity are lossless only where producer == consumer.
     quality_budget: float | None = None
+    min_top1: float | None = None
     smoothing: float = 0.5  # weight of the newest measurement in each smoothed estimate
     # An estimate not refreshed for this long is stale: the next request that would not
     # refresh it on its own re-measures it (a transfer over that link, or a local prefill).
@@ -37,6 +41,9 @@ class ChooserConfig:
         b = self.quality_budget
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0):
             raise ConfigError(f"decode.chooser.quality_budget must be a finite KL >= 0 (or unset), got {b!r}")
+        t = self.min_top1
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1):
+            raise ConfigError(f"decode.chooser.min_top1 must be a share in [0, 1] (or unset), got {t!r}")
         check_range("decode.chooser.smoothing", self.smoothing, 0, 1, open_low=True)
         check_range("decode.chooser.stale_s", self.stale_s, 0.1, 3600)
         check_range("decode.chooser.probe_ratio", self.probe_ratio, 1, 100)

@@ -18,7 +18,8 @@ from scd_serve.decode.chooser import LOCAL, Choice, Chooser, PeerView, method_kl
 
 log = logging.getLogger("scd_serve.decode")
 LINK_BOUND_SHARE = 0.5  # a transfer whose reader waited this share of its first-to-last-chunk time was link-bound
-PAYLOAD_RATIO = {"raw": 1.0, "identity": 2.0}  # payload / 16-bit K+V of the codebook-free methods (float32 identity)
+PAYLOAD_RATIO = {"raw": 1.0, "identity": 2.0}
+DEFAULT_MIN_TOP1 = 0.95  # the agreement floor of a codebook with top-1 figures but no target of its own  # payload / 16-bit K+V of the codebook-free methods (float32 identity)
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,11 @@ class Calibration:
     """What the codebook manifest says about each method for the pair it was calibrated on."""
 
     kl: dict[str, float] = field(default_factory=dict)
+    top1: dict[str, float] = field(default_factory=dict)  # share of next tokens equal to the consumer's own
     payload_ratio: dict[str, float] = field(default_factory=dict)
     producer: str = ""  # the producer fingerprint it was calibrated for
     budget: float | None = None  # the KL budget it was calibrated to meet
+    min_top1: float | None = None  # the agreement target it was calibrated for (codebooks with top-1 figures)
 
     @classmethod
     def load(cls, codebook: str | None) -> Calibration:
@@ -38,9 +41,11 @@ class Calibration:
         manifest = json.loads((Path(codebook) / "manifest.json").read_text())
         cal = manifest.get("calibration", {})
         methods = {m: v for m, v in cal.get("methods", {}).items() if isinstance(v, dict)}
-        return cls(kl={m: float(v["kl"]) for m, v in methods.items() if "kl" in v},
+        top1 = {m: float(v["top1"]) for m, v in methods.items() if "top1" in v}
+        return cls(kl={m: float(v["kl"]) for m, v in methods.items() if "kl" in v}, top1=top1,
                    payload_ratio={m: float(v["payload_ratio"]) for m, v in methods.items() if "payload_ratio" in v},
-                   producer=manifest.get("producer", {}).get("fingerprint", ""), budget=cal.get("kl_budget"))
+                   producer=manifest.get("producer", {}).get("fingerprint", ""), budget=cal.get("kl_budget"),
+                   min_top1=cal.get("min_top1", DEFAULT_MIN_TOP1) if top1 else None)
 
 
 class AutoMethod:
@@ -48,8 +53,10 @@ class AutoMethod:
                  metrics=None, clock: Callable[[], float] = time.monotonic):
         cfg = config.chooser
         budget = cfg.quality_budget if cfg.quality_budget is not None else (calibration.budget or 0.0)
+        min_top1 = cfg.min_top1 if cfg.min_top1 is not None else calibration.min_top1
         raw = 2 * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim  # 16-bit K and V, one token
-        self.chooser = Chooser(cfg, budget, raw, PAYLOAD_RATIO | calibration.payload_ratio, clock)
+        self.chooser = Chooser(cfg, budget, raw, PAYLOAD_RATIO | calibration.payload_ratio, clock,
+                               min_top1=min_top1, strict_kl=cfg.quality_budget is not None)
         self.fingerprint, self.peers, self.calibration, self.metrics = fingerprint, peers, calibration, metrics
         self.switched: dict[str, Choice] = {}  # request_id -> what it became when its peer had no cached codes
         fill.on_transfer, fill.on_cold = self.observe_transfer, self.observe_cold
@@ -64,11 +71,14 @@ class AutoMethod:
                 continue
             pair = method_kl(peer.info.producer_fingerprint, self.fingerprint, self.calibration.kl,
                              self.calibration.producer)
+            top1 = method_kl(peer.info.producer_fingerprint, self.fingerprint, self.calibration.top1,
+                             self.calibration.producer, lossless=1.0)
             kl = {m: pair[m] for m in self.peers.usable_methods(peer) if m in pair}
             load = peer.load.get("running")
             load = int(load) if isinstance(load, (int, float)) and not isinstance(load, bool) else 0
             running = max(load, self.peers.balancer.inflight[peer.address])
-            out.append(PeerView(peer.address, kl, running, int(peer.info.max_concurrent)))
+            out.append(PeerView(peer.address, kl, running, int(peer.info.max_concurrent),
+                                {m: top1[m] for m in kl if m in top1}))
         return out
 
     def choose(self, req) -> Choice:

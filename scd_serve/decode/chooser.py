@@ -1,7 +1,10 @@
 """Chooser: per request, the fastest way to fill the prompt's KV that the quality budget allows.
 
 The options are the consumer's own prefill (`local`) and every (prefill worker, transfer
-method) whose calibrated KL is within the budget. Each gets a predicted time to first token
+method) within the quality budget: where the codebook measured a method's top-1 agreement
+(the share of next tokens equal to the consumer's own, on held-out prompts), that share must
+reach `min_top1`; otherwise its KL must be within the KL budget (an explicit KL budget holds
+in both cases). Each gets a predicted time to first token
 (T = prompt tokens) from live estimates, and the fastest is taken:
 
     local    = local_per_token * T                      (recent local prefills on this worker)
@@ -33,13 +36,15 @@ LINK_JUMP = 1.5  # a link-bound pace this far from the estimate replaces it (the
 _REMEMBERED = 1024  # transfers awaiting their outcome (request id -> measured core)
 
 
-def method_kl(producer: str, consumer: str, calibrated: Mapping[str, float], calibrated_for: str) -> dict[str, float]:
-    """KL of each transfer method for this producer -> consumer pair, where it is known: the
-    codebook's calibration (made for producer `calibrated_for`), and 0 for the lossless
-    methods when both sides run the same model. Methods not in the result have no known KL."""
+def method_kl(producer: str, consumer: str, calibrated: Mapping[str, float], calibrated_for: str,
+              lossless: float = 0.0) -> dict[str, float]:
+    """A figure (KL, or top-1 with lossless=1.0) of each transfer method for this producer ->
+    consumer pair, where it is known: the codebook's calibration (made for producer
+    `calibrated_for`), and `lossless` for the lossless methods when both sides run the same
+    model. Methods not in the result have no known figure."""
     kl = dict(calibrated) if calibrated_for and producer == calibrated_for else {}
     if producer and producer == consumer:
-        kl.update({m: 0.0 for m in LOSSLESS})
+        kl.update({m: lossless for m in LOSSLESS})
     return kl
 
 
@@ -51,6 +56,7 @@ class PeerView:
     kl: Mapping[str, float]  # methods usable there -> their KL for this pair (method_kl)
     running: int = 0  # transfers running there now (its heartbeat, or ours in flight)
     capacity: int = 0  # transfers it runs at once; 0 = unknown
+    top1: Mapping[str, float] = field(default_factory=dict)  # methods -> measured top-1 agreement, where known
 
 
 @dataclass(frozen=True)
@@ -96,10 +102,12 @@ class _Option:
 @dataclass
 class Chooser:
     config: ChooserConfig
-    budget: float  # the quality budget in force (config's, or the codebook's)
+    budget: float  # the KL budget in force (config's, or the codebook's)
     raw_bytes_per_token: float  # 16-bit K+V of one token, every layer
     payload_ratio: Mapping[str, float] = field(default_factory=dict)  # prior: payload / raw per method
     clock: Callable[[], float] = time.monotonic
+    min_top1: float | None = None  # the agreement floor for methods with a measured top-1 (None: KL only)
+    strict_kl: bool = False  # the KL budget holds for those too (set explicitly)
 
     def __post_init__(self) -> None:
         self.local = Estimate()  # seconds per prompt token of this worker's own prefill
@@ -120,8 +128,7 @@ class Chooser:
         local = self._local(num_tokens, now)
         transfers = [self._transfer(p, m, key, num_tokens) for p in peers for m in self.allowed(p)]
         if not transfers:
-            why = ("no usable prefill worker" if not peers
-                   else f"no transfer method within quality budget {self.budget:g}")
+            why = "no usable prefill worker" if not peers else f"no transfer method within {self.describe_budget()}"
             return Choice(LOCAL, predicted_s=local.predicted, reason="only", detail=why)
         options = [*transfers, local]
         known = sorted((o for o in options if o.predicted is not None), key=lambda o: o.predicted)
@@ -147,8 +154,20 @@ class Chooser:
 
     def allowed(self, peer: PeerView) -> list[str]:
         """Methods at `peer` within the budget, smallest expected payload first."""
-        ok = [m for m, kl in peer.kl.items() if m != LOCAL and kl <= self.budget]
+        ok = [m for m, kl in peer.kl.items() if m != LOCAL and self.within(kl, peer.top1.get(m))]
         return sorted(ok, key=lambda m: (self._payload_per_token(m), m))
+
+    def within(self, kl: float, top1: float | None) -> bool:
+        """The quality budget: the agreement floor where top-1 was measured, else the KL budget."""
+        if top1 is not None and self.min_top1 is not None:
+            return top1 >= self.min_top1 and (not self.strict_kl or kl <= self.budget)
+        return kl <= self.budget
+
+    def describe_budget(self) -> str:
+        if self.min_top1 is None:
+            return f"quality budget {self.budget:g} (KL)"
+        kl = f"KL <= {self.budget:g}"
+        return f"quality budget top-1 >= {self.min_top1:g}" + (f" and {kl}" if self.strict_kl else f" (else {kl})")
 
     def _probe(self, o: _Option, now: float, reason: str, why: str, known: list[_Option]) -> Choice:
         self._probed[o.label] = now
@@ -273,7 +292,7 @@ class Chooser:
     def snapshot(self) -> dict:
         """The estimates, in readable units (for /metrics' stats and logs)."""
         per = lambda d, scale: {k: round(e.value * scale, 4) for k, e in d.items() if e.value is not None}  # noqa: E731
-        return {"budget": self.budget, "local_us_per_token": None if self.local.value is None else
+        return {"budget": self.budget, "min_top1": self.min_top1, "local_us_per_token": None if self.local.value is None else
                 round(self.local.value * 1e6, 3),
                 "link_mbit_s": {k: round(8e-6 / e.value, 1) for k, e in self.link.items() if e.value},
                 "rebuild_us_per_token": per(self.rebuild, 1e6), "payload_bytes_per_token": per(self.payload, 1),

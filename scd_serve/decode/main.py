@@ -28,10 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default=None,
                         help="default transfer method: auto (the fastest the quality budget allows, per request), "
                              "local, or a method name (default: auto when a codebook loads, else raw)")
+    parser.add_argument("--min-top1", type=float, default=None,
+                        help="auto picks a transfer method whose top-1 agreement with this model's own next token, "
+                             "measured by calibration on held-out prompts (codebook manifest), is at least this "
+                             "(default: the codebook's target, 0.95)")
     parser.add_argument("--quality-budget", type=float, default=None,
-                        help="auto picks only transfer methods whose calibrated KL (codebook manifest) is at most "
-                             "this (default: the KL budget the codebook was calibrated for; raw/identity only "
-                             "where producer == consumer)")
+                        help="auto picks only transfer methods whose calibrated KL is at most this; given, it holds "
+                             "beside --min-top1 (default: the codebook's KL budget, for methods without a top-1 "
+                             "figure; raw/identity only where producer == consumer)")
     parser.add_argument("--auto-stale-s", type=float, default=ChooserConfig.stale_s,
                         help="auto re-measures a link (or its own prefill speed) not measured for this long")
     parser.add_argument("--fallback", default="local", choices=FALLBACKS,
@@ -82,7 +86,7 @@ def config_from_args(args) -> DecodeConfig:
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(DecodeConfig) if hasattr(args, f.name)}
     return DecodeConfig(**flags | dict(  # the flags named as fields, then the rest
         prefill=split_peers(args.prefill), method=args.method or AUTO, transport=transport_config_from_args(args),
-        chooser=ChooserConfig(quality_budget=args.quality_budget, stale_s=args.auto_stale_s),
+        chooser=ChooserConfig(quality_budget=args.quality_budget, min_top1=args.min_top1, stale_s=args.auto_stale_s),
         served_model_names=tuple(args.served_model_name)))
 
 

@@ -181,9 +181,9 @@ def excerpt(rng: random.Random, docs: tuple[Document, ...], num_chars: int) -> t
 INSTRUCTION = "### Instruction:\nWrite the docstring of this function.\n\n```python\n{code}\n```\n\n### Response:\n"
 
 
-def instructions(docs: tuple[Document, ...], max_code_chars: int = 1500) -> list[tuple[str, str]]:
-    """(prompt, answer) pairs from the documents' functions that have a docstring: the function
-    without it in an instruction template, and its docstring's first paragraph as the answer."""
+def instructions(docs: tuple[Document, ...], max_code_chars: int = 1500) -> list[tuple[str, str, str]]:
+    """(prompt, answer, document name) from the documents' functions that have a docstring: the
+    function without it in an instruction template, and its docstring's first paragraph as the answer."""
     out = []
     for d in docs:
         try:
@@ -204,5 +204,5 @@ def instructions(docs: tuple[Document, ...], max_code_chars: int = 1500) -> list
             except (ValueError, TypeError, AttributeError):
                 continue
             if len(code) <= max_code_chars:
-                out.append((INSTRUCTION.format(code=code), answer))
+                out.append((INSTRUCTION.format(code=code), answer, d.name))
     return out

@@ -83,7 +83,8 @@ def eval_records(cfg: ZooConfig, pair: ZooPairConfig, tokenizer, split: str, n: 
         rng.shuffle(examples)
         if len(examples) < n:
             raise ConfigError(f"{pair.domain}/{split}: {len(examples)} instruction examples, {n} wanted")
-        return [{"id": f"{split}-{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate(examples[:n])]
+        return [{"id": f"{split}-{i}", "source": doc, "prompt": p, "answer": a}
+                for i, (p, a, doc) in enumerate(examples[:n])]
     lo, hi = cfg.text_tokens
     out, tries = [], 0
     while len(out) < n:
@@ -94,7 +95,7 @@ def eval_records(cfg: ZooConfig, pair: ZooPairConfig, tokenizer, split: str, n: 
         ids = tokenizer(text)["input_ids"]
         if len(ids) >= lo:
             text = tokenizer.decode(ids[:hi], skip_special_tokens=True)
-            out.append({"id": f"{split}-{len(out)}:{doc.name}", "text": text})  # the id names its document
+            out.append({"id": f"{split}-{len(out)}", "source": doc.name, "text": text})
     return out
 
 
@@ -135,7 +136,8 @@ def make_consumer(cfg: ZooConfig, pair: ZooPairConfig, producer_dir: Path, token
     model = consumer_start(_load(producer_dir), pair.rope_theta)
     rng = random.Random(f"zoo-pair:{pair.domain}:{pair.instruct}:{pair.seed}")
     if pair.instruct:
-        examples = corpus.instructions(corpus.splits(pair.domain, cfg.seed, cfg.package_chars)["train"])
+        examples = [(p, a) for p, a, _ in corpus.instructions(corpus.splits(pair.domain, cfg.seed,
+                                                                               cfg.package_chars)["train"])]
         batches = instruct_batches(tokenizer, examples, pair.seq_len, pair.batch_tokens, pair.steps, rng)
         data = {"train_examples": len(examples)}
     else:

@@ -30,16 +30,17 @@ from scd_serve.codec.features import FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
 from scd_serve.codec.distill import distill_plan
 from scd_serve.codec.kl_probe import KLProbe, make_examples
+from scd_serve.codec.plan import OWN, LayerPlan
 from scd_serve.codec.search import PlanSearch, SearchPoint
 from scd_serve.codec.codec_spec import spec_of
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
 from scd_serve.model.loader import DTYPES
+from scd_serve.quality.calibration_data import PROBE_SCORED_TOKENS, REPORT_SCORED_TOKENS, builtin_prompts, user_prompts
 
-# --data FILE: a probe prompt scores at most this many tokens of its reference (every plan the
-# search measures runs them all again; the fit still reads whole records)
-PROBE_SCORED_TOKENS = 64
+# layer 0's input is the token alone: the consumer computes it itself in every plan (plan.py's OWN)
+OWN_LAYERS = (0,)
 KV_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
 H_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
 
@@ -56,7 +57,8 @@ class Calibration:
 
 
 def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
-    """KL on the probe examples and payload relative to raw 16-bit K/V, through encode/decode."""
+    """KL and top-1 agreement on the probe's examples and payload relative to raw 16-bit K/V,
+    through the real encode/decode."""
     nbytes = {"n": 0}
 
     def rebuild(ex, layer):
@@ -65,17 +67,19 @@ def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]
         return codec.decode_layer(layer, code, consumer, tokens=ex.tokens)
 
     layers = range(spec_of(consumer).num_layers)
-    kl = probe.measure({i: rebuild for i in layers})
+    measured = probe.measure_all({i: rebuild for i in layers})
     spec = spec_of(consumer)
     raw = sum(e.prefix for e in probe.examples) * spec.num_layers * 2 * spec.kv_width * 2
-    return {"kl": kl, "payload_ratio": nbytes["n"] / raw}
+    return {"kl": measured.kl, "top1": measured.top1, "payload_ratio": nbytes["n"] / raw}
 
 
 def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list, cfg: CalibrateConfig,
               log: Callable[[str], None] = print, show_progress: bool = True,
-              distill_pairs: list | None = None) -> Calibration:
+              distill_pairs: list | None = None, report_pairs: list | None = None) -> Calibration:
     """distill_pairs: (prompt, scored tokens) of the fit set for distillation (default: the fit
-    prompts alone, which feed their last tokens; codec/distill.py)."""
+    prompts alone, which feed their last tokens; codec/distill.py). report_pairs: prompts held
+    out from everything (calibration_data.py) on which the manifest's figures are measured;
+    without them the figures are the probe's, which the plan was chosen on (said in the manifest)."""
     from scd_serve import codec as registry
 
     pspec, cspec = spec_of(producer), spec_of(consumer)
@@ -116,10 +120,11 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         probe = KLProbe(consumer, make_examples(producer, consumer, probe_pairs, tail=cfg.probe_tail,
                                                 progress=bar.update, residual_layers=cfg.run_layers))
     cands = Candidates(fits, producer, consumer)
-    with tqdm(total=num_layers, desc="profile + search", disable=not show_progress) as bar:
+    with tqdm(total=num_layers - len(OWN_LAYERS), desc="profile + search", disable=not show_progress) as bar:
         search = PlanSearch(probe, num_layers, kv_grid, h_grid, cands.layer_kv, cands.stream_kv,
                             progress=lambda msg: (bar.update(1) if msg.startswith("profiled") else bar.set_postfix_str(msg)),
-                            profile_probe=KLProbe(consumer, probe.examples[: cfg.num_profile_prompts]))
+                            profile_probe=KLProbe(consumer, probe.examples[: cfg.num_profile_prompts]),
+                            own_layers=OWN_LAYERS)
         max_patches = num_layers // 2 if cfg.max_patches is None else cfg.max_patches
         max_width = None if cfg.max_payload is None else max(1, int(cfg.max_payload * 2 * cspec.kv_width * num_layers))
         best, curve, benefit = search.run(cfg.kl_budget, max_patches, max_width)
@@ -150,7 +155,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     computed = len(plan.patch_layers) + (num_layers - plan.run_layer if plan.run_layer is not None else 0)
     ds_layers = droidspeak_layers(probe, cands, num_layers, max(1, computed), show_progress)
     # zero payload: what the consumer's token priors alone rebuild (how much the codes add)
-    prior_only_kl = probe.measure({i: cands.prior_only for i in range(num_layers)}) if priors else None
+    prior_only_kl = probe.measure({i: cands.layer_kv(LayerPlan(OWN)) if i in OWN_LAYERS else cands.prior_only
+                                   for i in range(num_layers)}) if priors else None
     stats = {
         "kl_budget": cfg.kl_budget, "config": asdict(cfg), "feasible": best.feasible, "plan_kl": stats_kl,
         "probe_positions": probe.num_positions, "fit_prompts": len(fit_prompts),
@@ -162,7 +168,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
                    "code_width": p.plan.code_width(), "kl": p.kl, "kl_full_rank": p.kl_full_rank,
                    "feasible": p.feasible} for p in curve],
         "reuse_rel_err": [{s: fits[i].codes[s].rel_error(getattr(lp, f"r_{s}")) for s in "kv"}
-                          if lp.mode == "reuse" else {"aligner": fits[i].aligner_err.get(lp.r_h)}
+                          if lp.mode == "reuse" else {} if lp.mode == OWN else {"aligner": fits[i].aligner_err.get(lp.r_h)}
                           for i, lp in enumerate(plan.layers)],
     }
     stats["reuse_plan"] = {"code_width": reuse.plan.code_width(), "kl": reuse.kl}
@@ -170,13 +176,27 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
                           extra={"droidspeak_layers": ds_layers, "calibration": stats})
     if cfg.distill_steps:
         stats["distill"] = distill_plan(book, producer, consumer, cfg, show_progress, distill_pairs or
-                                        [(p, torch.zeros(0, dtype=torch.long)) for p in fit_prompts])
+                                        [(p, torch.zeros(0, dtype=torch.long)) for p in fit_prompts],
+                                        held_out_pairs=probe_pairs if report_pairs else None)
+    if report_pairs:
+        with tqdm(total=len(report_pairs), desc="report prompts", disable=not show_progress) as bar:
+            report = KLProbe(consumer, make_examples(producer, consumer, report_pairs, tail=cfg.probe_tail,
+                                                     progress=bar.update))
+    else:
+        report = probe
     methods = {}
-    for name in tqdm([m for m in registry.METHODS if m != "identity"], desc="measure methods",
+    for name in tqdm([m for m in registry.METHODS if m != "identity"] + ["prior-only"], desc="measure methods",
                      disable=not show_progress):
         codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
-        methods[name] = measure_codec(probe, codec, consumer)
+        methods[name] = measure_codec(report, codec, consumer)
+        if report is not probe and name in ("scd", "reuse"):
+            methods[name]["probe_kl"] = measure_codec(probe, codec, consumer)["kl"]
     stats["methods"] = methods
+    stats["min_top1"] = cfg.min_top1
+    stats["report"] = {"prompts": len(report.examples), "positions": report.num_positions,
+                       "held_out": report is not probe}
+    scd = methods["scd"]
+    stats["meets_budget"] = scd["kl"] <= cfg.kl_budget and scd["top1"] >= cfg.min_top1
     stats["size"] = size_stats(book, consumer)
     stats["seconds"] = round(time.time() - started, 1)
     stats["probe_measurements"] = probe.num_measurements
@@ -206,58 +226,6 @@ def droidspeak_layers(probe: KLProbe, cands: Candidates, num_layers: int, count:
     return sorted(sorted(gain, key=gain.get, reverse=True)[:count])
 
 
-def load_prompts(tokenizer: Any, split: str, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(prompt ids with <bos>, answer ids) from the project's deterministic data."""
-    from scd_serve.corpus.qa import load_split
-
-    if tokenizer is None:
-        raise ConfigError("the consumer model directory has no tokenizer; calibration needs one for its prompts")
-    out = []
-    for ex in load_split(split, n, seed=seed):
-        prompt = tokenizer(ex["prompt"])["input_ids"]
-        answer = tokenizer(ex["answer"], add_special_tokens=False)["input_ids"]
-        out.append((torch.tensor(prompt), torch.tensor(answer)))
-    return out
-
-
-def user_prompts(consumer: Any, data: str, records: list, cfg: CalibrateConfig, max_tokens: int,
-                 greedy_tokens: int, show_progress: bool = True) -> tuple[list[torch.Tensor], list, list]:
-    """--data FILE -> (fit prompts, probe (prompt, scored) pairs, the fit records as (prompt,
-    scored) pairs for distillation), records in file order: the
-    first ones fit, the next ones probe (a file of the built-in prompts gives what
-    `load_prompts` gives). A file with fewer records than asked for keeps an
-    eighth of them (at least 1) for the probe. A probe prompt without an answer scores the
-    consumer's own greedy continuation of `greedy_tokens` tokens."""
-    from scd_serve.quality.data import tokenize
-    from scd_serve.quality.scorer import run_oracle
-
-    prompts = tokenize(records, consumer.tokenizer, max_tokens, data)
-    items = prompts.items
-    if len(items) < 2:
-        raise ConfigError(f"--data {data}: calibration needs at least 2 usable records (one to fit, one to "
-                          f"probe), got {len(items)}", field="data")
-    num_probe = cfg.num_probe_prompts
-    if len(items) < cfg.num_prompts + num_probe:
-        num_probe = min(num_probe, max(1, len(items) // 8))
-    num_fit = min(cfg.num_prompts, len(items) - num_probe)
-    print(f"{prompts.summary()}; fit on {num_fit}, probe on {num_probe}"
-          f" (asked for {cfg.num_prompts} + {cfg.num_probe_prompts})", flush=True)
-    # what a transfer would ship: the prompt (answers are generated, not transferred); a
-    # document whole (any stretch of it is a prompt)
-    fit = [torch.cat([p.ids, p.reference]) if p.kind == "text" and p.reference is not None else p.ids
-           for p in items[:num_fit]]
-    no_answer = torch.zeros(0, dtype=torch.long)
-    fit_pairs = [(p.ids, no_answer if p.reference is None else p.reference[:PROBE_SCORED_TOKENS])
-                 for p in items[:num_fit]]
-    eos = getattr(consumer.tokenizer, "eos_token_id", None)
-    probe = []
-    for p in tqdm(items[num_fit: num_fit + num_probe], desc="probe references", disable=not show_progress):
-        scored = p.reference if p.reference is not None else \
-            run_oracle(consumer, p, greedy_tokens, -1 if eos is None else int(eos)).scored
-        probe.append((p.ids, scored[:PROBE_SCORED_TOKENS]))
-    return fit, probe, fit_pairs
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from scd_serve.corpus.qa import SPLITS
     from scd_serve.quality.data import FORMATS_HELP, add_truncation_arguments
@@ -266,14 +234,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--consumer", required=True, help="consumer (decode side) model directory")
     parser.add_argument("--data", default="calibration", metavar="SPLIT|FILE",
                         help=f"a split of the built-in data ({', '.join(SPLITS)}; default calibration) or your "
-                             f"prompts: {FORMATS_HELP}. The first --num-prompts records fit, the next "
-                             f"--probe-prompts probe (each scores up to {PROBE_SCORED_TOKENS} tokens: a text's "
-                             "second half, the answer, or the consumer's greedy continuation)")
+                             f"prompts: {FORMATS_HELP}. Split by document (records of one \"source\" stay together): "
+                             "whole documents from the end of the file are held out as --report-prompts (the "
+                             "codebook's quality figures, measured once at the end) and --probe-prompts (steer the "
+                             f"plan; each scores up to {PROBE_SCORED_TOKENS} tokens of a text's second half, the "
+                             "answer, or the consumer's greedy continuation); the first --num-prompts of the rest fit")
     add_truncation_arguments(parser, "a probe prompt without an answer scores the consumer's greedy "
                                      "continuation of this many tokens")
     parser.add_argument("--num-prompts", type=int, default=192, help="prompts that fit the codes and token priors")
-    parser.add_argument("--probe-prompts", type=int, default=32, help="other prompts whose KL steers the plan")
+    parser.add_argument("--probe-prompts", type=int, default=CalibrateConfig.num_probe_prompts,
+                        help="other prompts whose KL steers the plan")
+    parser.add_argument("--report-prompts", type=int, default=CalibrateConfig.num_report_prompts,
+                        help="prompts of other documents, held out from fitting and choosing, on which the codebook's "
+                             f"quality figures are measured (each scores up to {REPORT_SCORED_TOKENS} tokens)")
     parser.add_argument("--kl-budget", type=float, required=True, help="KL budget, nats per answer token")
+    parser.add_argument("--min-top1", type=float, default=CalibrateConfig.min_top1,
+                        help="the agreement target: share of next tokens equal to the consumer's own (recorded in "
+                             "the manifest; `auto` serves a method whose measured top-1 reaches it)")
     parser.add_argument("--max-patches", type=int, default=None, help="most patch layers tried (default L/2)")
     parser.add_argument("--max-payload", type=float, default=None, metavar="FRACTION",
                         help="most code numbers per token as a fraction of raw 16-bit K/V (e.g. 0.4; scd-int8 then "
@@ -328,8 +305,9 @@ def run(args: argparse.Namespace) -> int:
     from scd_serve.model import ModelRuntime
     from scd_serve.corpus.qa import SPLITS
 
-    cfg = CalibrateConfig(kl_budget=args.kl_budget, num_prompts=args.num_prompts,
-                          num_probe_prompts=args.probe_prompts, max_rows=args.max_rows,
+    cfg = CalibrateConfig(kl_budget=args.kl_budget, min_top1=args.min_top1, num_prompts=args.num_prompts,
+                          num_probe_prompts=args.probe_prompts, num_report_prompts=args.report_prompts,
+                          max_rows=args.max_rows,
                           max_patches=args.max_patches, max_payload=args.max_payload,
                           aligner_steps=args.aligner_steps, run_layers=tuple(args.run_layers),
                           distill_steps=args.distill_steps, distill_lr=args.distill_lr, seed=args.seed,
@@ -354,26 +332,29 @@ def run(args: argparse.Namespace) -> int:
     producer = ModelRuntime.load(args.producer, device=args.device, dtype=DTYPES[args.dtype])
     consumer = ModelRuntime.load(args.consumer, device=args.device, dtype=DTYPES[args.dtype])
     if records is None:
-        pairs = load_prompts(consumer.tokenizer, args.data, cfg.num_prompts + cfg.num_probe_prompts, cfg.seed)
-        fit_pairs, probe_pairs = pairs[: cfg.num_prompts], pairs[cfg.num_prompts:]
-        fit_prompts = [p for p, _ in fit_pairs]
+        data = builtin_prompts(consumer.tokenizer, args.data, cfg)
     else:
         context = min(producer.spec.max_position_embeddings, consumer.spec.max_position_embeddings)
         max_tokens = context - args.greedy_tokens if args.max_tokens is None else args.max_tokens
         if max_tokens + args.greedy_tokens > context:
             raise ConfigError(f"--max-tokens {max_tokens} + --greedy-tokens {args.greedy_tokens} exceed the models' "
                               f"context of {context} positions", field="max_tokens")
-        fit_prompts, probe_pairs, fit_pairs = user_prompts(consumer, args.data, records, cfg, max_tokens,
-                                                           args.greedy_tokens)
-    result = calibrate(producer, consumer, fit_prompts, probe_pairs, cfg, distill_pairs=fit_pairs)
+        data = user_prompts(consumer, args.data, records, cfg, max_tokens, args.greedy_tokens)
+    result = calibrate(producer, consumer, data.fit, data.probe, cfg, distill_pairs=data.fit_pairs,
+                       report_pairs=data.report)
     result.codebook.manifest["calibration"]["data"] = {"source": args.data, "dtype": args.dtype}
     out = result.codebook.save(args.out)
     spec = spec_of(consumer)
     chosen = result.codebook.plan("scd")
     png = plot_tradeoff(result.curve, chosen, 2 * spec.num_layers * spec.kv_width, cfg.kl_budget, out / "tradeoff.png")
     stats = result.codebook.manifest["calibration"]
-    print(f"codebook: {out} ({'within' if stats['feasible'] else 'OVER'} KL budget {cfg.kl_budget}); "
-          f"patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
+    scd = stats["methods"]["scd"]
+    where = "held-out report prompts" if stats["report"]["held_out"] else "probe prompts"
+    verdict = "meets" if stats["meets_budget"] else "does NOT meet"
+    print(f"scd on {stats['report']['prompts']} {where}: KL {scd['kl']:.4f}, top-1 {scd['top1']:.3f} at "
+          f"{scd['payload_ratio']:.3f} of raw: {verdict} the budget (KL <= {cfg.kl_budget}, top-1 >= {cfg.min_top1})")
+    print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} KL budget "
+          f"{cfg.kl_budget}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
           f"{stats['seconds']} s")
     if stats["run"].get("kl"):
         measured = ", ".join(f"{layer}: {kl:.4f}" for layer, kl in stats["run"]["kl"].items())
@@ -386,8 +367,8 @@ def run(args: argparse.Namespace) -> int:
     if "fraction_of_consumer" in size:
         print(f"codebook tensors {size['codebook_tensor_bytes']:,} bytes = {size['fraction_of_consumer']:.1%} of the "
               f"consumer's weights ({size['consumer_weight_bytes']:,} bytes)")
-    print(f"{'method':<12}{'KL':>10}{'payload/raw':>13}")
+    print(f"{'method':<12}{'KL':>10}{'top-1':>8}{'payload/raw':>13}   ({where})")
     for name, m in result.methods.items():
-        print(f"{name:<12}{m['kl']:>10.4f}{m['payload_ratio']:>13.3f}")
+        print(f"{name:<12}{m['kl']:>10.4f}{m['top1']:>8.3f}{m['payload_ratio']:>13.3f}")
     print(f"trade-off curve: {png}")
     return 0

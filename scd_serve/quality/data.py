@@ -8,7 +8,9 @@ A file ending in .jsonl or .ndjson holds one JSON object per line (blank lines a
   {"messages": [{"role", "content"}...]} rendered through the consumer's chat template as the
                                          server renders chat (api/prompt.py); a last "assistant"
                                          message is the answer, the rest the prompt
-An "id" key may ride along; any other key is an error naming its line. Any other file is plain
+An "id" key may ride along, and a "source" (the document or file the record comes from:
+calibration's held-out splits keep every source whole); any other key is an error naming
+its line. Any other file is plain
 text: one document per paragraph (paragraphs are separated by blank lines; a paragraph's lines
 stay one document), each read like {"text"}.
 
@@ -41,6 +43,7 @@ class Record:
     text: str = ""  # the document or the prompt
     answer: str | None = None
     messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    source: str = ""  # the document it comes from ("": its own)
 
 
 @dataclass
@@ -50,6 +53,11 @@ class Prompt:
     answer: str | None  # F1/EM reference text
     kind: str
     where: str
+    source: str = ""  # the record's document ("": its own, named by `where`)
+
+    @property
+    def document(self) -> str:
+        return self.source or self.where
 
 
 @dataclass
@@ -130,19 +138,22 @@ def _record(where: str, obj: Any) -> Record:
 
     if not isinstance(obj, dict):
         raise bad(f"expected a JSON object, got {type(obj).__name__}")
-    keys = set(obj) - {"id"}
+    keys = set(obj) - {"id", "source"}
     if keys not in SHAPES:
         unknown = sorted(keys - {"text", "prompt", "answer", "messages"})
         what = f"unknown key(s) {unknown}" if unknown else f"keys {sorted(keys)} do not go together"
         raise bad(f"{what}; expected {{\"text\"}}, {{\"prompt\"[, \"answer\"]}} or {{\"messages\"}} "
-                  "(and an optional \"id\")")
+                  "(and an optional \"id\" and \"source\")")
+    source = obj.get("source", "")
+    if not isinstance(source, str):
+        raise bad("\"source\" must be a string (the record's document or file)")
     for key in keys - {"messages"}:
         if not isinstance(obj[key], str) or not obj[key].strip():
             raise bad(f"\"{key}\" must be a non-empty string")
     if "text" in keys:
-        return Record(where, "text", obj["text"])
+        return Record(where, "text", obj["text"], source=source)
     if "prompt" in keys:
-        return Record(where, "prompt", obj["prompt"], obj.get("answer"))
+        return Record(where, "prompt", obj["prompt"], obj.get("answer"), source=source)
     msgs = obj["messages"]
     if not isinstance(msgs, list) or not msgs:
         raise bad("\"messages\" must be a non-empty list of {\"role\", \"content\"}")
@@ -156,7 +167,7 @@ def _record(where: str, obj: Any) -> Record:
         if len(pairs) == 1:
             raise bad("messages hold only the assistant's answer; nothing to prompt with")
         answer, pairs = pairs[-1][1], pairs[:-1]
-    return Record(where, "messages", answer=answer, messages=tuple(pairs))
+    return Record(where, "messages", answer=answer, messages=tuple(pairs), source=source)
 
 
 def tokenize(records: list[Record], tokenizer: Any, max_tokens: int, path: str = "") -> Prompts:
@@ -192,7 +203,8 @@ def tokenize(records: list[Record], tokenizer: Any, max_tokens: int, path: str =
             skipped += 1
             continue
         items.append(Prompt(torch.tensor(ids, dtype=torch.long),
-                            torch.tensor(ref, dtype=torch.long) if ref else None, answer, r.kind, r.where))
+                            torch.tensor(ref, dtype=torch.long) if ref else None, answer, r.kind, r.where,
+                            r.source))
     if not items:
         raise ConfigError(f"--data {path}: no record has the 2 prompt tokens a transfer needs", field="data")
     return Prompts(path, items, max_tokens, truncated, skipped)

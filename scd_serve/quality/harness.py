@@ -248,7 +248,7 @@ def print_locality(args: argparse.Namespace, records: list | None, consumer) -> 
                          str(args.data)).items
         prompts = [torch.cat([p.ids, p.reference]) if p.reference is not None else p.ids for p in items]
     else:
-        from scd_serve.quality.calibrate import load_prompts
+        from scd_serve.quality.calibration_data import load_prompts
 
         prompts = [p for p, _ in load_prompts(consumer.tokenizer, args.split, args.limit, seed=0)]
     rows = locality(consumer, prompts, taps=args.locality)

@@ -31,7 +31,11 @@ def test_calibration_meets_budget_and_reports(calibrated):
     stats = result.codebook.manifest["calibration"]
     assert stats["feasible"]
     m = result.methods
-    assert set(m) == set(codec.METHODS) - {"identity"}
+    assert set(m) == set(codec.METHODS) - {"identity"} | {"prior-only"}
+    assert all(0 <= r["top1"] <= 1 for r in m.values()) and m["prior-only"]["payload_ratio"] == 0
+    # no report prompts given: the figures are the probe's, and the manifest says so
+    assert stats["report"] == {"prompts": 4, "positions": 16, "held_out": False}
+    assert stats["meets_budget"] == (m["scd"]["kl"] <= 0.5 and m["scd"]["top1"] >= stats["min_top1"])
     # the plan the search chose was measured within budget, and re-measured through the codec
     assert m["scd"]["kl"] <= 0.5 * 1.05
     assert m["scd"]["payload_ratio"] < 1.0

@@ -137,10 +137,10 @@ def test_bad_data_is_refused_before_loading(pair, tmp_path, capsys, no_load):
 
 
 def test_a_file_of_the_builtin_prompts_gives_the_builtin_calibration_prompts(tmp_path, capsys):
-    """The file path and the built-in path agree: same fit prompts, same probe (prompt, answer)."""
+    """The file path and the built-in path agree: same fit prompts, same probe and report (prompt, answer)."""
     from types import SimpleNamespace
 
-    from scd_serve.quality.calibrate import load_prompts, user_prompts
+    from scd_serve.quality.calibration_data import builtin_prompts, user_prompts
     from scd_serve.config.codec import CalibrateConfig
     from scd_serve.model.loader import load_tokenizer
     from scd_serve.corpus.qa import load_split
@@ -149,12 +149,12 @@ def test_a_file_of_the_builtin_prompts_gives_the_builtin_calibration_prompts(tmp
     tok = load_tokenizer(Path(__file__).parents[3] / "models" / "demo-pair" / "consumer")
     f = tmp_path / "cal.jsonl"
     f.write_text("\n".join(json.dumps({"prompt": e["prompt"], "answer": e["answer"]})
-                           for e in load_split("calibration", 6)) + "\n")
-    cfg = CalibrateConfig(kl_budget=0.05, num_prompts=4, num_probe_prompts=2)
-    fit, probe, fit_pairs = user_prompts(SimpleNamespace(tokenizer=tok), str(f), read_records(f), cfg, 4000, 16,
-                                         show_progress=False)
-    pairs = load_prompts(tok, "calibration", 6, seed=0)
-    assert [p.tolist() for p in fit] == [p.tolist() for p, _ in pairs[:4]]
+                           for e in load_split("calibration", 7)) + "\n")
+    cfg = CalibrateConfig(kl_budget=0.05, num_prompts=4, num_probe_prompts=2, num_report_prompts=1)
+    got = user_prompts(SimpleNamespace(tokenizer=tok), str(f), read_records(f), cfg, 4000, 16, show_progress=False)
+    want = builtin_prompts(tok, "calibration", cfg)
+    assert [p.tolist() for p in got.fit] == [p.tolist() for p in want.fit]
     # distillation reads the fit records' answers as the built-in data gives them
-    assert [(p.tolist(), a.tolist()) for p, a in fit_pairs] == [(p.tolist(), a.tolist()) for p, a in pairs[:4]]
-    assert [(p.tolist(), a.tolist()) for p, a in probe] == [(p.tolist(), a.tolist()) for p, a in pairs[4:]]
+    same = lambda xs, ys: [(p.tolist(), a.tolist()) for p, a in xs] == [(p.tolist(), a.tolist()) for p, a in ys]
+    assert same(got.fit_pairs, want.fit_pairs) and same(got.probe, want.probe) and same(got.report, want.report)
+    assert "fit on 4, probe on 2, report on 1 (1 documents held out" in capsys.readouterr().out

@@ -289,3 +289,41 @@ def test_config_is_validated_with_clear_errors(bad, match):
 def test_decode_config_holds_the_chooser():
     cfg = DecodeConfig(method="auto", chooser=ChooserConfig(quality_budget=0.05))
     assert cfg.chooser.quality_budget == 0.05 and cfg.method == "auto"
+
+
+def test_a_measured_top1_is_the_budget_where_the_codebook_has_one():
+    """Where calibration measured top-1 agreement on held-out prompts, the floor decides (KL over
+    the codebook's KL budget does not exclude a method that agrees often enough); where it did not,
+    the KL budget does; an explicitly set KL budget holds beside the floor."""
+    agree = PeerView(PEER, {"scd": 0.2, "scd-int8": 0.21, "reuse": 4.8}, top1={"scd": 0.96, "scd-int8": 0.951,
+                                                                              "reuse": 0.52})
+    floor = Chooser(ChooserConfig(), budget=0.05, raw_bytes_per_token=RAW_PER_TOKEN, payload_ratio=RATIO,
+                    min_top1=0.95)
+    assert floor.allowed(agree) == ["scd-int8", "scd"]
+    strict = Chooser(ChooserConfig(), budget=0.05, raw_bytes_per_token=RAW_PER_TOKEN, payload_ratio=RATIO,
+                     min_top1=0.95, strict_kl=True)
+    assert strict.allowed(agree) == []
+    assert "top-1 >= 0.95 and KL <= 0.05" in strict.choose(1, N, [agree]).detail
+    no_top1 = PeerView(PEER, {"scd": 0.04, "reuse": 0.3})
+    assert floor.allowed(no_top1) == ["scd"]  # no measured agreement: the KL budget
+    higher = Chooser(ChooserConfig(), budget=0.05, raw_bytes_per_token=RAW_PER_TOKEN, payload_ratio=RATIO,
+                     min_top1=0.955)
+    assert higher.allowed(agree) == ["scd"]
+
+
+def test_the_manifest_gives_auto_its_top1_figures_and_target(tmp_path):
+    import json
+
+    from scd_serve.decode.auto import DEFAULT_MIN_TOP1, Calibration
+
+    manifest = {"producer": {"fingerprint": "p"},
+                "calibration": {"kl_budget": 0.05, "methods": {"scd": {"kl": 0.2, "top1": 0.96, "payload_ratio": 0.2}}}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    cal = Calibration.load(str(tmp_path))
+    assert cal.top1 == {"scd": 0.96} and cal.min_top1 == DEFAULT_MIN_TOP1 and cal.budget == 0.05
+    manifest["calibration"]["min_top1"] = 0.9
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert Calibration.load(str(tmp_path)).min_top1 == 0.9
+    del manifest["calibration"]["methods"]["scd"]["top1"]  # an older codebook: KL only
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert Calibration.load(str(tmp_path)).min_top1 is None
