@@ -60,7 +60,7 @@ def _tokenizer(cfg: ZooConfig, out: Path, log):
 def _stream(cfg: ZooConfig, domain: str, tokenizer, out: Path) -> torch.Tensor:
     path = out / "cache" / f"{domain}-train.pt"
     if path.exists():
-        return torch.load(path)
+        return torch.load(path, weights_only=True)
     texts, size = [], 0
     for d in corpus.splits(domain, cfg.seed, cfg.package_chars)["train"]:
         texts.append(d.text)
