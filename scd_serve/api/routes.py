@@ -154,6 +154,14 @@ def method_choice(backend, requested: str, request_ids: list[str]) -> dict | Non
         field["detail"] = first.detail
     if first.predicted_s is not None:
         field["predicted_ttft_ms"] = round(first.predicted_s * 1e3, 2)
+    transfer_of = getattr(backend, "transfer_of", None)
+    moved = [t for t in (transfer_of(r) for r in request_ids) if t] if transfer_of else []
+    if moved:  # copies of another request's transfer (n > 1) carried nothing more over the wire
+        own = [t for t in moved if not t.get("shared")]
+        field["transfer"] = {"payload_bytes": sum(t.get("payload_bytes", 0) for t in moved),
+                             "raw_kv_bytes": sum(t.get("raw_kv_bytes", 0) for t in own),
+                             "rebuild_ms": round(sum(t.get("rebuild_s", 0.0) for t in own) * 1e3, 2),
+                             "cache_hit": any(t.get("cache_hit") for t in own)}
     return field
 
 
