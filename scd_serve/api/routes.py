@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from scd_serve.api.choices import Outcome, all_or_none, best, child_seed, first_event, merged, rest
 from scd_serve.api.logprobs import (TokenText, chat_logprobs, completion_logprobs, merge_completion,
                                     prompt_logprobs)
-from scd_serve.api.prompt import chat_prompt_ids, completion_prompts
+from scd_serve.api.prompt import chat_prompt_ids, completion_prompts, unknown_warning
 from scd_serve.api.sampling import MAX_CHOICES, Plan, check_length, check_logit_bias, sampling_params
 from scd_serve.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from scd_serve.api.sse import Shape, sse_stream
@@ -80,6 +80,10 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     if len(prompts) * plan.best_of > MAX_CHOICES:
         raise InvalidRequest(f"{len(prompts)} prompts x best_of {plan.best_of} = {len(prompts) * plan.best_of} "
                              f"generations; at most {MAX_CHOICES} per request", field="prompt")
+    warning = unknown_warning(prompts, backend.tokenizer)
+    if warning:  # the log names counts, never the prompt's text
+        log.warning("request_id=%s %s", rid, warning)
+    headers = {"x-scd-warning": warning} if warning else {}
     method = body.scd_method or config.default_method
     deadline = time.monotonic() + config.request_timeout_s
     reqs = []
@@ -126,7 +130,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
         return StreamingResponse(sse_stream(_first_with(chunks, picked) if picked else chunks, rid, on_end),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                          **choice_headers(picked)})
+                                          **choice_headers(picked), **headers})
     outcomes = [Outcome(k // plan.best_of) for k in range(len(reqs))]
     try:  # errors: counted by the app's handler
         done = await _unless_gone(request, all_or_none([rest(f, s, o) for f, s, o in zip(firsts, streams, outcomes)]))
@@ -136,7 +140,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     if done is None:  # the client left; nobody reads this
         return Response(status_code=499)
     return JSONResponse(render.whole(best(done, plan.n, plan.best_of)) | ({SCD_FIELD: picked} if picked else {}),
-                        headers=choice_headers(picked))
+                        headers=choice_headers(picked) | headers)
 
 
 SCD_FIELD = "scd"  # response extension: how the prompt's KV reached the decode worker
