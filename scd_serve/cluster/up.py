@@ -22,16 +22,19 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from pathlib import Path
 
 from scd_serve.config.control import SECRET_ENV
 from scd_serve.config.model import DTYPE_CHOICES
-from scd_serve.errors import ConfigError, Unavailable
+from scd_serve.control.preflight import check_port
+from scd_serve.errors import ConfigError, ScdError, Unavailable
 
 PAIRS = {"demo": "models/demo-pair", "context": "models/context-pair"}  # --pair NAME -> its directory
 STOP_GRACE_S = 15.0
 MAX_RESTARTS = 5  # per worker, over the life of the cluster
 _stop = threading.Event()  # set by SIGINT/SIGTERM
+CHILD_ERROR = re.compile(r"^scd-serve [a-z-]+: error: (.*)$")  # what cli.main prints before exit 2
 
 
 def _check_stop() -> None:
@@ -66,31 +69,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class Child:
-    """One worker process; its stdout is echoed with a prefix and scanned for its URL line."""
+    """One worker process; its output (logs included) is echoed with a prefix and scanned for its
+    URL line and for the one-line error it exits with (reported as up's own)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]):
         self.name, self.argv, self.env = name, argv, env
-        self.lines: list[str] = []
+        self.lines: deque[str] = deque(maxlen=200)  # the startup lines wait_line reads; not the whole log
+        self.error: str | None = None  # "scd-serve ROLE: error: ..." as the child printed it
         self.restarts = 0
         self.start()
 
     def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "scd_serve.cli", *self.argv], stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True, env=self.env)
-        threading.Thread(target=self._echo, args=(self.proc,), daemon=True).start()
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True, env=self.env)
+        self._reader = threading.Thread(target=self._echo, args=(self.proc,), daemon=True)
+        self._reader.start()
 
     def _echo(self, proc) -> None:
         for line in proc.stdout:
-            self.lines.append(line.rstrip())
-            print(f"[{self.name}] {line.rstrip()}", flush=True)
+            line = line.rstrip()
+            if m := CHILD_ERROR.match(line):
+                self.error = m.group(1)  # up says it once, as its own error
+                continue
+            self.lines.append(line)
+            print(f"[{self.name}] {line}", flush=True)
+
+    def exited(self) -> ScdError:
+        """The error for a child gone while starting: its own one line when it printed one."""
+        code = self.proc.returncode
+        self._reader.join(2.0)  # the process is gone: the reader ends once it has its last lines
+        if self.error is not None:
+            return ConfigError(f"{self.name}: {self.error}") if code == 2 else Unavailable(f"{self.name}: {self.error}")
+        return Unavailable(f"{self.name} exited with code {code} while starting (its log is above)")
 
     def wait_line(self, pattern: str, deadline: float) -> re.Match:
         while time.monotonic() < deadline:
-            for line in self.lines:
+            for line in list(self.lines):
                 if m := re.search(pattern, line):
                     return m
             if self.proc.poll() is not None:
-                raise Unavailable(f"{self.name} exited with code {self.proc.returncode} while starting")
+                raise self.exited()
             _check_stop()
             time.sleep(0.05)
         raise Unavailable(f"{self.name} did not start in time")
@@ -126,17 +144,22 @@ def wait_ready(base: str, num_decode: int, children: list[Child], deadline: floa
         status, body = _get_json(f"{base}/ready")
         if status == 200 and body.get("decode_workers", 0) >= num_decode:
             return
-        dead = [c.name for c in children if c.proc.poll() is not None]
+        dead = [c for c in children if c.proc.poll() is not None]
         if dead:
-            raise Unavailable(f"{', '.join(dead)} exited during startup (see its log above)")
+            raise dead[0].exited()
         _check_stop()
         time.sleep(0.2)
     raise Unavailable(f"workers not ready within the timeout; last /ready status {status}")
 
 
 def resolve_pair(args) -> None:
-    """Fill --producer/--consumer/--codebook left unset from --pair's directory."""
+    """Fill --producer/--consumer/--codebook left unset from --pair's directory; the pair's
+    codebook only for the pair's models (with models of your own and no --codebook: none)."""
     root = PAIRS[args.pair]
+    if args.codebook is None and (args.producer is not None or args.consumer is not None):
+        print("scd-serve up: no --codebook for these models: serving the methods that need none (raw, quant4, "
+              "...); `scd-serve calibrate` makes one", file=sys.stderr)
+        args.codebook = ""
     for name in ("producer", "consumer", "codebook"):
         if getattr(args, name) is None:
             setattr(args, name, f"{root}/{name}")
@@ -161,6 +184,7 @@ def cluster_env(base: dict[str, str]) -> dict[str, str]:
 def run(args) -> int:
     resolve_pair(args)
     check_models(args)
+    check_port(args.host, args.port)
     if args.prefill_workers < 1 or args.decode_workers < 1:
         raise ConfigError("--prefill-workers and --decode-workers must be >= 1")
     for sig in (signal.SIGINT, signal.SIGTERM):
