@@ -241,8 +241,8 @@ class Render:
                 o = outcomes[i]
                 first = not o.parts
                 o.add(ev)
-                made[i] = (o.usage.completion_tokens if o.usage else made[i] + int(ev.token_id is not None)) \
-                    if self.plan.generate else 0
+                if self.plan.generate:  # (max_tokens 0: the one token made is dropped, not counted)
+                    made[i] = o.usage.completion_tokens if o.usage else made[i] + (ev.token_id is not None)
                 ids, recs = ([ev.token_id], [ev.logprob]) if ev.token_id is not None else ([], [])
                 text, logprobs, offsets[i] = self._piece(o.prompt_index, ids, recs, ev.prompt_logprobs,
                                                          ev.text_delta, echo=self.plan.echo and first,

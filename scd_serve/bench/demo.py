@@ -75,8 +75,9 @@ def open_link(no_netns: bool):
 class Cluster:
     """gateway + prefill (behind the link) + decode, each `python -m scd_serve.cli ROLE`, logs in `logs`."""
 
-    def __init__(self, pair: Path, link, logs: Path, start_timeout: float):
+    def __init__(self, pair: Path, link, logs: Path):
         self.procs: list = []
+        self.logs = logs
         env = {SECRET_ENV: secrets.token_hex(32), "SCD_WORKER_TOKEN": secrets.token_hex(32)}
         cli = [sys.executable, "-m", "scd_serve.cli"]
         gw_port, control_port, decode_port, prefill_port = (procs.free_port() for _ in range(4))
@@ -88,16 +89,16 @@ class Cluster:
                                 *book, "--host", link.producer_bind(), "--port", str(prefill_port)], env, logs)
         self._spawn("decode", [*cli, "decode", "--model", str(pair / "consumer"), *book, "--port", str(decode_port),
                                "--prefill", link.producer_addr(prefill_port), "--control-url", control], env, logs)
-        self.wait_ready(time.monotonic() + start_timeout, logs)
 
     def _spawn(self, name: str, cmd: list[str], env: dict, logs: Path) -> None:
         proc = procs.spawn(cmd, logs / f"{name}.log", env)
         proc.name = name
         self.procs.append(proc)
 
-    def wait_ready(self, deadline: float, logs: Path) -> None:
+    def wait_ready(self, timeout_s: float) -> None:
         """Until the decode worker has its prefill peer (not serving on its local fallback) and the
         gateway routes to it."""
+        deadline, logs = time.monotonic() + timeout_s, self.logs
         while time.monotonic() < deadline:
             for p in self.procs:
                 if p.poll() is not None:
@@ -181,7 +182,8 @@ def run(args) -> int:
             f"EMULATED by a userspace token-bucket proxy in this process ({why_not}), not the kernel's shaping"
         print(f"scd-serve demo: starting the cluster of {pair} behind a {fmt_bandwidth(rate)} link ...",
               file=sys.stderr, flush=True)
-        cluster = Cluster(pair, link, logs, args.start_timeout)
+        cluster = Cluster(pair, link, logs)
+        cluster.wait_ready(args.start_timeout)
         t_up = time.monotonic()
         rows = asyncio.run(ask_all(cluster.url, prompts, args.methods, args.request_timeout))
         prompts = prompts[1:]

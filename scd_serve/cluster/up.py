@@ -80,6 +80,7 @@ class Child:
         self.start()
 
     def start(self) -> None:
+        self.error = None
         self.proc = subprocess.Popen([sys.executable, "-m", "scd_serve.cli", *self.argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, env=self.env)
         self._reader = threading.Thread(target=self._echo, args=(self.proc,), daemon=True)
@@ -98,8 +99,8 @@ class Child:
         """The error for a child gone while starting: its own one line when it printed one."""
         code = self.proc.returncode
         self._reader.join(2.0)  # the process is gone: the reader ends once it has its last lines
-        if self.error is not None:
-            return ConfigError(f"{self.name}: {self.error}") if code == 2 else Unavailable(f"{self.name}: {self.error}")
+        if self.error is not None:  # exit 2: its configuration, which up's own exit 2 reports
+            return (ConfigError if code == 2 else Unavailable)(f"{self.name}: {self.error}")
         return Unavailable(f"{self.name} exited with code {code} while starting (its log is above)")
 
     def wait_line(self, pattern: str, deadline: float) -> re.Match:
@@ -221,7 +222,8 @@ def run(args) -> int:
                         print(f"scd-serve up: {child.name} keeps exiting; stopping", file=sys.stderr)
                         return 1
                     child.restarts += 1
-                    print(f"scd-serve up: {child.name} exited with code {child.proc.returncode}; restarting "
+                    why = f" ({child.error})" if child.error else ""
+                    print(f"scd-serve up: {child.name} exited with code {child.proc.returncode}{why}; restarting "
                           f"({child.restarts}/{MAX_RESTARTS})", file=sys.stderr, flush=True)
                     child.start()
             _stop.wait(0.5)

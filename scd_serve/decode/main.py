@@ -180,9 +180,9 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
 
     from scd_serve.codec.codebook import codebook_arg, refuse_other_pair
     from scd_serve.config.api import ApiConfig
-    from scd_serve.control.preflight import check_model_dir, check_port
     from scd_serve.config.engine import EngineConfig
     from scd_serve.control.fanout import HeartbeatFanout
+    from scd_serve.control.preflight import check_model_dir, check_port
     from scd_serve.decode.worker import DecodeWorker
     from scd_serve.model.runtime import ModelRuntime
 
