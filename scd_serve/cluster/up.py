@@ -42,6 +42,13 @@ def _check_stop() -> None:
         raise KeyboardInterrupt
 
 
+def _on_signal(*_) -> None:
+    """SIGINT/SIGTERM: set _stop from another thread. The handler runs in the main thread, which
+    may be inside _stop.wait() holding the event's lock: setting it here would wait for that
+    lock forever (up then ignores every Ctrl-C)."""
+    threading.Thread(target=_stop.set, name="up-stop", daemon=True).start()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway listen address")
@@ -154,13 +161,9 @@ def wait_ready(base: str, num_decode: int, children: list[Child], deadline: floa
 
 
 def resolve_pair(args) -> None:
-    """Fill --producer/--consumer/--codebook left unset from --pair's directory; the pair's
-    codebook only for the pair's models (with models of your own and no --codebook: none)."""
+    """Fill --producer/--consumer/--codebook left unset from --pair's directory (a codebook that
+    does not fit the models given: the worker's one-line error says so, and up exits 2)."""
     root = PAIRS[args.pair]
-    if args.codebook is None and (args.producer is not None or args.consumer is not None):
-        print("scd-serve up: no --codebook for these models: serving the methods that need none (raw, quant4, "
-              "...); `scd-serve calibrate` makes one", file=sys.stderr)
-        args.codebook = ""
     for name in ("producer", "consumer", "codebook"):
         if getattr(args, name) is None:
             setattr(args, name, f"{root}/{name}")
@@ -189,7 +192,7 @@ def run(args) -> int:
     if args.prefill_workers < 1 or args.decode_workers < 1:
         raise ConfigError("--prefill-workers and --decode-workers must be >= 1")
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: _stop.set())
+        signal.signal(sig, _on_signal)
     deadline = time.monotonic() + args.ready_timeout_s
     env = cluster_env(os.environ)
     insecure = ["--insecure"] if args.insecure else []
