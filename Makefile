@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-stress test-fast test-docker proto clean
+.PHONY: install run demo test test-stress test-fast test-docker proto clean
 
 # pyproject.toml declares ranges; constraints.txt pins the versions the suite was run with
 # (torch 2.13.0: the CPU wheel on disk; anything else downloads CUDA).
@@ -21,6 +21,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/scd-serve up
 
+# What SCD buys, in under a minute: the context pair's cluster behind a shaped link, every method
+# side by side (scd-serve demo --help: --rate, --prompts).
+demo: $(STAMP)
+	$(BIN)/scd-serve demo
+
 # The whole suite (unit, integration, e2e with real processes).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
@@ -34,6 +39,13 @@ test-stress: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+# The Docker Compose end-to-end stage (.ci/run's second half): installs Docker Engine and Compose
+# v2 where missing, builds the image offline, then runs the compose tests (failing, not skipping,
+# without an engine).
+test-docker: $(STAMP)
+	bash deploy/scripts/ci-docker.sh
+	SCD_REQUIRE_DOCKER=1 $(BIN)/python -m pytest -q -m docker tests/e2e/docker
 
 # Regenerate the committed gRPC modules (scd_serve/_proto) after changing proto/*.proto;
 # tests/unit/test_packaging.py fails while they differ from a fresh generation.

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "decode": ("scd_serve.decode.main", "run a decode worker (consumer model + HTTP API)"),
     "gateway": ("scd_serve.gateway.main", "run the HTTP gateway in front of decode workers"),
     "up": ("scd_serve.cluster.up", "start a local prefill + decode + gateway cluster"),
+    "demo": ("scd_serve.bench.demo", "what SCD buys: the context pair over a shaped link, every method side by side"),
     "bench": ("scd_serve.bench.main", "benchmarks: ttft over a shaped link, serving load"),
     "plan": ("scd_serve.planner.project", "project payload and TTFT for real model shapes"),
     "make-shaped-pair": ("scd_serve.bench.shaped_pair", "random-weight pair with a real model's shape (cost only)"),

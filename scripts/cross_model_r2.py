@@ -10,8 +10,8 @@ consumer alone and no linear decoder of producer states can ship it.
     python scripts/cross_model_r2.py PRODUCER CONSUMER prompts.jsonl [NUM_PROMPTS]
 """
 
+import argparse
 import json
-import sys
 
 import torch
 
@@ -62,4 +62,10 @@ def main(producer: str, consumer: str, data: str, num_prompts: int = 40, per_pro
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], *(int(v) for v in sys.argv[4:5]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("producer", help="producer model directory")
+    parser.add_argument("consumer", help="consumer model directory")
+    parser.add_argument("data", help="JSONL of {\"prompt\"} or {\"text\"} records")
+    parser.add_argument("num_prompts", type=int, nargs="?", default=40, help="first records used (default 40)")
+    args = parser.parse_args()
+    main(args.producer, args.consumer, args.data, args.num_prompts)

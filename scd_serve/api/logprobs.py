@@ -4,8 +4,9 @@ Completions (legacy): `{"tokens", "token_logprobs", "top_logprobs", "text_offset
 `top_logprobs[i]` maps token text -> logprob for the k best *and* the chosen token (so up to
 k + 1 entries, as OpenAI and vLLM do); with echo the prompt comes first, its first token
 with null values. Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [k]}]}`.
-Token text is the token decoded alone (special tokens kept), or `token_id:<id>` with
-vLLM's `return_tokens_as_token_ids`. -inf is sent as -9999.0, as vLLM does: JSON has no -inf.
+vLLM's `prompt_logprobs` (either route): per prompt token null or {token id: {"logprob", "rank",
+"decoded_token"}}. Token text is the token decoded alone (special tokens kept), or
+`token_id:<id>` with vLLM's `return_tokens_as_token_ids`. -inf is sent as -9999.0, as vLLM does: JSON has no -inf.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def value(lp: float) -> float:
 
 
 def completion_logprobs(token_ids: Sequence[int], records: Sequence[TokenLogprob | None], text: TokenText,
-                        offset: int = 0) -> dict[str, list]:
-    """One choice's (or one stream chunk's) logprobs; `offset`: where its text starts in the choice."""
+                        offset: int = 0, k: int | None = None) -> dict[str, list]:
+    """One choice's (or one stream chunk's) logprobs; `offset`: where its text starts in the choice;
+    `k`: at most this many alternatives (records may hold more: prompt_logprobs asked for them)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, rec in zip(token_ids, records, strict=True):
         token = text(token_id)
@@ -53,9 +55,26 @@ def completion_logprobs(token_ids: Sequence[int], records: Sequence[TokenLogprob
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(value(rec.logprob))
-        top = {text(t): value(lp) for t, lp in rec.top}
+        top = {text(t): value(lp) for t, lp in (rec.top if k is None else rec.top[:k])}
         top.setdefault(token, value(rec.logprob))
         out["top_logprobs"].append(top)
+    return out
+
+
+def prompt_logprobs(token_ids: Sequence[int], records: Sequence[TokenLogprob | None], text: TokenText,
+                    k: int) -> list[dict[int, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first: nothing predicts it) or
+    {token id: {"logprob", "rank", "decoded_token"}}, the prompt's own token first, then the k
+    most likely (ranks 1..k; the prompt's token once, if it is among them)."""
+    out: list[dict[int, dict] | None] = []
+    for token_id, rec in zip(token_ids, records, strict=True):
+        if rec is None:
+            out.append(None)
+            continue
+        entry = {token_id: {"logprob": value(rec.logprob), "rank": rec.rank, "decoded_token": text(token_id)}}
+        for rank, (t, lp) in enumerate(rec.top[:k], start=1):
+            entry.setdefault(t, {"logprob": value(lp), "rank": rank, "decoded_token": text(t)})
+        out.append(entry)
     return out
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from scd_serve.api.schemas import ChatMessage
 from scd_serve.errors import InvalidRequest
 
+UNKNOWN_SHARE = 0.5  # a prompt with more of its tokens unknown than this reads as noise to the model
 DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 DEFAULT_GENERATION_PROMPT = "<|assistant|>\n"
 
@@ -60,3 +61,19 @@ def encode(tokenizer: Any, text: str, *, add_special_tokens: bool, field: str) -
     except UnicodeEncodeError:
         raise InvalidRequest(f"{field} is not valid Unicode text (it holds a lone surrogate)", field=field) from None
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def unknown_warning(prompts: list[tuple[str | None, list[int]]], tokenizer: Any) -> str | None:
+    """A warning when most prompt tokens (special ones aside) are the tokenizer's unknown token:
+    text outside the model's vocabulary (a word-level one), which it cannot read. None otherwise."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return None
+    special = set(getattr(tokenizer, "all_special_ids", ())) - {unk}
+    counted = [t for _, ids in prompts for t in ids if t not in special]
+    unknown = sum(t == unk for t in counted)
+    if not counted or unknown <= UNKNOWN_SHARE * len(counted):
+        return None
+    return (f"{unknown} of {len(counted)} prompt tokens are unknown to this model's vocabulary "
+            f"({tokenizer.unk_token}): it cannot read the prompt and its answer is noise; "
+            f"POST /tokenize shows how it reads a text")

@@ -18,8 +18,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from scd_serve.api.choices import Outcome, all_or_none, best, child_seed, first_event, merged, rest
-from scd_serve.api.logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion
-from scd_serve.api.prompt import chat_prompt_ids, completion_prompts
+from scd_serve.api.logprobs import (TokenText, chat_logprobs, completion_logprobs, merge_completion,
+                                    prompt_logprobs)
+from scd_serve.api.prompt import chat_prompt_ids, completion_prompts, unknown_warning
 from scd_serve.api.sampling import MAX_CHOICES, Plan, check_length, check_logit_bias, sampling_params
 from scd_serve.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from scd_serve.api.sse import Shape, sse_stream
@@ -79,6 +80,10 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     if len(prompts) * plan.best_of > MAX_CHOICES:
         raise InvalidRequest(f"{len(prompts)} prompts x best_of {plan.best_of} = {len(prompts) * plan.best_of} "
                              f"generations; at most {MAX_CHOICES} per request", field="prompt")
+    warning = unknown_warning(prompts, backend.tokenizer)
+    if warning:  # the log names counts, never the prompt's text
+        log.warning("request_id=%s %s", rid, warning)
+    headers = {"x-scd-warning": warning} if warning else {}
     method = body.scd_method or config.default_method
     deadline = time.monotonic() + config.request_timeout_s
     reqs = []
@@ -114,9 +119,10 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     if firsts is None:
         on_end(499)
         return Response(status_code=499)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    render = Render(Shape(rid, model, chat, include_usage=include_usage), plan, prompts, backend.tokenizer,
-                    body.return_tokens_as_token_ids)
+    opts = body.stream_options
+    shape = Shape(rid, model, chat, include_usage=bool(opts and opts.include_usage),
+                  continuous_usage=bool(opts and opts.continuous_usage_stats))
+    render = Render(shape, plan, prompts, backend.tokenizer, body.return_tokens_as_token_ids)
     picked = method_choice(backend, method, [r.request_id for r in reqs])  # known now: the first tokens are in
     served.update(picked or {})
     if body.stream:
@@ -124,7 +130,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
         return StreamingResponse(sse_stream(_first_with(chunks, picked) if picked else chunks, rid, on_end),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                          **choice_headers(picked)})
+                                          **choice_headers(picked), **headers})
     outcomes = [Outcome(k // plan.best_of) for k in range(len(reqs))]
     try:  # errors: counted by the app's handler
         done = await _unless_gone(request, all_or_none([rest(f, s, o) for f, s, o in zip(firsts, streams, outcomes)]))
@@ -134,7 +140,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     if done is None:  # the client left; nobody reads this
         return Response(status_code=499)
     return JSONResponse(render.whole(best(done, plan.n, plan.best_of)) | ({SCD_FIELD: picked} if picked else {}),
-                        headers=choice_headers(picked))
+                        headers=choice_headers(picked) | headers)
 
 
 SCD_FIELD = "scd"  # response extension: how the prompt's KV reached the decode worker
@@ -154,6 +160,14 @@ def method_choice(backend, requested: str, request_ids: list[str]) -> dict | Non
         field["detail"] = first.detail
     if first.predicted_s is not None:
         field["predicted_ttft_ms"] = round(first.predicted_s * 1e3, 2)
+    transfer_of = getattr(backend, "transfer_of", None)
+    moved = [t for t in (transfer_of(r) for r in request_ids) if t] if transfer_of else []
+    if moved:  # copies of another request's transfer (n > 1) carried nothing more over the wire
+        own = [t for t in moved if not t.get("shared")]
+        field["transfer"] = {"payload_bytes": sum(t.get("payload_bytes", 0) for t in moved),
+                             "raw_kv_bytes": sum(t.get("raw_kv_bytes", 0) for t in own),
+                             "rebuild_ms": round(sum(t.get("rebuild_s", 0.0) for t in own) * 1e3, 2),
+                             "cache_hit": any(t.get("cache_hit") for t in own)}
     return field
 
 
@@ -200,20 +214,35 @@ class Render:
                                             echo=self.plan.echo, offset=0)
             finish, stop = (o.finish_reason, o.stop_reason) if self.plan.generate else ("length", None)
             choices.append(self.shape.choice(i, text, finish, stop, logprobs))
-        return self.shape.whole(choices, self._usage(outcomes).to_dict())
+            if self.plan.prompt_logprobs is not None and not self.shape.chat:  # vLLM: per choice
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(o)
+        out = self.shape.whole(choices, self._usage(outcomes).to_dict())
+        if self.plan.prompt_logprobs is not None and self.shape.chat:  # vLLM: beside the choices (one prompt)
+            out["prompt_logprobs"] = self._prompt_logprobs(outcomes[0])
+        return out
+
+    def _prompt_logprobs(self, o: Outcome) -> list:
+        ids = self.prompts[o.prompt_index][1]
+        return prompt_logprobs(ids, o.prompt_records or [None] * len(ids), self.text, self.plan.prompt_logprobs)
 
     async def stream(self, firsts: list[TokenEvent], streams: list) -> AsyncIterator[dict]:
         outcomes = [Outcome(k // self.plan.best_of) for k in range(len(streams))]
-        offsets = [0] * len(streams)
+        offsets, made = [0] * len(streams), [0] * len(streams)
+
+        def usage(i: int) -> dict:  # choice i's so far (continuous_usage_stats)
+            return Usage(len(self.prompts[outcomes[i].prompt_index][1]), made[i]).to_dict()
+
         events = merged(firsts, streams)
         try:
             if self.shape.chat:
                 for i in range(len(streams)):
-                    yield self.shape.chunk(i, None, role=True)
+                    yield self.shape.chunk(i, None, role=True, usage=usage(i))
             async for i, ev in events:
                 o = outcomes[i]
                 first = not o.parts
                 o.add(ev)
+                if self.plan.generate:  # (max_tokens 0: the one token made is dropped, not counted)
+                    made[i] = o.usage.completion_tokens if o.usage else made[i] + (ev.token_id is not None)
                 ids, recs = ([ev.token_id], [ev.logprob]) if ev.token_id is not None else ([], [])
                 text, logprobs, offsets[i] = self._piece(o.prompt_index, ids, recs, ev.prompt_logprobs,
                                                          ev.text_delta, echo=self.plan.echo and first,
@@ -222,7 +251,7 @@ class Render:
                 if finish is not None and not self.plan.generate:
                     finish, stop = "length", None
                 if text or logprobs or finish:
-                    yield self.shape.chunk(i, text, finish, stop, logprobs)
+                    yield self.shape.chunk(i, text, finish, stop, logprobs, usage=usage(i))
             if self.shape.include_usage:
                 yield self.shape.usage_chunk(self._usage(outcomes).to_dict())
         finally:
@@ -237,7 +266,7 @@ class Render:
             text = self.echo_text(p)
             if want and not self.shape.chat:
                 lp = completion_logprobs(self.prompts[p][1], prompt_records or [None] * len(self.prompts[p][1]),
-                                         self.text, offset)
+                                         self.text, offset, k=self.plan.logprobs)
             offset += len(text)
         if self.plan.generate:
             text += generated

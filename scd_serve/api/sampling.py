@@ -30,6 +30,7 @@ class Plan:
     generate: bool = True
     logprobs: int | None = None  # what the client asked for (the engine may compute more, for best_of)
     chat_logprobs: bool = False
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (the engine's may be more, for echo)
 
 
 def sampling_params(body, config: ApiConfig, max_tokens: int | None, *, chat: bool,
@@ -63,6 +64,7 @@ def sampling_params(body, config: ApiConfig, max_tokens: int | None, *, chat: bo
         return value if value is not None else d.get(name, fallback)
 
     engine_logprobs = logprobs if best_of == n else max(logprobs or 0, 0)  # best_of ranks by logprob
+    prompt_k = _prompt_logprobs(body, echo, logprobs)
     params = SamplingParams(  # raises InvalidRequest(field=...) on out-of-range values
         temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", -1),
         min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
@@ -70,10 +72,22 @@ def sampling_params(body, config: ApiConfig, max_tokens: int | None, *, chat: bo
         logit_bias=_logit_bias(body.logit_bias), min_tokens=body.min_tokens,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         seed=body.seed, max_tokens=max_tokens, stop=tuple(stop), ignore_eos=body.ignore_eos,
-        logprobs=engine_logprobs, prompt_logprobs=logprobs if echo and logprobs is not None else None,
+        logprobs=engine_logprobs, prompt_logprobs=prompt_k,
     )
     return params, Plan(n=n, best_of=best_of, echo=echo, generate=generate, logprobs=logprobs,
-                        chat_logprobs=chat and logprobs is not None)
+                        chat_logprobs=chat and logprobs is not None, prompt_logprobs=body.prompt_logprobs)
+
+
+def _prompt_logprobs(body, echo: bool, logprobs: int | None) -> int | None:
+    """The alternatives per prompt token the engine must compute: for vLLM's prompt_logprobs, and
+    for echo with logprobs (the prompt's log-probabilities in front of the text); None: neither."""
+    k = body.prompt_logprobs
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", field="prompt_logprobs")
+    if k is not None and body.stream:  # vLLM's rule: they come whole, with the first token
+        raise InvalidRequest("prompt_logprobs are not available when stream=True", field="prompt_logprobs")
+    wanted = [x for x in (k, logprobs if echo else None) if x is not None]
+    return max(wanted) if wanted else None
 
 
 def refuse_unsupported(body, chat: bool) -> None:

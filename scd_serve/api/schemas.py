@@ -20,6 +20,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = Field(
+        False, description="extension, as in vLLM: with include_usage, each chunk carries its choice's usage so far")
 
 
 class _Generation(BaseModel):
@@ -43,6 +45,10 @@ class _Generation(BaseModel):
     logit_bias: dict[StrictStr, Number] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     min_tokens: StrictInt = Field(0, description="extension, as in vLLM: no end before this many tokens")
     ignore_eos: StrictBool = Field(False, description="extension: keep generating past end-of-sequence")
+    prompt_logprobs: StrictInt | None = Field(
+        None, description="extension, as in vLLM: 0..20 alternatives per prompt token; the log-probabilities of "
+                          "the prompt (None for its first token), computed by the consumer's own prefill; not "
+                          "with stream")
     return_tokens_as_token_ids: StrictBool = Field(
         False, description="extension, as in vLLM: logprob tokens as 'token_id:<id>' instead of text")
     scd_method: StrictStr | None = Field(

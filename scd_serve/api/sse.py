@@ -1,7 +1,8 @@
 """OpenAI response shapes (completion / chat, whole and streamed) and the SSE stream.
 
 A stream sends (chat: a role chunk per choice first) a chunk per text delta or logprob
-record, a finish_reason chunk per choice, an optional usage chunk, then `data: [DONE]`. An
+record, a finish_reason chunk per choice, an optional usage chunk, then `data: [DONE]`; with
+vLLM's `continuous_usage_stats` every chunk also carries its choice's usage so far. An
 error after the stream started goes as one `data: {"error": ...}` event before `[DONE]`.
 """
 
@@ -21,9 +22,11 @@ log = logging.getLogger("scd_serve.api")
 class Shape:
     """Builds the JSON objects of one response; `chat` picks the chat.completion flavour."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False):
+    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False,
+                 continuous_usage: bool = False):
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id.removeprefix("req-")
         self.model, self.chat, self.include_usage = model, chat, include_usage
+        self.continuous_usage = include_usage and continuous_usage  # vLLM: only with include_usage
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
@@ -39,7 +42,8 @@ class Shape:
                                                                                     "usage": usage}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, stop_reason=None,
-              logprobs=None, role: bool = False) -> dict:
+              logprobs=None, role: bool = False, usage: dict | None = None) -> dict:
+        """One stream chunk; `usage`: the choice's so far (sent with continuous_usage)."""
         if self.chat:
             delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -51,7 +55,7 @@ class Shape:
             choice["stop_reason"] = stop_reason
         out["choices"] = [choice]
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = usage if self.continuous_usage else None
         return out
 
     def usage_chunk(self, usage: dict) -> dict:

@@ -22,7 +22,8 @@ from scd_serve.bench.stats import RequestResult
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, timeout_s: float,
                             meta: dict | None = None) -> RequestResult:
     """POST `body` (stream=True) to `url`/v1/completions and time every streamed token. `meta`,
-    when given, receives the response's x-scd-* headers and its `scd` field (the method that served)."""
+    when given, receives the response's x-scd-* headers, its `scd` field (the method that served)
+    and the text of its choices."""
     res = RequestResult(sent=time.perf_counter())
     try:
         async with asyncio.timeout(timeout_s):
@@ -44,8 +45,10 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, tim
                         res.error = str(event["error"].get("type") or event["error"])
                         return res
                     now = time.perf_counter()
-                    if meta is not None and "scd" in event:
-                        meta["scd"] = event["scd"]
+                    if meta is not None:
+                        meta["scd"] = event.get("scd", meta.get("scd"))
+                        texts = (c.get("text") or "" for c in event.get("choices") or [])
+                        meta["text"] = meta.get("text", "") + "".join(texts)
                     usage = event.get("usage") or {}
                     if usage.get("completion_tokens") is not None:
                         res.reported_tokens = int(usage["completion_tokens"])

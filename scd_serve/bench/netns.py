@@ -2,7 +2,8 @@
 
 Every byte of a transfer crosses the veth and its token-bucket filter, as between two hosts.
 Needs root and iproute2. `down()` (also at exit) removes both namespaces, and with them the
-veth pair and its qdiscs.
+veth pair and its qdiscs. `HostLink` puts only the producer in a namespace: the consumer's end
+stays in this one, so a whole cluster (gateway, decode, client) runs here unchanged.
 """
 
 from __future__ import annotations
@@ -86,16 +87,20 @@ class NetnsLink:
             raise Unavailable(f"cannot create network namespaces: {err.strip()}") from exc
         return self
 
+    def _ends(self) -> list[tuple[list[str], str]]:
+        """(tc command prefix, device) of each end of the veth."""
+        return [(["tc", "-n", self.producer_ns], self._veth[0]), (["tc", "-n", self.consumer_ns], self._veth[1])]
+
     def set_rate(self, bytes_per_s: float | None) -> None:
         """Token bucket at `bytes_per_s` on both directions; None removes shaping."""
-        for ns, dev in ((self.producer_ns, self._veth[0]), (self.consumer_ns, self._veth[1])):
+        for tc, dev in self._ends():
             if bytes_per_s is None:
-                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
+                subprocess.run([*tc, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
                 continue
             # burst ~1 ms of traffic: small enough that a transfer of a few ms is still shaped
             burst = max(MIN_BURST, int(bytes_per_s * 0.001))
             limit = burst + int(bytes_per_s * 0.05)  # queue up to 50 ms before dropping
-            cmd = ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", tc_rate(bytes_per_s),
+            cmd = [*tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", tc_rate(bytes_per_s),
                    "burst", str(burst), "limit", str(limit)]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
             if res.returncode != 0:
@@ -139,3 +144,57 @@ class NetnsLink:
     def describe(self) -> dict:
         return {"kind": self.kind, "producer_ns": self.producer_ns, "consumer_ns": self.consumer_ns,
                 "burst_bytes": self.burst_bytes, "shaped_in_kernel": True}
+
+
+class HostLink(NetnsLink):
+    """The producer's namespace `<tag>p` (addr .1) <-veth-> this namespace (addr .2): only what the
+    producer sends and receives crosses the shaped veth; everything else runs here as usual."""
+
+    kind = "netns+veth+tc-tbf (producer namespace)"
+
+    def __init__(self, tag: str | None = None):
+        super().__init__(tag or f"scdh{os.getpid()}")
+        n = os.getpid() % 250 + 1  # 10.214: not NetnsLink's subnet, whose both ends are in namespaces
+        self.producer_host, self.consumer_host = f"10.214.{n}.1", f"10.214.{n}.2"
+        self._veth = (f"hp{os.getpid()}"[:15], f"hc{os.getpid()}"[:15])
+
+    def up(self) -> "HostLink":
+        reason = self.available()
+        if reason:
+            raise Unavailable(f"cannot create network namespaces: {reason}")
+        atexit.register(self.down)
+        self._up = True
+        a, b = self._veth
+        try:
+            _ip("netns", "add", self.producer_ns)
+            _ip("link", "add", a, "type", "veth", "peer", "name", b)
+            _ip("link", "set", a, "netns", self.producer_ns)
+            _ip("-n", self.producer_ns, "addr", "add", f"{self.producer_host}/24", "dev", a)
+            _ip("-n", self.producer_ns, "link", "set", a, "up")
+            _ip("-n", self.producer_ns, "link", "set", "lo", "up")
+            _ip("addr", "add", f"{self.consumer_host}/24", "dev", b)
+            _ip("link", "set", b, "up")
+            subprocess.run(["ip", "netns", "exec", self.producer_ns, "sysctl", "-qw",
+                            "net.ipv4.tcp_slow_start_after_idle=0"], capture_output=True, timeout=10)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            err = getattr(exc, "stderr", "") or str(exc)
+            self.down()
+            raise Unavailable(f"cannot create network namespaces: {err.strip()}") from exc
+        return self
+
+    def _ends(self) -> list[tuple[list[str], str]]:
+        return [(["tc", "-n", self.producer_ns], self._veth[0]), (["tc"], self._veth[1])]
+
+    def exec_prefix(self, side: str) -> list[str]:
+        return super().exec_prefix(side) if side == "producer" else []
+
+    def down(self) -> None:
+        if not self._up:
+            return
+        _ip("netns", "del", self.producer_ns, check=False)  # takes the veth pair (both ends) with it
+        _ip("link", "del", self._veth[1], check=False)  # only left if its peer never moved
+        self._up = False
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "producer_ns": self.producer_ns, "burst_bytes": self.burst_bytes,
+                "shaped_in_kernel": True}

@@ -22,21 +22,31 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from pathlib import Path
 
 from scd_serve.config.control import SECRET_ENV
 from scd_serve.config.model import DTYPE_CHOICES
-from scd_serve.errors import ConfigError, Unavailable
+from scd_serve.control.preflight import check_port
+from scd_serve.errors import ConfigError, ScdError, Unavailable
 
 PAIRS = {"demo": "models/demo-pair", "context": "models/context-pair"}  # --pair NAME -> its directory
 STOP_GRACE_S = 15.0
 MAX_RESTARTS = 5  # per worker, over the life of the cluster
 _stop = threading.Event()  # set by SIGINT/SIGTERM
+CHILD_ERROR = re.compile(r"^scd-serve [a-z-]+: error: (.*)$")  # what cli.main prints before exit 2
 
 
 def _check_stop() -> None:
     if _stop.is_set():
         raise KeyboardInterrupt
+
+
+def _on_signal(*_) -> None:
+    """SIGINT/SIGTERM: set _stop from another thread. The handler runs in the main thread, which
+    may be inside _stop.wait() holding the event's lock: setting it here would wait for that
+    lock forever (up then ignores every Ctrl-C)."""
+    threading.Thread(target=_stop.set, name="up-stop", daemon=True).start()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,31 +76,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class Child:
-    """One worker process; its stdout is echoed with a prefix and scanned for its URL line."""
+    """One worker process; its output (logs included) is echoed with a prefix and scanned for its
+    URL line and for the one-line error it exits with (reported as up's own)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]):
         self.name, self.argv, self.env = name, argv, env
-        self.lines: list[str] = []
+        self.lines: deque[str] = deque(maxlen=200)  # the startup lines wait_line reads; not the whole log
+        self.error: str | None = None  # "scd-serve ROLE: error: ..." as the child printed it
         self.restarts = 0
         self.start()
 
     def start(self) -> None:
+        self.error = None
         self.proc = subprocess.Popen([sys.executable, "-m", "scd_serve.cli", *self.argv], stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True, env=self.env)
-        threading.Thread(target=self._echo, args=(self.proc,), daemon=True).start()
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True, env=self.env)
+        self._reader = threading.Thread(target=self._echo, args=(self.proc,), daemon=True)
+        self._reader.start()
 
     def _echo(self, proc) -> None:
         for line in proc.stdout:
-            self.lines.append(line.rstrip())
-            print(f"[{self.name}] {line.rstrip()}", flush=True)
+            line = line.rstrip()
+            if m := CHILD_ERROR.match(line):
+                self.error = m.group(1)  # up says it once, as its own error
+                continue
+            self.lines.append(line)
+            print(f"[{self.name}] {line}", flush=True)
+
+    def exited(self) -> ScdError:
+        """The error for a child gone while starting: its own one line when it printed one."""
+        code = self.proc.returncode
+        self._reader.join(2.0)  # the process is gone: the reader ends once it has its last lines
+        if self.error is not None:  # exit 2: its configuration, which up's own exit 2 reports
+            return (ConfigError if code == 2 else Unavailable)(f"{self.name}: {self.error}")
+        return Unavailable(f"{self.name} exited with code {code} while starting (its log is above)")
 
     def wait_line(self, pattern: str, deadline: float) -> re.Match:
         while time.monotonic() < deadline:
-            for line in self.lines:
+            for line in list(self.lines):
                 if m := re.search(pattern, line):
                     return m
             if self.proc.poll() is not None:
-                raise Unavailable(f"{self.name} exited with code {self.proc.returncode} while starting")
+                raise self.exited()
             _check_stop()
             time.sleep(0.05)
         raise Unavailable(f"{self.name} did not start in time")
@@ -126,16 +152,17 @@ def wait_ready(base: str, num_decode: int, children: list[Child], deadline: floa
         status, body = _get_json(f"{base}/ready")
         if status == 200 and body.get("decode_workers", 0) >= num_decode:
             return
-        dead = [c.name for c in children if c.proc.poll() is not None]
+        dead = [c for c in children if c.proc.poll() is not None]
         if dead:
-            raise Unavailable(f"{', '.join(dead)} exited during startup (see its log above)")
+            raise dead[0].exited()
         _check_stop()
         time.sleep(0.2)
     raise Unavailable(f"workers not ready within the timeout; last /ready status {status}")
 
 
 def resolve_pair(args) -> None:
-    """Fill --producer/--consumer/--codebook left unset from --pair's directory."""
+    """Fill --producer/--consumer/--codebook left unset from --pair's directory (a codebook that
+    does not fit the models given: the worker's one-line error says so, and up exits 2)."""
     root = PAIRS[args.pair]
     for name in ("producer", "consumer", "codebook"):
         if getattr(args, name) is None:
@@ -161,10 +188,11 @@ def cluster_env(base: dict[str, str]) -> dict[str, str]:
 def run(args) -> int:
     resolve_pair(args)
     check_models(args)
+    check_port(args.host, args.port)
     if args.prefill_workers < 1 or args.decode_workers < 1:
         raise ConfigError("--prefill-workers and --decode-workers must be >= 1")
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: _stop.set())
+        signal.signal(sig, _on_signal)
     deadline = time.monotonic() + args.ready_timeout_s
     env = cluster_env(os.environ)
     insecure = ["--insecure"] if args.insecure else []
@@ -197,7 +225,8 @@ def run(args) -> int:
                         print(f"scd-serve up: {child.name} keeps exiting; stopping", file=sys.stderr)
                         return 1
                     child.restarts += 1
-                    print(f"scd-serve up: {child.name} exited with code {child.proc.returncode}; restarting "
+                    why = f" ({child.error})" if child.error else ""
+                    print(f"scd-serve up: {child.name} exited with code {child.proc.returncode}{why}; restarting "
                           f"({child.restarts}/{MAX_RESTARTS})", file=sys.stderr, flush=True)
                     child.start()
             _stop.wait(0.5)

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.plan import Plan
 from scd_serve.codec.codec_spec import CodecSpec, spec_of
-from scd_serve.errors import CodebookError
+from scd_serve.errors import CodebookError, ConfigError
 
 CODEBOOK_VERSION = "scd-codebook/1"
 MANIFEST, TENSORS = "manifest.json", "codebook.safetensors"
@@ -203,6 +203,18 @@ class Codebook:
         book.validate()
         book.check_models(producer, consumer)
         return book
+
+
+def refuse_other_pair(path: str, model_flag: str, producer: Any = None, consumer: Any = None) -> None:
+    """ConfigError (one line, what to do) when the codebook at `path` loads but was made for other
+    models than these; a damaged one is left to the code that loads it for use."""
+    try:
+        Codebook.load(path, producer, consumer)
+    except CodebookError as exc:
+        if "calibrated for" in exc.message or "shape differs" in exc.message:
+            raise ConfigError(f"--codebook {path} was made for another pair ({exc.message}); pass the codebook "
+                              f"calibrated for this {model_flag} (scd-serve calibrate ... --out DIR), or "
+                              f"--codebook '' to serve only the methods that need none") from None
 
 
 def as_codebook(codebook: Any, producer: Any = None, consumer: Any = None) -> Codebook:

@@ -35,7 +35,10 @@ def add_worker_arguments(parser, *, model: str, model_help: str, codebook: str, 
                          dialer: str) -> None:
     """The flags every worker role shares (the compose and k8s files use these names)."""
     parser.add_argument("--model", default=model, help=model_help)
-    parser.add_argument("--codebook", default=codebook, help="SCD codebook directory (optional)")
+    # None = not chosen: the built-in default, which may not fit --model (then: codebook-free methods,
+    # with a warning); a chosen codebook made for other models is refused at start
+    parser.add_argument("--codebook", default=None,
+                        help=f"SCD codebook directory, '' for none (default: {codebook} where it fits --model)")
     parser.add_argument("--host", default="127.0.0.1", help=f"{listener} listen address")
     parser.add_argument("--port", type=int, default=port, help=f"{listener} port (0 = any free port)")
     parser.add_argument("--control-url", default="", help="registry to join, e.g. tcp://127.0.0.1:5555")
@@ -122,7 +125,14 @@ async def start_http(server) -> tuple[asyncio.Task, int]:
     from scd_serve.errors import ConfigError
 
     server.install_signal_handlers = lambda: None
-    http = asyncio.create_task(server.serve())
+
+    async def serve() -> None:
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn's answer to a failed bind (it logged the cause): reported below
+            pass
+
+    http = asyncio.create_task(serve())
     while not server.started and not http.done():
         await asyncio.sleep(0.02)
     if http.done() or not server.servers or not server.servers[0].sockets:

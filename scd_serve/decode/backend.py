@@ -17,6 +17,16 @@ from scd_serve.engine.request import GenerationRequest, TokenEvent
 from scd_serve.errors import InvalidRequest
 
 
+def needs_local(req: GenerationRequest) -> str | None:
+    """Why a request is prefilled on this worker whatever its method (the engine fills no K/V
+    for it), or None. The same cases as `auto`'s needs-local choice."""
+    if req.params.prompt_logprobs is not None:
+        return "prompt log-probabilities need the consumer's own prefill"
+    if req.num_prompt_tokens < 2:
+        return "a one-token prompt has no K/V to transfer"
+    return None
+
+
 class DecodeBackend(EngineBackend):
     """EngineBackend whose transfer methods all go through one RemoteKVFill. Ready while the
     engine runs and, unless the default method is "local" or failures fall back to a local
@@ -32,6 +42,7 @@ class DecodeBackend(EngineBackend):
         self.auto = auto  # AutoMethod or None (then `auto` is refused)
         self._choices: dict[str, Choice] = {}  # request_id -> its method's choice, while it runs
         self._failed: dict[str, str] = {}  # request_id -> why its transfer failed, while it runs
+        self._filled: dict[str, dict] = {}  # request_id -> what its transfer carried, while it runs
 
     @property
     def methods(self) -> list[str]:
@@ -48,8 +59,13 @@ class DecodeBackend(EngineBackend):
         where = f"{choice.method}@{choice.peer}" if choice.peer else choice.method
         return Choice(LOCAL, reason="fallback", detail=f"{where} failed ({failed}): prefilled on this worker")
 
+    def transfer_of(self, request_id: str) -> dict | None:
+        """What a running request's transfer carried (RemoteKVFill's result), None without one."""
+        return self._filled.get(request_id)
+
     async def _watched_fill(self, req: GenerationRequest, sink) -> Any:
-        """The transfer, noting a failure (the engine then prefills here or fails the request)."""
+        """The transfer, noting a failure (the engine then prefills here or fails the request)
+        or what it carried (the response says so)."""
         try:
             result = await self.fill(req, sink)
         except asyncio.CancelledError:
@@ -59,6 +75,8 @@ class DecodeBackend(EngineBackend):
             raise
         if not sink.complete:
             self._failed[req.request_id] = f"wrote {sink.num_written} of {sink.num_layers} layers"
+        elif isinstance(result, dict):
+            self._filled[req.request_id] = result
         return result
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -72,6 +90,9 @@ class DecodeBackend(EngineBackend):
                 self.fill.preferred[rid] = choice.peer
             if choice.local_if_cold and self.peers.config.fallback == "local":  # the engine then prefills here
                 self.fill.local_if_cold.add(rid)
+        elif req.method != LOCAL and (why := needs_local(req)):  # no K/V would be transferred: say so
+            choice = Choice(LOCAL, reason="needs-local", detail=f"{why}: {req.method} not used")
+            req = dataclasses.replace(req, method=LOCAL)
         else:
             choice = fixed(req.method)
         self._choices[rid] = choice
@@ -88,6 +109,7 @@ class DecodeBackend(EngineBackend):
             self.fill.local_if_cold.discard(rid)
             self._choices.pop(rid, None)
             self._failed.pop(rid, None)
+            self._filled.pop(rid, None)
             if self.auto is not None and (first or rid in self.auto.switched):
                 self.auto.forget(rid)
 

@@ -85,6 +85,7 @@ def check_exposure(config: DecodeConfig, control: ControlConfig, insecure: bool)
 def config_from_args(args) -> DecodeConfig:
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(DecodeConfig) if hasattr(args, f.name)}
     return DecodeConfig(**flags | dict(  # the flags named as fields, then the rest
+        codebook=DEFAULT_CODEBOOK if args.codebook is None else args.codebook,
         prefill=split_peers(args.prefill), method=args.method or AUTO, transport=transport_config_from_args(args),
         chooser=ChooserConfig(quality_budget=args.quality_budget, min_top1=args.min_top1, stale_s=args.auto_stale_s),
         served_model_names=tuple(args.served_model_name)))
@@ -175,19 +176,26 @@ def available_ram() -> int:
     return free
 
 
-async def serve(config: DecodeConfig, explicit_method: bool, control: ControlConfig | None = None) -> bool:
-    """Run until SIGINT/SIGTERM (returns False) or until the engine loop dies (returns True)."""
+async def serve(config: DecodeConfig, explicit_method: bool, control: ControlConfig | None = None,
+                codebook_chosen: bool = False) -> bool:
+    """Run until SIGINT/SIGTERM (returns False) or until the engine loop dies (returns True).
+    codebook_chosen: --codebook was given (flag or $SCD_CODEBOOK), so it must fit the model."""
     import uvicorn
 
-    from scd_serve.codec.codebook import codebook_arg
+    from scd_serve.codec.codebook import codebook_arg, refuse_other_pair
     from scd_serve.config.api import ApiConfig
     from scd_serve.config.engine import EngineConfig
     from scd_serve.control.fanout import HeartbeatFanout
+    from scd_serve.control.preflight import check_model_dir, check_port
     from scd_serve.decode.worker import DecodeWorker
     from scd_serve.model.runtime import ModelRuntime
 
+    check_port(config.host, config.port)
+    check_model_dir(config.model)
     stop = stop_event()
     rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
+    if codebook_chosen and codebook_arg(config.codebook):
+        refuse_other_pair(config.codebook, "--model", consumer=rt)
     method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)
     config = dataclasses.replace(config, method=method)
     pool = kv_budget(rt, config)
@@ -249,4 +257,4 @@ async def stopped_or_died(stop: asyncio.Event, engine) -> bool:
 
 def run(args) -> int:
     run_role("decode", args, config_from_args, check_exposure,
-             lambda config, control: serve(config, args.method is not None, control))
+             lambda config, control: serve(config, args.method is not None, control, args.codebook is not None))

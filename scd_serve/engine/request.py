@@ -132,6 +132,7 @@ class TokenLogprob:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    rank: int | None = None  # the token's place in the distribution, 1 = the most likely (vLLM's rank)
 
 
 @dataclass(frozen=True)

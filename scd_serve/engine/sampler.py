@@ -136,13 +136,15 @@ def _presence(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprob]:
-    """logits [N, vocab] (raw) -> per row the chosen token's logprob and the k best (ks[i])."""
+    """logits [N, vocab] (raw) -> per row the chosen token's logprob, its rank and the k best (ks[i])."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    picked = lp.gather(1, torch.tensor(chosen, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    picked_t = lp.gather(1, torch.tensor(chosen, dtype=torch.long, device=lp.device)[:, None])
+    ranks = ((lp > picked_t).sum(dim=-1) + 1).tolist()  # ties share the better rank
+    picked = picked_t[:, 0].tolist()
     k = max(ks)
     top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
-    return [TokenLogprob(picked[r], tuple(zip(top_i[r][:ks[r]], top_v[r][:ks[r]], strict=True)))
+    return [TokenLogprob(picked[r], tuple(zip(top_i[r][:ks[r]], top_v[r][:ks[r]], strict=True)), ranks[r])
             for r in range(len(chosen))]
 
 

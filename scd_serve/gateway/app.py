@@ -31,7 +31,8 @@ from scd_serve.gateway.relay import ClientWatch, Upstream, relay
 
 log = logging.getLogger("scd_serve.gateway")
 FORWARD_HEADERS = ("authorization", "content-type", "accept")
-RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control", "x-scd-method", "x-scd-method-reason")
+RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control",
+                  "x-scd-method", "x-scd-method-reason", "x-scd-warning")
 # (method, path, timed): the routes passed to a decode worker; `timed` ones feed the latency histograms
 PROXIED = (("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True), ("GET", "/v1/models", False),
            ("POST", "/tokenize", False), ("POST", "/detokenize", False))

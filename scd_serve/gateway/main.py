@@ -39,9 +39,12 @@ def check_exposure(config: GatewayConfig, control: ControlConfig, insecure: bool
 async def serve(config: GatewayConfig, control_config: ControlConfig | None = None) -> None:
     import uvicorn
 
+    from scd_serve.control.preflight import check_port, check_zmq_bind
     from scd_serve.control.server import DroppedCollector, RegistryServer
     from scd_serve.gateway.app import create_gateway_app
 
+    check_port(config.host, config.port)
+    check_zmq_bind(config.control_bind, "--control-bind")
     stop = stop_event()
     control = RegistryServer(config.control_bind, control_config or ControlConfig())
 

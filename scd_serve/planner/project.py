@@ -72,6 +72,20 @@ def project(shape: ModelShape, tokens: int, bw: float, plan: RankPlan, rates: Ra
     return rows
 
 
+def crossover(shape: ModelShape, tokens: int, plan: RankPlan, rates: Rates, methods=METHODS) -> dict:
+    """Per transfer method, the link bandwidth (bytes/s) above which its warm TTFT beats the
+    consumer's own prefill (the oracle): payload / (oracle - first step), where the rebuild fits
+    in that time; None where it does not (no link is fast enough). A cold transfer adds the
+    producer's prefill, as long as the oracle's for models of one shape: it never beats it."""
+    rows = project(shape, tokens, 1.0, plan, rates, ["oracle", *(m for m in methods if m != "oracle")])
+    oracle = rows[0].warm_ttft_s
+    out = {}
+    for r in rows[1:]:
+        room = oracle - r.first_step_s  # what wire (and, overlapped, the rebuild) may take
+        out[r.method] = r.payload_bytes / room if room > 0 and r.rebuild_s < room else None
+    return out
+
+
 def measure_rates() -> Rates:
     """Time a float32 matmul and a large copy on this machine (seconds; noisy on shared CPUs)."""
     import time
@@ -149,7 +163,16 @@ def run(args: argparse.Namespace) -> int:
                       f"{r.first_step_s * 1e3:>9.2f}{r.warm_ttft_s * 1e3:>11.2f}{r.cold_ttft_s * 1e3:>11.2f}"
                       f"{r.speedup_vs_oracle_warm:>11.2f}x", file=out)
             result.append({"prompt_tokens": tokens, "bandwidth_bytes_per_s": bw, "rows": [asdict(r) for r in rows]})
+    crossovers = {}
+    print("\nwhere a transfer pays off: the link bandwidth above which its warm TTFT beats the consumer's own "
+          "prefill\n(payload / (oracle TTFT - first step); 'never': its rebuild alone takes longer; cold "
+          "transfers never do)", file=out)
+    for tokens in args.prompt_tokens:
+        crossovers[tokens] = crossover(shape, tokens, plan, rates, args.methods)
+        print(f"  T={tokens}: " + ", ".join(f"{m} {fmt_bandwidth(b) if b else 'never'}"
+                                            for m, b in crossovers[tokens].items()), file=out)
     if args.json:
-        doc = {"model": asdict(shape), "ranks": asdict(plan), "rates": asdict(rates), "formula": FORMULA, "results": result}
+        doc = {"model": asdict(shape), "ranks": asdict(plan), "rates": asdict(rates), "formula": FORMULA, "results": result,
+               "crossover_bytes_per_s": crossovers}
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0

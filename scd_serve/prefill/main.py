@@ -46,6 +46,7 @@ def check_exposure(config: PrefillConfig, control: ControlConfig, insecure: bool
 def config_from_args(args) -> PrefillConfig:
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(PrefillConfig) if hasattr(args, f.name)}
     return PrefillConfig(**flags | dict(max_prompt_tokens=args.max_model_len, cache_bytes=args.cache_mb << 20,
+                                        codebook=DEFAULT_CODEBOOK if args.codebook is None else args.codebook,
                                         transport=transport_config_from_args(args)))
 
 
@@ -66,13 +67,21 @@ def build_codecs(rt, codebook: str) -> dict:
     return codecs
 
 
-async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> None:
+async def serve(config: PrefillConfig, control: ControlConfig | None = None, codebook_chosen: bool = False) -> None:
+    """Serve until SIGINT/SIGTERM; codebook_chosen: --codebook was given, so it must fit the model."""
+    from scd_serve.codec.codebook import codebook_arg, refuse_other_pair
     from scd_serve.control.fanout import HeartbeatFanout
+    from scd_serve.control.preflight import check_model_dir, check_port
     from scd_serve.model.runtime import ModelRuntime
     from scd_serve.prefill.worker import PrefillWorker
 
+    check_port(config.host, config.port)
+    check_port(config.host, config.metrics_port, "--metrics-port")
+    check_model_dir(config.model)
     stop = stop_event()
     rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
+    if codebook_chosen and codebook_arg(config.codebook):
+        refuse_other_pair(config.codebook, "--model", producer=rt)
     codecs = build_codecs(rt, config.codebook)
     worker = PrefillWorker(rt, codecs, config)
     await worker.start()
@@ -107,4 +116,5 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None) -> 
 
 
 def run(args) -> int:
-    run_role("prefill", args, config_from_args, check_exposure, serve)
+    run_role("prefill", args, config_from_args, check_exposure,
+             lambda config, control: serve(config, control, args.codebook is not None))

@@ -7,6 +7,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from scd_serve.config.transport import TransportConfig
 from scd_serve.config.address import join_host_port
+from scd_serve.errors import ConfigError
 from scd_serve.transport.security import TokenAuthInterceptor, server_credentials
 
 
@@ -27,9 +28,13 @@ def bind(server: grpc.aio.Server, host: str, port: int, config: TransportConfig)
     """Listen on host:port (port 0 = OS picks) and return the bound port."""
     address = join_host_port(host, port)
     creds = server_credentials(config)
-    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind": the port taken or the host not ours
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not listen on {address}")
+        raise ConfigError(f"could not listen on {address} (port in use, or not an address of this machine); "
+                          f"pass another --port (0 = any free port) or --host")
     return bound
 
 

@@ -96,7 +96,9 @@ async def test_auto_explores_then_picks_a_lossless_transfer_and_says_so(tmp_path
         assert backend.stats()["auto"]["link_mbit_s"]  # it measured the link
 
         fixed = await complete(client, scd_method="identity")  # a named method is reported as such
-        assert fixed.json()["scd"] == {"method": "identity", "requested": "identity", "reason": "fixed"}
+        scd = fixed.json()["scd"]
+        assert scd.pop("transfer")["payload_bytes"] > 0  # what the transfer carried
+        assert scd == {"method": "identity", "requested": "identity", "reason": "fixed"}
 
         async with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True,
                                                                   "temperature": 0, "ignore_eos": True}) as r:
@@ -196,7 +198,9 @@ async def test_a_failed_transfer_reports_the_local_prefill_that_served(tmp_path)
         assert backend.fill.stats.num_failed >= 1 and backend.engine.num_fallbacks == 1
         faulty[0].armed = False
         r = await complete(client, scd_method="identity")  # a named method that served says so
-        assert r.json()["scd"] == {"method": "identity", "requested": "identity", "reason": "fixed"}
+        scd = r.json()["scd"]
+        assert scd.pop("transfer")["payload_bytes"] > 0
+        assert scd == {"method": "identity", "requested": "identity", "reason": "fixed"}
         faulty[0].armed = True
         r = await complete(client, scd_method="identity")  # ... and one that failed names its fallback
         assert (r.json()["scd"]["method"], r.json()["scd"]["reason"]) == ("local", "fallback")

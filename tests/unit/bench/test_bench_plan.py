@@ -104,3 +104,21 @@ def test_bad_codebook_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "manifest.json").write_text("{}")
     assert main(["plan", "--model-config", "mistral-7b", "--bandwidth", "1gbit", "--codebook", str(tmp_path)]) == 2
     assert "lacks plan or spec" in capsys.readouterr().err
+
+
+def test_crossover_is_the_bandwidth_at_which_a_warm_transfer_ties_the_local_prefill(tmp_path, capsys):
+    from scd_serve.planner.project import Rates, crossover, project
+
+    shape, rates = load_shape("llama-3-8b"), Rates(150.0, 150.0, 1500.0, "given")
+    at = crossover(shape, 1024, RankPlan(), rates)
+    assert set(at) == set(METHODS) - {"oracle"} and at["scd-int8"] < at["scd"] < at["raw"]
+    for method in ("raw", "scd-int8"):  # at the crossover the projected warm TTFT equals the oracle's
+        rows = {r.method: r for r in project(shape, 1024, at[method], RankPlan(), rates, ["oracle", method])}
+        assert rows[method].warm_ttft_s == pytest.approx(rows["oracle"].warm_ttft_s, rel=1e-9)
+    slow_rebuild = Rates(150.0, 1e-6, 1500.0, "given")  # a rebuild slower than the whole prefill
+    assert crossover(shape, 1024, RankPlan(), slow_rebuild)["scd"] is None
+    assert main(["plan", "--model-config", "llama-3-8b", "--bandwidth", "1gbit", "--prompt-tokens", "1024",
+                 "--json", str(tmp_path / "p.json")]) == 0
+    assert "where a transfer pays off" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["crossover_bytes_per_s"]["1024"]["scd"] == pytest.approx(at["scd"])

@@ -67,3 +67,23 @@ def test_netns_link_carries_traffic_and_tears_down():
         link.down()
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert link.producer_ns not in names and link.consumer_ns not in names
+
+
+@pytest.mark.skipif(NetnsLink.available() is not None, reason="needs root and iproute2")
+def test_host_link_shapes_the_producer_namespace_only_and_tears_down():
+    from scd_serve.bench.netns import HostLink
+
+    link = HostLink(tag=f"scdh{time.time_ns() % 100000}")
+    try:
+        link.up()
+        link.set_rate(2e6)
+        assert link.exec_prefix("consumer") == []  # the consumer side is this namespace
+        rate = link.measure_throughput(1 << 20)
+        assert rate is not None and rate < 4e6  # shaped (2 MB/s; generous for a loaded machine)
+        qd = subprocess.run(["tc", "-n", link.producer_ns, "qdisc", "show"], capture_output=True, text=True)
+        assert "tbf" in qd.stdout
+    finally:
+        link.down()
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert link.producer_ns not in names and link._veth[1] not in links
