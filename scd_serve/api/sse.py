@@ -75,7 +75,7 @@ async def sse_stream(chunks: AsyncIterator[dict], request_id: str, on_end: Calla
         raise
     except ScdError as exc:
         status = exc.http_status
-        log.warning("request_id=%s stream ended with %s", request_id, exc.type)
+        log.warning("request_id=%s stream ended with %s", request_id, exc.kind)
         yield data(exc.to_body(request_id))
     except Exception as exc:  # noqa: BLE001 - the client gets a clean error event, the log the details
         status = 500

@@ -156,7 +156,7 @@ class Engine:
                 if failure is not None:
                     if not self.config.fallback_to_local or isinstance(failure, DeadlineExceeded):
                         raise failure
-                    log.warning("request_id=%s KV fill failed (%s); prefilling locally", req.request_id, failure.type)
+                    log.warning("request_id=%s KV fill failed (%s); prefilling locally", req.request_id, failure.kind)
                     self._send(FillFailed(h))
             while True:
                 event = early.pop(0) if early else await self._next(h, deadline)

@@ -38,7 +38,7 @@ async def test_f1_live_at_once_ready_only_after_handshake(rt):
     try:
         assert (await stack.client.get("/live")).status_code == 200
         r = await stack.client.get("/ready")
-        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
         await stack.start_prefill(port=port)
         t0 = time.monotonic()
         ok = await eventually(lambda: ready_is(stack, 200), 10, step=0.05)
@@ -62,7 +62,7 @@ async def test_f5_engine_loop_raising_makes_ready_503_and_fails_fast(make_stack)
     rs = await asyncio.gather(*inflight)
     # a failing step fails its requests (500); MAX_FAILED_STEPS in a row and the loop gives up (503)
     for r in rs:
-        assert (r.status_code, r.json()["error"]["type"]) in ((500, "generation_failed"), (503, "engine_dead")), r.text
+        assert (r.status_code, r.json()["error"]["code"]) in ((500, "generation_failed"), (503, "engine_dead")), r.text
     for _ in range(MAX_FAILED_STEPS):
         if not stack.engine.ready():
             break
@@ -73,7 +73,7 @@ async def test_f5_engine_loop_raising_makes_ready_503_and_fails_fast(make_stack)
     assert (await stack.client.get("/live")).status_code == 200
     t0 = time.monotonic()
     r = await stack.client.post("/v1/completions", json=completion("after death", 2))
-    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     assert time.monotonic() - t0 <= 2.0  # fails fast: one queued on the dead engine would hang until a timeout (30 s+)
     bm = stack.engine.block_manager
     assert await eventually(lambda: bm.num_free == bm.num_blocks, CLEAN_TIMEOUT_S), (bm.num_free, bm.num_blocks)

@@ -47,7 +47,7 @@ async def test_a2_missing_mistyped_or_unknown_fields_400(stack):
                         ({"prompt": 123}, "prompt"), ({"prompt": "x", "temperature": "hot"}, "temperature"),
                         ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "guided_json": {}}, "guided_json")]:
         err = assert_error_shape(await stack.client.post(URL, json=body), (400,))
-        assert err["type"] == "validation_error" and err["param"] == field, (body, err)
+        assert err["type"] == "invalid_request_error" and err["param"] == field, (body, err)
     r = await stack.client.post("/v1/chat/completions", json={"messages": "hi"})
     assert assert_error_shape(r, (400,))["param"] == "messages"
     await assert_clean(stack, stack.base)
@@ -150,5 +150,5 @@ async def test_a8_unicode_edge_cases(stack):
         assert r.status_code == 200, (prompt, r.text)
     r = await stack.client.post(URL, json=completion("z" * 200_000, 2))
     err = assert_error_shape(r, (400, 413))
-    assert err["type"] in ("context_length_exceeded", "payload_too_large")
+    assert err["code"] in ("context_length_exceeded", "payload_too_large")
     await assert_clean(stack, stack.base)

@@ -80,7 +80,7 @@ async def test_error_mid_stream_is_the_last_event(make_client):
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
-    assert err["type"] == "transfer_failed" and err["request_id"] == r.headers["x-request-id"]
+    assert err["code"] == "transfer_failed" and err["request_id"] == r.headers["x-request-id"]
 
 
 async def test_overloaded_before_first_token_is_a_429_with_retry_after(make_client):
@@ -88,7 +88,7 @@ async def test_overloaded_before_first_token_is_a_429_with_retry_after(make_clie
     for stream in (False, True):
         r = await c.post("/v1/completions", json={"prompt": "hi", "stream": stream})
         assert r.status_code == 429 and r.headers["retry-after"] == "3"
-        assert r.json()["error"]["type"] == "overloaded"
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
 
 
 async def test_models_live_ready(client, backend):
@@ -102,7 +102,7 @@ async def test_models_live_ready(client, backend):
     backend.is_ready = False
     for path in ("/ready", "/health"):
         r = await client.get(path)
-        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
     assert (await client.get("/live")).status_code == 200
 
 
@@ -156,4 +156,4 @@ async def test_omitted_max_tokens_is_the_default_or_what_fits(make_client):
     await c.post("/v1/completions", json={"prompt": "a" * 250})
     assert [r.params.max_tokens for r in backend.calls] == [32, 6]
     r = await c.post("/v1/completions", json={"prompt": "a" * 256})  # nothing fits: still a clear 400
-    assert r.status_code == 400 and r.json()["error"]["type"] == "context_length_exceeded"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
