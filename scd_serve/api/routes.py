@@ -23,6 +23,7 @@ from scd_serve.api.prompt import chat_prompt_ids, completion_prompts
 from scd_serve.api.sampling import MAX_CHOICES, Plan, check_length, check_logit_bias, sampling_params
 from scd_serve.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from scd_serve.api.sse import Shape, sse_stream
+from scd_serve.api.structured import compile_grammar, one_spec, requested_specs
 from scd_serve.control.lifecycle import cancel_all
 from scd_serve.engine.request import GenerationRequest, TokenEvent, Usage
 from scd_serve.errors import InvalidRequest, NotFound, ShuttingDown
@@ -72,6 +73,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
                                    defaults=getattr(backend, "sampling_defaults", None))
     vocab = getattr(backend, "vocab_size", None) or len(backend.tokenizer)
     check_logit_bias(params, vocab)
+    grammar = await compile_grammar(backend, one_spec(requested_specs(body)))
     if chat:
         prompts = [(None, await asyncio.to_thread(chat_prompt_ids, body.messages, backend.tokenizer))]
     else:
@@ -92,7 +94,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
             k = p * plan.best_of + j
             child_id = rid if len(prompts) * plan.best_of == 1 else f"{rid}-{k}"
             reqs.append(GenerationRequest(child_id, ids, dataclasses.replace(own, seed=child_seed(own.seed, j)),
-                                          method, deadline=deadline))
+                                          method, deadline=deadline, grammar=grammar))
     streams = [_timed(backend.generate(r), state.metrics, method, t0) for r in reqs]
     route = request.url.path
     num_prompt_tokens = sum(len(ids) for _, ids in prompts)

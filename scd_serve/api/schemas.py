@@ -22,6 +22,35 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(None, alias="schema",
+                                                         description="the JSON schema; omitted: any JSON object")
+    strict: StrictBool | None = Field(None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | StrictStr | StrictBool | None = Field(None, alias="json", description="a JSON schema")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = Field(None, description="an EBNF grammar (xgrammar's dialect, root rule `root`)")
+    json_object: StrictBool | None = None
+
+
 class _Generation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -50,6 +79,13 @@ class _Generation(BaseModel):
                           "('local' = no transfer, 'raw', 'scd', ..., 'auto' = the fastest the server's quality "
                           "budget allows, picked per request); default from the server config. The response "
                           "says which method served, and why, in its `scd` field and x-scd-method headers")
+    # structured outputs (engine/grammar.py): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="extension, as in vLLM")
+    guided_json: dict[str, Any] | StrictStr | None = Field(None, description="extension, as in vLLM: a JSON schema")
+    guided_regex: StrictStr | None = Field(None, description="extension, as in vLLM")
+    guided_choice: list[StrictStr] | None = Field(None, description="extension, as in vLLM")
+    guided_grammar: StrictStr | None = Field(None, description="extension, as in vLLM: EBNF")
     # accepted, ignored: they do not change what is generated
     user: StrictStr | None = None
     store: StrictBool | None = None
@@ -83,10 +119,8 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    # Refused unless neutral (400 naming the field): no constrained decoding or tool parser here.
-    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"} is supported")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: only null or [] is accepted")
-    tool_choice: StrictStr | dict[str, Any] | None = Field(None, description="only null or \"none\"")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
 
 

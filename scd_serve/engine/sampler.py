@@ -8,7 +8,9 @@ device; only the B chosen ids come back to the CPU.
 
 The logits are shaped as OpenAI and vLLM define it (repetition penalty over prompt and
 output, presence/frequency penalties over the output, logit_bias, end tokens masked until
-min_tokens); log-probabilities come from the raw logits (vLLM's default).
+min_tokens); a request with a grammar (structured outputs) has every token its grammar
+forbids masked (engine/grammar.py), after the shaping. Log-probabilities come from the raw
+logits (vLLM's default).
 """
 
 from __future__ import annotations
@@ -18,9 +20,15 @@ from collections.abc import Collection
 
 import torch
 
+from scd_serve.engine.grammar import TokenMask
 from scd_serve.engine.request import SamplingParams, TokenLogprob
 from scd_serve.engine.sequence import Sequence
 from scd_serve.errors import StepFailed
+
+
+class Ended:
+    """A row's result when its grammar is complete and the vocabulary has no end token the
+    grammar could take: the sequence ends there (finish_reason "stop"), with no new token."""
 
 
 def generator_for(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
@@ -29,17 +37,23 @@ def generator_for(params: SamplingParams, device: torch.device | str = "cpu") ->
     return g
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> list[int | StepFailed]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = (),
+           mask: TokenMask | None = None) -> list[int | StepFailed | Ended]:
     raw = logits.float()  # logits: [B, vocab] (any float dtype/device); one row per sequence
     finite = torch.isfinite(raw).all(dim=-1).tolist()
     ok = [i for i in range(len(seqs)) if finite[i]]
     shaped = [i for i in ok if seqs[i].request.params.shapes_logits]
-    logits = raw.clone() if shaped else raw
+    guided = [i for i in ok if seqs[i].grammar is not None]  # structured outputs: a grammar's mask
+    logits = raw.clone() if shaped or guided else raw
     if shaped:
         logits[shaped] = shape_batch(logits[shaped], [seqs[i] for i in shaped], eos_token_ids)
+    failed: dict[int, StepFailed | Ended] = {}
+    if guided:
+        mask = mask or TokenMask()
+        failed = _mask_guided(mask, logits, raw, guided, seqs)
+        ok = [i for i in ok if i not in failed]
     chosen = torch.argmax(logits, dim=-1)  # greedy rows are done here
     drawn = [i for i in ok if not seqs[i].request.params.greedy]
-    failed: dict[int, StepFailed] = {}
 
     def draw_rows(rows: list[int]) -> None:
         probs, ids = candidates(logits[rows], [seqs[i].request.params for i in rows])
@@ -55,18 +69,42 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
                     draw_rows([i])
                 except RuntimeError as exc:
                     failed[i] = StepFailed(f"sampling failed for request {seqs[i].request.request_id}: {exc}")
-    out: list[int | StepFailed] = list(chosen.tolist())
+    out: list[int | StepFailed | Ended] = list(chosen.tolist())
     for i, seq in enumerate(seqs):
         if not finite[i]:
             out[i] = StepFailed(f"the model produced non-finite logits for request {seq.request.request_id} "
                                 f"at output token {seq.num_output_tokens}")
     out = [failed.get(i, t) for i, t in enumerate(out)]
+    advance = [i for i in guided if i not in failed]
+    if advance:  # the matchers take the chosen tokens (the mask made them legal)
+        accepted = mask.accept([seqs[i].grammar for i in advance], [out[i] for i in advance])
+        for i, yes in zip(advance, accepted, strict=True):
+            if not yes:
+                out[i] = failed[i] = StepFailed(f"the grammar refused token {out[i]} for request "
+                                                f"{seqs[i].request.request_id}")
     wanted = [i for i in ok if seqs[i].request.params.logprobs is not None and i not in failed]
     if wanted:
         ks = [seqs[i].request.params.logprobs for i in wanted]
         for i, lp in zip(wanted, token_logprobs(raw[wanted], [out[i] for i in wanted], ks), strict=True):
             seqs[i].last_logprob = lp
     return out
+
+
+def _mask_guided(mask: TokenMask, logits: torch.Tensor, raw: torch.Tensor, guided: list[int],
+                 seqs: list[Sequence]) -> dict[int, StepFailed]:
+    """Mask the guided rows of `logits` [B, vocab] in place. Where shaping left no legal token
+    (min_tokens masks the end the grammar wants, a bias bans its only token) the grammar wins:
+    the row's raw logits, masked; a row still without one ends (its grammar is complete) or
+    fails alone."""
+    dead = mask.apply(logits, guided, [seqs[i].grammar for i in guided])
+    if not dead:
+        return {}
+    logits[dead] = raw[dead]
+    mask.reapply(logits, dead)
+    still = [i for i, s in zip(dead, torch.isneginf(logits[dead].amax(dim=-1)).tolist(), strict=True) if s]
+    return {i: Ended() if seqs[i].grammar.is_completed() else
+            StepFailed(f"the grammar of request {seqs[i].request.request_id} allows no token of this "
+                       f"vocabulary at output token {seqs[i].num_output_tokens}") for i in still}
 
 
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
