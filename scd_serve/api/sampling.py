@@ -78,12 +78,6 @@ def sampling_params(body, config: ApiConfig, max_tokens: int | None, *, chat: bo
 def refuse_unsupported(body, chat: bool) -> None:
     if getattr(body, "suffix", None) is not None:
         raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", field="suffix")
-    if not chat:
-        return
-    if body.tools:
-        raise InvalidRequest("tools are not supported: this server has no tool-call parser", field="tools")
-    if body.tool_choice not in (None, "none"):
-        raise InvalidRequest("tool_choice must be null or \"none\": tools are not supported", field="tool_choice")
 
 
 def _logprobs(body, chat: bool) -> int | None:

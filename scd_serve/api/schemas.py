@@ -3,8 +3,8 @@
 Types are checked here, ranges and semantics by `sampling.py`; both answer 400 naming the
 field. An unknown field is refused (`Unrecognized request argument supplied: <name>`, as
 OpenAI answers), not dropped: its sender expects it to change the output. Fields that do not
-(`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`) are accepted and
-ignored; chat messages ignore extra keys (replayed conversations carry `refusal`, ...).
+(`user`, `store`, `metadata`, `service_tier`) are accepted and ignored; chat messages ignore
+extra keys (replayed conversations carry `refusal`, ...).
 """
 
 from __future__ import annotations
@@ -106,12 +106,58 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    arguments: StrictStr = Field("{}", description="JSON text, as OpenAI sends it")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls it made")
+    tool_call_id: StrictStr | None = Field(None, description="tool: the call this message answers")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: StrictBool | None = Field(None, description="accepted; constrained calls always follow the schema")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Generation):
@@ -119,9 +165,10 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
+    parallel_tool_calls: StrictBool | None = Field(None, description="false: at most one call (required)")
 
 
 class TokenizeRequest(BaseModel):

@@ -29,8 +29,10 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def choice(self, index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+    def choice(self, index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None,
+               message: dict | None = None) -> dict:
+        """`message`: a chat message other than the plain text (tool calls)."""
+        body = {"message": message or {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return {"index": index} | body | {"logprobs": logprobs, "finish_reason": finish_reason,
                                           "stop_reason": stop_reason}
 
@@ -39,9 +41,11 @@ class Shape:
                                                                                     "usage": usage}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, stop_reason=None,
-              logprobs=None, role: bool = False) -> dict:
+              logprobs=None, role: bool = False, delta: dict | None = None) -> dict:
+        """`delta`: a chat delta other than text (tool calls)."""
         if self.chat:
-            delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
+            delta = delta if delta is not None else (
+                ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {}))
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             out = self._head("chat.completion.chunk")
         else:

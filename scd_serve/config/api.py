@@ -27,6 +27,7 @@ class ApiConfig:
     request_timeout_s: float = 300.0  # end to end, then 504
     enable_docs: bool = True  # /docs and /openapi.json (off in hardened deployments)
     timeout_keep_alive_s: int = 5  # idle keep-alive connections are closed after this (uvicorn)
+    chat_template: str = ""  # a Jinja chat template (--chat-template) instead of the tokenizer's; "" = its own
 
     def __post_init__(self) -> None:
         check_range("api.port", self.port, 0, 65535)

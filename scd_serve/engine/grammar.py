@@ -135,20 +135,29 @@ class GrammarCompiler:
             return self._compiler
 
 
+# One character of valid UTF-8 by its code point ranges (no controls, no surrogates, no `"` or
+# `\`, which would need escapes): xgrammar's `.` also admits overlong byte sequences, which
+# decode to U+FFFD and break maxLength.
+_CHAR = "([ !#-\\[\\]-~]|[\u0080-\u07ff]|[\u0800-\ud7ff]|[\ue000-\uffff]|[\U00010000-\U0010ffff])"
+
+
+_DATA = ("enum", "const", "default", "examples")  # values, not schemas: left untouched
+
+
 def _lengths_as_patterns(schema: Any) -> Any:
     """xgrammar 0.2.8 lets a string with minLength/maxLength hold raw control characters (not
-    JSON); the same bounds as a pattern (`^.{lo,hi}$`) keep them out. Escapes are then not
-    written either, a small loss. Strings that have a pattern or a format are left as they are."""
+    JSON); the same bounds as a pattern of valid characters keep them out. Such a string then
+    holds no `"`, `\\` or escapes, a small loss. Strings that have a pattern or a format are left as they are."""
     if isinstance(schema, list):
         return [_lengths_as_patterns(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _lengths_as_patterns(v) for k, v in schema.items()}
+    out = {k: v if k in _DATA else _lengths_as_patterns(v) for k, v in schema.items()}
     lo, hi = out.get("minLength", 0), out.get("maxLength", "")
     if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out) and "pattern" not in out
             and "format" not in out and all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi or 0))):
         out.pop("minLength", None), out.pop("maxLength", None)
-        out["pattern"] = f"^.{{{lo},{hi}}}$"
+        out["pattern"] = f"^{_CHAR}{{{lo},{hi}}}$"
     return out
 
 
