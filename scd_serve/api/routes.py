@@ -21,7 +21,8 @@ from scd_serve.api.choices import Outcome, all_or_none, best, child_seed, first_
 from scd_serve.api.render import Render, close_all
 from scd_serve.api.prompt import chat_prompt_ids, completion_prompts
 from scd_serve.api.sampling import MAX_CHOICES, Plan, check_length, check_logit_bias, sampling_params
-from scd_serve.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
+from scd_serve.api.responses import ChatCompletionResponse, CompletionResponse, ModelList, ok
+from scd_serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from scd_serve.api.sse import Shape, sse_stream
 from scd_serve.api.structured import compile_grammar, one_spec, requested_specs
 from scd_serve.api.tools import tool_plan
@@ -34,19 +35,27 @@ router = APIRouter()
 T = TypeVar("T")
 
 
-@router.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
+@router.get("/v1/models", response_model=None, responses=ok(ModelList, (401,)))
 async def models(request: Request) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "scd-serve",
-                                        "max_model_len": request.app.state.config.max_model_len}
-                                       for name in request.app.state.model_names]}
+    """vLLM's model cards: every served name, its root (the model directory), max_model_len."""
+    state = request.app.state
+    root = state.config.model_root or state.model_name
+    permission = [{"id": f"modelperm-{state.started}", "object": "model_permission", "created": state.started,
+                   "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                   "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                   "organization": "*", "group": None, "is_blocking": False}]
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.started,
+                                        "owned_by": "scd-serve", "root": root, "parent": None,
+                                        "max_model_len": state.config.max_model_len, "permission": permission}
+                                       for name in state.model_names]}
 
 
-@router.post("/v1/completions", responses=ERROR_RESPONSES)
+@router.post("/v1/completions", responses=ok(CompletionResponse, stream=True))
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _serve(request, body, chat=False, max_tokens=body.max_tokens)
 
 
-@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+@router.post("/v1/chat/completions", responses=ok(ChatCompletionResponse, stream=True))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return await _serve(request, body, chat=True, max_tokens=max_tokens)

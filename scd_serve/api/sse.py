@@ -22,7 +22,7 @@ class Shape:
     """Builds the JSON objects of one response; `chat` picks the chat.completion flavour."""
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False):
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id.removeprefix("req-")
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id  # vLLM's: the x-request-id, prefixed
         self.model, self.chat, self.include_usage = model, chat, include_usage
         self.created = int(time.time())
 

@@ -12,6 +12,7 @@ class ApiConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str = ""  # reported by /v1/models and in responses; "" = the backend's
+    model_root: str = ""  # /v1/models' `root`: the model directory it serves ("" = the model name)
     # Every name a request's `model` may use (the first is reported); () = model_name alone.
     served_model_names: tuple[str, ...] = ()
     api_key: str = field(default="", repr=False)  # bearer token on every route but probes; "" = none

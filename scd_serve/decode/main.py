@@ -192,7 +192,8 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks,
                               request_timeout_s=config.request_timeout_s, fallback_to_local=config.fallback == "local")
     model_name = os.path.basename(os.path.normpath(config.model))
-    api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, api_key=config.api_key,
+    api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, model_root=config.model,
+                        api_key=config.api_key,
                         served_model_names=config.served_model_names,
                         max_model_len=max_len, max_tokens_cap=max_len, default_method=method,
                         request_timeout_s=config.request_timeout_s)

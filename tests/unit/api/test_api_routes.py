@@ -26,10 +26,22 @@ async def test_completion_whole(client, backend):
     assert body["object"] == "text_completion" and body["model"] == "fake-model"
     assert body["choices"][0]["text"] == "Hello" and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
-    assert r.headers["x-request-id"].startswith("req-")
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and body["id"] == f"cmpl-{rid}"  # one id: the header's, in the body too
     req = backend.calls[0]
     assert req.prompt_token_ids == backend.tokenizer.encode("hi") and req.params.temperature == 0
-    assert req.method == "local" and req.request_id == r.headers["x-request-id"]
+    assert req.method == "local" and req.request_id == rid
+
+
+@pytest.mark.parametrize("given,kept", [("trace-42:a/b", True), ("bad id with spaces", False), ("x" * 200, False)])
+async def test_a_clients_x_request_id_is_the_request_id_everywhere(client, backend, given, kept):
+    r = await client.post("/v1/chat/completions", headers={"x-request-id": given},
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    rid = r.headers["x-request-id"]
+    assert (rid == given) is kept and r.headers.get_list("x-request-id") == [rid]
+    assert r.json()["id"] == f"chatcmpl-{rid}" and backend.calls[-1].request_id == rid
+    bad = await client.post("/v1/completions", headers={"x-request-id": given}, json={"prompt": "hi", "n": 0})
+    assert bad.json()["error"]["request_id"] == bad.headers["x-request-id"]
 
 
 async def test_completion_prompt_as_token_ids_and_method_extension(client, backend):
