@@ -26,6 +26,9 @@ class EngineConfig:
     # JSON). Bounded so that a small or unsure model cannot spend max_tokens on blanks; 16 leaves
     # room for pretty-printed nesting.
     json_whitespace: int = 16
+    # --seed: requests without a seed draw theirs from one stream seeded with this, in arrival
+    # order, so a fresh server answers the same unseeded requests alike (None: from entropy)
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_concurrent",
@@ -36,6 +39,9 @@ class EngineConfig:
         if not isinstance(self.json_whitespace, int) or isinstance(self.json_whitespace, bool) \
                 or not 0 <= self.json_whitespace <= 1024:
             raise ConfigError(f"engine.json_whitespace must be an integer in [0, 1024], got {self.json_whitespace!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise ConfigError(f"engine.seed must be an integer in [0, 2^63), got {self.seed!r}")
         for name in ("queue_timeout_s", "request_timeout_s", "stall_timeout_s", "idle_poll_s"):
             value = getattr(self, name)
             if not (0 < value <= 86400):

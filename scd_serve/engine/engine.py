@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -85,6 +86,7 @@ class Engine:
         self._beat = time.monotonic()
         self.num_generated_tokens = self.num_steps = self.num_fallbacks = 0
         self._failed_steps = 0  # consecutive steps that raised
+        self._seeds = random.Random(config.seed) if config.seed is not None else None  # loop thread only
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -279,6 +281,8 @@ class Engine:
             h = message.handle
             match message:
                 case Add():
+                    if self._seeds is not None and h.seq.seed is None:  # --seed: in arrival order
+                        h.seq.seed = self._seeds.getrandbits(63)
                     self._live[h.seq.seq_id] = h
                     self.scheduler.add(h.seq)
                 case Filled():

@@ -31,9 +31,9 @@ class Ended:
     grammar could take: the sequence ends there (finish_reason "stop"), with no new token."""
 
 
-def generator_for(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+def generator_for(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     g = torch.Generator(device=device)
-    g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    g.manual_seed(seed if seed is not None else secrets.randbits(63))
     return g
 
 
@@ -109,7 +109,7 @@ def _mask_guided(mask: TokenMask, logits: torch.Tensor, raw: torch.Tensor, guide
 
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
     if seq.sampler_state is None or seq.sampler_state.device != device:
-        seq.sampler_state = generator_for(seq.request.params, device)
+        seq.sampler_state = generator_for(seq.seed, device)
     return seq.sampler_state
 
 
