@@ -93,6 +93,7 @@ class DecodeConfig:
     max_num_seqs: int = 32  # sequences decoding at once (the batch bound; vLLM's --max-num-seqs)
     chat_template: str = ""  # a Jinja chat template file, or the template itself ("" = the tokenizer's)
     seed: int | None = None  # seeds the engine's stream of seeds for requests without one (vLLM's --seed)
+    json_whitespace: int = 16  # structured outputs: most blanks between two JSON elements (0: compact JSON)
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -44,7 +44,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
     ok = [i for i in range(len(seqs)) if finite[i]]
     shaped = [i for i in ok if seqs[i].request.params.shapes_logits]
     guided = [i for i in ok if seqs[i].grammar is not None]  # structured outputs: a grammar's mask
-    logits = raw.clone() if shaped or guided else raw
+    # raw stays unmasked where it is read again: log-probabilities, or a shaped row to fall back to
+    keep_raw = bool(shaped) or any(seqs[i].request.params.logprobs is not None for i in guided)
+    logits = raw.clone() if keep_raw else raw
     if shaped:
         logits[shaped] = shape_batch(logits[shaped], [seqs[i] for i in shaped], eos_token_ids)
     failed: dict[int, StepFailed | Ended] = {}
@@ -91,20 +93,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
 
 
 def _mask_guided(mask: TokenMask, logits: torch.Tensor, raw: torch.Tensor, guided: list[int],
-                 seqs: list[Sequence]) -> dict[int, StepFailed]:
-    """Mask the guided rows of `logits` [B, vocab] in place. Where shaping left no legal token
-    (min_tokens masks the end the grammar wants, a bias bans its only token) the grammar wins:
-    the row's raw logits, masked; a row still without one ends (its grammar is complete) or
-    fails alone."""
-    dead = mask.apply(logits, guided, [seqs[i].grammar for i in guided])
-    if not dead:
-        return {}
-    logits[dead] = raw[dead]
-    mask.reapply(logits, dead)
-    still = [i for i, s in zip(dead, torch.isneginf(logits[dead].amax(dim=-1)).tolist(), strict=True) if s]
+                 seqs: list[Sequence]) -> dict[int, StepFailed | Ended]:
+    """Mask the guided rows of `logits` [B, vocab] in place. A row whose grammar allows nothing
+    ends (its grammar is complete, the vocabulary has no end token) or fails alone. Where
+    min_tokens masked every token the grammar allows (its end), the grammar wins: that row's
+    raw logits, masked (shaping is min_tokens' -inf, penalties and bias, never -inf otherwise)."""
+    empty = mask.apply(logits, guided, [seqs[i].grammar for i in guided])
+    short = [i for i in guided if i not in empty and seqs[i].num_output_tokens < seqs[i].request.params.min_tokens]
+    if short:
+        dead = [i for i, d in zip(short, torch.isneginf(logits[short].amax(dim=-1)).tolist(), strict=True) if d]
+        if dead:
+            logits[dead] = raw[dead]
+            mask.reapply(logits, dead)
     return {i: Ended() if seqs[i].grammar.is_completed() else
             StepFailed(f"the grammar of request {seqs[i].request.request_id} allows no token of this "
-                       f"vocabulary at output token {seqs[i].num_output_tokens}") for i in still}
+                       f"vocabulary at output token {seqs[i].num_output_tokens}") for i in empty}
 
 
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
