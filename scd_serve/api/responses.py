@@ -148,8 +148,11 @@ class Empty(BaseModel):
     """/health's body: `{}` (its status code is the answer)."""
 
 
-STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "with stream: true, SSE of the "
-                                           "chunk objects (`data: {...}`), then `data: [DONE]`"}}}
+# one SSE event (as OpenAPI tools read a stream: an object per event): `data` is a chunk object's
+# JSON, an error body's, or `[DONE]` last
+STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "description": "with stream: true: SSE, one event per chunk object (`data: {...}`), then `data: [DONE]`"}}}
 
 
 def ok(model: type[BaseModel], errors: tuple[int, ...] | None = None, stream: bool = False) -> dict:
