@@ -68,8 +68,8 @@ def _plain(m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.content if isinstance(m.content, str)
                            else "".join(part.text for part in m.content or ())}
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": parsed_arguments(c.function.arguments)}}
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                                  "name": c.function.name, "arguments": parsed_arguments(c.function.arguments)}}
                              for c in m.tool_calls]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id

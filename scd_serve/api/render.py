@@ -114,7 +114,6 @@ class Render:
         return Usage(prompt, generated)
 
 
-
 async def close_all(streams: list[AsyncIterator]) -> None:
     for s in streams:
         await s.aclose()

@@ -33,40 +33,34 @@ def requested_specs(body) -> list[GrammarSpec]:
                      else GrammarSpec.json_schema(schema, "response_format.json_schema.schema"))
     so = body.structured_outputs
     if so is not None:
-        given = so.model_dump(exclude_none=True)
+        given = so.model_dump(exclude_none=True, by_alias=True)
         if len(given) != 1:
             raise InvalidRequest("structured_outputs must hold exactly one of json, regex, choice, grammar, "
                                  f"json_object; got {sorted(given) or 'none'}", field="structured_outputs")
-        specs.append(_one("structured_outputs", so.json_, so.regex, so.choice, so.grammar, so.json_object))
-    for name, value in (("guided_json", body.guided_json), ("guided_regex", body.guided_regex),
-                        ("guided_choice", body.guided_choice), ("guided_grammar", body.guided_grammar)):
+        (kind, value), = given.items()
+        specs.append(_spec(kind, value, f"structured_outputs.{kind}"))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{kind}")
         if value is not None:
-            kind = name.removeprefix("guided_")
-            specs.append(_one(name, *(value if k == kind else None for k in ("json", "regex", "choice", "grammar"))))
+            specs.append(_spec(kind, value, f"guided_{kind}"))
     return specs
 
 
-def _one(field: str, schema: Any, regex: str | None, choice: list[str] | None, grammar: str | None,
-         json_object: bool | None = None) -> GrammarSpec:
-    where = field if field.startswith("guided_") else None
-    if schema is not None:
-        if schema is True:  # vLLM's structured_outputs.json: true is any JSON object
-            return GrammarSpec("json_object", field=where or f"{field}.json")
-        return GrammarSpec.json_schema(schema, where or f"{field}.json")
-    if regex is not None:
-        if not regex:
-            raise InvalidRequest(f"{where or field + '.regex'} is empty", field=where or f"{field}.regex")
-        return GrammarSpec("regex", regex, where or f"{field}.regex")
-    if choice is not None:
-        at = where or f"{field}.choice"
-        if not choice or any(not c for c in choice):
-            raise InvalidRequest(f"{at} must be a non-empty list of non-empty strings", field=at)
-        return GrammarSpec("choice", json.dumps(choice, ensure_ascii=False), at)
-    if grammar is not None:
-        return GrammarSpec("ebnf", grammar, where or f"{field}.grammar")
-    if json_object:
-        return GrammarSpec("json_object", field=f"{field}.json_object")
-    raise InvalidRequest(f"{field}.json_object must be true when it is the only field", field=f"{field}.json_object")
+def _spec(kind: str, value: Any, field: str) -> GrammarSpec:
+    """vLLM's (kind, value) -> a GrammarSpec; `field` names it in a 400."""
+    if kind == "json_object" or (kind == "json" and value is True):  # `json: true`: any JSON object
+        if value is not True:
+            raise InvalidRequest(f"{field} must be true when given", field=field)
+        return GrammarSpec("json_object", field=field)
+    if kind == "json":
+        return GrammarSpec.json_schema(value, field)
+    if kind == "choice":
+        if not value or any(not c for c in value):
+            raise InvalidRequest(f"{field} must be a non-empty list of non-empty strings", field=field)
+        return GrammarSpec("choice", json.dumps(value, ensure_ascii=False), field)
+    if not value:
+        raise InvalidRequest(f"{field} is empty", field=field)
+    return GrammarSpec("regex" if kind == "regex" else "ebnf", value, field)
 
 
 def one_spec(specs: list[GrammarSpec]) -> GrammarSpec | None:

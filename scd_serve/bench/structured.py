@@ -35,7 +35,8 @@ SCHEMAS = [
      "required": ["name", "age", "tags"]},
     {"type": "object", "properties": {"status": {"enum": ["ok", "failed", "pending"]},
                                       "items": {"type": "array", "maxItems": 4, "items": {
-                                          "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "label": NAME},
+                                          "type": "object", "properties": {
+                                              "id": {"type": "integer", "minimum": 0, "maximum": 999}, "label": NAME},
                                           "required": ["id", "label"]}}}, "required": ["status", "items"]},
     {"type": "object", "properties": {"user": {"type": "object", "properties": {"first": NAME, "last": NAME},
                                                "required": ["first", "last"]},
@@ -95,7 +96,8 @@ async def check_replies(url: str, args) -> dict:
             out = (await client.post(f"{url}/v1/completions", json=b)).json()
             finishes.append(out["choices"][0]["finish_reason"])
             try:
-                jsonschema.validate(json.loads(out["choices"][0]["text"]), b["response_format"]["json_schema"]["schema"])
+                schema = b["response_format"]["json_schema"]["schema"]
+                jsonschema.validate(json.loads(out["choices"][0]["text"]), schema)
                 valid += 1
             except (ValueError, jsonschema.ValidationError):
                 pass  # max_tokens ran out mid-JSON (finish_reason length)

@@ -134,9 +134,9 @@ def kv_budget(rt, config: DecodeConfig):
     from scd_serve.engine import kv_budget as kb
 
     kv_cache_gib, gpu_memory_utilization = config.kv_cache_gib, config.gpu_memory_utilization
-    eng = EngineConfig(max_num_seqs=config.max_num_seqs, max_concurrent=max(EngineConfig.max_concurrent,
-                                                                             config.max_num_seqs))
-    # (the block size and prefill chunk the worker runs with; its batch bound)
+    # the block size, batch bound and prefill chunk the worker runs with
+    eng = EngineConfig(max_num_seqs=config.max_num_seqs,
+                       max_concurrent=max(EngineConfig.max_concurrent, config.max_num_seqs))
     spec, size = rt.spec, torch.empty((), dtype=rt.dtype).element_size()
     if kv_cache_gib:
         budget, source = int(kv_cache_gib * kb.GIB), f"--kv-cache-gib {kv_cache_gib}"

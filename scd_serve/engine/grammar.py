@@ -138,15 +138,13 @@ class GrammarCompiler:
 # `\`, which would need escapes): xgrammar's `.` also admits overlong byte sequences, which
 # decode to U+FFFD and break maxLength. One class, not alternatives: those cost 30x per mask.
 _CHAR = "[ !#-\\[\\]-~\u0080-\ud7ff\ue000-\U0010ffff]"
-
-
 _DATA = ("enum", "const", "default", "examples")  # values, not schemas: left untouched
 
 
 def _lengths_as_patterns(schema: Any) -> Any:
     """xgrammar 0.2.8 lets a string with minLength/maxLength hold raw control characters (not
     JSON); the same bounds as a pattern of valid characters keep them out. Such a string then
-    holds no `"`, `\\` or escapes, a small loss. Strings that have a pattern or a format are left as they are."""
+    holds no `"`, `\\` or escapes, a small loss. Strings with a pattern or a format are left alone."""
     if isinstance(schema, list):
         return [_lengths_as_patterns(s) for s in schema]
     if not isinstance(schema, dict):

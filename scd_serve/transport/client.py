@@ -15,7 +15,7 @@ from scd_serve.transport.proto import SERVICE_NAME, pb, pb_grpc
 
 _PREFILL = f"/{SERVICE_NAME}/Prefill"
 _INFO = f"/{SERVICE_NAME}/Info"
-REQUEST_ID_KEY = "x-request-id"  # Prefill call metadata: the HTTP request's id (also in the message), for proxies and logs
+REQUEST_ID_KEY = "x-request-id"  # Prefill call metadata: the HTTP request's id (the message has it too)
 
 
 class PrefillClient:

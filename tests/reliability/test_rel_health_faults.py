@@ -110,7 +110,7 @@ async def test_h3_codec_failure_for_one_request_only(make_stack):
     results = await asyncio.gather(*(run(rid) for rid in prompts), return_exceptions=True)
     for rid, got in zip(prompts, results):
         if rid == "h3-2":
-            assert isinstance(got, ScdError) and got.type == "transfer_corrupt", got
+            assert isinstance(got, ScdError) and got.kind == "transfer_corrupt", got
         else:
             assert got == solo[rid], rid
     assert hits and set(hits) == {"h3-2"}
@@ -221,7 +221,7 @@ async def test_i4_late_chunk_after_abort_never_lands_in_reused_blocks(make_stack
             try:
                 sinks[0].write_layer(layer, garbage, garbage)
             except ScdError as exc:
-                refused.append(exc.type)
+                refused.append(exc.kind)
     assert refused and set(refused) == {"transfer_failed"}
     assert out_b == solo_b
     await assert_clean(stack, base)

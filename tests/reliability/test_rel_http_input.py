@@ -45,7 +45,8 @@ async def test_a2_missing_mistyped_or_unknown_fields_400(stack):
     """400 (OpenAI's and vLLM's status; FastAPI's default was 422), param naming the field."""
     for body, field in [({"max_tokens": 4}, "prompt"), ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
                         ({"prompt": 123}, "prompt"), ({"prompt": "x", "temperature": "hot"}, "temperature"),
-                        ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "guided_json": {}}, "guided_json")]:
+                        ({"prompt": "x", "stream": "yes"}, "stream"),
+                        ({"prompt": "x", "guided_decoding_backend": "outlines"}, "guided_decoding_backend")]:
         err = assert_error_shape(await stack.client.post(URL, json=body), (400,))
         assert err["type"] == "invalid_request_error" and err["param"] == field, (body, err)
     r = await stack.client.post("/v1/chat/completions", json={"messages": "hi"})

@@ -219,7 +219,7 @@ async def test_g1_g2_sigterm_decode_drains_short_streams_and_ends_long_one(model
                 assert done and events[-1]["choices"][0]["finish_reason"] == "length"
                 assert not any("error" in e for e in events)
             events, done = await long
-            assert events and events[-1].get("error", {}).get("type") == "shutting_down", events[-1:]
+            assert events and events[-1].get("error", {}).get("code") == "shutting_down", events[-1:]
             # the 10 s grace + room; a drain that waited for the long stream would take its ~20 s
             code = await proc.exited(10 + 6)
             assert code == 0 and time.monotonic() - sent <= 10 + 6

@@ -77,7 +77,7 @@ def tid(ch: str) -> int:
     return TOK.encode(ch)[0]
 
 
-def allowed(compiler, grammar, prefix: str):
+def allowed(grammar, prefix: str):
     """A matcher of `grammar` that has taken the tokens of `prefix`."""
     m = grammar.matcher()
     for t in TOK.encode(prefix):
@@ -89,7 +89,7 @@ def test_one_step_masks_the_guided_rows_and_leaves_the_others_alone(compiler):
     tok = byte_tokenizer()
     grammar = compiler.compile(GrammarSpec("choice", '["cat", "dog"]', "guided_choice"))
     seqs = [Sequence(req(f"r{i}", [65])) for i in range(4)]
-    seqs[1].grammar, seqs[3].grammar = grammar.matcher(), allowed(compiler, grammar, "d")
+    seqs[1].grammar, seqs[3].grammar = grammar.matcher(), allowed(grammar, "d")
     logits = torch.zeros(4, len(tok))
     logits[:, tid("z")] = 10.0  # every row's favourite is 'z', which no grammar allows
     out = sample(logits.clone(), seqs, {tok.eos_token_id})
@@ -102,7 +102,7 @@ def test_the_grammar_wins_over_min_tokens_and_a_complete_grammar_takes_the_end_t
     eos = tok.eos_token_id
     grammar = compiler.compile(GrammarSpec("choice", '["ok"]', "guided_choice"))
     seq = Sequence(req("r", [65], min_tokens=5, max_tokens=8))
-    seq.grammar = allowed(compiler, grammar, "ok")
+    seq.grammar = allowed(grammar, "ok")
     assert sample(torch.zeros(1, len(tok)), [seq], {eos}) == [eos]  # min_tokens would mask it: the grammar's end wins
 
 
@@ -185,8 +185,8 @@ async def test_preempted_constrained_sequences_recompute_and_stay_valid_and_exac
 def test_length_bounded_strings_stay_json(compiler):
     """xgrammar lets a length-bounded string hold raw control characters; ours are patterns."""
     grammar = compiler.compile(GrammarSpec.json_schema({"type": "string", "minLength": 1, "maxLength": 3}, "x"))
-    assert not allowed(compiler, grammar, '"').accept_token(tid("\x11"))
-    m = allowed(compiler, grammar, '"abc')
+    assert not allowed(grammar, '"').accept_token(tid("\x11"))
+    m = allowed(grammar, '"abc')
     assert not m.fork().accept_token(tid("d")) and m.accept_token(tid('"'))
 
 
