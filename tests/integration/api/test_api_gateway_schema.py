@@ -37,3 +37,15 @@ def test_every_gateway_answer_matches_the_schema(gateway_url):
             case.call_and_validate(checks=[not_a_server_error, status_code_conformance, response_schema_conformance])
 
         check()
+
+
+def test_one_request_id_from_the_client_through_the_gateway_to_the_worker(gateway_url):
+    import httpx
+
+    body = {"prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=gateway_url, timeout=30) as http:
+        r = http.post("/v1/completions", json=body, headers={"x-request-id": "trace-7"})
+        assert r.headers.get_list("x-request-id") == ["trace-7"] and r.json()["id"] == "cmpl-trace-7"
+        r = http.post("/v1/completions", json=body)  # none sent: the gateway's id, taken by the worker
+        rid = r.headers["x-request-id"]
+        assert r.headers.get_list("x-request-id") == [rid] and r.json()["id"] == f"cmpl-{rid}"
