@@ -103,9 +103,15 @@ async def test_overloaded_before_first_token_is_a_429_with_retry_after(make_clie
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
 
 
-async def test_models_live_ready(client, backend):
+async def test_models_live_ready(client, backend, make_client):
     r = await client.get("/v1/models")
-    assert r.json()["data"][0]["id"] == "fake-model"
+    card = r.json()["data"][0]
+    assert card["id"] == "fake-model" and card["root"] == "fake-model" and card["parent"] is None
+    assert card["created"] > 1.7e9 and card["max_model_len"] == 256 and card["owned_by"] == "scd-serve"
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
+    named = await make_client(FakeBackend(), served_model_names=("a", "b"), model_root="/models/x")
+    assert [(m["id"], m["root"]) for m in (await named.get("/v1/models")).json()["data"]] == [
+        ("a", "/models/x"), ("b", "/models/x")]  # vLLM's: every name, one root
     assert (await client.get("/live")).status_code == 200
     assert (await client.get("/ready")).status_code == 200
     assert (await client.get("/health")).status_code == 200
