@@ -6,11 +6,12 @@ is ready and the app is not draining.
 
 from __future__ import annotations
 
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from scd_serve import __version__
 from scd_serve.api.backend import Backend
@@ -18,6 +19,7 @@ from scd_serve.api.guard import RequestGuard, error_response
 from scd_serve.api.handlers import install_error_handlers
 from scd_serve.api.metrics import Metrics
 from scd_serve.api.routes import router
+from scd_serve.api.responses import Empty, Status, Version, ok
 from scd_serve.api.schemas import ERROR_RESPONSES
 from scd_serve.api.tokenize import router as tokenize_router
 from scd_serve.config.api import ApiConfig
@@ -40,6 +42,7 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
     app.state.model_name = app.state.model_names[0]
     app.state.metrics.model_name = app.state.metrics.model_name or app.state.model_name
     app.state.draining = False
+    app.state.started = int(time.time())  # /v1/models' `created`
     app.add_middleware(RequestGuard, config=config)
 
     def count(request: Request, status: int) -> None:
@@ -51,7 +54,7 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
     app.include_router(tokenize_router)
     add_version_and_live(app)
 
-    @app.get("/health", responses={503: ERROR_RESPONSES[503]})
+    @app.get("/health", response_model=None, responses=ok(Empty, (503,)))
     async def health(request: Request) -> Any:
         """vLLM's probe, which load generators check before they start: 200 while the engine
         works (its loop runs and is not stalled), whatever the prefill workers do."""
@@ -59,7 +62,7 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
             return error_response(Unavailable("engine loop not running"), request.state.request_id)
         return {}
 
-    @app.get("/ready", responses={503: ERROR_RESPONSES[503]})
+    @app.get("/ready", response_model=None, responses=ok(Status, (503,)))
     async def ready(request: Request) -> Any:
         if app.state.draining:
             return error_response(Unavailable("draining"), request.state.request_id)
@@ -67,7 +70,8 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
             return error_response(Unavailable("engine or peers not ready"), request.state.request_id)
         return {"status": "ready"} | backend.ready_detail()
 
-    @app.get("/metrics", responses={401: ERROR_RESPONSES[401]})
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format"}, 401: ERROR_RESPONSES[401]})
     async def metrics_route() -> Response:
         app.state.metrics.update_from_stats(backend.stats())
         payload, content_type = app.state.metrics.render()
@@ -78,10 +82,10 @@ def create_app(config: ApiConfig, backend: Backend, metrics: Metrics | None = No
 
 def add_version_and_live(app: FastAPI) -> None:
     """/version and /live, answered alike by a worker and the gateway (HTTP is up: alive)."""
-    @app.get("/version")
+    @app.get("/version", response_model=None, responses=ok(Version, ()))
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/live")
+    @app.get("/live", response_model=None, responses=ok(Status, ()))
     async def live() -> dict:
         return {"status": "ok"}

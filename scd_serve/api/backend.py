@@ -18,6 +18,7 @@ class Backend(Protocol):
     tokenizer: Any
     vocab_size: int  # optional: token-id prompts are checked against it (default len(tokenizer))
     sampling_defaults: dict[str, Any]  # optional: generation_config.json's defaults for omitted fields
+    grammars: Any  # optional: an engine.grammar.GrammarCompiler (structured outputs; without it they are 400)
 
     def ready(self) -> bool: ...  # engine loop alive and peers reachable
     def engine_ready(self) -> bool: ...  # engine loop alive (GET /health)
@@ -34,6 +35,7 @@ class EngineBackend:
         self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
         self.vocab_size = int(engine.runtime.spec.vocab_size)
         self.sampling_defaults = dict(engine.generation_defaults.sampling)
+        self.grammars = engine.grammars  # structured outputs: compiles a request's grammar (GrammarCompiler)
         self.fills: dict[str, KVFill | None] = {LOCAL: None, **(fills or {})}
         self.peers_ready = peers_ready
 

@@ -1,6 +1,8 @@
 """RequestGuard: ASGI middleware that runs before routing and before the body is parsed.
 
-It gives the request an id (`x-request-id`), checks the API key on every path but
+It gives the request its id (the client's `x-request-id` if it sent a sane one, as vLLM does,
+else a new one), which the logs, the engine request, the prefill worker's gRPC call, the
+response header and the body's `id` (`cmpl-<id>`) all carry; checks the API key on every path but
 OPEN_PATHS, requires application/json bodies (415) and reads the body with a hard cap
 (413, chunked bodies too), so an oversized body is never held in memory.
 """
@@ -8,6 +10,7 @@ OPEN_PATHS, requires application/json bodies (415) and reads the body with a har
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 
 from starlette.responses import JSONResponse
@@ -23,6 +26,15 @@ def error_response(exc: ScdError, request_id: str | None) -> JSONResponse:
     return JSONResponse(exc.to_body(request_id), status_code=exc.http_status, headers=exc.headers)
 
 
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/=+-]{1,128}$")  # what a client's x-request-id may be (safe in logs)
+
+
+def request_id_of(headers: dict[str, str]) -> str:
+    """The client's x-request-id when it is a sane token (vLLM honours it too), else a new one."""
+    given = headers.get("x-request-id", "")
+    return given if REQUEST_ID.match(given) else uuid.uuid4().hex
+
+
 class RequestGuard:
     def __init__(self, app, config: ApiConfig):
         self.app, self.config = app, config
@@ -30,18 +42,19 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = "req-" + uuid.uuid4().hex[:24]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        rid = request_id_of(headers)
         scope.setdefault("state", {})["request_id"] = rid
         started = False
 
         async def send_with_id(message):
             nonlocal started
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start":  # one x-request-id: ours (a proxied one is the same)
                 started = True
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                message["headers"] = [*(h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"),
+                                      (b"x-request-id", rid.encode())]
             await send(message)
 
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         try:
             self._check_key(scope["path"], headers)
             if scope["method"] in ("POST", "PUT", "PATCH"):

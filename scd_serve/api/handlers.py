@@ -29,7 +29,7 @@ def install_error_handlers(app: FastAPI, count: Callable[[Request, int], None] =
     async def scd_error(request: Request, exc: ScdError) -> JSONResponse:
         count(request, exc.http_status)
         log.log(logging.WARNING if exc.http_status >= 500 else logging.INFO, "request_id=%s route=%s status=%d type=%s",
-                request_id(request), request.url.path, exc.http_status, exc.type)
+                request_id(request), request.url.path, exc.http_status, exc.kind)
         return error_response(exc, request_id(request))
 
     @app.exception_handler(RequestValidationError)
@@ -44,7 +44,7 @@ def install_error_handlers(app: FastAPI, count: Callable[[Request, int], None] =
             err: ScdError = NotFound(f"no route {request.url.path}")
         else:
             err = ScdError(str(exc.detail))
-            err.type, err.http_status = "http_error", exc.status_code
+            err.kind, err.type, err.http_status = "http_error", "invalid_request_error", exc.status_code
         return JSONResponse(err.to_body(request_id(request)), status_code=exc.status_code, headers=exc.headers)
 
 

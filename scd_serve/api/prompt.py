@@ -2,7 +2,8 @@
 
 When the tokenizer has no chat template, DEFAULT_CHAT_TEMPLATE is used: each message as
 `<|role|>\\ncontent\\n`, then `<|assistant|>\\n` to open the reply. It is plain text, so it
-works with any tokenizer (a byte-level one included).
+works with any tokenizer (a byte-level one included). Tools, and earlier turns' tool calls,
+are written hermes-style where the template does not take them (api/tools.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from scd_serve.api.schemas import ChatMessage
+from scd_serve.api.tools import hermes_calls, hermes_system_prompt, parsed_arguments
 from scd_serve.errors import InvalidRequest
 
 UNKNOWN_SHARE = 0.5  # a prompt with more of its tokens unknown than this reads as noise to the model
@@ -39,20 +41,53 @@ def _one_prompt(prompt: str | list, tokenizer: Any, vocab_size: int, where: str)
 
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
-    plain = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-              else "".join(part.text for part in m.content or ())} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
+                    add_special_tokens: bool = False, *, tools: list[dict[str, Any]] | None = None,
+                    chat_template: str | None = None) -> list[int]:
+    """`tools`: OpenAI's tool list ({"type": "function", "function": {...}}), for the template.
+    `chat_template`: the server's (--chat-template), else the tokenizer's, else the default."""
+    plain = [_plain(m) for m in messages]
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if tools and not (template and "tools" in template):  # no tool support in the template: say it ourselves
+        plain = _with_system(plain, hermes_system_prompt([t["function"] for t in tools]))
+        tools = None
+    if template:
         try:
-            text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(plain, tools=tools, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - templates reject roles/orders with raise_exception()
             raise InvalidRequest(f"messages do not fit the model's chat template: {str(exc)[:200]}",
                                  field="messages") from None
     else:
-        text = "".join(DEFAULT_CHAT_TEMPLATE.format(**m) for m in plain)
+        text = "".join(DEFAULT_CHAT_TEMPLATE.format(role=m["role"], content=_default_content(m)) for m in plain)
         text += DEFAULT_GENERATION_PROMPT if add_generation_prompt else ""
     # the template already holds any BOS it wants
     return encode(tokenizer, text, add_special_tokens=add_special_tokens, field="messages")
+
+
+def _plain(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (calls' arguments as objects, as HF templates expect)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content if isinstance(m.content, str)
+                           else "".join(part.text for part in m.content or ())}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                                  "name": c.function.name, "arguments": parsed_arguments(c.function.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _default_content(m: dict[str, Any]) -> str:
+    calls = m.get("tool_calls")
+    return m["content"] + ("\n" if m["content"] and calls else "") + (hermes_calls(calls) if calls else "")
+
+
+def _with_system(plain: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    if plain and plain[0]["role"] == "system":
+        return [plain[0] | {"content": plain[0]["content"] + "\n\n" + text}, *plain[1:]]
+    return [{"role": "system", "content": text}, *plain]
 
 
 def encode(tokenizer: Any, text: str, *, add_special_tokens: bool, field: str) -> list[int]:

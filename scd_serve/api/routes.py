@@ -17,13 +17,15 @@ from typing import TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from scd_serve.api.choices import Outcome, all_or_none, best, child_seed, first_event, merged, rest
-from scd_serve.api.logprobs import (TokenText, chat_logprobs, completion_logprobs, merge_completion,
-                                    prompt_logprobs)
+from scd_serve.api.choices import Outcome, all_or_none, best, child_seed, first_event, rest
+from scd_serve.api.render import Render, close_all
 from scd_serve.api.prompt import chat_prompt_ids, completion_prompts, unknown_warning
 from scd_serve.api.sampling import MAX_CHOICES, Plan, check_length, check_logit_bias, sampling_params
-from scd_serve.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
+from scd_serve.api.responses import ChatCompletionResponse, CompletionResponse, ModelList, ok
+from scd_serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from scd_serve.api.sse import Shape, sse_stream
+from scd_serve.api.structured import compile_grammar, one_spec, requested_specs
+from scd_serve.api.tools import tool_plan
 from scd_serve.control.lifecycle import cancel_all
 from scd_serve.engine.request import GenerationRequest, TokenEvent, Usage
 from scd_serve.errors import InvalidRequest, NotFound, ShuttingDown
@@ -33,19 +35,27 @@ router = APIRouter()
 T = TypeVar("T")
 
 
-@router.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
+@router.get("/v1/models", response_model=None, responses=ok(ModelList, (401,)))
 async def models(request: Request) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "scd-serve",
-                                        "max_model_len": request.app.state.config.max_model_len}
-                                       for name in request.app.state.model_names]}
+    """vLLM's model cards: every served name, its root (the model directory), max_model_len."""
+    state = request.app.state
+    root = state.config.model_root or state.model_name
+    permission = [{"id": f"modelperm-{state.started}", "object": "model_permission", "created": state.started,
+                   "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                   "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                   "organization": "*", "group": None, "is_blocking": False}]
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.started,
+                                        "owned_by": "scd-serve", "root": root, "parent": None,
+                                        "max_model_len": state.config.max_model_len, "permission": permission}
+                                       for name in state.model_names]}
 
 
-@router.post("/v1/completions", responses=ERROR_RESPONSES)
+@router.post("/v1/completions", responses=ok(CompletionResponse, stream=True))
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _serve(request, body, chat=False, max_tokens=body.max_tokens)
 
 
-@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+@router.post("/v1/chat/completions", responses=ok(ChatCompletionResponse, stream=True))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return await _serve(request, body, chat=True, max_tokens=max_tokens)
@@ -73,8 +83,13 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
                                    defaults=getattr(backend, "sampling_defaults", None))
     vocab = getattr(backend, "vocab_size", None) or len(backend.tokenizer)
     check_logit_bias(params, vocab)
+    tools = tool_plan(body) if chat else None
+    specs = requested_specs(body) + ([spec] if tools is not None and (spec := tools.spec()) is not None else [])
+    grammar = await compile_grammar(backend, one_spec(specs))
     if chat:
-        prompts = [(None, await asyncio.to_thread(chat_prompt_ids, body.messages, backend.tokenizer))]
+        prompts = [(None, await asyncio.to_thread(chat_prompt_ids, body.messages, backend.tokenizer,
+                                                  tools=tools.template_tools if tools else None,
+                                                  chat_template=config.chat_template or None))]
     else:
         prompts = await asyncio.to_thread(completion_prompts, body.prompt, backend.tokenizer, vocab)
     if len(prompts) * plan.best_of > MAX_CHOICES:
@@ -97,7 +112,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
             k = p * plan.best_of + j
             child_id = rid if len(prompts) * plan.best_of == 1 else f"{rid}-{k}"
             reqs.append(GenerationRequest(child_id, ids, dataclasses.replace(own, seed=child_seed(own.seed, j)),
-                                          method, deadline=deadline))
+                                          method, deadline=deadline, grammar=grammar))
     streams = [_timed(backend.generate(r), state.metrics, method, t0) for r in reqs]
     route = request.url.path
     num_prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -115,14 +130,14 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
         firsts = await _unless_gone(request, all_or_none([first_event(s) for s in streams]))
     finally:
         if firsts is None:  # error or client gone: abort now, do not wait for the transfers
-            await _close(streams)
+            await close_all(streams)
     if firsts is None:
         on_end(499)
         return Response(status_code=499)
     opts = body.stream_options
     shape = Shape(rid, model, chat, include_usage=bool(opts and opts.include_usage),
                   continuous_usage=bool(opts and opts.continuous_usage_stats))
-    render = Render(shape, plan, prompts, backend.tokenizer, body.return_tokens_as_token_ids)
+    render = Render(shape, plan, prompts, backend.tokenizer, body.return_tokens_as_token_ids, tools)
     picked = method_choice(backend, method, [r.request_id for r in reqs])  # known now: the first tokens are in
     served.update(picked or {})
     if body.stream:
@@ -135,7 +150,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     try:  # errors: counted by the app's handler
         done = await _unless_gone(request, all_or_none([rest(f, s, o) for f, s, o in zip(firsts, streams, outcomes)]))
     finally:
-        await _close(streams)
+        await close_all(streams)
     on_end(200 if done is not None else 499)
     if done is None:  # the client left; nobody reads this
         return Response(status_code=499)
@@ -190,104 +205,6 @@ async def _first_with(chunks: AsyncIterator[dict], picked: dict) -> AsyncIterato
             yield chunk
     finally:
         await chunks.aclose()
-
-
-class Render:
-    """Outcomes and events -> OpenAI choices: echo, max_tokens 0, logprobs in either shape."""
-
-    def __init__(self, shape: Shape, plan: Plan, prompts: list[tuple[str | None, list[int]]], tokenizer,
-                 as_ids: bool):
-        self.shape, self.plan, self.prompts, self.tokenizer = shape, plan, prompts, tokenizer
-        self.text = TokenText(tokenizer, as_ids)
-        self._echo: dict[int, str] = {}
-
-    def echo_text(self, p: int) -> str:
-        if p not in self._echo:
-            text, ids = self.prompts[p]
-            self._echo[p] = text if text is not None else self.tokenizer.decode(ids)
-        return self._echo[p]
-
-    def whole(self, outcomes: list[Outcome]) -> dict:
-        choices = []
-        for i, o in enumerate(outcomes):
-            text, logprobs, _ = self._piece(o.prompt_index, o.token_ids, o.records, o.prompt_records, o.text,
-                                            echo=self.plan.echo, offset=0)
-            finish, stop = (o.finish_reason, o.stop_reason) if self.plan.generate else ("length", None)
-            choices.append(self.shape.choice(i, text, finish, stop, logprobs))
-            if self.plan.prompt_logprobs is not None and not self.shape.chat:  # vLLM: per choice
-                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(o)
-        out = self.shape.whole(choices, self._usage(outcomes).to_dict())
-        if self.plan.prompt_logprobs is not None and self.shape.chat:  # vLLM: beside the choices (one prompt)
-            out["prompt_logprobs"] = self._prompt_logprobs(outcomes[0])
-        return out
-
-    def _prompt_logprobs(self, o: Outcome) -> list:
-        ids = self.prompts[o.prompt_index][1]
-        return prompt_logprobs(ids, o.prompt_records or [None] * len(ids), self.text, self.plan.prompt_logprobs)
-
-    async def stream(self, firsts: list[TokenEvent], streams: list) -> AsyncIterator[dict]:
-        outcomes = [Outcome(k // self.plan.best_of) for k in range(len(streams))]
-        offsets, made = [0] * len(streams), [0] * len(streams)
-
-        def usage(i: int) -> dict:  # choice i's so far (continuous_usage_stats)
-            return Usage(len(self.prompts[outcomes[i].prompt_index][1]), made[i]).to_dict()
-
-        events = merged(firsts, streams)
-        try:
-            if self.shape.chat:
-                for i in range(len(streams)):
-                    yield self.shape.chunk(i, None, role=True, usage=usage(i))
-            async for i, ev in events:
-                o = outcomes[i]
-                first = not o.parts
-                o.add(ev)
-                if self.plan.generate:  # (max_tokens 0: the one token made is dropped, not counted)
-                    made[i] = o.usage.completion_tokens if o.usage else made[i] + (ev.token_id is not None)
-                ids, recs = ([ev.token_id], [ev.logprob]) if ev.token_id is not None else ([], [])
-                text, logprobs, offsets[i] = self._piece(o.prompt_index, ids, recs, ev.prompt_logprobs,
-                                                         ev.text_delta, echo=self.plan.echo and first,
-                                                         offset=offsets[i])
-                finish, stop = ev.finish_reason, ev.stop_reason
-                if finish is not None and not self.plan.generate:
-                    finish, stop = "length", None
-                if text or logprobs or finish:
-                    yield self.shape.chunk(i, text, finish, stop, logprobs, usage=usage(i))
-            if self.shape.include_usage:
-                yield self.shape.usage_chunk(self._usage(outcomes).to_dict())
-        finally:
-            await events.aclose()
-            await _close(streams)
-
-    def _piece(self, p: int, ids, records, prompt_records, generated: str, *, echo: bool, offset: int):
-        """-> (text, logprobs or None, the next text offset) of a choice or one stream chunk."""
-        text, lp = "", None
-        want = self.plan.logprobs is not None
-        if echo:
-            text = self.echo_text(p)
-            if want and not self.shape.chat:
-                lp = completion_logprobs(self.prompts[p][1], prompt_records or [None] * len(self.prompts[p][1]),
-                                         self.text, offset, k=self.plan.logprobs)
-            offset += len(text)
-        if self.plan.generate:
-            text += generated
-            if want and self.shape.chat:
-                lp = chat_logprobs(ids, records, self.text) if ids else None
-            elif want:
-                part = completion_logprobs(ids, records, self.text, offset)
-                lp = merge_completion(lp, part) if ids else lp
-                offset += sum(len(t) for t in part["tokens"])
-        return text, lp, offset
-
-    def _usage(self, outcomes: list[Outcome]) -> Usage:
-        prompt = sum(len(ids) for _, ids in self.prompts)
-        done = best(outcomes, self.plan.n, self.plan.best_of) if self.plan.best_of != self.plan.n else outcomes
-        generated = sum(o.usage.completion_tokens for o in done if o.usage) if self.plan.generate else 0
-        return Usage(prompt, generated)
-
-
-async def _close(streams: list[AsyncIterator]) -> None:
-    for s in streams:
-        await s.aclose()
 
 
 async def _timed(events: AsyncIterator[TokenEvent], metrics, method: str, t0: float) -> AsyncIterator[TokenEvent]:

@@ -2,8 +2,7 @@
 semantic checks (400, naming the field).
 
 An omitted field takes the model's default from generation_config.json, else OpenAI's.
-Fields with no honest implementation are refused unless neutral: `response_format` other
-than text, `tools` / `tool_choice`, `suffix`.
+Fields with no honest implementation are refused unless neutral: `suffix`.
 """
 
 from __future__ import annotations
@@ -93,16 +92,6 @@ def _prompt_logprobs(body, echo: bool, logprobs: int | None) -> int | None:
 def refuse_unsupported(body, chat: bool) -> None:
     if getattr(body, "suffix", None) is not None:
         raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", field="suffix")
-    if not chat:
-        return
-    fmt = body.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise InvalidRequest(f"response_format {fmt.get('type')!r} is not supported: this server has no "
-                             f"constrained decoding; only {{\"type\": \"text\"}}", field="response_format")
-    if body.tools:
-        raise InvalidRequest("tools are not supported: this server has no tool-call parser", field="tools")
-    if body.tool_choice not in (None, "none"):
-        raise InvalidRequest("tool_choice must be null or \"none\": tools are not supported", field="tool_choice")
 
 
 def _logprobs(body, chat: bool) -> int | None:

@@ -3,8 +3,8 @@
 Types are checked here, ranges and semantics by `sampling.py`; both answer 400 naming the
 field. An unknown field is refused (`Unrecognized request argument supplied: <name>`, as
 OpenAI answers), not dropped: its sender expects it to change the output. Fields that do not
-(`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`) are accepted and
-ignored; chat messages ignore extra keys (replayed conversations carry `refusal`, ...).
+(`user`, `store`, `metadata`, `service_tier`) are accepted and ignored; chat messages ignore
+extra keys (replayed conversations carry `refusal`, ...).
 """
 
 from __future__ import annotations
@@ -22,6 +22,35 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = Field(
         False, description="extension, as in vLLM: with include_usage, each chunk carries its choice's usage so far")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(None, alias="schema",
+                                                         description="the JSON schema; omitted: any JSON object")
+    strict: StrictBool | None = Field(None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | StrictStr | StrictBool | None = Field(None, alias="json", description="a JSON schema")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = Field(None, description="an EBNF grammar (xgrammar's dialect, root rule `root`)")
+    json_object: StrictBool | None = None
 
 
 class _Generation(BaseModel):
@@ -56,6 +85,13 @@ class _Generation(BaseModel):
                           "('local' = no transfer, 'raw', 'scd', ..., 'auto' = the fastest the server's quality "
                           "budget allows, picked per request); default from the server config. The response "
                           "says which method served, and why, in its `scd` field and x-scd-method headers")
+    # structured outputs (engine/grammar.py): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="extension, as in vLLM")
+    guided_json: dict[str, Any] | StrictStr | None = Field(None, description="extension, as in vLLM: a JSON schema")
+    guided_regex: StrictStr | None = Field(None, description="extension, as in vLLM")
+    guided_choice: list[StrictStr] | None = Field(None, description="extension, as in vLLM")
+    guided_grammar: StrictStr | None = Field(None, description="extension, as in vLLM: EBNF")
     # accepted, ignored: they do not change what is generated
     user: StrictStr | None = None
     store: StrictBool | None = None
@@ -76,12 +112,58 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    arguments: StrictStr = Field("{}", description="JSON text, as OpenAI sends it")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls it made")
+    tool_call_id: StrictStr | None = Field(None, description="tool: the call this message answers")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: StrictBool | None = Field(None, description="accepted; constrained calls always follow the schema")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Generation):
@@ -89,11 +171,10 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    # Refused unless neutral (400 naming the field): no constrained decoding or tool parser here.
-    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"} is supported")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: only null or [] is accepted")
-    tool_choice: StrictStr | dict[str, Any] | None = Field(None, description="only null or \"none\"")
-    parallel_tool_calls: StrictBool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
+    parallel_tool_calls: StrictBool | None = Field(None, description="false: at most one call (required)")
 
 
 class TokenizeRequest(BaseModel):

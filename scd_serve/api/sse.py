@@ -24,7 +24,7 @@ class Shape:
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False,
                  continuous_usage: bool = False):
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id.removeprefix("req-")
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id  # vLLM's: the x-request-id, prefixed
         self.model, self.chat, self.include_usage = model, chat, include_usage
         self.continuous_usage = include_usage and continuous_usage  # vLLM: only with include_usage
         self.created = int(time.time())
@@ -32,8 +32,10 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def choice(self, index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+    def choice(self, index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None,
+               message: dict | None = None) -> dict:
+        """`message`: a chat message other than the plain text (tool calls)."""
+        body = {"message": message or {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return {"index": index} | body | {"logprobs": logprobs, "finish_reason": finish_reason,
                                           "stop_reason": stop_reason}
 
@@ -42,10 +44,12 @@ class Shape:
                                                                                     "usage": usage}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, stop_reason=None,
-              logprobs=None, role: bool = False, usage: dict | None = None) -> dict:
-        """One stream chunk; `usage`: the choice's so far (sent with continuous_usage)."""
+              logprobs=None, role: bool = False, delta: dict | None = None, usage: dict | None = None) -> dict:
+        """One stream chunk. `delta`: a chat delta other than text (tool calls); `usage`: the
+        choice's so far (sent with continuous_usage)."""
         if self.chat:
-            delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
+            delta = delta if delta is not None else (
+                ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {}))
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             out = self._head("chat.completion.chunk")
         else:
@@ -79,7 +83,7 @@ async def sse_stream(chunks: AsyncIterator[dict], request_id: str, on_end: Calla
         raise
     except ScdError as exc:
         status = exc.http_status
-        log.warning("request_id=%s stream ended with %s", request_id, exc.type)
+        log.warning("request_id=%s stream ended with %s", request_id, exc.kind)
         yield data(exc.to_body(request_id))
     except Exception as exc:  # noqa: BLE001 - the client gets a clean error event, the log the details
         status = 500

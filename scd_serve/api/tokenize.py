@@ -12,13 +12,14 @@ from fastapi import APIRouter, Request
 
 from scd_serve.api.prompt import chat_prompt_ids, encode
 from scd_serve.api.routes import served_name
-from scd_serve.api.schemas import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
+from scd_serve.api.responses import DetokenizeResponse, TokenizeResponse, ok
+from scd_serve.api.schemas import DetokenizeRequest, TokenizeRequest
 from scd_serve.errors import InvalidRequest
 
 router = APIRouter()
 
 
-@router.post("/tokenize", responses=ERROR_RESPONSES)
+@router.post("/tokenize", response_model=None, responses=ok(TokenizeResponse))
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     state = request.app.state
     served_name(state, body.model)
@@ -35,7 +36,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     return {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids, "token_strs": strs}
 
 
-@router.post("/detokenize", responses=ERROR_RESPONSES)
+@router.post("/detokenize", response_model=None, responses=ok(DetokenizeResponse))
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     state = request.app.state
     served_name(state, body.model)

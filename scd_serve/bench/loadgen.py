@@ -42,7 +42,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, tim
                         break
                     event = json.loads(data)
                     if "error" in event:
-                        res.error = str(event["error"].get("type") or event["error"])
+                        res.error = str(event["error"].get("code") or event["error"].get("type") or event["error"])
                         return res
                     now = time.perf_counter()
                     if meta is not None:

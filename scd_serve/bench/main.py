@@ -1,4 +1,4 @@
-"""`scd-serve bench {ttft,serve}`: the two measured benchmarks (the planner is `scd-serve plan`)."""
+"""`scd-serve bench {ttft,serve,structured}`: the measured benchmarks (the planner is `scd-serve plan`)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--start-timeout", type=float, default=300.0)
     t.add_argument("--point-timeout", type=float, default=1800.0)
 
+    g = sub.add_parser("structured", help="tokens/s with half the streams grammar-constrained (json_schema) "
+                                          "vs none, on one decode worker")
+    g.add_argument("--json", required=True)
+    g.add_argument("--consumer", default="models/context-pair/consumer",
+                   help="a model whose vocabulary can write JSON (the demo pair's word-level one cannot)")
+    g.add_argument("--streams", type=int, default=16)
+    g.add_argument("--round-s", type=float, default=30.0, help="seconds each round's tokens are counted over")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--prompt-tokens", type=int, default=32)
+    g.add_argument("--json-whitespace", type=int, default=2,
+                   help="the worker's --json-whitespace (the small pair pads JSON with the most it may)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--start-timeout", type=float, default=300.0)
+    g.add_argument("--request-timeout", type=float, default=600.0)
+
     s = sub.add_parser("serve", help="open-loop Poisson load: engine (continuous batching) vs sequential generate")
     s.add_argument("--json", required=True)
     s.add_argument("--consumer", default=f"{DEMO}/consumer")
@@ -89,6 +106,16 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.bench == "ttft":
         doc = _ttft(args)
+    elif args.bench == "structured":
+        from scd_serve.bench.structured import run_structured
+
+        for name in ("streams", "max_tokens", "prompt_tokens", "round_s"):
+            if getattr(args, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0", field=name)
+        doc = run_structured(args)
+        print(f"bench structured: {doc['streams']} streams, tokens/s unconstrained {doc['free_tokens_per_s']}, "
+              f"half constrained {doc['half_tokens_per_s']}: {doc['half_over_free']:.0%} of unconstrained; "
+              f"constrained replies valid {doc['checked']['valid']}/{doc['checked']['requests']}")
     else:
         if args.quick:
             args.rates = args.rates or ["1"]

@@ -70,6 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "workers (0 = their defaults)")
     parser.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                         help="name(s) clients may put in `model` (default: the consumer directory's name)")
+    parser.add_argument("--api-key", default="",
+                        help="bearer token clients must send, to the gateway and the decode workers (passed to "
+                             "them in $SCD_API_KEY, not on their command lines; default: $SCD_API_KEY)")
+    parser.add_argument("--max-num-seqs", type=int, default=0,
+                        help="sequences each decode worker decodes at once (0 = its default)")
+    parser.add_argument("--chat-template", default="",
+                        help="a Jinja chat template (a file, or the template itself) for the decode workers")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the decode workers' --seed: seeds of requests that send none, in arrival order")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0, help="how long to wait for workers")
     parser.add_argument("--insecure", action="store_true",
                         help="let the gateway listen beyond loopback without an API key ($SCD_API_KEY)")
@@ -176,13 +185,25 @@ def check_models(args) -> None:
                               f"`scd-serve make-demo-pair --recipe {args.pair}` or pass model directories")
 
 
-def cluster_env(base: dict[str, str]) -> dict[str, str]:
-    """The children's environment: `base` plus a fresh cluster secret and worker token where unset."""
-    env = dict(base)
+def cluster_env(base: dict[str, str], api_key: str = "") -> dict[str, str]:
+    """The children's environment: `base` plus a fresh cluster secret and worker token where unset,
+    and the API key (every child reads $SCD_API_KEY; an argv is visible to every local user)."""
+    env = dict(base) | ({"SCD_API_KEY": api_key} if api_key else {})
     for name in (SECRET_ENV, "SCD_WORKER_TOKEN"):
         if not env.get(name, "").strip():
             env[name] = secrets.token_hex(32)
     return env
+
+
+def decode_flags(args) -> list[str]:
+    """The decode workers' own flags, from up's (the API key goes by the environment instead)."""
+    flags = ["--method", args.method] if args.method else []
+    if args.served_model_name:
+        flags += ["--served-model-name", *args.served_model_name]
+    for flag, value in (("--max-num-seqs", args.max_num_seqs or None), ("--chat-template", args.chat_template),
+                        ("--seed", args.seed)):
+        flags += [flag, str(value)] if value not in (None, "") else []
+    return flags
 
 
 def run(args) -> int:
@@ -194,7 +215,7 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
     deadline = time.monotonic() + args.ready_timeout_s
-    env = cluster_env(os.environ)
+    env = cluster_env(os.environ, args.api_key)
     insecure = ["--insecure"] if args.insecure else []
     gateway = Child("gateway", ["gateway", "--host", args.host, "--port", str(args.port),
                                 "--control-bind", "tcp://127.0.0.1:0", *insecure], env)
@@ -206,9 +227,7 @@ def run(args) -> int:
                   "--dtype", args.dtype, "--codebook", args.codebook, "--max-model-len", str(args.max_model_len)]
         for i in range(args.prefill_workers):
             prefill.append(Child(f"prefill-{i}", ["prefill", "--model", args.producer, *common], env))
-        decode_only = ["--method", args.method] if args.method else []
-        if args.served_model_name:
-            decode_only += ["--served-model-name", *args.served_model_name]
+        decode_only = decode_flags(args)
         for i in range(args.decode_workers):
             decode.append(Child(f"decode-{i}", ["decode", "--model", args.consumer, *common, *decode_only], env))
         children += prefill + decode

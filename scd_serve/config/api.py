@@ -12,6 +12,7 @@ class ApiConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str = ""  # reported by /v1/models and in responses; "" = the backend's
+    model_root: str = ""  # /v1/models' `root`: the model directory it serves ("" = the model name)
     # Every name a request's `model` may use (the first is reported); () = model_name alone.
     served_model_names: tuple[str, ...] = ()
     api_key: str = field(default="", repr=False)  # bearer token on every route but probes; "" = none
@@ -27,6 +28,7 @@ class ApiConfig:
     request_timeout_s: float = 300.0  # end to end, then 504
     enable_docs: bool = True  # /docs and /openapi.json (off in hardened deployments)
     timeout_keep_alive_s: int = 5  # idle keep-alive connections are closed after this (uvicorn)
+    chat_template: str = ""  # a Jinja chat template (--chat-template) instead of the tokenizer's; "" = its own
 
     def __post_init__(self) -> None:
         check_range("api.port", self.port, 0, 65535)

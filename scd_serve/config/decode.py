@@ -97,6 +97,10 @@ class DecodeConfig:
     # "auto" (when predicted within prior_table_budget_s) or "off".
     prior_table: str = "auto"
     prior_table_budget_s: float = 60.0
+    max_num_seqs: int = 32  # sequences decoding at once (the batch bound; vLLM's --max-num-seqs)
+    chat_template: str = ""  # a Jinja chat template file, or the template itself ("" = the tokenizer's)
+    seed: int | None = None  # seeds the engine's stream of seeds for requests without one (vLLM's --seed)
+    json_whitespace: int = 16  # structured outputs: most blanks between two JSON elements (0: compact JSON)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -127,6 +131,9 @@ class DecodeConfig:
             raise ConfigError(f"decode.prior_table must be one of {', '.join(PRIOR_TABLE_MODES)} and "
                               f"prior_table_budget_s in [0, 86400], got {self.prior_table!r} and "
                               f"{self.prior_table_budget_s}")
+        check_range("decode.max_num_seqs", self.max_num_seqs, 1, 4096)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ConfigError(f"decode.seed (--seed) must be in [0, 2^63), got {self.seed}")
         if self.control_url and not self.control_url.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"decode.control_url must look like tcp://HOST:PORT, got {self.control_url!r}")
         split_peers(",".join(self.prefill))

@@ -22,6 +22,13 @@ class EngineConfig:
     idle_poll_s: float = 0.05  # an idle loop wakes this often (deadlines, liveness)
     retry_after_s: int = 1  # sent with 429
     fallback_to_local: bool = True  # a failed KV fill prefills locally instead of failing the request
+    # Structured outputs: the most whitespace characters between two JSON elements (0: none, compact
+    # JSON). Bounded so that a small or unsure model cannot spend max_tokens on blanks; 16 leaves
+    # room for pretty-printed nesting.
+    json_whitespace: int = 16
+    # --seed: requests without a seed draw theirs from one stream seeded with this, in arrival
+    # order, so a fresh server answers the same unseeded requests alike (None: from entropy)
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_concurrent",
@@ -29,6 +36,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"engine.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.json_whitespace, int) or isinstance(self.json_whitespace, bool) \
+                or not 0 <= self.json_whitespace <= 1024:
+            raise ConfigError(f"engine.json_whitespace must be an integer in [0, 1024], got {self.json_whitespace!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise ConfigError(f"engine.seed must be an integer in [0, 2^63), got {self.seed!r}")
         for name in ("queue_timeout_s", "request_timeout_s", "stall_timeout_s", "idle_poll_s"):
             value = getattr(self, name)
             if not (0 < value <= 86400):

@@ -71,7 +71,7 @@ class DecodeBackend(EngineBackend):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._failed[req.request_id] = getattr(exc, "type", None) or type(exc).__name__
+            self._failed[req.request_id] = getattr(exc, "kind", None) or type(exc).__name__
             raise
         if not sink.complete:
             self._failed[req.request_id] = f"wrote {sink.num_written} of {sink.num_layers} layers"

@@ -130,7 +130,7 @@ class RemoteKVFill:
                 self.stats.num_failed += 1
                 errors.append(err)
                 log.warning("request_id=%s transfer from %s failed (%s): %s", req.request_id, peer.address,
-                            err.type, err.message)
+                            err.kind, err.message)
                 if isinstance(err, IncompatiblePeer):
                     peer.problem = f"incompatible: {err.message}"  # the health loop re-handshakes it
                 if not sink.closed:  # a request that ended meanwhile says nothing about the worker

@@ -71,6 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when predicted within --prior-table-budget-s)")
     parser.add_argument("--prior-table-budget-s", type=float, default=DecodeConfig.prior_table_budget_s,
                         help="with --prior-table auto: the most seconds the table may take to make")
+    parser.add_argument("--max-num-seqs", type=int, default=DecodeConfig.max_num_seqs,
+                        help="sequences decoding at once (the batch bound); more requests wait for a slot")
+    parser.add_argument("--chat-template", default="",
+                        help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seeds the seeds of requests that send none (in arrival order), so a fresh server "
+                             "answers them alike; default: from entropy")
+    parser.add_argument("--json-whitespace", type=int, default=DecodeConfig.json_whitespace,
+                        help="structured outputs: the most whitespace characters between two JSON elements "
+                             "(0 = compact JSON); a small model can otherwise spend its max_tokens on blanks")
     add_transport_arguments(parser)
     add_control_arguments(parser)
 
@@ -129,7 +139,9 @@ def kv_budget(rt, config: DecodeConfig):
     from scd_serve.engine import kv_budget as kb
 
     kv_cache_gib, gpu_memory_utilization = config.kv_cache_gib, config.gpu_memory_utilization
-    eng = EngineConfig()  # the block size, batch bound and prefill chunk the worker runs with
+    # the block size, batch bound and prefill chunk the worker runs with
+    eng = EngineConfig(max_num_seqs=config.max_num_seqs,
+                       max_concurrent=max(EngineConfig.max_concurrent, config.max_num_seqs))
     spec, size = rt.spec, torch.empty((), dtype=rt.dtype).element_size()
     if kv_cache_gib:
         budget, source = int(kv_cache_gib * kb.GIB), f"--kv-cache-gib {kv_cache_gib}"
@@ -145,6 +157,25 @@ def kv_budget(rt, config: DecodeConfig):
                         block_size=eng.block_size, budget_bytes=budget, model_context=spec.max_position_embeddings,
                         max_num_seqs=eng.max_num_seqs, num_blocks=config.num_blocks, max_model_len=config.max_model_len,
                         budget_from=source)
+
+
+def chat_template(value: str, tokenizer) -> str:
+    """--chat-template: a file's text, or the value itself when it is a template; rendered once
+    here, so a broken one stops the worker at start, not each chat request."""
+    if not value:
+        return ""
+    text = value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" not in value and "{%" not in value:
+        raise ConfigError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=text, tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - jinja's errors, whatever they are
+        raise ConfigError(f"--chat-template does not render a one-message chat: {str(exc)[:200]}") from None
+    return text
 
 
 CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # (limit, usage): cgroup v2
@@ -201,13 +232,17 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     pool = kv_budget(rt, config)
     log.info("%s", pool.note)
     max_len = pool.max_model_len
-    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks,
+    engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks, max_num_seqs=config.max_num_seqs,
+                              max_concurrent=max(EngineConfig.max_concurrent, config.max_num_seqs), seed=config.seed,
+                              json_whitespace=config.json_whitespace,
                               request_timeout_s=config.request_timeout_s, fallback_to_local=config.fallback == "local")
+    template = chat_template(config.chat_template, rt.tokenizer)
     model_name = os.path.basename(os.path.normpath(config.model))
-    api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, api_key=config.api_key,
+    api_cfg = ApiConfig(host=config.host, port=config.port, model_name=model_name, model_root=config.model,
+                        api_key=config.api_key,
                         served_model_names=config.served_model_names,
                         max_model_len=max_len, max_tokens_cap=max_len, default_method=method,
-                        request_timeout_s=config.request_timeout_s)
+                        request_timeout_s=config.request_timeout_s, chat_template=template)
     worker = await DecodeWorker(rt, config, engine_cfg, api_cfg).start()
     app, engine, backend, peers, auto = worker.app, worker.engine, worker.backend, worker.peers, worker.auto
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",

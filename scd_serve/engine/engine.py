@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -22,9 +23,11 @@ from scd_serve.engine.block_manager import BlockManager
 from scd_serve.engine.detokenizer import Detokenizer
 from scd_serve.engine.fill import run_fill
 from scd_serve.engine.generation_config import GenerationDefaults
+from scd_serve.engine.grammar import GrammarCompiler
 from scd_serve.engine.inbox import Abort, Add, Filled, FillFailed, Message
 from scd_serve.engine.request import GenerationRequest, KVFill, TokenEvent, Usage
 from scd_serve.engine.runner import Runner
+from scd_serve.engine.sampler import Ended
 from scd_serve.engine.runtime_protocol import Runtime
 from scd_serve.engine.scheduler import ScheduledBatch, Scheduler
 from scd_serve.engine.sequence import Sequence
@@ -66,6 +69,9 @@ class Engine:
         self.generation_defaults = GenerationDefaults.load(runtime.path)
         self.eos_token_ids = (frozenset([eos] if eos is not None else [])
                               | self.generation_defaults.stop_ids(self.tokenizer))
+        # structured outputs: grammars over this vocabulary (the logits' width), compiled on demand
+        self.grammars = GrammarCompiler(self.tokenizer, int(runtime.spec.vocab_size), self.eos_token_ids,
+                                        json_whitespace=config.json_whitespace)
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.runner = Runner(runtime, config, self.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -80,6 +86,7 @@ class Engine:
         self._beat = time.monotonic()
         self.num_generated_tokens = self.num_steps = self.num_fallbacks = 0
         self._failed_steps = 0  # consecutive steps that raised
+        self._seeds = random.Random(config.seed) if config.seed is not None else None  # loop thread only
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -156,7 +163,7 @@ class Engine:
                 if failure is not None:
                     if not self.config.fallback_to_local or isinstance(failure, DeadlineExceeded):
                         raise failure
-                    log.warning("request_id=%s KV fill failed (%s); prefilling locally", req.request_id, failure.type)
+                    log.warning("request_id=%s KV fill failed (%s); prefilling locally", req.request_id, failure.kind)
                     self._send(FillFailed(h))
             while True:
                 event = early.pop(0) if early else await self._next(h, deadline)
@@ -236,12 +243,15 @@ class Engine:
             self._die(exc)
 
     def _drop_failed_rows(self, batch: ScheduledBatch, results: list) -> tuple[ScheduledBatch, list[int]]:
-        """End each sequence whose row could not be sampled (its StepFailed in `results`);
-        -> the batch and tokens of the rest, which go on."""
+        """End each sequence whose row could not be sampled (its StepFailed in `results`) or that
+        ended without a token (Ended); -> the batch and tokens of the rest, which go on."""
         kept: list[tuple[Sequence, int]] = []
         for seq, result in zip(batch.decodes, results, strict=True):
             if isinstance(result, int):
                 kept.append((seq, result))
+                continue
+            if isinstance(result, Ended):
+                self._emit_end(seq)
                 continue
             log.error("request_id=%s failed: %s", seq.request.request_id, result.message)
             self._end(self._live[seq.seq_id], "error", result)
@@ -271,6 +281,8 @@ class Engine:
             h = message.handle
             match message:
                 case Add():
+                    if self._seeds is not None and h.seq.seed is None:  # --seed: in arrival order
+                        h.seq.seed = self._seeds.getrandbits(63)
                     self._live[h.seq.seq_id] = h
                     self.scheduler.add(h.seq)
                 case Filled():
@@ -329,6 +341,13 @@ class Engine:
         del self._live[seq.seq_id]
         log.debug("finished request_id=%s reason=%s output_tokens=%d", seq.request.request_id,
                   seq.finish_reason, seq.num_output_tokens)
+
+    def _emit_end(self, seq: Sequence) -> None:
+        """The sequence is done without a new token (its grammar is complete, no end token)."""
+        h = self._live.pop(seq.seq_id)
+        self.scheduler.finish(seq, "stop")
+        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
+        self._outbox.append((h, TokenEvent(None, h.detok.flush(), "stop", usage, queue_s=seq.queue_s)))
 
     def _flush(self) -> None:
         if not self._outbox:

@@ -105,6 +105,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     method: str = "local"  # transfer method: "local" (no transfer), "raw", "scd", ...
     deadline: float | None = None  # time.monotonic() by which the request must finish
+    grammar: Any = None  # structured outputs: a compiled engine.grammar.Grammar the output must match
 
     @property
     def num_prompt_tokens(self) -> int:

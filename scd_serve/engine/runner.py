@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from scd_serve.config.engine import EngineConfig
+from scd_serve.engine.grammar import TokenMask
 from scd_serve.engine.sampler import sample, token_logprobs
 from scd_serve.engine.scheduler import ScheduledBatch
 from scd_serve.engine.sequence import Sequence
@@ -28,6 +29,7 @@ class Runner:
         # next decode, or forgotten when it ends before one
         self._ready: dict[int, torch.Tensor] = {}
         self.num_steps_ahead = 0  # first tokens sampled from a step made ahead (engine stats)
+        self.mask = TokenMask()  # structured outputs' bitmask, allocated on the first constrained step
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
@@ -53,10 +55,10 @@ class Runner:
         if not batch.decodes:
             return []
         if len(todo) == len(rows):
-            return sample(logits, batch.decodes, self.eos_token_ids)  # nothing was made ahead: no copy
+            return sample(logits, batch.decodes, self.eos_token_ids, self.mask)  # nothing was made ahead: no copy
         for i, row in zip(todo, logits if logits is not None else [], strict=True):
             rows[i] = row
-        return sample(torch.stack(rows), batch.decodes, self.eos_token_ids)
+        return sample(torch.stack(rows), batch.decodes, self.eos_token_ids, self.mask)
 
     def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         """logits [n, vocab] of the chunk at positions num_cached.. : row j predicts token

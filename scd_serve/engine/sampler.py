@@ -8,7 +8,9 @@ device; only the B chosen ids come back to the CPU.
 
 The logits are shaped as OpenAI and vLLM define it (repetition penalty over prompt and
 output, presence/frequency penalties over the output, logit_bias, end tokens masked until
-min_tokens); log-probabilities come from the raw logits (vLLM's default).
+min_tokens); a request with a grammar (structured outputs) has every token its grammar
+forbids masked (engine/grammar.py), after the shaping. Log-probabilities come from the raw
+logits (vLLM's default).
 """
 
 from __future__ import annotations
@@ -18,28 +20,42 @@ from collections.abc import Collection
 
 import torch
 
+from scd_serve.engine.grammar import TokenMask
 from scd_serve.engine.request import SamplingParams, TokenLogprob
 from scd_serve.engine.sequence import Sequence
 from scd_serve.errors import StepFailed
 
 
-def generator_for(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+class Ended:
+    """A row's result when its grammar is complete and the vocabulary has no end token the
+    grammar could take: the sequence ends there (finish_reason "stop"), with no new token."""
+
+
+def generator_for(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     g = torch.Generator(device=device)
-    g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    g.manual_seed(seed if seed is not None else secrets.randbits(63))
     return g
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> list[int | StepFailed]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = (),
+           mask: TokenMask | None = None) -> list[int | StepFailed | Ended]:
     raw = logits.float()  # logits: [B, vocab] (any float dtype/device); one row per sequence
     finite = torch.isfinite(raw).all(dim=-1).tolist()
     ok = [i for i in range(len(seqs)) if finite[i]]
     shaped = [i for i in ok if seqs[i].request.params.shapes_logits]
-    logits = raw.clone() if shaped else raw
+    guided = [i for i in ok if seqs[i].grammar is not None]  # structured outputs: a grammar's mask
+    # raw stays unmasked where it is read again: log-probabilities, or a shaped row to fall back to
+    keep_raw = bool(shaped) or any(seqs[i].request.params.logprobs is not None for i in guided)
+    logits = raw.clone() if keep_raw else raw
     if shaped:
         logits[shaped] = shape_batch(logits[shaped], [seqs[i] for i in shaped], eos_token_ids)
+    failed: dict[int, StepFailed | Ended] = {}
+    if guided:
+        mask = mask or TokenMask()
+        failed = _mask_guided(mask, logits, raw, guided, seqs)
+        ok = [i for i in ok if i not in failed]
     chosen = torch.argmax(logits, dim=-1)  # greedy rows are done here
     drawn = [i for i in ok if not seqs[i].request.params.greedy]
-    failed: dict[int, StepFailed] = {}
 
     def draw_rows(rows: list[int]) -> None:
         probs, ids = candidates(logits[rows], [seqs[i].request.params for i in rows])
@@ -55,12 +71,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
                     draw_rows([i])
                 except RuntimeError as exc:
                     failed[i] = StepFailed(f"sampling failed for request {seqs[i].request.request_id}: {exc}")
-    out: list[int | StepFailed] = list(chosen.tolist())
+    out: list[int | StepFailed | Ended] = list(chosen.tolist())
     for i, seq in enumerate(seqs):
         if not finite[i]:
             out[i] = StepFailed(f"the model produced non-finite logits for request {seq.request.request_id} "
                                 f"at output token {seq.num_output_tokens}")
     out = [failed.get(i, t) for i, t in enumerate(out)]
+    advance = [i for i in guided if i not in failed]
+    if advance:  # the matchers take the chosen tokens (the mask made them legal)
+        accepted = mask.accept([seqs[i].grammar for i in advance], [out[i] for i in advance])
+        for i, yes in zip(advance, accepted, strict=True):
+            if not yes:
+                out[i] = failed[i] = StepFailed(f"the grammar refused token {out[i]} for request "
+                                                f"{seqs[i].request.request_id}")
     wanted = [i for i in ok if seqs[i].request.params.logprobs is not None and i not in failed]
     if wanted:
         ks = [seqs[i].request.params.logprobs for i in wanted]
@@ -69,9 +92,27 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
     return out
 
 
+def _mask_guided(mask: TokenMask, logits: torch.Tensor, raw: torch.Tensor, guided: list[int],
+                 seqs: list[Sequence]) -> dict[int, StepFailed | Ended]:
+    """Mask the guided rows of `logits` [B, vocab] in place. A row whose grammar allows nothing
+    ends (its grammar is complete, the vocabulary has no end token) or fails alone. Where
+    min_tokens masked every token the grammar allows (its end), the grammar wins: that row's
+    raw logits, masked (shaping is min_tokens' -inf, penalties and bias, never -inf otherwise)."""
+    empty = mask.apply(logits, guided, [seqs[i].grammar for i in guided])
+    short = [i for i in guided if i not in empty and seqs[i].num_output_tokens < seqs[i].request.params.min_tokens]
+    if short:
+        dead = [i for i, d in zip(short, torch.isneginf(logits[short].amax(dim=-1)).tolist(), strict=True) if d]
+        if dead:
+            logits[dead] = raw[dead]
+            mask.reapply(logits, dead)
+    return {i: Ended() if seqs[i].grammar.is_completed() else
+            StepFailed(f"the grammar of request {seqs[i].request.request_id} allows no token of this "
+                       f"vocabulary at output token {seqs[i].num_output_tokens}") for i in empty}
+
+
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
     if seq.sampler_state is None or seq.sampler_state.device != device:
-        seq.sampler_state = generator_for(seq.request.params, device)
+        seq.sampler_state = generator_for(seq.seed, device)
     return seq.sampler_state
 
 

@@ -83,7 +83,8 @@ class Scheduler:
             if token in params.stop_token_ids:
                 self.finish(seq, "stop")
                 seq.stop_reason = token  # vLLM reports the id; EOS leaves it None
-            elif token in self.eos_token_ids and not params.ignore_eos:
+            elif token in self.eos_token_ids and (not params.ignore_eos or seq.grammar is not None):
+                # (a grammar ends at an end token: its matcher took it, and allows nothing after)
                 self.finish(seq, "stop")
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 self.finish(seq, "length")

@@ -37,6 +37,9 @@ class Sequence:
         self.queue_s: float | None = None  # arrival -> first admission (set once; vLLM's queue time)
         self.finish_reason: str | None = None
         self.sampler_state: Any = None  # the sampler's per-sequence RNG; opaque here
+        self.seed: int | None = request.params.seed  # the RNG's seed (the engine's --seed stream gives one)
+        # structured outputs: the grammar's matcher, advanced by the sampler; opaque here
+        self.grammar: Any = request.grammar.matcher() if request.grammar is not None else None
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         # params.logprobs: the sampler's TokenLogprob for the token just sampled (taken when emitted)

@@ -71,6 +71,7 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
         rid = request.scope.get("state", {}).get("request_id")
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        headers["x-request-id"] = rid  # the worker takes it: one id in both logs, the body and the header
         watch = ClientWatch(request.receive)  # the body was read: the next message is the disconnect
         try:
             return await forward(watch, rid, method, path, body, headers, metrics.clock(body) if timed else None)

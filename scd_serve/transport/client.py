@@ -15,6 +15,7 @@ from scd_serve.transport.proto import SERVICE_NAME, pb, pb_grpc
 
 _PREFILL = f"/{SERVICE_NAME}/Prefill"
 _INFO = f"/{SERVICE_NAME}/Info"
+REQUEST_ID_KEY = "x-request-id"  # Prefill call metadata: the HTTP request's id (the message has it too)
 
 
 class PrefillClient:
@@ -46,7 +47,7 @@ class PrefillClient:
 
     def prefill(self, request: pb.PrefillRequest, timeout: float):
         """One Prefill call: an async iterator of PrefillChunk (call .cancel() to stop)."""
-        return self._stub.Prefill(request, timeout=timeout)
+        return self._stub.Prefill(request, timeout=timeout, metadata=((REQUEST_ID_KEY, request.request_id),))
 
     def stream(self, request: pb.PrefillRequest, timeout: float):
         """One Prefill call as a blocking iterator of PrefillChunk, for a worker thread: the
@@ -55,7 +56,8 @@ class PrefillClient:
         if timeout is None:  # the aio calls' interceptor enforces the same rule
             raise ValueError("Prefill stream made without a deadline")
         self.deadlines.timeouts.append((_PREFILL, timeout))
-        return self._stream_stub.Prefill(request, timeout=timeout, metadata=self.deadlines.metadata)
+        return self._stream_stub.Prefill(request, timeout=timeout, metadata=(*self.deadlines.metadata,
+                                                                             (REQUEST_ID_KEY, request.request_id)))
 
     async def abort(self, request_id: str, reason: str, timeout: float | None = None) -> bool:
         reply = await self._stub.Abort(pb.AbortRequest(request_id=request_id, reason=reason),

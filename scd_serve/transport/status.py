@@ -6,7 +6,7 @@ import grpc
 
 from scd_serve import errors
 
-ERROR_TYPE_KEY = "scd-error-type"  # trailing metadata: the ScdError.type behind a status
+ERROR_TYPE_KEY = "scd-error-type"  # trailing metadata: the ScdError.kind behind a status
 
 # What the decode side raises for a status from the prefill side.
 _FROM_CODE: dict[grpc.StatusCode, type[errors.ScdError]] = {
@@ -21,7 +21,7 @@ RETRYABLE = frozenset(getattr(grpc.StatusCode, name) for name in (
 
 async def abort_with(context: grpc.aio.ServicerContext, err: errors.ScdError) -> None:
     """End the RPC with the status the error table gives (raises, like context.abort)."""
-    context.set_trailing_metadata(((ERROR_TYPE_KEY, err.type),))
+    context.set_trailing_metadata(((ERROR_TYPE_KEY, err.kind),))
     await context.abort(getattr(grpc.StatusCode, err.grpc_code), err.message)
 
 

@@ -77,7 +77,7 @@ def test_readiness_follows_the_prefill_worker(tmp_path):
         assert status(f"{base}/live") == 200
         t0 = time.monotonic()
         r = complete(base)
-        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
         assert time.monotonic() - t0 < 5  # fast: one that waited for the dead worker would take the 30 s prefill deadline
         prefill = start(*prefill_argv)  # F3: same address, reconnect with backoff
         wait_status(f"{base}/ready", 200, 300)

@@ -47,7 +47,7 @@ async def test_c2_prefill_sleeping_past_the_deadline(make_stack):
     t0 = time.monotonic()
     r = await stack.client.post("/v1/completions", json=completion("sleepy", 3, scd_method="identity"))
     took = time.monotonic() - t0
-    assert r.status_code == 504 and r.json()["error"]["type"] == "transfer_timeout", r.text
+    assert r.status_code == 504 and r.json()["error"]["code"] == "transfer_timeout", r.text
     # the transfer's own deadline, not the request's: with a fallback or another worker it would be served
     assert took <= 1.0 + 4.0, took  # without the 1 s deadline the call waits out the servicer's 30 s sleep
     rid = stack.served.calls[-1]

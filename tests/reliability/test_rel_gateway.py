@@ -129,7 +129,7 @@ async def test_decode_worker_dying_mid_stream_ends_the_stream_with_an_error_even
             assert done, events[-2:]
             assert 3 <= len(events) < 200 and all("choices" in e for e in events[:-1]), events[-2:]
             error = events[-1].get("error", {})
-            assert error.get("type") == "unavailable" and address in error.get("message", ""), events[-1]
+            assert error.get("code") == "unavailable" and address in error.get("message", ""), events[-1]
             assert set(error) >= {"type", "message", "request_id"}  # the error table's body (errors.to_body)
             assert await eventually(lambda: app.state.balancer.inflight == {}, CLEAN_TIMEOUT_S)
             metrics = (await http.get("/metrics")).text

@@ -90,7 +90,7 @@ async def test_i2_non_finite_kv_with_a_valid_checksum_is_refused_before_the_cach
                                    servicer_wrap=lambda sv: FaultyServicer(sv, mutate=_nan_values, mutate_seq=0))
     steps = stack.engine.num_steps
     r, _ = await post(stack, "nan values with a true digest")
-    assert r.status_code == 502 and r.json()["error"]["type"] == "transfer_corrupt", r.text
+    assert r.status_code == 502 and r.json()["error"]["code"] == "transfer_corrupt", r.text
     assert "non-finite" in r.json()["error"]["message"]
     assert stack.engine.num_steps == steps  # nothing was decoded from it
     await assert_clean(stack, base)

@@ -80,7 +80,7 @@ async def test_b2_malformed_chunk_refused_before_scheduling(make_stack, what):
     steps = stack.engine.num_steps
     r = await post(stack)
     assert r.status_code == 502, r.text
-    assert r.json()["error"]["type"] == "transfer_corrupt"
+    assert r.json()["error"]["code"] == "transfer_corrupt"
     assert stack.engine.num_steps == steps  # the request never ran a step
     await assert_clean(stack, base)
 
@@ -89,7 +89,7 @@ async def test_b3_flipped_byte_detected_and_never_decoded(make_stack):
     stack, base = await make_stack(engine=NO_FALLBACK, servicer_wrap=lambda sv: FaultyServicer(sv, corrupt_seq=1))
     decoded = record_decoded(stack)
     r = await post(stack, "the flipped byte case")
-    assert r.status_code == 502 and r.json()["error"]["type"] == "transfer_corrupt", r.text
+    assert r.status_code == 502 and r.json()["error"]["code"] == "transfer_corrupt", r.text
     assert "xxh64" in r.json()["error"]["message"]
     assert stack.served.num_corrupted >= 1
     assert 1 not in decoded and decoded.count(0) == len(decoded)  # chunk 1 never reached decode_layer
@@ -109,7 +109,7 @@ async def test_b4_gap_missing_last_or_out_of_order_rejected(make_stack, fault):
     stack, base = await make_stack(engine=NO_FALLBACK, servicer_wrap=lambda sv: FaultyServicer(sv, **fault))
     r = await post(stack, "gaps and order")
     assert r.status_code in (502, 503), r.text  # corrupt (gap) or failed (stream ended short)
-    assert r.json()["error"]["type"] in ("transfer_corrupt", "transfer_failed", "unavailable")
+    assert r.json()["error"]["code"] in ("transfer_corrupt", "transfer_failed", "unavailable")
     await assert_clean(stack, base)
 
 
@@ -120,7 +120,7 @@ async def test_b4_missing_chunk_on_open_stream_ends_at_the_deadline(make_stack):
     t0 = time.monotonic()
     r = await post(stack, "never completes")
     took = time.monotonic() - t0
-    assert r.status_code == 504 and r.json()["error"]["type"] == "transfer_timeout", r.text
+    assert r.status_code == 504 and r.json()["error"]["code"] == "transfer_timeout", r.text
     # the transfer's own deadline, not the request's: with a fallback or another worker it would be served
     # the 1.5 s deadline starts after t0, so not much before it; without the deadline the stream
     # would wait out the servicer's 30 s stall

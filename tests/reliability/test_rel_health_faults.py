@@ -38,7 +38,7 @@ async def test_f1_live_at_once_ready_only_after_handshake(rt):
     try:
         assert (await stack.client.get("/live")).status_code == 200
         r = await stack.client.get("/ready")
-        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
         await stack.start_prefill(port=port)
         t0 = time.monotonic()
         ok = await eventually(lambda: ready_is(stack, 200), 10, step=0.05)
@@ -62,7 +62,7 @@ async def test_f5_engine_loop_raising_makes_ready_503_and_fails_fast(make_stack)
     rs = await asyncio.gather(*inflight)
     # a failing step fails its requests (500); MAX_FAILED_STEPS in a row and the loop gives up (503)
     for r in rs:
-        assert (r.status_code, r.json()["error"]["type"]) in ((500, "generation_failed"), (503, "engine_dead")), r.text
+        assert (r.status_code, r.json()["error"]["code"]) in ((500, "generation_failed"), (503, "engine_dead")), r.text
     for _ in range(MAX_FAILED_STEPS):
         if not stack.engine.ready():
             break
@@ -73,7 +73,7 @@ async def test_f5_engine_loop_raising_makes_ready_503_and_fails_fast(make_stack)
     assert (await stack.client.get("/live")).status_code == 200
     t0 = time.monotonic()
     r = await stack.client.post("/v1/completions", json=completion("after death", 2))
-    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     assert time.monotonic() - t0 <= 2.0  # fails fast: one queued on the dead engine would hang until a timeout (30 s+)
     bm = stack.engine.block_manager
     assert await eventually(lambda: bm.num_free == bm.num_blocks, CLEAN_TIMEOUT_S), (bm.num_free, bm.num_blocks)
@@ -110,7 +110,7 @@ async def test_h3_codec_failure_for_one_request_only(make_stack):
     results = await asyncio.gather(*(run(rid) for rid in prompts), return_exceptions=True)
     for rid, got in zip(prompts, results):
         if rid == "h3-2":
-            assert isinstance(got, ScdError) and got.type == "transfer_corrupt", got
+            assert isinstance(got, ScdError) and got.kind == "transfer_corrupt", got
         else:
             assert got == solo[rid], rid
     assert hits and set(hits) == {"h3-2"}
@@ -221,7 +221,7 @@ async def test_i4_late_chunk_after_abort_never_lands_in_reused_blocks(make_stack
             try:
                 sinks[0].write_layer(layer, garbage, garbage)
             except ScdError as exc:
-                refused.append(exc.type)
+                refused.append(exc.kind)
     assert refused and set(refused) == {"transfer_failed"}
     assert out_b == solo_b
     await assert_clean(stack, base)

@@ -45,9 +45,10 @@ async def test_a2_missing_mistyped_or_unknown_fields_400(stack):
     """400 (OpenAI's and vLLM's status; FastAPI's default was 422), param naming the field."""
     for body, field in [({"max_tokens": 4}, "prompt"), ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
                         ({"prompt": 123}, "prompt"), ({"prompt": "x", "temperature": "hot"}, "temperature"),
-                        ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "guided_json": {}}, "guided_json")]:
+                        ({"prompt": "x", "stream": "yes"}, "stream"),
+                        ({"prompt": "x", "guided_decoding_backend": "outlines"}, "guided_decoding_backend")]:
         err = assert_error_shape(await stack.client.post(URL, json=body), (400,))
-        assert err["type"] == "validation_error" and err["param"] == field, (body, err)
+        assert err["type"] == "invalid_request_error" and err["param"] == field, (body, err)
     r = await stack.client.post("/v1/chat/completions", json={"messages": "hi"})
     assert assert_error_shape(r, (400,))["param"] == "messages"
     await assert_clean(stack, stack.base)
@@ -150,5 +151,5 @@ async def test_a8_unicode_edge_cases(stack):
         assert r.status_code == 200, (prompt, r.text)
     r = await stack.client.post(URL, json=completion("z" * 200_000, 2))
     err = assert_error_shape(r, (400, 413))
-    assert err["type"] in ("context_length_exceeded", "payload_too_large")
+    assert err["code"] in ("context_length_exceeded", "payload_too_large")
     await assert_clean(stack, stack.base)

@@ -219,7 +219,7 @@ async def test_g1_g2_sigterm_decode_drains_short_streams_and_ends_long_one(model
                 assert done and events[-1]["choices"][0]["finish_reason"] == "length"
                 assert not any("error" in e for e in events)
             events, done = await long
-            assert events and events[-1].get("error", {}).get("type") == "shutting_down", events[-1:]
+            assert events and events[-1].get("error", {}).get("code") == "shutting_down", events[-1:]
             # the 10 s grace + room; a drain that waited for the long stream would take its ~20 s
             code = await proc.exited(10 + 6)
             assert code == 0 and time.monotonic() - sent <= 10 + 6
@@ -238,12 +238,12 @@ async def test_h1_evil_forward_in_a_decode_process(model_dir, tmp_path):
                                         for i in range(3)))
             # a failing step fails its requests (500); MAX_FAILED_STEPS in a row and the loop dies (503)
             fatal = ((500, "generation_failed"), (503, "engine_dead"))
-            assert all((r.status_code, r.json()["error"]["type"]) in fatal for r in rs), [r.text for r in rs]
+            assert all((r.status_code, r.json()["error"]["code"]) in fatal for r in rs), [r.text for r in rs]
             for i in range(MAX_FAILED_STEPS):
                 if (await http.get("/ready")).status_code == 503:
                     break
                 r = await http.post("/v1/completions", json=completion(f"evil again {i}", 20))
-                assert (r.status_code, r.json()["error"]["type"]) in fatal, r.text
+                assert (r.status_code, r.json()["error"]["code"]) in fatal, r.text
             assert (await http.get("/ready")).status_code == 503
             t0 = time.monotonic()
             r = await http.post("/v1/completions", json=completion("after", 2))

@@ -8,11 +8,11 @@ from scd_serve import cli, errors
 
 
 def error_table() -> list[tuple[str, int, str]]:
-    """(type, http status, grpc code) of every error class."""
+    """(kind, http status, grpc code) of every error class."""
     rows, stack = [], [errors.ScdError]
     while stack:
         cls = stack.pop()
-        rows.append((cls.type, cls.http_status, cls.grpc_code))
+        rows.append((cls.kind, cls.http_status, cls.grpc_code))
         stack.extend(cls.__subclasses__())
     return sorted(set(rows))
 
@@ -29,11 +29,17 @@ def test_every_error_type_has_a_client_or_server_status_and_a_grpc_code():
 
 def test_body_shape_is_the_same_for_every_error():
     body = errors.PromptTooLong("prompt has 10 tokens", field="prompt").to_body("req-1")
-    assert body == {"error": {"type": "context_length_exceeded", "message": "prompt has 10 tokens",
+    assert body == {"error": {"type": "invalid_request_error", "message": "prompt has 10 tokens",
                               "request_id": "req-1", "param": "prompt", "code": "context_length_exceeded"}}
     # OpenAI's shape: param and code are always there, null when there is none
-    assert errors.ScdError("boom").to_body() == {"error": {"message": "boom", "type": "internal_error",
-                                                           "param": None, "code": None, "request_id": None}}
+    assert errors.ScdError("boom").to_body() == {"error": {"message": "boom", "type": "server_error",
+                                                           "param": None, "code": "internal_error",
+                                                           "request_id": None}}
+    # OpenAI's type strings, which clients branch on; the finer name in code
+    assert [(e.type, e.body_code) for e in (errors.InvalidRequest("x"), errors.Unauthorized("x"),
+                                            errors.NotFound("x"), errors.Overloaded(), errors.TransferFailed("x"))] == [
+        ("invalid_request_error", None), ("authentication_error", "invalid_api_key"), ("not_found_error", "not_found"),
+        ("rate_limit_error", "rate_limit_exceeded"), ("server_error", "transfer_failed")]
     assert errors.ValidationFailed("x").http_status == 400
     assert errors.Overloaded().headers["Retry-After"] == "1"
     assert errors.Overloaded().http_status == 429

@@ -101,7 +101,7 @@ async def test_queue_timeout_is_504_in_time(app_client):
     t0 = time.monotonic()
     r = await client.post("/v1/completions", json={"prompt": "b" * 24, "max_tokens": 8})
     elapsed = time.monotonic() - t0
-    assert r.status_code == 504 and r.json()["error"]["type"] == "deadline_exceeded"
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
     # not before the 1 s queue timeout (load only makes it later); one that fired late, or only once
     # the hog frees its blocks (~5.4 s), fails
     assert 1.0 <= elapsed <= 1.0 + 3.0, elapsed
@@ -126,9 +126,9 @@ async def test_engine_death_and_stall_flip_readiness(app_client):
     engine.runtime.fail_after_steps = engine.runtime.num_steps + 2  # the forward now raises, for good
     for _ in range(MAX_FAILED_STEPS - 1):  # each failing step fails its request; the engine goes on
         r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
-        assert r.status_code == 500 and r.json()["error"]["type"] == "generation_failed", r.text
+        assert r.status_code == 500 and r.json()["error"]["code"] == "generation_failed", r.text
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
-    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     assert (await client.get("/ready")).status_code == 503
     t0 = time.monotonic()
     r = await client.post("/v1/completions", json={"prompt": "x"})
@@ -182,7 +182,7 @@ def test_shutdown_ends_a_long_stream_with_an_error_event():
                     stopper.start()
             stopper.join(10)
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["type"] == "shutting_down"
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down"
     assert time.monotonic() - t0 < 0.2 + 3.0  # the 0.2 s grace + room; not the stream's ~6 s
 
 

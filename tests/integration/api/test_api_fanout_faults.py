@@ -44,7 +44,7 @@ def test_one_refused_choice_fails_the_request_and_frees_the_others():
     try:
         with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
             r = c.post("/v1/completions", json={"prompt": "x", "n": 3, "max_tokens": 4})
-            assert r.status_code == 429 and r.json()["error"]["type"] == "overloaded"
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
             assert eventually_sync(lambda: is_clean(engine), 4.0), engine.stats()
             r = c.post("/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 4})
             assert r.status_code == 200 and len(r.json()["choices"]) == 2

@@ -26,10 +26,22 @@ async def test_completion_whole(client, backend):
     assert body["object"] == "text_completion" and body["model"] == "fake-model"
     assert body["choices"][0]["text"] == "Hello" and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
-    assert r.headers["x-request-id"].startswith("req-")
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and body["id"] == f"cmpl-{rid}"  # one id: the header's, in the body too
     req = backend.calls[0]
     assert req.prompt_token_ids == backend.tokenizer.encode("hi") and req.params.temperature == 0
-    assert req.method == "local" and req.request_id == r.headers["x-request-id"]
+    assert req.method == "local" and req.request_id == rid
+
+
+@pytest.mark.parametrize("given,kept", [("trace-42:a/b", True), ("bad id with spaces", False), ("x" * 200, False)])
+async def test_a_clients_x_request_id_is_the_request_id_everywhere(client, backend, given, kept):
+    r = await client.post("/v1/chat/completions", headers={"x-request-id": given},
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    rid = r.headers["x-request-id"]
+    assert (rid == given) is kept and r.headers.get_list("x-request-id") == [rid]
+    assert r.json()["id"] == f"chatcmpl-{rid}" and backend.calls[-1].request_id == rid
+    bad = await client.post("/v1/completions", headers={"x-request-id": given}, json={"prompt": "hi", "n": 0})
+    assert bad.json()["error"]["request_id"] == bad.headers["x-request-id"]
 
 
 async def test_completion_prompt_as_token_ids_and_method_extension(client, backend):
@@ -80,7 +92,7 @@ async def test_error_mid_stream_is_the_last_event(make_client):
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
-    assert err["type"] == "transfer_failed" and err["request_id"] == r.headers["x-request-id"]
+    assert err["code"] == "transfer_failed" and err["request_id"] == r.headers["x-request-id"]
 
 
 async def test_overloaded_before_first_token_is_a_429_with_retry_after(make_client):
@@ -88,12 +100,18 @@ async def test_overloaded_before_first_token_is_a_429_with_retry_after(make_clie
     for stream in (False, True):
         r = await c.post("/v1/completions", json={"prompt": "hi", "stream": stream})
         assert r.status_code == 429 and r.headers["retry-after"] == "3"
-        assert r.json()["error"]["type"] == "overloaded"
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
 
 
-async def test_models_live_ready(client, backend):
+async def test_models_live_ready(client, backend, make_client):
     r = await client.get("/v1/models")
-    assert r.json()["data"][0]["id"] == "fake-model"
+    card = r.json()["data"][0]
+    assert card["id"] == "fake-model" and card["root"] == "fake-model" and card["parent"] is None
+    assert card["created"] > 1.7e9 and card["max_model_len"] == 256 and card["owned_by"] == "scd-serve"
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
+    named = await make_client(FakeBackend(), served_model_names=("a", "b"), model_root="/models/x")
+    assert [(m["id"], m["root"]) for m in (await named.get("/v1/models")).json()["data"]] == [
+        ("a", "/models/x"), ("b", "/models/x")]  # vLLM's: every name, one root
     assert (await client.get("/live")).status_code == 200
     assert (await client.get("/ready")).status_code == 200
     assert (await client.get("/health")).status_code == 200
@@ -102,7 +120,7 @@ async def test_models_live_ready(client, backend):
     backend.is_ready = False
     for path in ("/ready", "/health"):
         r = await client.get(path)
-        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
     assert (await client.get("/live")).status_code == 200
 
 
@@ -156,4 +174,4 @@ async def test_omitted_max_tokens_is_the_default_or_what_fits(make_client):
     await c.post("/v1/completions", json={"prompt": "a" * 250})
     assert [r.params.max_tokens for r in backend.calls] == [32, 6]
     r = await c.post("/v1/completions", json={"prompt": "a" * 256})  # nothing fits: still a clear 400
-    assert r.status_code == 400 and r.json()["error"]["type"] == "context_length_exceeded"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

@@ -38,7 +38,7 @@ async def test_malformed_or_non_object_json(client, backend, raw):
 async def test_wrong_types_are_400_naming_the_field(client, backend, body, field):
     """400 as OpenAI and vLLM answer (FastAPI's default is 422); param names the field."""
     err = assert_error(await client.post("/v1/completions", json=body), 400, field)
-    assert err["type"] == "validation_error" and err["param"] == field and err["code"] is None
+    assert err["type"] == "invalid_request_error" and err["param"] == field and err["code"] is None
     assert backend.calls == []
 
 
@@ -92,7 +92,7 @@ async def test_prompt_too_long_names_both_numbers_and_boundary_is_accepted(clien
         assert r.status_code == status, (n, max_tokens, r.text)
         if status == 400:
             err = r.json()["error"]
-            assert err["type"] == "context_length_exceeded"
+            assert err["code"] == "context_length_exceeded"
             assert str(n) in err["message"] and str(max_tokens) in err["message"] and "256" in err["message"]
     assert len(backend.calls) == 2  # only the accepted ones reached the backend
 
@@ -119,7 +119,7 @@ async def test_unicode_edge_cases_never_5xx(client, prompt):
 async def test_huge_unicode_prompt_is_prompt_too_long(make_client):
     c = await make_client(FakeBackend(), max_body_bytes=4 << 20)
     r = await c.post("/v1/completions", json={"prompt": "x" * 200_000})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "context_length_exceeded"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 async def test_body_over_limit_is_413_with_and_without_content_length(make_client):
@@ -162,7 +162,7 @@ async def test_internal_error_body_has_no_internals(make_client, caplog):
     with caplog.at_level(logging.ERROR):
         r = await c.post("/v1/completions", json={"prompt": "x"})
     err = assert_error(r, 500)
-    assert err["type"] == "internal_error"
+    assert err["code"] == "internal_error"
     assert "secret" not in r.text and "Traceback" not in r.text and ".py" not in r.text
     assert "ZeroDivisionError" in caplog.text  # the log has it
 

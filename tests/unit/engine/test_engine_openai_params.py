@@ -166,3 +166,22 @@ async def test_engine_stops_at_a_generation_config_eos(tmp_path):
         assert tokens == greedy[:2] and events[-1].finish_reason == "stop"
     finally:
         await eng.stop(grace_s=1)
+
+
+async def test_a_server_seed_makes_a_fresh_engine_answer_unseeded_requests_alike():
+    from engine_helpers import cfg
+
+    from scd_serve.engine.engine import Engine
+    from scd_serve.testing.fake_runtime import FakeRuntime
+
+    async def fresh_run(seed):
+        eng = Engine(FakeRuntime(), cfg(seed=seed))
+        eng.start()
+        try:
+            return [(await collect(eng, req(f"r{i}", [1, 2, 3], temperature=1.0, max_tokens=12)))[0] for i in range(3)]
+        finally:
+            await eng.stop(1)
+
+    first, again, other = await fresh_run(7), await fresh_run(7), await fresh_run(8)
+    assert first == again and first != other
+    assert len({tuple(t) for t in first}) > 1  # the requests draw different seeds from the stream

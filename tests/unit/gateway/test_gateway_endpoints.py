@@ -68,7 +68,7 @@ async def test_openapi_is_the_workers_schema(gateway):
 
 
 async def test_gateway_errors_have_the_openai_shape(gateway):
-    assert assert_openai_error(await gateway.get("/nowhere"), 404)["type"] == "not_found"
+    assert assert_openai_error(await gateway.get("/nowhere"), 404)["code"] == "not_found"
     assert_openai_error(await gateway.get("/v1/completions"), 405)
     assert assert_openai_error(await gateway.post("/v1/completions", content=b"x" * 4096,
                                                   headers={"content-type": "application/json"}), 413)["param"] is None
@@ -82,5 +82,5 @@ async def test_no_worker_is_a_503_in_the_same_shape():
                                                             base_url="http://gw") as c:
         for path in ("/v1/completions", "/tokenize"):
             err = assert_openai_error(await c.post(path, json={"prompt": "x"}), 503)
-            assert err["type"] == "unavailable" and err["param"] is None and err["code"] is None
+            assert err["type"] == "server_error" and err["code"] == "unavailable" and err["param"] is None
         assert_openai_error(await c.get("/health"), 503)

@@ -94,7 +94,7 @@ async def test_no_decode_worker_is_a_clear_503():
         assert (await c.get("/live")).status_code == 200
         for path in ("/ready", "/health"):
             r = await c.get(path)
-            assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+            assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
         r = await c.post("/v1/chat/completions", json={"messages": []})
         assert r.status_code == 503 and "no decode worker" in r.json()["error"]["message"]
 

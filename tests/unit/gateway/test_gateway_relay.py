@@ -99,7 +99,7 @@ async def test_upstream_breaking_mid_stream_ends_with_an_error_event():
             assert lines[:2] == [event.decode().strip()] * 2  # whole events through, the half one dropped
             assert lines[-1] == "data: [DONE]" and len(lines) == 4, lines
             error = json.loads(lines[2].removeprefix("data: "))["error"]
-            assert error["type"] == "unavailable" and address in error["message"]
+            assert error["code"] == "unavailable" and address in error["message"]
             assert error["request_id"] == r.headers["x-request-id"]
             assert await eventually(lambda: app.state.balancer.inflight == {}, 5), app.state.balancer.inflight
             assert f'scd_gateway_upstream_broken_total{{worker="{address}"}} 1.0' in (await http.get("/metrics")).text
