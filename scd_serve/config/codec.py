@@ -37,8 +37,12 @@ class CalibrateConfig:
     # Adam steps and hidden width of each patch aligner MLP (0 steps: linear aligner only).
     aligner_steps: int = 300
     aligner_width: int = 128
-    # Layers a run of the consumer's own upper layers may start from (plan.py; empty: none).
-    run_layers: tuple[int, ...] = ()
+    # Layers a run of the consumer's own upper layers may start from (plan.py; empty: none; None:
+    # every layer whose run costs at most max_rebuild of a prefill).
+    run_layers: tuple[int, ...] | None = None
+    # The most a rebuild may cost the decode worker, as a share of its own prefill of the prompt
+    # (a run from L computes (layers - L) / layers of it; 0: no runs).
+    max_rebuild: float = 0.5
     # Token prior: "features" (codec/features.py, size independent of the vocabulary), "dense"
     # (codec/prior.py: tables of taps * (vocab + 1) rows) or "none"; taps: recent prompt tokens it
     # reads; width, rank: the feature prior's random features and shared basis; ridge: see `ridge`.
@@ -86,8 +90,17 @@ class CalibrateConfig:
                               f"{self.distill_batch}")
         if self.max_payload is not None and not 0 < self.max_payload <= 1:
             raise ConfigError(f"max_payload must be in (0, 1] (a fraction of raw K/V), got {self.max_payload}")
+        if not 0 <= self.max_rebuild < 1:
+            raise ConfigError(f"max_rebuild must be in [0, 1) (a share of the consumer's prefill), got {self.max_rebuild}")
         if self.max_patches is not None and self.max_patches < 0:
             raise ConfigError(f"max_patches must be >= 0, got {self.max_patches}")
+
+    def run_candidates(self, num_layers: int) -> tuple[int, ...]:
+        """The layers a run may start from: those given, or (None) every L >= 1 whose run,
+        (num_layers - L) / num_layers of a prefill, fits max_rebuild."""
+        if self.run_layers is not None:
+            return tuple(self.run_layers)
+        return tuple(L for L in range(1, num_layers) if (num_layers - L) / num_layers <= self.max_rebuild)
 
     def state_columns(self, num_layers: int, kv_width: int) -> int:
         """Token-state columns of a feature prior for the consumer: its K and V at every layer (or

@@ -87,9 +87,10 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         raise ConfigError(f"producer has {pspec.num_layers} layers, consumer {cspec.num_layers}: "
                           "a per-layer codebook needs the same layer count")
     started, num_layers = time.time(), cspec.num_layers
-    if any(not 0 < i < num_layers for i in cfg.run_layers):
+    run_layers = cfg.run_candidates(num_layers)
+    if any(not 0 < i < num_layers for i in run_layers):
         raise ConfigError(f"run layers must be in 1..{num_layers - 1} (a run from 0 is a local prefill), "
-                          f"got {list(cfg.run_layers)}", field="run_layers")
+                          f"got {list(run_layers)}", field="run_layers")
     kv_grid = rank_grid(cspec.kv_width, KV_FRACTIONS)
     h_grid = rank_grid(cspec.hidden_size, H_FRACTIONS)
     # Token priors absorb how differently two models mix nearby tokens; for one model the
@@ -98,7 +99,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     prior_fit = prior_fitter(cfg, consumer, fit_prompts) if cfg.uses_prior and not same_model else None
     with tqdm(total=len(fit_prompts), desc="collect states", disable=not show_progress) as bar:
         rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update, prior=prior_fit,
-                            run_layers=cfg.run_layers)
+                            run_layers=run_layers)
     prior, priors = None, {}
     if prior_fit is not None:  # one dense solve: minutes at real shapes, and the fit's memory peak
         with tqdm(total=1, desc=f"solve token prior ({cfg.prior})", disable=not show_progress) as bar:
@@ -118,7 +119,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     del rows
     with tqdm(total=len(probe_pairs), desc="probe prompts", disable=not show_progress) as bar:
         probe = KLProbe(consumer, make_examples(producer, consumer, probe_pairs, tail=cfg.probe_tail,
-                                                progress=bar.update, residual_layers=cfg.run_layers))
+                                                progress=bar.update, residual_layers=run_layers))
     cands = Candidates(fits, producer, consumer)
     with tqdm(total=num_layers - len(OWN_LAYERS), desc="profile + search", disable=not show_progress) as bar:
         search = PlanSearch(probe, num_layers, kv_grid, h_grid, cands.layer_kv, cands.stream_kv,
@@ -145,8 +146,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         else:
             stats_kl = kl_mlp
     run = {"kl_without": stats_kl}
-    if cfg.run_layers:
-        plan, stats_kl, measured = search.with_run(plan, stats_kl, cfg.run_layers, h_grid[-1], max_width)
+    if run_layers:
+        plan, stats_kl, measured = search.with_run(plan, stats_kl, run_layers, h_grid[-1], max_width)
         run["kl"] = {str(layer): kl for layer, kl in measured.items()}
     # Reuse-only at SCD's payload: the equal-payload ablation of Patch (and of a run)
     reuse = (search.fit_width((), plan.code_width(), curve[0].kl_full_rank)  # curve[0]: no patches
@@ -258,11 +259,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the cap meets the budget, the least KL under it (default: no cap)")
     parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")
     parser.add_argument("--aligner-steps", type=int, default=300)
-    parser.add_argument("--run-layers", type=int, nargs="+", default=[], metavar="L",
+    parser.add_argument("--run-layers", type=int, nargs="+", default=None, metavar="L",
                         help="layers from which the consumer may run its own upper layers over the prompt (from "
                              "a full-rank code of the producer's residual; those above ship nothing): the one of "
                              "least measured KL replaces the plan's layers from there when it beats the plan. "
-                             "It costs the decode worker (layers - L) / layers of a prefill (default: none)")
+                             "It costs the decode worker (layers - L) / layers of a prefill (default: every layer "
+                             "whose run fits --max-rebuild)")
+    parser.add_argument("--max-rebuild", type=float, default=CalibrateConfig.max_rebuild, metavar="SHARE",
+                        help="the most a rebuild may cost the decode worker as a share of its own prefill: the "
+                             "runs tried by default (0: no runs)")
     parser.add_argument("--distill-steps", type=int, default=CalibrateConfig.distill_steps,
                         help="Adam steps that tune the scd plan's decoders and aligners on the consumer's own "
                              "next-token KL over the fit prompts (payload unchanged; 0: closed-form fits only)")
@@ -309,7 +314,9 @@ def run(args: argparse.Namespace) -> int:
                           num_probe_prompts=args.probe_prompts, num_report_prompts=args.report_prompts,
                           max_rows=args.max_rows,
                           max_patches=args.max_patches, max_payload=args.max_payload,
-                          aligner_steps=args.aligner_steps, run_layers=tuple(args.run_layers),
+                          aligner_steps=args.aligner_steps,
+                          run_layers=None if args.run_layers is None else tuple(args.run_layers),
+                          max_rebuild=args.max_rebuild,
                           distill_steps=args.distill_steps, distill_lr=args.distill_lr, seed=args.seed,
                           prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
                           prior_states=args.prior_states, prior_state_layers=args.prior_state_layers,

@@ -51,7 +51,8 @@ def test_calibrate_on_each_shape(pair, tmp_path, capsys, name):
     assert main(calibrate_args(a, b, data / name, tmp_path / "book")) == 0
     out = capsys.readouterr().out
     assert f"data: {data / name}: 6 prompts" in out and "truncated to their last 24 tokens" in out
-    assert "fit on 4, probe on 1 (asked for 4 + 1)" in out and "codebook:" in out
+    assert "fit on 4, probe on 1, report on 1 (1 documents held out" in out and "codebook:" in out
+    assert "asked for 4 + 1 + 24 (fit + probe + report)" in out
     book = Codebook.load(tmp_path / "book")
     assert book.manifest["calibration"]["fit_prompts"] == 4 and book.plan("scd").layers
     assert book.manifest["calibration"]["data"] == {"source": str(data / name), "dtype": "float32"}
