@@ -22,7 +22,7 @@ from scd_serve.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from scd_serve.api.prompt import chat_prompt_ids, completion_prompts
 from scd_serve.api.sampling import MAX_CHOICES, Plan, check_length, check_logit_bias, sampling_params
 from scd_serve.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
-from scd_serve.api.sse import Shape, sse_stream
+from scd_serve.api.sse import USAGE_HEADER, USAGE_TRAILER, Shape, sse_stream
 from scd_serve.control.lifecycle import cancel_all
 from scd_serve.engine.request import GenerationRequest, TokenEvent, Usage
 from scd_serve.errors import InvalidRequest, NotFound, ShuttingDown
@@ -121,7 +121,8 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     served.update(picked or {})
     if body.stream:
         chunks = render.stream(firsts, streams)
-        return StreamingResponse(sse_stream(_first_with(chunks, picked) if picked else chunks, rid, on_end),
+        trailer = render.summary if request.headers.get(USAGE_HEADER) == USAGE_TRAILER else None
+        return StreamingResponse(sse_stream(_first_with(chunks, picked) if picked else chunks, rid, on_end, trailer),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                           **choice_headers(picked)})
@@ -203,7 +204,7 @@ class Render:
         return self.shape.whole(choices, self._usage(outcomes).to_dict())
 
     async def stream(self, firsts: list[TokenEvent], streams: list) -> AsyncIterator[dict]:
-        outcomes = [Outcome(k // self.plan.best_of) for k in range(len(streams))]
+        outcomes = self.outcomes = [Outcome(k // self.plan.best_of) for k in range(len(streams))]
         offsets = [0] * len(streams)
         events = merged(firsts, streams)
         try:
@@ -248,6 +249,11 @@ class Render:
                 lp = merge_completion(lp, part) if ids else lp
                 offset += sum(len(t) for t in part["tokens"])
         return text, lp, offset
+
+    def summary(self) -> dict:
+        """A streamed response's usage and finish reasons, once it ended (the usage trailer)."""
+        done = best(self.outcomes, self.plan.n, self.plan.best_of)
+        return self._usage(self.outcomes).to_dict() | {"finish_reasons": [o.finish_reason for o in done]}
 
     def _usage(self, outcomes: list[Outcome]) -> Usage:
         prompt = sum(len(ids) for _, ids in self.prompts)

@@ -28,8 +28,8 @@ class HeartbeatClient:
 
     def __init__(self, url: str, role: str, address: str, ready: Callable[[], bool],
                  load: Callable[[], dict], config: ControlConfig,
-                 on_peers: Callable[[list[dict]], None] | None = None):
-        self.url, self.role, self.address = url, role, address
+                 on_peers: Callable[[list[dict]], None] | None = None, models: tuple[str, ...] = ()):
+        self.url, self.role, self.address, self.models = url, role, address, tuple(models)
         self.ready_fn, self.load_fn, self.on_peers = ready, load, on_peers
         self.config = config
         self.envelope = Envelope(config.secret, send_direction=WORKER, recv_direction=REGISTRY,
@@ -54,7 +54,7 @@ class HeartbeatClient:
 
     def message(self) -> dict:
         return {"type": "heartbeat", "role": self.role, "id": self.id, "address": self.address,
-                "ready": bool(self.ready_fn()), "load": self.load_fn()}
+                "ready": bool(self.ready_fn()), "load": self.load_fn()} | ({"models": list(self.models)} if self.models else {})
 
     async def _run(self) -> None:
         while True:
