@@ -1,7 +1,7 @@
 """The table of live workers (plain Python) and the JSON messages that keep it current.
 
-Messages are JSON objects only (never pickle), size-capped, signed (signing.py) and
-validated field by field:
+Messages are JSON objects only (never pickle), size-capped, authenticated by the transport
+(curve.py) and validated field by field:
   worker -> registry  {"type": "heartbeat", "role": "prefill"|"decode", "id": str,
                        "address": "HOST:PORT", "ready": bool, "load": {str: number},
                        "models": [str, ...] (decode: the served model names, optional)}
@@ -16,13 +16,13 @@ gateway stops waiting for it) until it heartbeats again; one that said bye is no
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
 
 from scd_serve.config.address import check_address
-from scd_serve.control.signing import Rejected
 
 ROLES = ("prefill", "decode")
 MAX_ID = 128
@@ -30,6 +30,29 @@ MAX_LOAD_KEYS = 32
 MAX_LOAD = 1e6
 MAX_MODELS = 16
 LOAD_KEY = re.compile(r"[a-z_]{1,32}")
+
+
+class Rejected(ValueError):
+    """A message that is dropped; `reason` is the counter it is counted under."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def encode(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_json(raw: bytes) -> dict:
+    """A JSON object from bytes; Rejected("malformed") for anything else, deep nesting included."""
+    try:
+        msg = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # 5000 "[" overflow the decoder's recursion limit
+        raise Rejected("malformed", f"not JSON: {type(exc).__name__}: {str(exc)[:120]}") from None
+    if not isinstance(msg, dict):
+        raise Rejected("malformed", "message must be a JSON object")
+    return msg
 
 
 def validate(msg: dict) -> dict:
@@ -87,7 +110,7 @@ class Registry:
         self.verify_roles = frozenset(verify_roles)
         self._workers: dict[str, WorkerRecord] = {}
         self._silent: dict[str, float] = {}  # address -> when its worker expired
-        self._expired_at = clock()
+        self.expired_at = clock()
 
     def get(self, wid: str) -> WorkerRecord | None:
         return self._workers.get(wid)
@@ -120,7 +143,7 @@ class Registry:
         return True
 
     def expire(self) -> list[WorkerRecord]:
-        now = self._expired_at = self.clock()
+        now = self.expired_at = self.clock()
         gone = [r for r in self._workers.values() if r.last_seen < now - self.ttl_s]
         for r in gone:
             del self._workers[r.id]
@@ -132,7 +155,7 @@ class Registry:
     def silent(self, address: str) -> bool:
         """The worker at `address` stopped heartbeating (expired; a bye does not count) and has not
         come back. Cheap enough to ask every fraction of a second per request in flight."""
-        if self.clock() - self._expired_at > 0.1:
+        if self.clock() - self.expired_at > 0.1:
             self.expire()
         return address in self._silent
 
