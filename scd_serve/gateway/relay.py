@@ -130,8 +130,13 @@ async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: s
     pending = b""  # SSE: the bytes of an event not yet complete
     chunks = resp.aiter_raw()
     err: ScdError | None = None
+    reason = lambda: getattr(stop(), "message", None)  # noqa: E731
     try:
-        while (chunk := await until(_next(chunks), lambda: getattr(stop(), "message", None))) is not None:
+        while True:
+            if reason():  # between chunks too: a worker that keeps sending is no reason to go on
+                raise NoFirstByte(reason())
+            if (chunk := await until(_next(chunks), reason)) is None:
+                break
             if not sse:
                 if clock is not None:
                     clock.body(chunk)
@@ -148,7 +153,7 @@ async def relay(resp: httpx.Response, done: Upstream, worker: str, request_id: s
         if pending:
             yield pending
     except NoFirstByte:
-        err = stop()
+        err = stop() or Unavailable(f"the decode worker {worker} stopped answering")
         log.warning("request_id=%s stream from %s ended by the gateway: %s", request_id, worker, err.message)
         if not sse:
             raise
