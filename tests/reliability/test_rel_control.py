@@ -74,15 +74,21 @@ def port_of(url: str) -> int:
 
 
 def zmtp_null_flood(port: int, total_bytes: int, frame_bytes: int = 60_000) -> tuple[int, str]:
-    """An attacker's raw ZMTP 3.0 session (NULL mechanism, a DEALER): one multipart message of
-    `total_bytes` in frames of `frame_bytes`, never completed. -> (bytes the server took, how it ended)."""
-    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
+    """An attacker's raw ZMTP 3.1 session (NULL mechanism, a DEALER): one multipart message of
+    `total_bytes` in frames of `frame_bytes`, never completed (a libzmq socket would keep the
+    parts of an unfinished message to itself). -> (bytes the server took, how it ended)."""
+    greeting = b"\xff" + b"\0" * 7 + b"\x01\x7f" + b"\x03\x01" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
     ready = b"\x05READY" + bytes([11]) + b"Socket-Type" + struct.pack(">I", 6) + b"DEALER"
     frame = b"\x03" + struct.pack(">Q", frame_bytes) + b"x" * frame_bytes  # MORE | LONG: the message goes on
     sent = 0
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         try:
             s.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
+            got = b""  # the server's greeting and READY: a message frame before them ends the handshake
+            while b"READY" not in got:
+                if not (chunk := s.recv(4096)):
+                    return 0, "refused in the handshake"
+                got += chunk
             while sent < total_bytes:
                 s.sendall(frame)
                 sent += len(frame)
