@@ -122,8 +122,7 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
                 break
             metrics.requests.labels(pick.address, str(resp.status_code)).inc()
             if clock is not None:
-                clock.status = str(resp.status_code)
-                clock.bind(models_at(pick.address))
+                clock.bind(models_at(pick.address), resp.status_code)
             done = Upstream(resp, lambda a=pick.address: balancer.release(a))
             broken = metrics.broken.labels(pick.address).inc
             stop = shutting_down_or_silent(app.state.closing, silent, pick.address)

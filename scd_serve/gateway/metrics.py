@@ -8,9 +8,10 @@ toward end to end only. Token counts and finish reasons come from the response: 
 `usage` and `choices`, or the usage trailer a decode worker ends a stream with when the gateway
 asks (api/sse.py). Running and waiting are the decode workers' heartbeat loads.
 
-No label value is taken from a client as it is: `model_name` is a name a registered decode
-worker serves (its heartbeats list them), printable ASCII, among the first MAX_MODEL_LABELS
-such names; anything else is `unknown`. Before, a lone surrogate in `model` made every later
+No label value is taken from a client as it is: `model_name` is a name a decode worker serves
+(a registered one lists its names in its heartbeats; a static `--decode` worker has answered a
+request for it with a 2xx, which it does only for names it serves), printable ASCII, among the
+first MAX_MODEL_LABELS such names; anything else is `unknown`. Before, a lone surrogate in `model` made every later
 scrape a 500 (UnicodeEncodeError) and 1,000 unique names grew /metrics to 69.6 MB.
 """
 
@@ -42,12 +43,14 @@ class ModelLabels:
         self.registry, self.limit = registry, limit
         self.used: set[str] = set()
 
-    def __call__(self, name: object) -> str:
+    def __call__(self, name: object, answered: bool = False) -> str:
+        """`name`'s label; `answered`: a decode worker just served a request that asked for it."""
         if not isinstance(name, str) or not SAFE_LABEL.fullmatch(name):
             return UNKNOWN
         if name in self.used:
             return name
-        if len(self.used) >= self.limit or not any(name in r.models for r in self.registry.workers(role="decode")):
+        if len(self.used) >= self.limit or not (answered or any(name in r.models
+                                                                  for r in self.registry.workers(role="decode"))):
             return UNKNOWN
         self.used.add(name)
         return name
@@ -137,9 +140,13 @@ class RequestClock:
         self._body: list[bytes] | None = []  # a non-streamed body, read at the end; None once too long
         self._size = 0
 
-    def bind(self, served: tuple[str, ...]) -> None:
-        """The request went to a decode worker serving `served`: its default name when none was asked."""
-        self.model = self.metrics.labels(self.asked if self.asked is not MISSING else (served or (None,))[0])
+    def bind(self, served: tuple[str, ...], status: int) -> None:
+        """A decode worker serving `served` (its heartbeats' names) answered `status`; its default
+        name stands for a request that asked for none."""
+        self.status = str(status)
+        asked = self.asked is not MISSING
+        name = self.asked if asked else (served or (None,))[0]
+        self.model = self.metrics.labels(name, answered=asked and 200 <= status < 300)
 
     def event(self) -> None:
         """One server-sent event with content relayed to the client (not the closing [DONE])."""

@@ -160,3 +160,7 @@ def test_label_values_come_only_from_served_names():
         assert labels(asked) == UNKNOWN, asked  # served or not: never a label that is not printable ASCII
     got = {labels(name) for name in served}
     assert len(got - {UNKNOWN}) == MAX_MODEL_LABELS  # bounded even if workers serve more names
+    assert labels("static", answered=True) == UNKNOWN  # bounded whatever the source
+    fresh = ModelLabels(Registry(ttl_s=30))
+    assert fresh("static", answered=True) == "static"  # a static worker answered 2xx for it: it serves it
+    assert fresh("\ud800", answered=True) == UNKNOWN and fresh("other") == UNKNOWN
