@@ -48,7 +48,8 @@ def test_malformed_messages_are_rejected_not_raised():
         assert reason(decode_json, raw) == "malformed"  # RecursionError inside json is caught
     for bad in ({"type": "heartbeat"}, {**hb(), "role": "boss"}, {"type": "exec", "id": "x"},
                 {**hb(), "load": {"Running\u00e9": 1}}, {**hb(), "load": {"x" * 40: 1}},
-                {**hb(), "models": "m"}, {**hb(), "models": ["m"] * 17}, {**hb(), "models": [""]}):
+                {**hb(), "models": "m"}, {**hb(), "models": ["m"] * 17}, {**hb(), "models": [""]},
+                {**hb(), "address": "\ud800:8001"}, {**hb(), "address": "h\n:8001"}, {**hb(), "address": "h:\u00b2"}):
         assert reason(validate, bad) == "malformed", bad
     assert validate({**hb(), "models": ["m1", "m2"]})["models"] == ("m1", "m2")
 

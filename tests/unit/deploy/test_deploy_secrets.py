@@ -29,8 +29,8 @@ MOUNTS = {"gateway": {"control": "control", "api": "api"},
 
 
 def make(directory: Path, env: dict[str, str] | None = None) -> None:
-    subprocess.run([sys.executable, str(WRAPPER), "--make", str(directory)], env={"PATH": "/usr/bin:/bin", **(env or {})},
-                   capture_output=True, text=True, timeout=120, check=True)
+    subprocess.run([sys.executable, str(WRAPPER), "--make", str(directory)],
+                   env={"PATH": "/usr/bin:/bin", **(env or {})}, capture_output=True, text=True, timeout=120, check=True)
 
 
 def role(made: Path, name: str, tmp: Path, env: dict[str, str] | None = None) -> dict[str, str]:
