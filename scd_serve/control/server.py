@@ -2,7 +2,8 @@
 
 With a cluster secret it is a CURVE server (curve.py): a peer is authenticated in the handshake,
 before any message of it is read; one without the secret is refused there and counted
-(`unauthenticated`: another key; `handshake_failed`: not CURVE at all). MAXMSGSIZE bounds
+(`handshake_failed`: another cluster secret, or plain ZMTP; `unauthenticated`: the registry's key
+but another client key, refused by ZAP). MAXMSGSIZE bounds
 every frame and the receive high-water mark the messages queued per connection. Every message
 is checked before it touches the table (`registry.validate`); one that fails is dropped and
 counted by reason (scd_control_dropped_messages_total), and no frame can end the serving task.
@@ -188,7 +189,7 @@ class RegistryServer:
         self.sock.close(linger=0)
         if self.gatekeeper is not None:
             self.gatekeeper.stop()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # whatever socket is left: never a term() that waits
 
 
 class DroppedCollector:
