@@ -1,16 +1,23 @@
-"""Compose entrypoint: make the cluster's secrets on first start, export them, exec the command.
+"""Compose's secrets: made once by a one-shot service, then read by each role from its own volumes.
 
-    python /opt/scd/with_secrets.py DIR -- COMMAND [ARG...]
+    python /opt/scd/with_secrets.py --make DIR        # the `secrets` service: make what is missing
+    python /opt/scd/with_secrets.py DIR -- COMMAND    # a role: export what it mounts, exec COMMAND
 
-For each secret below, a value already in the environment wins (put it in `.env` to choose
-your own); otherwise it is read from DIR/NAME, which is created with 32 random bytes (hex) if
-it does not exist yet. DIR is a volume every container of the project mounts, so all roles
-get the same values; a file is created atomically (written aside, then hard-linked into
-place, which fails if another container got there first), so containers that start at the
-same moment still agree. With SCD_MTLS set (to anything), DIR/tls gets a CA and one
-certificate per role from make-certs.sh the same way, and SCD_TLS_DIR points at it.
-The command then runs in place of this process (exec: it stays PID 1 and gets the signals).
-Standard library only; nothing is printed about the values.
+DIR holds one sub-directory per volume (LAYOUT), and a role mounts only the volumes it needs
+(docker-compose.yml): the gateway the control secret and the API key, a prefill worker the
+control secret, the worker token and its own certificate, a decode worker the three secrets and
+its own certificate. `--make` writes each missing secret as 32 random bytes (hex); a file is
+created atomically (written aside, then hard-linked into place, which fails if another process
+got there first). With mTLS on (SCD_MTLS unset or anything but 0/false/no/off) it makes a CA and
+one certificate per role with make-certs.sh and puts each role's certificate, key and the CA in
+that role's volume; the CA key is not kept. Grafana's admin password ($SCD_GRAFANA_PASSWORD, else
+random) goes to the grafana volume, readable by Grafana's own user.
+
+A role: a value already in the environment wins (put it in `.env` to choose your own);
+otherwise the file is read if this container mounts it. SCD_TLS_DIR points at DIR/tls when
+mTLS is on and the role's certificate volume is mounted there. The command then runs in place
+of this process (exec: it stays PID 1 and gets the signals). Standard library only; nothing
+is printed about the values.
 """
 
 from __future__ import annotations
@@ -22,23 +29,33 @@ import subprocess
 import sys
 import tempfile
 
-SECRETS = {"SCD_CLUSTER_SECRET": "cluster-secret", "SCD_API_KEY": "api-key", "SCD_WORKER_TOKEN": "worker-token"}
+SECRETS = {"SCD_CLUSTER_SECRET": ("control", "cluster-secret"), "SCD_API_KEY": ("api", "api-key"),
+           "SCD_WORKER_TOKEN": ("token", "worker-token")}
+TLS_ROLES = ("prefill", "decode")  # DIR/tls-ROLE when made; a role mounts its own at DIR/tls
+GRAFANA = ("grafana", "admin-password")
+OFF = {"0", "false", "no", "off"}
 HERE = os.path.dirname(os.path.abspath(__file__))
 # beside this file in the image (/opt/scd), deploy/scripts/ in a checkout
 CANDIDATES = (os.path.join(HERE, "make-certs.sh"), os.path.join(HERE, "..", "scripts", "make-certs.sh"))
 MAKE_CERTS = next((p for p in CANDIDATES if os.path.isfile(p)), "make-certs.sh")
 
 
-def shared_secret(directory: str, name: str) -> str:
-    """DIR/name's content, creating it with a fresh random value if missing (race-safe)."""
+def mtls_on(env) -> bool:
+    return env.get("SCD_MTLS", "1").strip().lower() not in OFF
+
+
+def shared_secret(directory: str, name: str, value: str = "", mode: int = 0o600) -> str:
+    """DIR/name's content, creating it (`value`, else a fresh random one) if missing (race-safe)."""
     path = os.path.join(directory, name)
     if not os.path.exists(path):
+        os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")
         try:
             with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
+                f.write((value or secrets.token_hex(32)) + "\n")
+            os.chmod(tmp, mode)
             try:
-                os.link(tmp, path)  # atomic; FileExistsError when another container won the race
+                os.link(tmp, path)  # atomic; FileExistsError when another process won the race
             except FileExistsError:
                 pass
         finally:
@@ -50,34 +67,54 @@ def shared_secret(directory: str, name: str) -> str:
     return value
 
 
-def shared_certs(directory: str) -> str:
-    """DIR/tls with a CA and prefill/decode certificates, made once (race-safe)."""
-    final = os.path.join(directory, "tls")
-    if not os.path.isdir(final):
-        tmp = tempfile.mkdtemp(dir=directory, prefix=".tls.")
-        try:
-            subprocess.run(["sh", MAKE_CERTS, tmp], check=True, stdout=subprocess.DEVNULL)
-            os.rename(tmp, final)  # atomic; fails when another container renamed its own first
-        except OSError:
-            if not os.path.isdir(final):
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+def role_certs(directory: str) -> None:
+    """DIR/tls-ROLE: the CA and ROLE's certificate and key, for each role, signed by one CA (once)."""
+    targets = {role: os.path.join(directory, f"tls-{role}") for role in TLS_ROLES}
+    if all(os.path.isfile(os.path.join(d, "ca.pem")) for d in targets.values()):
+        return
+    made = tempfile.mkdtemp(prefix="scd-tls.")
+    try:
+        subprocess.run(["sh", MAKE_CERTS, made], check=True, stdout=subprocess.DEVNULL)
+        for role, target in targets.items():
+            os.makedirs(target, exist_ok=True)
+            for name in (f"{role}.pem", f"{role}-key.pem", "ca.pem"):  # ca.pem last: it says "complete"
+                shutil.copy2(os.path.join(made, name), os.path.join(target, name))
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def make(directory: str, env) -> None:
+    for sub, name in SECRETS.values():
+        shared_secret(os.path.join(directory, sub), name)
+    # Grafana runs as another user: its file is readable to all, in a volume only Grafana mounts
+    shared_secret(os.path.join(directory, GRAFANA[0]), GRAFANA[1], env.get("SCD_GRAFANA_PASSWORD", "").strip(),
+                  mode=0o444)
+    if mtls_on(env):
+        role_certs(directory)
+
+
+def role_env(directory: str, env) -> dict[str, str]:
+    out = dict(env)
+    for var, (sub, name) in SECRETS.items():
+        path = os.path.join(directory, sub, name)
+        if not out.get(var, "").strip() and os.path.isfile(path):
+            with open(path) as f:
+                out[var] = f.read().strip()
+    tls = os.path.join(directory, "tls")
+    if mtls_on(env) and os.path.isfile(os.path.join(tls, "ca.pem")):
+        out["SCD_TLS_DIR"] = tls
+    return out
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--make":
+        make(argv[1], os.environ)
+        return 0
     if len(argv) < 3 or argv[1] != "--":
-        print(__doc__.splitlines()[2].strip(), file=sys.stderr)
+        print(__doc__.splitlines()[2].strip() + "\n" + __doc__.splitlines()[3].strip(), file=sys.stderr)
         return 2
     directory, command = argv[0], argv[2:]
-    env = dict(os.environ)
-    for var, name in SECRETS.items():
-        if not env.get(var, "").strip():
-            env[var] = shared_secret(directory, name)
-    if env.get("SCD_MTLS", "").strip():
-        env["SCD_TLS_DIR"] = shared_certs(directory)
-    os.execvpe(command[0], command, env)
+    os.execvpe(command[0], command, role_env(directory, os.environ))
     return 127  # not reached
 
 

@@ -3,8 +3,11 @@
 It gives the request its id (the client's `x-request-id` if it sent a sane one, as vLLM does,
 else a new one), which the logs, the engine request, the prefill worker's gRPC call, the
 response header and the body's `id` (`cmpl-<id>`) all carry; checks the API key on every path but
-OPEN_PATHS, requires application/json bodies (415) and reads the body with a hard cap
-(413, chunked bodies too), so an oversized body is never held in memory.
+OPEN_PATHS, requires application/json bodies (415), reads the body with a hard cap (413,
+chunked bodies too), so an oversized body is never held in memory, and refuses JSON nested
+deeper than `max_json_depth` (400) before any parser sees it: a parser's recursion limit is a
+500 otherwise (json's RecursionError), and every route would need its own catch.
+Header bytes are read as latin-1, which decodes every byte: no header can raise here.
 """
 
 from __future__ import annotations
@@ -13,13 +16,35 @@ import logging
 import re
 import uuid
 
+import numpy as np
 from starlette.responses import JSONResponse
 
 from scd_serve.api.auth import OPEN_PATHS, key_matches
 from scd_serve.config.api import ApiConfig
-from scd_serve.errors import PayloadTooLarge, ScdError, Unauthorized, UnsupportedMediaType
+from scd_serve.errors import InvalidRequest, PayloadTooLarge, ScdError, Unauthorized, UnsupportedMediaType
 
 log = logging.getLogger("scd_serve.api")
+_NESTING = np.zeros(256, np.int8)  # byte -> change of nesting depth
+_NESTING[[ord("["), ord("{")]], _NESTING[[ord("]"), ord("}")]] = 1, -1
+
+
+def json_depth(body: bytes) -> int:
+    """How deep `[` and `{` nest in a JSON text, brackets inside strings not counted; vectorized,
+    so a 1 MiB body of brackets costs milliseconds (a Python loop over it would cost 100x more)."""
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")  # no escaped backslash or quote is left
+    chars = np.frombuffer(text, np.uint8)
+    outside = (np.cumsum(chars == ord('"'), dtype=np.int32) & 1) == 0  # odd count of quotes so far: in a string
+    return int(np.cumsum(_NESTING[chars] * outside, dtype=np.int32).max(initial=0))
+
+
+def check_json_depth(body: bytes, limit: int) -> None:
+    """InvalidRequest naming the limit when `body` nests deeper than `limit`."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return  # cannot nest deeper: every request of normal shape stops here
+    depth = json_depth(body)
+    if depth > limit:
+        raise InvalidRequest(f"JSON nesting depth {depth} exceeds the limit of {limit} (arrays and objects "
+                             f"inside each other); flatten the request")
 
 
 def error_response(exc: ScdError, request_id: str | None) -> JSONResponse:
@@ -81,7 +106,8 @@ class RequestGuard:
             raise UnsupportedMediaType(f"Content-Type must be application/json, got {ctype or 'none'!r}")
         limit = self.config.max_body_bytes
         declared = headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        # isascii: "²".isdigit() is true and int("²") raises
+        if declared is not None and (not (declared.isascii() and declared.isdigit()) or int(declared) > limit):
             raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
         chunks, size = [], 0
         while True:
@@ -95,7 +121,9 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return b"".join(chunks)
+        body = b"".join(chunks)
+        check_json_depth(body, self.config.max_json_depth)
+        return body
 
 
 def _replay(body: bytes, receive):

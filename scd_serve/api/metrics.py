@@ -19,7 +19,7 @@ _RATIO = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5)
 _ERROR = (0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.75, 1.0, 2.0, 5.0)
 
 
-_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _MODEL = ["model_name"]
 
 
@@ -30,7 +30,7 @@ class Metrics:
         r = self.registry
         latency = partial(Histogram, buckets=LATENCY_BUCKETS, registry=r)
         gap = partial(Histogram, buckets=TOKEN_GAP_BUCKETS, registry=r)
-        tokens = partial(Histogram, buckets=_TOKENS, registry=r)
+        tokens = partial(Histogram, buckets=TOKEN_BUCKETS, registry=r)
         counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
         self.requests = counter("scd_requests_total", "HTTP generation requests by route and status",
                                 ["route", "status"])

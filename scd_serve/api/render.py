@@ -60,7 +60,7 @@ class Render:
         return prompt_logprobs(ids, o.prompt_records or [None] * len(ids), self.text, self.plan.prompt_logprobs)
 
     async def stream(self, firsts: list[TokenEvent], streams: list) -> AsyncIterator[dict]:
-        outcomes = [Outcome(k // self.plan.best_of) for k in range(len(streams))]
+        outcomes = self.outcomes = [Outcome(k // self.plan.best_of) for k in range(len(streams))]
         parsers = [self.tools.parser() for _ in streams] if self.tools is not None else None
         offsets, made = [0] * len(streams), [0] * len(streams)
 
@@ -121,6 +121,11 @@ class Render:
                 lp = merge_completion(lp, part) if ids else lp
                 offset += sum(len(t) for t in part["tokens"])
         return text, lp, offset
+
+    def summary(self) -> dict:
+        """A streamed response's usage and finish reasons, once it ended (the usage trailer)."""
+        done = best(self.outcomes, self.plan.n, self.plan.best_of)
+        return self._usage(self.outcomes).to_dict() | {"finish_reasons": [o.finish_reason for o in done]}
 
     def _usage(self, outcomes: list[Outcome]) -> Usage:
         prompt = sum(len(ids) for _, ids in self.prompts)

@@ -107,11 +107,17 @@ def _logprobs(body, chat: bool) -> int | None:
     return (k or 0) if body.logprobs else None
 
 
+MAX_TOKEN_ID_DIGITS = 10  # every vocabulary fits; int() of a 5,000-digit string raises
+
+
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     out = []
     for key, value in (bias or {}).items():
-        if not key.isdigit():
-            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", field="logit_bias")
+        # isascii: str.isdigit() accepts "²" and "①", which int() refuses
+        if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+            raise InvalidRequest(f"logit_bias keys must be token ids written as plain ASCII digits (at most "
+                                 f"{MAX_TOKEN_ID_DIGITS}), got {key[:24]!r}{'...' if len(key) > 24 else ''}",
+                                 field="logit_bias")
         out.append((int(key), float(value)))
     return tuple(out)
 

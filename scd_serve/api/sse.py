@@ -4,6 +4,9 @@ A stream sends (chat: a role chunk per choice first) a chunk per text delta or l
 record, a finish_reason chunk per choice, an optional usage chunk, then `data: [DONE]`; with
 vLLM's `continuous_usage_stats` every chunk also carries its choice's usage so far. An
 error after the stream started goes as one `data: {"error": ...}` event before `[DONE]`.
+A request with `x-scd-usage: trailer` (the gateway sends it) also gets the stream's usage and
+finish reasons as an SSE comment before `[DONE]`, which every SSE client skips and the gateway
+strips: its vLLM-named token counters need them whether or not the client asked for usage.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections.abc import AsyncIterator, Callable
 from scd_serve.errors import ScdError
 
 log = logging.getLogger("scd_serve.api")
+USAGE_HEADER, USAGE_TRAILER = "x-scd-usage", "trailer"
+USAGE_COMMENT = b": usage "  # how the trailer starts
 
 
 class Shape:
@@ -71,13 +76,17 @@ def data(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[dict], request_id: str, on_end: Callable[[int], None]) -> AsyncIterator[str]:
+async def sse_stream(chunks: AsyncIterator[dict], request_id: str, on_end: Callable[[int], None],
+                     trailer: Callable[[], dict] | None = None) -> AsyncIterator[str]:
     """`chunks`: the response's JSON objects (usage chunk included); errors after the first
-    became HTTP statuses are sent as the last event. `on_end(status)` is called once."""
+    became HTTP statuses are sent as the last event. `on_end(status)` is called once;
+    `trailer()`, when given, is sent as a comment after the last chunk of a stream that ended well."""
     status = 200
     try:
         async for obj in chunks:
             yield data(obj)
+        if trailer is not None:
+            yield f"{USAGE_COMMENT.decode()}{json.dumps(trailer())}\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         status = 499  # the client went away; nothing more to send
         raise

@@ -7,10 +7,13 @@ MAX_ADDRESS = 256  # characters
 
 
 def check_address(address) -> str:
-    """`address` if it is HOST:PORT with a port in 1..65535, else ValueError."""
+    """`address` if it is HOST:PORT with a port in 1..65535, printable ASCII (it becomes a metric
+    label and a URL), else ValueError."""
     if not isinstance(address, str) or not 0 < len(address) <= MAX_ADDRESS:
         raise ValueError("address must be a HOST:PORT string")
     host, sep, port = address.rpartition(":")
+    if not (address.isascii() and address.isprintable()) or " " in address:
+        raise ValueError(f"address {address[:64]!r} must be printable ASCII without spaces")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"address {address!r} is not HOST:PORT")
     return address

@@ -1,4 +1,4 @@
-"""Control plane settings: heartbeat timing, the cluster secret that signs every message, bounds."""
+"""Control plane settings: heartbeat timing, the cluster secret its CURVE keys come from, bounds."""
 
 from __future__ import annotations
 
@@ -16,13 +16,10 @@ MIN_SECRET_CHARS = 16
 class ControlConfig:
     heartbeat_s: float = 0.5  # workers send a heartbeat this often
     worker_ttl_s: float = 3.0  # a worker silent this long is dropped from the registry
-    max_message_bytes: int = 64 * 1024  # larger control messages are dropped unread
-    # Shared cluster secret: every message carries an HMAC-SHA256 made with it ("" = unsigned,
-    # allowed only on loopback or with --insecure).
+    max_message_bytes: int = 64 * 1024  # the registry's MAXMSGSIZE: a larger frame closes its connection
+    # Shared cluster secret: the control plane's CURVE keys are derived from it (control/curve.py;
+    # "" = plain ZMTP, allowed only on loopback or with --insecure).
     secret: str = field(default="", repr=False)
-    # A signed message whose timestamp is further than this from the receiver's clock is
-    # dropped as stale (seconds); its nonce is remembered this long against replay.
-    max_clock_skew_s: float = 30.0
     max_workers: int = 256  # the registry's table; heartbeats of new workers beyond it are dropped
     verify_timeout_s: float = 2.0  # for a worker's address to answer the registry's handshake
     # Workers look up the control URL's host again this often: a name that resolves to several
@@ -39,7 +36,6 @@ class ControlConfig:
         if self.secret and len(self.secret) < MIN_SECRET_CHARS:
             raise ConfigError(f"the cluster secret must have at least {MIN_SECRET_CHARS} characters "
                               f"(e.g. `openssl rand -hex 32`)")
-        check_range("control.max_clock_skew_s", self.max_clock_skew_s, 1, 3600)
         check_range("control.max_workers", self.max_workers, 1, 65536)
         check_range("control.verify_timeout_s", self.verify_timeout_s, 0, 60, open_low=True)
         check_range("control.resolve_s", self.resolve_s, 0, 3600, open_low=True)
@@ -49,7 +45,7 @@ def add_control_arguments(parser) -> None:
     """The control-plane and exposure flags every role shares; read back with `control_config_from_args`."""
     g = parser.add_argument_group("control plane and exposure")
     g.add_argument("--cluster-secret-file", default="",
-                   help=f"file holding the cluster secret that signs control messages (default: ${SECRET_ENV})")
+                   help=f"file holding the cluster secret the control plane's keys come from (default: ${SECRET_ENV})")
     g.add_argument("--insecure", action="store_true",
                    help="start even with a non-loopback listener or control plane that has no authentication")
 

@@ -18,6 +18,15 @@ class GatewayConfig:
     # Seconds to connect to a decode worker, and for a whole proxied request.
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 300.0
+    # A stream whose first event has not come from its decode worker within this many seconds goes
+    # to another worker (nothing was sent yet). Above the workers' own worst first token: queue
+    # (30 s) + a failed transfer (30 s) + the local prefill of the longest prompt.
+    first_byte_timeout_s: float = 90.0
+    # SIGTERM: streams still open this long after end with a `shutting_down` error event, then it exits
+    shutdown_grace_s: float = 5.0
+    # Request headers not complete this many seconds after a connection opened (or its last
+    # response ended) close the connection: slow-header (slowloris) clients hold no slot for long.
+    header_timeout_s: float = 10.0
     max_attempts: int = 2  # decode workers tried when one cannot be reached (before any byte)
 
     def __post_init__(self) -> None:
@@ -26,7 +35,8 @@ class GatewayConfig:
             raise ConfigError(f"gateway.control_bind must look like tcp://HOST:PORT, got {self.control_bind!r}")
         if self.max_body_bytes < 1024:
             raise ConfigError("gateway.max_body_bytes must be >= 1024")
-        for name in ("connect_timeout_s", "request_timeout_s"):
+        for name in ("connect_timeout_s", "request_timeout_s", "first_byte_timeout_s", "shutdown_grace_s",
+                     "header_timeout_s"):
             if not (0 < getattr(self, name) <= 86400):
                 raise ConfigError(f"gateway.{name} must be in (0, 86400] seconds")
         check_range("gateway.max_attempts", self.max_attempts, 1, 8)

@@ -2,7 +2,7 @@
 
 A listener or control plane off loopback with no credential (API key, worker token or mTLS,
 cluster secret) stops the start with a ConfigError naming the setting, unless --insecure.
-Loopback without credentials is the development default (a warning for an unsigned control plane).
+Loopback without credentials is the development default (a warning for an unauthenticated control plane).
 """
 
 from __future__ import annotations
@@ -71,5 +71,5 @@ def refuse_open(role: str, exposures: list[Exposure | None], insecure: bool) -> 
         log.warning("%s: %s on %s has no authentication (--insecure)", role, e.what, e.where)
     for e in found:
         if e.what == "control plane" and e.local and not e.authenticated:
-            log.warning("%s: control plane %s is unsigned (no cluster secret); fine on loopback for development",
+            log.warning("%s: control plane %s is unauthenticated (no cluster secret); fine on loopback for development",
                         role, e.where)

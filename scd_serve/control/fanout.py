@@ -48,8 +48,8 @@ class HeartbeatFanout:
 
     def __init__(self, url: str, role: str, address: str, ready: Callable[[], bool], load: Callable[[], dict],
                  config: ControlConfig, on_peers: Callable[[list[dict]], None] | None = None,
-                 resolver: Callable[[str], list[str]] = resolve):
-        self.url, self.role, self.address = url, role, address
+                 resolver: Callable[[str], list[str]] = resolve, models: tuple[str, ...] = ()):
+        self.url, self.role, self.address, self.models = url, role, address, models
         self.ready, self.load, self.on_peers, self.config = ready, load, on_peers, config
         self.resolver = resolver
         self.clients: dict[str, HeartbeatClient] = {}
@@ -79,7 +79,8 @@ class HeartbeatFanout:
             if endpoint not in self.clients:
                 log.info("control: heartbeats to the registry at %s", endpoint)
                 client = HeartbeatClient(endpoint, self.role, self.address, self.ready, self.load, self.config,
-                                         on_peers=lambda workers, e=endpoint: self._peers_from(e, workers))
+                                         on_peers=lambda workers, e=endpoint: self._peers_from(e, workers),
+                                         models=self.models)
                 self.clients[endpoint] = client
                 client.start()
 

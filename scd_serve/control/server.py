@@ -1,11 +1,15 @@
-"""The registry's ZMQ endpoint: a ROUTER that takes signed heartbeats and answers with the peer list.
+"""The registry's ZMQ endpoint: a ROUTER that takes heartbeats and answers with the peer list.
 
-Every frame is checked before it touches the table (signing.py, then `registry.validate`);
-one that fails is dropped and counted by reason (scd_control_dropped_messages_total), and
-no frame can end the serving task. A worker id stays bound to the address it first
-advertised until it says bye or expires. A decode worker counts as ready only after the
-registry reached it (GET http://ADDRESS/live answered 200); prefill workers are handshaken
-by each decode worker over gRPC Info.
+With a cluster secret it is a CURVE server (curve.py): a peer is authenticated in the handshake,
+before any message of it is read; one without the secret is refused there and counted
+(`handshake_failed`: another cluster secret, or plain ZMTP; `unauthenticated`: the registry's key
+but another client key, refused by ZAP). MAXMSGSIZE bounds
+every frame and the receive high-water mark the messages queued per connection. Every message
+is checked before it touches the table (`registry.validate`); one that fails is dropped and
+counted by reason (scd_control_dropped_messages_total), and no frame can end the serving task.
+A worker id stays bound to the address it first advertised until it says bye or expires. A
+decode worker counts as ready only after the registry reached it (GET http://ADDRESS/live
+answered 200); prefill workers are handshaken by each decode worker over gRPC Info.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ import zmq
 import zmq.asyncio
 
 from scd_serve.config.control import ControlConfig
+from scd_serve.control.curve import Gatekeeper, keys_from, serve_curve
 from scd_serve.control.lifecycle import Restarting, cancel_all
-from scd_serve.control.registry import Registry, WorkerRecord, validate
-from scd_serve.control.signing import REGISTRY, WORKER, Envelope, Rejected
+from scd_serve.control.registry import Registry, Rejected, WorkerRecord, decode_json, encode, validate
 
 log = logging.getLogger("scd_serve.control")
 LOG_EVERY_S = 10.0  # a flood of bad frames logs one line per reason this often, with the count
 VERIFY_ROLES = ("decode",)
+RCVHWM = 64  # messages queued per worker connection; a worker sends one per heartbeat period
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 async def probe_http_live(address: str, timeout_s: float) -> bool:
@@ -46,20 +52,29 @@ class RegistryServer:
         self.config = config
         self.registry = registry or Registry(config.worker_ttl_s, max_workers=config.max_workers,
                                              verify_roles=verify_roles)
-        self.envelope = Envelope(config.secret, send_direction=REGISTRY, recv_direction=WORKER,
-                                 max_skew_s=config.max_clock_skew_s)
         self.probe = probe
-        self.ctx = zmq.asyncio.Context.instance()
+        self.dropped: Counter[str] = Counter()  # reason -> frames dropped
+        # its own context: the ZAP handler is one per context, and each registry admits its own key
+        self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        # frames over the cap close the sender's connection instead of being buffered
+        # frames over the cap (handshake commands included) close the sender's connection unread
         self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.sock.setsockopt(zmq.SNDHWM, RCVHWM)
+        self.gatekeeper = None
+        if config.secret:
+            keys = keys_from(config.secret)
+            serve_curve(self.sock, keys)
+            self.gatekeeper = Gatekeeper(self.ctx, keys, lambda: self._drop(
+                "unauthenticated", "a CURVE client with another key (a different cluster secret?)"))
+            self.gatekeeper.start()
+        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED)
         self.sock.bind(bind_url)
         self.url = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # real port when bound to :0
         # serves until close(); a task that dies anyway is logged and started again (else workers
         # would never expire and the gateway would route to the dead)
         self.runner = Restarting(lambda: self._serve(), "control-registry")
-        self.dropped: Counter[str] = Counter()  # reason -> frames dropped
         self.num_handshake_failures = 0
         self._probes: dict[str, asyncio.Task] = {}
         self._next_probe: dict[str, float] = {}
@@ -73,10 +88,19 @@ class RegistryServer:
         self.runner.start()
 
     async def _serve(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while True:
             try:
-                if not await self.sock.poll(timeout=int(self.config.heartbeat_s * 1000)):
-                    self.registry.expire()
+                ready = dict(await poller.poll(timeout=int(self.config.heartbeat_s * 1000)))
+                if self.monitor in ready:
+                    await self.monitor.recv_multipart()
+                    self._drop("handshake_failed", "a peer failed the CURVE handshake (another cluster "
+                                                   "secret, or none)")
+                if self.registry.clock() - self.registry.expired_at >= self.config.heartbeat_s:
+                    self.registry.expire()  # also while heartbeats keep coming
+                if self.sock not in ready:
                     continue
                 frames = await self.sock.recv_multipart()
             except zmq.ZMQError as exc:
@@ -93,13 +117,13 @@ class RegistryServer:
                 self._drop("internal", f"{type(exc).__name__}: {str(exc)[:200]}", exc)
 
     def handle(self, frames: list[bytes]) -> bytes | None:
-        """Apply one received frame; the reply to send back, or None. Rejected when dropped."""
+        """Apply one received message; the reply to send back, or None. Rejected when dropped."""
         if len(frames) != 2:
             raise Rejected("malformed", f"{len(frames) - 1} frames, expected 1")
         raw = frames[1]
         if len(raw) > self.config.max_message_bytes:
             raise Rejected("malformed", f"message of {len(raw)} bytes exceeds {self.config.max_message_bytes}")
-        msg = validate(self.envelope.open(raw))
+        msg = validate(decode_json(raw))
         if msg["type"] == "bye":
             self.registry.apply(msg)
             return None
@@ -110,7 +134,7 @@ class RegistryServer:
         if rec is None:
             log.info("control: %s worker %s joined at %s", msg["role"], msg["id"], msg["address"])
         self._maybe_verify(self.registry.get(msg["id"]))
-        return self.envelope.seal(self.registry.peers_message())
+        return encode(self.registry.peers_message())
 
     def _drop(self, reason: str, why: str, exc: BaseException | None = None) -> None:
         self.dropped[reason] += 1
@@ -160,7 +184,12 @@ class RegistryServer:
     async def close(self) -> None:
         await self.runner.stop()
         await cancel_all(*self._probes.values())
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
+        if self.gatekeeper is not None:
+            self.gatekeeper.stop()
+        self.ctx.destroy(linger=0)  # whatever socket is left: never a term() that waits
 
 
 class DroppedCollector:

@@ -130,5 +130,6 @@ class DecodeBackend(EngineBackend):
         t = self.fill.stats
         return {"running": s["num_running"], "waiting": s["num_waiting"] + s.get("num_filling", 0),
                 "capacity": self.engine.config.max_num_seqs, "free_blocks": s["num_free_blocks"],
+                "total_blocks": s["num_total_blocks"],
                 "tokens": s["num_generated_tokens"], "transfers": t.num_transfers,
                 "fallbacks": s.get("num_fallbacks", 0)}

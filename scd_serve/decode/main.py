@@ -213,6 +213,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     codebook_chosen: --codebook was given (flag or $SCD_CODEBOOK), so it must fit the model."""
     import uvicorn
 
+    from scd_serve.api.http_server import http_config
     from scd_serve.codec.codebook import codebook_arg, refuse_other_pair
     from scd_serve.config.api import ApiConfig
     from scd_serve.config.engine import EngineConfig
@@ -245,15 +246,16 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
                         request_timeout_s=config.request_timeout_s, chat_template=template)
     worker = await DecodeWorker(rt, config, engine_cfg, api_cfg).start()
     app, engine, backend, peers, auto = worker.app, worker.engine, worker.backend, worker.peers, worker.auto
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_keep_alive=api_cfg.timeout_keep_alive_s,
-                                           timeout_graceful_shutdown=int(config.shutdown_grace_s)))
+    server = uvicorn.Server(http_config(app, config.host, config.port, header_timeout_s=api_cfg.header_timeout_s,
+                                        timeout_keep_alive=api_cfg.timeout_keep_alive_s,
+                                        timeout_graceful_shutdown=int(config.shutdown_grace_s)))
     http, port = await start_http(server)
     address = advertised(config.advertise, config.host, port)
     heartbeat = None
     if config.control_url:
         heartbeat = HeartbeatFanout(config.control_url, "decode", address, backend.ready, backend.load_report,
-                                    control or ControlConfig(), on_peers=peers.update_from_registry)
+                                    control or ControlConfig(), on_peers=peers.update_from_registry,
+                                    models=tuple(app.state.model_names))  # the gateway's model_name labels
         heartbeat.start()
     print(f"decode worker serving http://{config.host}:{port} (advertised {address}), consumer {rt.fingerprint} "
           f"on {rt.device} in {str(rt.dtype).removeprefix('torch.')}, default method {method}, fallback {config.fallback}"

@@ -9,8 +9,10 @@ gives its own errors the workers' shape.
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import asynccontextmanager, nullcontext
+from functools import partial
 
 import httpx
 from fastapi import FastAPI, Request
@@ -21,18 +23,21 @@ from scd_serve import __version__
 from scd_serve.api.app import add_version_and_live, create_app
 from scd_serve.api.guard import RequestGuard, error_response
 from scd_serve.api.handlers import install_error_handlers
+from scd_serve.api.sse import USAGE_HEADER, USAGE_TRAILER
 from scd_serve.config.api import ApiConfig
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
 from scd_serve.control.registry import Registry
 from scd_serve.errors import Unavailable
-from scd_serve.gateway.metrics import GatewayMetrics, RequestClock
-from scd_serve.gateway.relay import ClientWatch, Upstream, relay
+from scd_serve.gateway.metrics import MISSING, GatewayMetrics, RequestClock
+from scd_serve.gateway.relay import ClientWatch, Closing, NoFirstByte, Upstream, relay, shutting_down_or_silent, until
 
 log = logging.getLogger("scd_serve.gateway")
-FORWARD_HEADERS = ("authorization", "content-type", "accept")
-RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control",
-                  "x-scd-method", "x-scd-method-reason", "x-scd-warning")
+# raw header bytes go on as they came: httpx would encode a str value as ASCII, and one byte
+# over 0x7f in Authorization or a content-type charset was a UnicodeEncodeError (500)
+FORWARD_HEADERS = (b"authorization", b"content-type", b"accept")
+RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control", "x-scd-method",
+                  "x-scd-method-reason", "x-scd-warning")
 # (method, path, timed): the routes passed to a decode worker; `timed` ones feed the latency histograms
 PROXIED = (("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True), ("GET", "/v1/models", False),
            ("POST", "/tokenize", False), ("POST", "/detokenize", False))
@@ -40,7 +45,7 @@ PROXIED = (("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", T
 
 def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks=None) -> FastAPI:
     balancer = LoadBalancer()
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(registry)
     state: dict = {}
 
     @asynccontextmanager
@@ -58,6 +63,7 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     install_error_handlers(app)
     app.state.metrics = metrics
     app.state.balancer = balancer
+    app.state.closing = Closing()  # gateway/main begins it on SIGTERM
 
     def candidates() -> list[Candidate]:
         cands = {r.address: Candidate(r.address, int(r.load.get("running", 0)), int(r.load.get("waiting", 0)),
@@ -70,16 +76,21 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     async def proxy(request: Request, method: str, path: str, timed: bool = False) -> Response:
         rid = request.scope.get("state", {}).get("request_id")
         body = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
-        headers["x-request-id"] = rid  # the worker takes it: one id in both logs, the body and the header
+        headers = [(k, v) for k, v in request.scope["headers"] if k.lower() in FORWARD_HEADERS]
+        headers.append((b"x-request-id", rid.encode()))  # the worker takes it: one id in logs, body and header
+        msg = peek(body) if timed else {}
+        stream = msg.get("stream") is True
+        if timed and stream:
+            headers.append((USAGE_HEADER.encode(), USAGE_TRAILER.encode()))  # token counts for the vLLM series
         watch = ClientWatch(request.receive)  # the body was read: the next message is the disconnect
         try:
-            return await forward(watch, rid, method, path, body, headers, metrics.clock(body) if timed else None)
+            clock = metrics.clock(msg.get("model", MISSING)) if timed else None
+            return await forward(watch, rid, method, path, body, headers, clock, stream)
         finally:
             await watch.close()
 
-    async def forward(watch: ClientWatch, rid, method: str, path: str, body: bytes, headers: dict,
-                      clock: RequestClock | None) -> Response:
+    async def forward(watch: ClientWatch, rid, method: str, path: str, body: bytes, headers: list,
+                      clock: RequestClock | None, stream: bool) -> Response:
         tried: list[str] = []
         for _ in range(config.max_attempts):
             pick = balancer.choose(candidates(), exclude=tried)
@@ -89,10 +100,20 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
             upstream = state["client"].build_request(method, f"http://{pick.address}{path}", content=body,
                                                      headers=headers)
             balancer.acquire(pick.address)
+            silent = partial(registry.silent, pick.address)
+            # a stream's first event comes with its headers (the workers await it before they answer);
+            # a non-streamed answer comes whole, so only a silent worker ends that wait early
+            first_byte_s = config.first_byte_timeout_s if stream else None
             try:
-                resp = await watch.run(state["client"].send(upstream, stream=True))
+                resp = await watch.run(until(state["client"].send(upstream, stream=True),
+                                             lambda: "it stopped heartbeating" if silent() else None, first_byte_s))
             except BaseException as exc:
                 balancer.release(pick.address)
+                if isinstance(exc, NoFirstByte):
+                    metrics.first_byte_timeouts.labels(pick.address).inc()
+                    log.warning("request_id=%s decode worker %s sent no first byte (%s); trying another", rid,
+                                pick.address, exc)
+                    continue
                 if not isinstance(exc, httpx.TransportError):
                     raise
                 metrics.unreachable.labels(pick.address).inc()
@@ -103,12 +124,13 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
                 break
             metrics.requests.labels(pick.address, str(resp.status_code)).inc()
             if clock is not None:
-                clock.status = str(resp.status_code)
+                clock.bind(models_at(pick.address), resp.status_code)
             done = Upstream(resp, lambda a=pick.address: balancer.release(a))
             broken = metrics.broken.labels(pick.address).inc
+            stop = shutting_down_or_silent(app.state.closing, silent, pick.address)
             # background: also runs when the client left before the body started streaming
-            return StreamingResponse(relay(resp, done, pick.address, rid, broken, clock), status_code=resp.status_code,
-                                     background=BackgroundTask(done),
+            return StreamingResponse(relay(resp, done, pick.address, rid, broken, clock, stop),
+                                     status_code=resp.status_code, background=BackgroundTask(done),
                                      headers={k: v for k, v in resp.headers.items() if k.lower() in RETURN_HEADERS})
         if watch.gone:
             log.info("request_id=%s client left before the response started (tried %s)", rid, ", ".join(tried))
@@ -116,6 +138,9 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
             return Response(status_code=499)  # nobody reads it
         why = f"tried {', '.join(tried)}" if tried else "none registered and ready"
         return error_response(Unavailable(f"no decode worker available ({why})"), rid)
+
+    def models_at(address: str) -> tuple[str, ...]:
+        return next((r.models for r in registry.workers(role="decode") if r.address == address), ())
 
     def proxied(method: str, path: str, timed: bool):
         async def route(request: Request) -> Response:
@@ -145,10 +170,20 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        content, media_type = metrics.render(registry)
+        content, media_type = metrics.render()
         return Response(content, media_type=media_type)
 
     return app
+
+
+def peek(body: bytes) -> dict:
+    """The JSON object of a request body, {} for anything else (the worker answers that one);
+    the guard has bounded its size and depth."""
+    try:
+        msg = json.loads(body)
+    except (ValueError, RecursionError):
+        return {}
+    return msg if isinstance(msg, dict) else {}
 
 
 def worker_openapi(app: FastAPI) -> dict:

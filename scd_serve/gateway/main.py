@@ -20,13 +20,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("SCD_API_KEY", ""),
                         help="bearer token clients must send (default: $SCD_API_KEY)")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--first-byte-timeout-s", type=float, default=90.0,
+                        help="a stream with no first event from its decode worker this soon goes to another worker")
+    parser.add_argument("--header-timeout-s", type=float, default=10.0,
+                        help="a connection whose request headers are not complete this soon is closed")
+    parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                        help="on SIGTERM, streams still open after this end with a shutting_down error event")
     add_control_arguments(parser)
 
 
 def config_from_args(args) -> GatewayConfig:
     return GatewayConfig(host=args.host, port=args.port, control_bind=args.control_bind,
                          decode=split_peers(args.decode), api_key=args.api_key,
-                         request_timeout_s=args.request_timeout_s)
+                         request_timeout_s=args.request_timeout_s, first_byte_timeout_s=args.first_byte_timeout_s,
+                         header_timeout_s=args.header_timeout_s, shutdown_grace_s=args.shutdown_grace_s)
 
 
 def check_exposure(config: GatewayConfig, control: ControlConfig, insecure: bool) -> None:
@@ -39,6 +46,7 @@ def check_exposure(config: GatewayConfig, control: ControlConfig, insecure: bool
 async def serve(config: GatewayConfig, control_config: ControlConfig | None = None) -> None:
     import uvicorn
 
+    from scd_serve.api.http_server import http_config
     from scd_serve.control.preflight import check_port, check_zmq_bind
     from scd_serve.control.server import DroppedCollector, RegistryServer
     from scd_serve.gateway.app import create_gateway_app
@@ -56,11 +64,13 @@ async def serve(config: GatewayConfig, control_config: ControlConfig | None = No
 
     app = create_gateway_app(config, control.registry, hooks)
     app.state.metrics.registry.register(DroppedCollector(control))  # scd_control_dropped_messages_total
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    # uvicorn waits a little longer than the grace: the streams it ends get their error event out first
+    server = uvicorn.Server(http_config(app, config.host, config.port, header_timeout_s=config.header_timeout_s,
+                                        timeout_graceful_shutdown=int(config.shutdown_grace_s) + 2))
     http, port = await start_http(server)
     print(f"gateway serving http://{config.host}:{port}, control plane {control.url}", flush=True)
     await stop.wait()
+    app.state.closing.begin(config.shutdown_grace_s)
     server.should_exit = True
     await http
 

@@ -31,6 +31,10 @@ class PrefillMetrics:
         """Gauges read from the servicer's load() at each scrape."""
         self.registry.register(_LoadCollector(load))
 
+    def watch_calls(self, guard) -> None:
+        """scd_prefill_refused_calls_total{reason} from the gRPC server's CallGuard, at each scrape."""
+        self.registry.register(_RefusedCollector(guard))
+
     def observe(self, method: str, outcome: str, tokens: int, sent: int, seconds: float, cache_hit: bool) -> None:
         self.transfers.labels(method, outcome).inc()
         self.sent_bytes.labels(method).inc(sent)
@@ -53,6 +57,18 @@ class _LoadCollector(Collector):
             yield GaugeMetricFamily(f"scd_prefill_{key}", help_, value=now[key])
         yield CounterMetricFamily("scd_prefill_cache_hits", "transfers served from the code cache",
                                   value=now["cache_hits"])
+
+
+class _RefusedCollector(Collector):
+    def __init__(self, guard):
+        self._guard = guard
+
+    def collect(self):
+        family = CounterMetricFamily("scd_prefill_refused_calls", "gRPC calls refused before a handler ran, by reason",
+                                     labels=["reason"])
+        family.add_metric(["unauthenticated"], self._guard.num_unauthenticated)
+        family.add_metric(["malformed"], self._guard.num_malformed)
+        yield family
 
 
 def metrics_app(metrics: PrefillMetrics, token: str):

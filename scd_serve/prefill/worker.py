@@ -12,6 +12,7 @@ from scd_serve.config.address import join_host_port
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.prefill.service import PrefillServicer
 from scd_serve.transport.proto import SERVICE_NAME, pb_grpc
+from scd_serve.transport.security import CallGuard
 from scd_serve.transport.server import bind, make_server, set_serving
 
 
@@ -21,7 +22,10 @@ class PrefillWorker:
         self.config = config
         self.servicer = servicer_cls(runtime, codecs, config)
         self.served = servicer_wrap(self.servicer) if servicer_wrap else self.servicer  # what gRPC calls
-        self.server, self.health = make_server(config.transport, max_concurrent_rpcs)
+        self.guard = CallGuard(config.transport.worker_token)  # refused calls: scd_prefill_refused_calls_total
+        self.server, self.health = make_server(config.transport, max_concurrent_rpcs, self.guard)
+        if getattr(self.servicer, "metrics", None) is not None:
+            self.servicer.metrics.watch_calls(self.guard)
         pb_grpc.add_PrefillServiceServicer_to_server(self.served, self.server)
         self.port = 0
         self.address = ""

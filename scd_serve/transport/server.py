@@ -8,13 +8,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from scd_serve.config.transport import TransportConfig
 from scd_serve.config.address import join_host_port
 from scd_serve.errors import ConfigError
-from scd_serve.transport.security import TokenAuthInterceptor, server_credentials
+from scd_serve.transport.security import CallGuard, server_credentials
 
 
-def make_server(config: TransportConfig, max_concurrent_rpcs: int | None = None
+def make_server(config: TransportConfig, max_concurrent_rpcs: int | None = None, guard: CallGuard | None = None
                 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """A grpc.aio server with message caps, optional token auth, and grpc.health.v1 added."""
-    interceptors = [TokenAuthInterceptor(config.worker_token)] if config.worker_token else []
+    """A grpc.aio server with message caps, `guard` (token auth, safe parsing; by default one for
+    the config's token) and grpc.health.v1 added."""
+    interceptors = [guard or CallGuard(config.worker_token)]
     options = [("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.so_reuseport", 0)]  # port 0 must give a port nobody else holds

@@ -123,6 +123,68 @@ async def test_k3_worker_token_required_before_any_work(make_stack):
     await assert_clean(stack, base, fresh=False)
 
 
+RAW = dict(request_serializer=None, response_deserializer=None)  # bytes in and out: the attacker's own encoding
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_k3_unauthenticated_63_mb_messages_are_refused_unread(model_dir, tmp_path, monkeypatch):
+    """The issue's reproducer: the denial handler took the method's message type, so grpc received
+    and parsed up to 64 MiB before the token check (8 x 63 MB: RSS 975 -> 1,915 MB), and garbage
+    got parser details back and an ERROR traceback per call. A real `scd-serve prefill` process."""
+    import threading
+
+    import psutil
+
+    from rel_procs import Proc
+
+    monkeypatch.setenv("SCD_WORKER_TOKEN", "worker-secret-123")
+    worker = Proc(tmp_path, ["prefill", "--model", str(model_dir), "--codebook", "", "--port", "0"])
+    try:
+        port = await worker.started()
+        proc = psutil.Process(worker.p.pid)
+        rss0, peak, done = proc.memory_info().rss, [0], threading.Event()
+
+        def sample():  # the peak, not the end: a parsed message is freed after its call
+            while not done.is_set():
+                peak[0] = max(peak[0], proc.memory_info().rss)
+                done.wait(0.01)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        big = pb.PrefillRequest(request_id="x" * (63 * 2**20), token_ids=[1, 2], method="identity").SerializeToString()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+                ("grpc.max_send_message_length", 1 << 27), ("grpc.max_receive_message_length", 1 << 27)]) as ch:
+            prefill = ch.unary_stream("/scd.v1.PrefillService/Prefill", **RAW)
+            info = ch.unary_unary("/scd.v1.PrefillService/Info", **RAW)
+            codes = []
+            for payload in [big] * 8 + [b"\xff\xfe garbage \x00" * 64]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in prefill(payload, timeout=60):
+                        pass
+                codes.append((e.value.code(), e.value.details()))
+            done.set()
+            sampler.join(5)
+            growth = (peak[0] - rss0) / 2**20
+            print(f"\nprefill worker RSS {rss0 / 2**20:.0f} MiB, peak {peak[0] / 2**20:.0f} MiB during 8 unauthenticated "
+                  f"63 MB messages")
+            assert growth < 50, f"RSS grew {growth:.0f} MiB: the messages were read"
+            assert set(codes) == {(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong worker token")}, codes[-1]
+            # with the token: garbage gets INVALID_ARGUMENT and no parser details, valid bytes are served
+            md = (("authorization", "Bearer worker-secret-123"),)
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await info(b"\x0a\xff\xff\xff\xff\xff garbage", timeout=10, metadata=md)
+                assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                               "malformed request message")
+            reply = pb.InfoReply.FromString(await info(pb.InfoRequest().SerializeToString(), timeout=10, metadata=md))
+            assert reply.num_layers == 2
+    finally:
+        worker.stop()
+    log = worker.log.read_text()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    assert log.count("not a valid message") == 1, log[-3000:]  # one counted warning for the three
+
+
 async def test_k3_decode_with_the_right_token_transfers(make_stack):
     transport = TransportConfig(rpc_timeout_s=2, prefill_timeout_s=10, worker_token="worker-secret-123")
     stack, base = await make_stack(warm=False, transport=transport, health_loop=False)

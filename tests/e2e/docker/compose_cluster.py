@@ -73,7 +73,7 @@ class Cluster:
 
     def read_api_key(self) -> str:
         """The key the containers made on first start, as the docs tell users to read it."""
-        out = self.compose("exec", "-T", "gateway", "cat", "/var/lib/scd-secrets/api-key").stdout.strip()
+        out = self.compose("exec", "-T", "gateway", "cat", "/var/lib/scd-secrets/api/api-key").stdout.strip()
         assert len(out) == 64, "expected 32 random bytes in hex"
         self.api_key = out
         return out

@@ -1,8 +1,10 @@
-"""The compose cluster for real: up with secrets made on first start (API key read from the
-volume; no key = 401), completions through the published port with the official openai
-client, each role scaled to 2 with every worker serving (gateway /metrics), a prefill
-container killed under traffic, then `docker compose down` leaving nothing. A second
-project checks the mTLS switch (SCD_MTLS=1).
+"""The compose cluster for real: up with secrets made on first start by the one-shot `secrets`
+service (API key read from the gateway's volume; no key = 401), each role holding only its own
+secrets, every container locked down (read-only root, no capabilities, no-new-privileges, a
+memory limit), mTLS between the workers by default, completions through the published port
+with the official openai client, each role scaled to 2 with every worker serving (gateway
+/metrics), a prefill container killed under traffic, then `docker compose down` leaving
+nothing. A second project checks the mTLS opt-out (SCD_MTLS=0).
 
 Runs when `deploy/scripts/ci-docker.sh` has prepared the engine and built the image;
 skips otherwise. Test traffic goes only to the gateway's port published on 127.0.0.1.
@@ -11,6 +13,7 @@ On failure every container's log is saved under artifacts/docker-e2e/<project>/.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -73,13 +76,22 @@ def test_secure_by_default(cluster):
         bad = {"authorization": "Bearer not-the-key"}
         assert httpx.get(f"{cluster.url}{path}", headers=bad, timeout=10).status_code == 401, path
     assert httpx.get(f"{cluster.url}/v1/models", headers=cluster.headers, timeout=10).status_code == 200
-    # every role got the same generated secrets; nothing had to be configured
-    names = ("cluster-secret", "api-key", "worker-token")
+    # each role holds the generated secrets it needs and no other; nothing had to be configured
+    files = ("control/cluster-secret", "api/api-key", "token/worker-token", "tls/ca.pem")
+    held = {"gateway": [True, True, False, False], "prefill": [True, False, True, True],
+            "decode": [True, True, True, True]}
+    for service, want in held.items():
+        out = cluster.compose("exec", "-T", service, "sh", "-c", "cd /var/lib/scd-secrets && for f in "
+                              + " ".join(files) + "; do test -s $f && echo yes || echo no; done")
+        assert out.stdout.split() == ["yes" if w else "no" for w in want], (service, out.stdout)
+    tls = cluster.compose("exec", "-T", "prefill", "ls", "/var/lib/scd-secrets/tls").stdout.split()
+    assert sorted(tls) == ["ca.pem", "prefill-key.pem", "prefill.pem"]  # mTLS on, its own certificate only
     for service in ("gateway", "prefill", "decode"):
-        out = cluster.compose("exec", "-T", service, "sh", "-c",
-                              "cd /var/lib/scd-secrets && for f in " + " ".join(names) + "; do wc -c < $f; done")
-        assert out.stdout.split() == ["65", "65", "65"], (service, out.stdout)
-    # the control plane is signed: the gateway has dropped nothing a worker sent
+        (cid,) = cluster.containers(service)
+        host = json.loads(run("docker", "inspect", "-f", "{{json .HostConfig}}", cid).stdout)
+        assert host["ReadonlyRootfs"] is True and host["CapDrop"] == ["ALL"], service
+        assert "no-new-privileges:true" in host["SecurityOpt"] and host["Memory"] > 0, service
+    # the control plane is CURVE: the gateway refused no worker and dropped nothing a worker sent
     dropped = [v for name, _, v in cluster.metrics() if name == "scd_control_dropped_messages_total"]
     assert sum(dropped) == 0, dropped
 
@@ -182,18 +194,18 @@ def test_down_leaves_nothing(cluster):
     assert run("docker", "volume", "ls", "-q", "--filter", label).stdout.split() == []
 
 
-def test_mtls_switch():
-    """SCD_MTLS=1: certificates made on first start, prefill healthy over TLS (its health check
-    reads the TLS flags), transfers over mTLS (no fallback to local prefill). Runs after the
-    first project is down: two clusters at once would not fit on two cores."""
+def test_mtls_opt_out():
+    """SCD_MTLS=0, the one-line opt-out: no certificates, plaintext gRPC between the workers
+    (the prefill health check follows the flags), transfers still flow. Runs after the first
+    project is down: two clusters at once would not fit on two cores."""
     require_engine()
-    # Settings from an env file, as users put them in .env: the switch, their own API key, and
+    # Settings from an env file, as users put them in .env: the opt-out, their own API key, and
     # one option of the roles by its SCD_<OPTION> name. No file of the project is edited.
-    env_file = LOG_ROOT / f"mtls-{uuid.uuid4().hex[:8]}.env"
+    env_file = LOG_ROOT / f"plain-{uuid.uuid4().hex[:8]}.env"
     env_file.parent.mkdir(parents=True, exist_ok=True)
     key = uuid.uuid4().hex
-    env_file.write_text(f"SCD_MTLS=1\nSCD_API_KEY={key}\nSCD_MAX_MODEL_LEN=64\n")
-    c = Cluster(project=f"scd-e2e-mtls-{uuid.uuid4().hex[:8]}", port=free_port(),
+    env_file.write_text(f"SCD_MTLS=0\nSCD_API_KEY={key}\nSCD_MAX_MODEL_LEN=64\n")
+    c = Cluster(project=f"scd-e2e-plain-{uuid.uuid4().hex[:8]}", port=free_port(),
                 extra_env={"SCD_ENV_FILE": str(env_file)}, env_file=str(env_file))
     try:
         c.up()
@@ -205,7 +217,9 @@ def test_mtls_switch():
         assert too_long.status_code == 400, too_long.text  # SCD_MAX_MODEL_LEN=64 reached the decode worker
         assert "maximum context length 64" in too_long.json()["error"]["message"], too_long.text
         listing = c.compose("exec", "-T", "prefill", "ls", "/var/lib/scd-secrets/tls").stdout.split()
-        assert sorted(listing) == ["ca.pem", "decode-key.pem", "decode.pem", "prefill-key.pem", "prefill.pem"]
+        assert listing == [], listing
+        cmdline = c.compose("exec", "-T", "prefill", "cat", "/proc/1/cmdline").stdout
+        assert "--tls-cert" not in cmdline
         oc = openai_client(c)
         model = oc.models.list().data[0].id
         out = oc.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
@@ -218,9 +232,9 @@ def test_mtls_switch():
             time.sleep(0.5)
             served = [v for name, labels, v in c.metrics() if name == "scd_worker_load"
                       and labels.get("role") == "prefill" and labels.get("key") == "served"]
-        assert sum(served) >= 1, "no transfer went over mTLS"
+        assert sum(served) >= 1, "no transfer went over plaintext gRPC"
     except BaseException:
-        print(f"mTLS cluster logs in {c.save_logs()}")
+        print(f"plaintext cluster logs in {c.save_logs()}")
         raise
     finally:
         c.down()

@@ -92,7 +92,10 @@ def test_prometheus_scrapes_every_worker_and_every_dashboard_query_answers():
 
         # The histograms exist in Prometheus before the rest of the traffic, so rates see them move.
         complete(PROMPTS[0])
-        for counted in ("vllm:time_to_first_token_seconds_count", "scd_gateway_time_to_first_token_seconds_count"):
+        # from the decode worker itself: the gateway exports vllm:* too, and a sample of the gateway's
+        # alone let all the traffic fall between two scrapes of the worker (its rates then stay 0)
+        for counted in ('vllm:time_to_first_token_seconds_count{job="scd-decode"}',
+                        'scd_transfer_bytes_total{job="scd-decode"}', "scd_gateway_time_to_first_token_seconds_count"):
             wait_for(f"{counted} scraped", lambda: query(prom, counted))
         for prompt in PROMPTS[1:]:
             complete(prompt)

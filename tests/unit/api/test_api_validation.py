@@ -186,3 +186,32 @@ async def test_logs_carry_ids_and_lengths_never_text(client, caplog):
     assert r.status_code == 200
     assert secret_prompt not in caplog.text and reply not in caplog.text and "world" not in caplog.text
     assert r.headers["x-request-id"] in caplog.text and f"prompt_tokens={len(secret_prompt)}" in caplog.text
+
+
+@pytest.mark.parametrize("raw,depth", [
+    (b'{"prompt": "x"}', 1), (b"[[[]]]", 3), (b'{"a": "[[[[{{{{", "b": ["\\"[[["]}', 2),
+    (b'{"a": "\\\\", "b": [[1]]}', 3),  # an escaped backslash ends before the quote: the string closes
+    (b"[" * 100_000, 100_000), (b"", 0),
+])
+def test_json_depth_skips_strings_and_escapes(raw, depth):
+    from scd_serve.api.guard import json_depth
+
+    assert json_depth(raw) == depth
+
+
+async def test_json_nested_past_the_limit_is_400_naming_it_before_parsing(client, backend):
+    """Issue 45: 1,000-deep nesting was a RecursionError (500) in the gateway's JSON parser."""
+    deep = b'{"prompt": ' + b"[" * 65 + b"1" + b"]" * 65 + b"}"
+    err = assert_error(await client.post("/v1/completions", content=deep, headers=JSON), 400)
+    assert "nesting depth 66 exceeds the limit of 64" in err["message"]
+    ok = b'{"prompt": "x", "stop": ' + b"[" * 62 + b"]" * 62 + b"}"  # depth 63: parsed, a 400 from the schema
+    assert (await client.post("/v1/completions", content=ok, headers=JSON)).status_code == 400
+    assert backend.calls == []
+
+
+@pytest.mark.parametrize("key", ["²", "①", "1" * 5000, "-1", "+1", " 7", "0x1f"])
+async def test_logit_bias_keys_must_be_ascii_digits(client, backend, key):
+    """str.isdigit() accepts "²" and "①", which int() refuses (a 500 before); 5,000 digits exceed int()'s limit."""
+    err = assert_error(await client.post("/v1/completions", json={"prompt": "x", "logit_bias": {key: 1}}), 400)
+    assert err["param"] == "logit_bias" and "plain ASCII digits" in err["message"]
+    assert backend.calls == []

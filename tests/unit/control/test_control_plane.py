@@ -8,9 +8,8 @@ from polls import eventually
 from scd_serve.config.control import ControlConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
 from scd_serve.control.heartbeat import HeartbeatClient
-from scd_serve.control.registry import Registry, validate
+from scd_serve.control.registry import Registry, decode_json, encode, validate
 from scd_serve.control.server import RegistryServer
-from scd_serve.control.signing import decode_json, encode
 
 
 def parse(raw: bytes, max_bytes: int) -> dict:

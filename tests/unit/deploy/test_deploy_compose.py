@@ -13,8 +13,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-# the three roles; the `monitoring` profile's services are checked in test_deploy_monitoring.py
-SERVICES = {name: svc for name, svc in COMPOSE["services"].items() if "profiles" not in svc}
+# the three roles; the one-shot `secrets` service is checked below, the `monitoring` profile's
+# services in test_deploy_monitoring.py
+SERVICES = {name: svc for name, svc in COMPOSE["services"].items() if "profiles" not in svc and name != "secrets"}
 OVERRIDABLE = ("SCD_PRODUCER", "SCD_CONSUMER", "SCD_CODEBOOK", "SCD_METHOD", "SCD_MODELS_DIR")
 
 
@@ -76,9 +77,11 @@ def test_health_restart_and_start_order():
         assert svc["restart"] in ("always", "unless-stopped", "on-failure"), name
     conditions = [c["condition"] for s in SERVICES.values() for c in s.get("depends_on", {}).values()]
     assert "service_healthy" in conditions
+    for name, svc in SERVICES.items():  # every role starts after the secrets exist
+        assert svc["depends_on"]["secrets"] == {"condition": "service_completed_successfully"}, name
     # no cycle: a topological order exists
     deps = {n: set(s.get("depends_on", {})) for n, s in SERVICES.items()}
-    order: list[str] = []
+    order: list[str] = ["secrets"]
     while deps:
         free = [n for n, d in deps.items() if d <= set(order)]
         assert free, f"depends_on cycle among {sorted(deps)}"
@@ -135,28 +138,66 @@ def test_healthcheck_probe_fails_on_a_closed_port():
     assert hc.probe("gateway", 1) is False
 
 
-# ---- secure by default: secrets made on first start, every role authenticated, mTLS switch ----
+# ---- secure by default: secrets made once, each role mounts only its own, mTLS on, locked down ----
 
 SECRET_VARS = ("SCD_API_KEY", "SCD_WORKER_TOKEN", "SCD_CLUSTER_SECRET")
 SECRETS_DIR = "/var/lib/scd-secrets"
+# what each role needs: the control plane's secret everywhere, the API key where clients' keys are
+# checked, the worker token on both ends of gRPC, and a worker's own certificate
+NEEDS = {"gateway": {"scd-control:control", "scd-api-key:api"},
+         "prefill": {"scd-control:control", "scd-worker-token:token", "scd-tls-prefill:tls"},
+         "decode": {"scd-control:control", "scd-api-key:api", "scd-worker-token:token", "scd-tls-decode:tls"}}
 
 
-def test_every_role_gets_the_generated_secrets():
+def secret_mounts(svc: dict) -> set[str]:
+    """'VOLUME:SUBDIR' of each secret volume a service mounts read-only; fails on a writable one."""
+    out = set()
+    for v in svc["volumes"]:
+        source, target, *mode = interpolate(v, {}).split(":")
+        if target.startswith(SECRETS_DIR + "/") or target.startswith("/run/scd-"):
+            assert mode == ["ro"], f"{v} is writable"
+            out.add(f"{source}:{target.rsplit('/', 1)[1]}")
+    return out
+
+
+def test_every_role_mounts_only_the_secrets_it_needs():
     for name, svc in SERVICES.items():
-        assert svc["entrypoint"][:4] == ["python", "/opt/scd/with_secrets.py", SECRETS_DIR, "--"], name
-        assert svc["entrypoint"][4:] == ["/bin/sh", "-c"], name
-        mounts = [interpolate(v, {}) for v in svc["volumes"]]
-        assert f"scd-secrets:{SECRETS_DIR}" in mounts, name
-        for var in (*SECRET_VARS, "SCD_MTLS"):  # your own value from .env wins; empty = generated
+        assert svc["entrypoint"] == ["python", "/opt/scd/with_secrets.py", SECRETS_DIR, "--", "/bin/sh", "-c"], name
+        assert secret_mounts(svc) == NEEDS[name], name
+        for var in SECRET_VARS:  # your own value from .env wins; empty = the generated one
             assert svc["environment"][var] == "${" + var + ":-}", (name, var)
-    assert "scd-secrets" in COMPOSE["volumes"]
+        assert svc["environment"]["SCD_MTLS"] == "${SCD_MTLS:-1}", name  # on unless SCD_MTLS=0
+    for role in ("prefill", "decode"):
+        gpu = COMPOSE["services"][f"{role}-gpu"]
+        assert secret_mounts(gpu) == NEEDS[role]
+    made = COMPOSE["services"]["secrets"]
+    assert made["entrypoint"] == ["python", "/opt/scd/with_secrets.py", "--make", SECRETS_DIR]
+    assert made["network_mode"] == "none" and made["restart"] == "no"
+    written = {interpolate(v, {}) for v in made["volumes"]}
+    volumes = {v.split(":")[0] for v in written}
+    assert volumes == set(COMPOSE["volumes"]) and all(not v.endswith(":ro") for v in written)
     text = (ROOT / "docker-compose.yml").read_text()
     for var in SECRET_VARS:
         assert var + "=" not in text and var + ": \"" not in text, "no secret value in the compose file"
     dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
-    assert f"install -d -o scd -g scd -m 0700 {SECRETS_DIR}" in dockerfile  # the volume starts out the user's
+    assert "for d in control api token tls tls-prefill tls-decode" in dockerfile  # each volume starts the user's
     assert "with_secrets.py" in dockerfile and "make-certs.sh" in dockerfile
     assert "!deploy/scripts/make-certs.sh" in (ROOT / ".dockerignore").read_text()
+
+
+def test_every_container_is_locked_down():
+    for name, svc in COMPOSE["services"].items():
+        assert svc["cap_drop"] == ["ALL"], name
+        assert svc["security_opt"] == ["no-new-privileges:true"], name
+        assert svc["read_only"] is True, name
+        assert re.fullmatch(r"\d+[mg]", interpolate(str(svc["mem_limit"]), {})), name
+        if name != "secrets" and "prometheus" not in name and "grafana" not in name:
+            assert "/tmp" in svc["tmpfs"] and svc["environment"]["SCD_CACHE_DIR"].startswith("/tmp/"), name
+    grafana = COMPOSE["services"]["grafana"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana["environment"]  # no `admin` default any more
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/scd-grafana/admin-password"
+    assert secret_mounts(grafana) == {"scd-grafana:scd-grafana"}
+    assert COMPOSE["services"]["secrets"]["environment"]["SCD_GRAFANA_PASSWORD"] == "${SCD_GRAFANA_PASSWORD:-}"
 
 
 def _check_role(role: str, argv: list[str], monkeypatch, env: dict[str, str]) -> None:
@@ -187,8 +228,8 @@ def test_compose_commands_pass_the_open_bind_check_only_with_the_secrets(role, m
         _check_role(role, argv, monkeypatch, {})
 
 
-def test_mtls_switch_adds_the_certificates():
-    tls = {"SCD_TLS_DIR": f"{SECRETS_DIR}/tls"}
+def test_mtls_is_on_by_default_and_adds_the_certificates():
+    tls = {"SCD_TLS_DIR": f"{SECRETS_DIR}/tls"}  # what with_secrets.py exports when the certificates are there
     prefill, decode = worker_argv("prefill", {}, tls), worker_argv("decode", {}, tls)
     for argv, role in ((prefill, "prefill"), (decode, "decode")):
         assert argv[argv.index("--tls-cert") + 1] == f"{SECRETS_DIR}/tls/{role}.pem"

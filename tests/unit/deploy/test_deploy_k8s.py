@@ -227,6 +227,7 @@ def restricted_violations(spec: dict) -> list[str]:
 def test_every_pod_passes_the_restricted_pod_security_level_with_a_read_only_root(root):
     for name, spec in pod_templates(render(root)).items():
         assert restricted_violations(spec) == [], name
+        assert spec["automountServiceAccountToken"] is False, name  # nothing here calls the API server
         for c in spec["containers"] + spec.get("initContainers", []):
             assert c["securityContext"]["readOnlyRootFilesystem"] is True, f"{name}/{c['name']}"
         if name != "scd-models-fill":  # writable scratch for every serving container

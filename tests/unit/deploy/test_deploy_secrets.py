@@ -1,11 +1,13 @@
-"""The compose entrypoint that makes the cluster's secrets (deploy/docker/with_secrets.py) and the
-certificate script (deploy/scripts/make-certs.sh), run for real on this machine: containers
-starting together agree on one value, a value from .env wins, and the certificates carry
-mTLS between a gRPC server and client."""
+"""The compose secrets (deploy/docker/with_secrets.py) and the certificate script
+(deploy/scripts/make-certs.sh), run for real on this machine: the one-shot `--make` makes each
+secret once (concurrent runs agree), each role gets exactly what it mounts, a value from .env
+wins, mTLS is on unless SCD_MTLS=0, and the certificates carry mTLS between a gRPC server and
+client."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,53 +22,78 @@ MAKE_CERTS = ROOT / "deploy" / "scripts" / "make-certs.sh"
 VARS = ("SCD_CLUSTER_SECRET", "SCD_API_KEY", "SCD_WORKER_TOKEN")
 PRINT_ENV = "import json, os; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('SCD_')}))"
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
+# a role's view of the volumes (docker-compose.yml): sub-directory there <- the volume's own
+MOUNTS = {"gateway": {"control": "control", "api": "api"},
+          "prefill": {"control": "control", "token": "token", "tls": "tls-prefill"},
+          "decode": {"control": "control", "api": "api", "token": "token", "tls": "tls-decode"}}
 
 
-def run_wrapper(directory: Path, env: dict[str, str] | None = None, timeout: float = 60) -> dict[str, str]:
-    base = {"PATH": "/usr/bin:/bin", **(env or {})}
-    out = subprocess.run([sys.executable, str(WRAPPER), str(directory), "--", sys.executable, "-c", PRINT_ENV],
-                         env=base, capture_output=True, text=True, timeout=timeout, check=True)
+def make(directory: Path, env: dict[str, str] | None = None) -> None:
+    subprocess.run([sys.executable, str(WRAPPER), "--make", str(directory)],
+                   env={"PATH": "/usr/bin:/bin", **(env or {})}, capture_output=True, text=True, timeout=120, check=True)
+
+
+def role(made: Path, name: str, tmp: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the role `name`'s command gets, with only its volumes mounted."""
+    view = tmp / f"view-{name}"
+    view.mkdir(exist_ok=True)
+    for sub, volume in MOUNTS[name].items():
+        if not (view / sub).exists():
+            (view / sub).symlink_to(made / volume)
+    out = subprocess.run([sys.executable, str(WRAPPER), str(view), "--", sys.executable, "-c", PRINT_ENV],
+                         env={"PATH": "/usr/bin:/bin", **(env or {})}, capture_output=True, text=True, timeout=60,
+                         check=True)
     return json.loads(out.stdout)
 
 
-def test_first_start_makes_secrets_and_later_starts_reuse_them(tmp_path):
-    first = run_wrapper(tmp_path)
-    for var in VARS:
-        assert len(first[var]) == 64 and int(first[var], 16) >= 0
-    assert len({first[v] for v in VARS}) == 3
-    assert run_wrapper(tmp_path) == first  # a restarted container gets the same values
-    assert {p.name for p in tmp_path.iterdir()} == {"cluster-secret", "api-key", "worker-token"}  # no temp left
-    assert "SCD_TLS_DIR" not in first
+@needs_openssl
+def test_make_once_then_each_role_gets_only_what_it_mounts(tmp_path):
+    made = tmp_path / "volumes"
+    make(made)
+    first = {p.relative_to(made).as_posix(): p.read_text() for p in made.rglob("*") if p.is_file()}
+    assert set(first) == {"control/cluster-secret", "api/api-key", "token/worker-token", "grafana/admin-password",
+                          "tls-prefill/ca.pem", "tls-prefill/prefill.pem", "tls-prefill/prefill-key.pem",
+                          "tls-decode/ca.pem", "tls-decode/decode.pem", "tls-decode/decode-key.pem"}
+    assert first["tls-prefill/ca.pem"] == first["tls-decode/ca.pem"]  # one CA signed both
+    assert (made / "tls-prefill" / "prefill-key.pem").stat().st_mode & 0o077 == 0
+    assert (made / "grafana" / "admin-password").stat().st_mode & 0o777 == 0o444  # Grafana's own user reads it
+    make(made)  # a second `up`: nothing is made again
+    assert {p.relative_to(made).as_posix(): p.read_text() for p in made.rglob("*") if p.is_file()} == first
+    envs = {name: role(made, name, tmp_path) for name in MOUNTS}
+    for name, env in envs.items():
+        assert {v for v in VARS if v in env} == {"SCD_CLUSTER_SECRET", "SCD_API_KEY", "SCD_WORKER_TOKEN"} & {
+            {"control": "SCD_CLUSTER_SECRET", "api": "SCD_API_KEY", "token": "SCD_WORKER_TOKEN"}[m]
+            for m in MOUNTS[name] if m != "tls"}, name
+        assert all(len(env[v]) == 64 for v in VARS if v in env)
+    assert "SCD_API_KEY" not in envs["prefill"] and "SCD_TLS_DIR" not in envs["gateway"]
+    for name in ("prefill", "decode"):  # mTLS is on by default
+        tls = Path(envs[name]["SCD_TLS_DIR"])
+        assert sorted(p.name for p in tls.iterdir()) == sorted(["ca.pem", f"{name}.pem", f"{name}-key.pem"])
 
 
-def test_containers_starting_together_agree(tmp_path):
-    with ThreadPoolExecutor(8) as pool:
-        seen = list(pool.map(lambda _: run_wrapper(tmp_path), range(8)))
-    assert all(s == seen[0] for s in seen)
+def test_concurrent_makes_agree_and_mtls_opts_out(tmp_path):
+    made = tmp_path / "volumes"
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda _: make(made, {"SCD_MTLS": "0"}), range(6)))
+    values = {p.relative_to(made).as_posix(): p.read_text() for p in made.rglob("*") if p.is_file()}
+    assert set(values) == {"control/cluster-secret", "api/api-key", "token/worker-token", "grafana/admin-password"}
+    assert not [p for p in made.rglob(".*")]  # no temp file left
+    assert "SCD_TLS_DIR" not in role(made, "decode", tmp_path, {"SCD_MTLS": "0"})
 
 
-def test_a_value_from_the_environment_wins_and_empty_means_generate(tmp_path):
-    got = run_wrapper(tmp_path, {"SCD_API_KEY": "my-own-key-0123456789", "SCD_WORKER_TOKEN": ""})
+def test_a_value_from_the_environment_wins(tmp_path):
+    made = tmp_path / "volumes"
+    make(made, {"SCD_MTLS": "0", "SCD_GRAFANA_PASSWORD": "my-grafana-password"})
+    assert (made / "grafana" / "admin-password").read_text().strip() == "my-grafana-password"
+    got = role(made, "decode", tmp_path, {"SCD_API_KEY": "my-own-key-0123456789", "SCD_WORKER_TOKEN": ""})
     assert got["SCD_API_KEY"] == "my-own-key-0123456789"
-    assert len(got["SCD_WORKER_TOKEN"]) == 64
-    assert not (tmp_path / "api-key").exists()
+    assert got["SCD_WORKER_TOKEN"] == (made / "token" / "worker-token").read_text().strip()  # empty: generated
 
 
 def test_usage_error_without_a_command(tmp_path):
     r = subprocess.run([sys.executable, str(WRAPPER), str(tmp_path)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "with_secrets.py DIR -- COMMAND" in r.stderr
-
-
-@needs_openssl
-def test_mtls_switch_makes_certificates_once(tmp_path):
-    with ThreadPoolExecutor(3) as pool:
-        seen = list(pool.map(lambda _: run_wrapper(tmp_path, {"SCD_MTLS": "1"}), range(3)))
-    tls = Path(seen[0]["SCD_TLS_DIR"])
-    assert all(s["SCD_TLS_DIR"] == str(tls) for s in seen) and tls == tmp_path / "tls"
-    assert {p.name for p in tls.iterdir()} == {"ca.pem", "prefill.pem", "prefill-key.pem", "decode.pem",
-                                               "decode-key.pem"}  # the CA key is not left on the workers
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tls.")]
-    assert (tls / "prefill-key.pem").stat().st_mode & 0o077 == 0
+    assert os.listdir(tmp_path) == []
 
 
 @needs_openssl
