@@ -132,9 +132,7 @@ class ScdCodec:
         last = self._last_context  # read once: rebuild threads may replace it concurrently
         if last is not None and last[0] is tokens and last[1] == like.device:
             return last[2]
-        ids = torch.as_tensor(tokens).reshape(-1)
-        if ids.shape[0] != like.shape[0]:
-            raise CodebookError(f"decode_layer got {ids.shape[0]} token ids for a code of {like.shape[0]} tokens")
+        ids = check_token_count(tokens, like)
         ctx = self._context_prior.context(ids, consumer, device=like.device)
         self._last_context = (tokens, like.device, ctx)
         return ctx
@@ -150,6 +148,8 @@ class ScdCodec:
         """What decode_layer combines with the layer's decoder or aligner (distill.py tunes those):
         -> ({stream: code [T, r] as received}, {stream: token prior [T, dB], or 0.0})."""
         codes = {s: self._unpack(code, f"z{s}", consumer) for s, _ in self.plan.layers[layer].streams}
+        for z in codes.values():
+            check_token_count(tokens, z)
         return codes, {s: self._prior(layer, s, tokens, z, consumer) for s, z in codes.items()}
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
@@ -216,6 +216,16 @@ class ScdCodec:
             with self._runs_lock:
                 self._runs.pop(key, None)
         return state.keys, state.values
+
+
+def check_token_count(tokens: Any, like: torch.Tensor) -> torch.Tensor | None:
+    """The prompt's token ids [T] when given, refused unless they match the code's T rows."""
+    if tokens is None:
+        return None
+    ids = torch.as_tensor(tokens).reshape(-1)
+    if ids.shape[0] != like.shape[0]:
+        raise CodebookError(f"decode_layer got {ids.shape[0]} token ids for a code of {like.shape[0]} tokens")
+    return ids
 
 
 def own_kv(consumer: Any, layer: int, tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:

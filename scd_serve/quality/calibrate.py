@@ -182,7 +182,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     if report_pairs:
         with tqdm(total=len(report_pairs), desc="report prompts", disable=not show_progress) as bar:
             report = KLProbe(consumer, make_examples(producer, consumer, report_pairs, tail=cfg.probe_tail,
-                                                     progress=bar.update))
+                                                     progress=bar.update, residual_layers=run_layers))
     else:
         report = probe
     methods = {}

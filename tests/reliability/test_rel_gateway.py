@@ -245,7 +245,7 @@ async def test_gateway_stopping_ends_open_streams_with_an_error_event(model_dir,
             ended = time.monotonic() - t_term
         assert seen[-1] == "[DONE]", seen[-2:]
         error = json.loads(seen[-2])["error"]
-        assert error["type"] == "shutting_down" and len(seen) < 200, error
+        assert error["type"] == "server_error" and error["code"] == "shutting_down" and len(seen) < 200, error
         print(f"\nstream ended with shutting_down {ended:.1f} s after SIGTERM (grace 1 s)")
         assert ended < 15
         assert await gateway_proc.exited(15) == 0

@@ -55,15 +55,19 @@ def test_load_round_trip_and_fingerprints(calibrated):
     assert book.plan("scd") == result.codebook.plan("scd")
     c = codec.build("scd", producer=producer, consumer=consumer, codebook=path)
     ids = prompts(1, 20)[0][0]
-    state = next(iter(producer.iter_prefill(ids, compute_logits=False)))[1]
+    residuals = codec.wants_residuals(c, producer.spec.num_layers)  # the plan may run the top layers
+    states = [s for _, s in producer.iter_prefill(ids, compute_logits=False, residuals=residuals)]
     assert book.prior is not None  # calibration fits token priors by default
-    k, v = c.decode_layer(0, c.encode_layer(0, state), consumer, tokens=ids)
-    assert k.shape == state.keys.shape and torch.isfinite(k).all()
+    for layer, state in enumerate(states):
+        k, v = c.decode_layer(layer, c.encode_layer(layer, state), consumer, tokens=ids)
+        assert k.shape == state.keys.shape and torch.isfinite(k).all()
     # the decoder reads the prompt's tokens: without them, or with the wrong count, a clear error
+    # (layer 0 is the consumer's own and ships no code; layer 1 decodes a code of 20 tokens)
+    assert book.plan("scd").layers[0].mode == "own" and book.plan("scd").layers[1].mode != "own"
     with pytest.raises(CodebookError, match="token ids"):
-        c.decode_layer(0, c.encode_layer(0, state), consumer)
+        c.decode_layer(0, c.encode_layer(0, states[0]), consumer)
     with pytest.raises(CodebookError, match="token ids for a code of"):
-        c.decode_layer(0, c.encode_layer(0, state), consumer, tokens=ids[:-1])
+        c.decode_layer(1, c.encode_layer(1, states[1]), consumer, tokens=ids[:-1])
 
 
 def test_refuses_other_models(calibrated):

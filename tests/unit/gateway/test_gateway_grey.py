@@ -126,7 +126,8 @@ async def test_streams_end_with_an_error_event_when_the_worker_goes_silent_or_th
                                 app.state.closing.begin(0.2)  # SIGTERM; its grace ends in 0.2 s
                 assert seen[-1] == "[DONE]", seen[-3:]
                 error = json.loads(seen[-2])["error"]
-                assert error["type"] == ("unavailable" if stop == "silent" else "shutting_down"), error
+                assert error["type"] == "server_error", error
+                assert error["code"] == ("unavailable" if stop == "silent" else "shutting_down"), error
                 assert 3 <= len(seen) < 1000
                 beat(reg, "d-slow", slow, running=0)  # back for the next round
     finally:
