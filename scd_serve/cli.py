@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "make-pair-zoo": ("scd_serve.pair.zoo_recipe", "train a zoo of base/fine-tune pairs on real text (hours)"),
     "eval": ("scd_serve.quality.harness", "quality of a transfer method against the oracle"),
     "calibrate": ("scd_serve.quality.calibrate", "fit an SCD codebook for a producer/consumer pair"),
+    "measure": ("scd_serve.quality.measure", "a codebook's quality figures on held-out texts (--write: into its manifest)"),
     "prefill": ("scd_serve.prefill.main", "run a prefill worker (producer model)"),
     "decode": ("scd_serve.decode.main", "run a decode worker (consumer model + HTTP API)"),
     "gateway": ("scd_serve.gateway.main", "run the HTTP gateway in front of decode workers"),

@@ -114,7 +114,14 @@ def test_client_leaving_a_stream_stops_generation_behind_the_gateway(cluster):
     def decode_load(key):
         return sum(v for lab, v in metric_rows(base, "scd_worker_load") if lab["role"] == "decode" and lab["key"] == key)
 
-    before = decode_load("tokens")
+    def settled(key):
+        """The count once earlier tests' work has reached the registry: idle, and unchanged across
+        several heartbeats (a loaded machine delays them; a stale `before` counted their tokens here)."""
+        first = decode_load(key)
+        time.sleep(2.0)
+        return decode_load("running") == 0 and decode_load(key) == first and [first]
+
+    before = wait_for(lambda: settled("tokens"), 60)[0]
     body = {"model": "tiny", "prompt": "a long story", "max_tokens": 400, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with httpx.Client(timeout=30) as c, c.stream("POST", f"{base}/v1/completions", json=body) as r:

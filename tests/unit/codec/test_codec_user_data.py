@@ -159,3 +159,36 @@ def test_a_file_of_the_builtin_prompts_gives_the_builtin_calibration_prompts(tmp
     same = lambda xs, ys: [(p.tolist(), a.tolist()) for p, a in xs] == [(p.tolist(), a.tolist()) for p, a in ys]
     assert same(got.fit_pairs, want.fit_pairs) and same(got.probe, want.probe) and same(got.report, want.report)
     assert "fit on 4, probe on 2, report on 1 (1 documents held out" in capsys.readouterr().out
+
+
+def test_measure_records_held_out_figures_that_auto_reads(pair, tmp_path, capsys):
+    from scd_serve.codec.codebook import TENSORS
+    from scd_serve.decode.auto import Calibration
+
+    a, b, data = pair
+    assert main(calibrate_args(a, b, data / "prompt.jsonl", tmp_path / "book")) == 0
+    before = json.loads((tmp_path / "book" / "manifest.json").read_text())
+    tensors = (tmp_path / "book" / TENSORS).read_bytes()
+    capsys.readouterr()
+    measure = ["measure", "--producer", str(a), "--consumer", str(b), "--codebook", str(tmp_path / "book"),
+               "--data", str(data / "text.jsonl"), "--max-tokens", "24", "--min-top1", "0.5"]
+    assert main(measure) == 0  # without --write: printed only
+    out = capsys.readouterr().out
+    assert "6 prompts of" in out and "prior-only" in out
+    assert json.loads((tmp_path / "book" / "manifest.json").read_text()) == before
+    assert main(measure + ["--write"]) == 0
+    book = Codebook.load(tmp_path / "book", ModelRuntime.load(a), ModelRuntime.load(b))  # checksum still holds
+    cal = book.manifest["calibration"]
+    assert (tmp_path / "book" / TENSORS).read_bytes() == tensors
+    assert cal["report"] == {"prompts": 6, "positions": cal["report"]["positions"], "held_out": True,
+                             "source": str(data / "text.jsonl")} and cal["report"]["positions"] >= 6
+    assert cal["calibrated_methods"] == before["calibration"]["methods"] and cal["min_top1"] == 0.5
+    scd = cal["methods"]["scd"]
+    assert cal["meets_budget"] == (scd["kl"] <= 2 and scd["top1"] >= 0.5)
+    # the figures printed are the ones recorded, and auto reads them
+    printed = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("scd "))
+    assert float(printed[1]) == pytest.approx(scd["kl"], abs=1e-4)
+    auto = Calibration.load(str(tmp_path / "book"))
+    assert auto.top1["scd"] == scd["top1"] and auto.min_top1 == 0.5
+    assert main(measure[:-4] + ["--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
