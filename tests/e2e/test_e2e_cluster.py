@@ -62,8 +62,12 @@ def cluster(tmp_path_factory):
         proc.kill()
         pytest.fail(f"scd-serve up did not come up: {lines[-20:]}")
     yield proc, url
-    if proc.poll() is None:
+    if proc.poll() is None:  # the Ctrl-C test did not run (-k, -x): its workers go too, not only `up`
+        workers = psutil.Process(proc.pid).children(recursive=True)
         proc.kill()
+        for w in workers:
+            w.kill()
+        psutil.wait_procs(workers, timeout=10)
 
 
 def test_openai_client_and_lossless_transfer(cluster):
