@@ -18,8 +18,8 @@ from scd_serve.decode.chooser import LOCAL, Choice, Chooser, PeerView, method_kl
 
 log = logging.getLogger("scd_serve.decode")
 LINK_BOUND_SHARE = 0.5  # a transfer whose reader waited this share of its first-to-last-chunk time was link-bound
-PAYLOAD_RATIO = {"raw": 1.0, "identity": 2.0}
-DEFAULT_MIN_TOP1 = 0.95  # the agreement floor of a codebook with top-1 figures but no target of its own  # payload / 16-bit K+V of the codebook-free methods (float32 identity)
+PAYLOAD_RATIO = {"raw": 1.0, "identity": 2.0}  # payload / 16-bit K+V of the codebook-free methods (float32 identity)
+DEFAULT_MIN_TOP1 = 0.95  # the agreement floor of a codebook with top-1 figures but no target of its own
 
 
 @dataclass(frozen=True)
