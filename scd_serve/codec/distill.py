@@ -115,9 +115,9 @@ class Decoders(torch.nn.Module):
         return keys, values
 
     def loss(self, rt: Any, ex: DistillExample) -> Tensor:
-        """Mean KL(oracle || method) in nats over the example's fed tokens, on the oracle's top tokens."""
+        """Mean KL(oracle || method) in nats over the example's fed tokens (top_kl)."""
         logp = torch.log_softmax(suffix_logits(rt, *self.rebuild(rt, ex), ex.feed).float(), -1)
-        return (ex.oracle_logp.exp() * (ex.oracle_logp - logp.gather(-1, ex.oracle_ids))).sum(-1).mean()
+        return top_kl(ex.oracle_logp, ex.oracle_ids, logp).mean()
 
     def write(self, book: Any) -> None:
         """Store the tuned tensors in the codebook under the plan's names."""
@@ -128,6 +128,19 @@ class Decoders(torch.nn.Module):
                 else:
                     for name, t in self.aligners[str(i)].tensors().items():
                         book.tensors[f"layers.{i}.{s}.g.r{r}.{name}"] = t.cpu()
+
+
+def top_kl(oracle_logp: Tensor, oracle_ids: Tensor, logq: Tensor) -> Tensor:
+    """KL(p || q) per row of the distributions over the oracle's top tokens plus one bucket for the
+    rest of the vocabulary: never negative, never above the full KL, equal to it when the top holds
+    the whole vocabulary. (The sum over the top tokens alone rewards moving mass from the rest onto
+    them, an overconfident rebuild: it went below zero while the real KL doubled.)
+    oracle_logp, oracle_ids: [m, top]; logq: [m, vocab] log-probabilities -> [m]"""
+    logq_top = logq.gather(-1, oracle_ids)
+    p_top = oracle_logp.exp()
+    p_rest = (1 - p_top.sum(-1)).clamp_min(1e-12)
+    q_rest = (1 - logq_top.exp().sum(-1)).clamp_min(1e-12)
+    return (p_top * (oracle_logp - logq_top)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
 
 
 def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Tensor, Tensor]], tail: int,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from scd_serve import codec
-from scd_serve.codec.distill import make_examples, distill, suffix_logits
+from scd_serve.codec.distill import make_examples, distill, suffix_logits, top_kl
 from scd_serve.codec.kl_probe import KLProbe, make_examples as probe_examples
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.model import ModelRuntime
@@ -23,6 +23,25 @@ def test_suffix_logits_with_its_own_kv_are_the_consumers_prefill(tmp_path, arch)
     own = [s for _, s in rt.iter_prefill(ids[:prefix], compute_logits=False)]
     got = suffix_logits(rt, [s.keys for s in own], [s.values for s in own], ids[prefix:])
     torch.testing.assert_close(got, full.logits[prefix:], rtol=1e-4, atol=1e-4)
+
+
+def test_top_kl_is_a_kl_that_overconfidence_cannot_lower():
+    gen = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(6, 50, generator=gen), -1)
+    logq = torch.log_softmax(torch.randn(6, 50, generator=gen), -1)
+    full = (logp.exp() * (logp - logq)).sum(-1)
+    top = logp.topk(8, -1)
+    # the whole vocabulary as the top: the full KL
+    every = logp.topk(50, -1)
+    torch.testing.assert_close(top_kl(every.values, every.indices, logq), full, rtol=1e-4, atol=1e-5)
+    got = top_kl(top.values, top.indices, logq)
+    assert (got >= 0).all() and (got <= full + 1e-5).all()
+    assert float(top_kl(top.values, top.indices, logp).abs().max()) < 1e-5  # zero at q == p
+    # q = p with the rest's mass moved onto the top tokens: the sum over the top alone goes below
+    # zero for it (what distillation used to chase); this loss says it is worse than q == p
+    sharp = torch.full_like(logp, -1e9).scatter(-1, top.indices, torch.log_softmax(top.values, -1))
+    truncated = (top.values.exp() * (top.values - sharp.gather(-1, top.indices))).sum(-1)
+    assert (truncated < 0).all() and (top_kl(top.values, top.indices, sharp) > 0.1).all()
 
 
 @pytest.fixture(scope="module")
