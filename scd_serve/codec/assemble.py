@@ -21,11 +21,12 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
     prior: dict[str, Any] | None = None
     for plan in plans.values():
         for i, lp in enumerate(plan.layers):
-            for s, r in lp.streams:
+            for s, r in lp.decoded:
                 jc, p = fits[i].codes[s], f"layers.{i}.{s}"
-                width = max(r, tensors[f"{p}.enc"].shape[1] if f"{p}.enc" in tensors else 0)
-                tensors[f"{p}.enc"] = jc.enc[:, :width].float().contiguous()
-                tensors[f"{p}.mu_a"] = jc.mu_a.float()
+                if r:  # a rank-0 stream has no code: only its mean and prior below
+                    width = max(r, tensors[f"{p}.enc"].shape[1] if f"{p}.enc" in tensors else 0)
+                    tensors[f"{p}.enc"] = jc.enc[:, :width].float().contiguous()
+                    tensors[f"{p}.mu_a"] = jc.mu_a.float()
                 if s in fits[i].priors:
                     tables, bias = fits[i].priors[s]
                     tensors[f"{p}.prior"] = tables.to(torch.float16).contiguous()
@@ -38,7 +39,8 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
                         tensors[f"{p}.g.r{r}.{name}"] = t
                 else:
                     tensors[f"{p}.mu_b"] = jc.mu_b.float()
-                    tensors[f"{p}.dec.r{r}"] = jc.decoder(r).float().contiguous()
+                    if r:
+                        tensors[f"{p}.dec.r{r}"] = jc.decoder(r).float().contiguous()
     manifest = {
         "producer": producer.to_dict(),
         "consumer": consumer.to_dict(),

@@ -46,12 +46,15 @@ class Candidates:
         return prior.apply(head, bias, self._ctx[id(ex)]).float()
 
     def reuse_stream(self, ex: Example, layer: int, s: str, rank: int) -> Tensor:
-        """Consumer-side pre-RoPE keys (s='k') or values (s='v') rebuilt from a rank-r code."""
+        """Consumer-side pre-RoPE keys (s='k') or values (s='v') rebuilt from a rank-r code (rank 0:
+        the mean and token prior alone)."""
         jc = self.fits[layer].codes[s]
         a = getattr(ex.producer[layer], "keys" if s == "k" else "values")
-        z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
-        out = self._shape(z @ self.decoder(layer, s, rank) + jc.mu_b.float() + self.prior(ex, layer, s))
-        return out.to(a.device)
+        b = jc.mu_b.float() + self.prior(ex, layer, s)
+        if rank:
+            z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
+            b = b + z @ self.decoder(layer, s, rank)
+        return self._shape(b.expand(a.shape[0], -1)).to(a.device)
 
     def patch(self, ex: Example, layer: int, rank: int) -> tuple[Tensor, Tensor]:
         jc, g = self.fits[layer].codes["h"], self.fits[layer].aligners[rank]
@@ -94,8 +97,7 @@ class Candidates:
 
     def prior_only(self, ex: Example, layer: int) -> tuple[Tensor, Tensor]:
         """K/V from the consumer's token priors and means alone (no code: zero payload)."""
-        k, v = (self._shape(self.fits[layer].codes[s].mu_b.float() + self.prior(ex, layer, s)) for s in "kv")
-        return k.to(ex.consumer[layer].keys.device), v.to(ex.consumer[layer].keys.device)
+        return self.reuse_stream(ex, layer, "k", 0), self.reuse_stream(ex, layer, "v", 0)
 
     def raw(self, ex: Example, layer: int) -> tuple[Tensor, Tensor]:
         """The producer's post-RoPE keys and values in fp16, as the consumer stores them."""

@@ -129,14 +129,17 @@ class Codebook:
             if len(plan.layers) != a.num_layers:
                 raise CodebookError(f"plan '{name}' has {len(plan.layers)} layers, the models have {a.num_layers}")
             for i, lp in enumerate(plan.layers):
-                for s, r in lp.streams:
+                for s, r in lp.decoded:
                     da, db = width[s]
                     p = f"layers.{i}.{s}"
-                    shapes[f"{p}.mu_a"] = (da,)
+                    if r:
+                        shapes[f"{p}.mu_a"] = (da,)
                     if s in "hr":  # the aligner carries its own bias
                         shapes[f"{p}.g.r{r}.linear.weight"] = (db, r)
                     else:
-                        shapes[f"{p}.mu_b"], shapes[f"{p}.dec.r{r}"] = (db,), (r, db)
+                        shapes[f"{p}.mu_b"] = (db,)
+                        if r:  # rank 0: the mean and prior alone
+                            shapes[f"{p}.dec.r{r}"] = (r, db)
                     if self.prior and f"{p}.prior" in self.tensors:
                         rows = self.context_prior().rows()
                         shapes[f"{p}.prior"], shapes[f"{p}.prior_bias"] = (rows, db), (db,)

@@ -46,6 +46,7 @@ class DistillExample:
     oracle_logp: Tensor  # [m, ORACLE_TOP] the oracle's largest log-probabilities over feed
     oracle_ids: Tensor  # [m, ORACLE_TOP] their token ids
     own: tuple[Tensor, Tensor] | None = None  # an own layer's K/V (plan.py), computed once
+    prefix: int = 0  # P, the prompt tokens rebuilt (a layer that ships no code has no rows to count)
 
 
 def suffix_logits(rt: Any, keys: list[Tensor], values: list[Tensor], feed: Tensor) -> Tensor:
@@ -82,10 +83,11 @@ class Decoders(torch.nn.Module):
         self.dec, self.mu = torch.nn.ParameterDict(), {}
         self.aligners = torch.nn.ModuleDict()
         for i, lp in enumerate(self.plan.layers):
-            for s, r in lp.streams:
+            for s, r in lp.decoded:
                 if s in "kv":
-                    dec = book.tensor(f"layers.{i}.{s}.dec.r{r}").to(device, torch.float32, copy=True)
-                    self.dec[f"{i}_{s}"] = torch.nn.Parameter(dec)
+                    if r:  # a rank-0 stream (the prior alone) has nothing to tune
+                        dec = book.tensor(f"layers.{i}.{s}.dec.r{r}").to(device, torch.float32, copy=True)
+                        self.dec[f"{i}_{s}"] = torch.nn.Parameter(dec)
                     self.mu[f"{i}_{s}"] = book.tensor(f"layers.{i}.{s}.mu_b").to(device, torch.float32)
                 else:  # h of a Patch, r of a run's first layer
                     self.aligners[str(i)] = book.aligner(i, s, r).to(device).train()
@@ -104,9 +106,10 @@ class Decoders(torch.nn.Module):
                 _, state = next(run)
                 k, v = state.keys, state.values
             elif lp.mode == REUSE:
-                k, v = (code[s] @ self.dec[f"{i}_{s}"] + self.mu[f"{i}_{s}"] + prior[s] for s in "kv")
-                k = k.reshape(k.shape[0], spec.num_kv_heads, spec.head_dim)
-                v = v.reshape(v.shape[0], spec.num_kv_heads, spec.head_dim)
+                k, v = ((code[s] @ self.dec[f"{i}_{s}"] if r else 0.0) + self.mu[f"{i}_{s}"] + prior[s]
+                        for s, r in lp.decoded)
+                k = k.expand(ex.prefix, -1).reshape(ex.prefix, spec.num_kv_heads, spec.head_dim)
+                v = v.expand(ex.prefix, -1).reshape(ex.prefix, spec.num_kv_heads, spec.head_dim)
             else:
                 h = self.aligners[str(i)](code["h"]) + prior["h"]  # [P, hidden] H_in,B
                 k, v = project_kv(rt.weights.layers[i], spec, h.to(rt.dtype))
@@ -122,7 +125,7 @@ class Decoders(torch.nn.Module):
     def write(self, book: Any) -> None:
         """Store the tuned tensors in the codebook under the plan's names."""
         for i, lp in enumerate(self.plan.layers):
-            for s, r in lp.streams:
+            for s, r in lp.streams:  # shipped streams: a rank-0 one has no decoder
                 if s in "kv":
                     book.tensors[f"layers.{i}.{s}.dec.r{r}"] = self.dec[f"{i}_{s}"].detach().cpu().contiguous()
                 else:
@@ -164,7 +167,7 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
             logits = suffix_logits(consumer, [s.keys for s in oracle], [s.values for s in oracle], feed)
             top = torch.log_softmax(logits.float(), -1).topk(min(ORACLE_TOP, logits.shape[-1]), dim=-1)
             own = own_kv(consumer, 0, prefix) if codec.plan.layers[0].mode == OWN else None
-            out.append(DistillExample(feed, codes, priors, top.values, top.indices, own))
+            out.append(DistillExample(feed, codes, priors, top.values, top.indices, own, p))
             if progress:
                 progress()
     return out
@@ -192,7 +195,9 @@ def distill(codec: Any, consumer: Any, examples: list[DistillExample], steps: in
 
     before = best = held_out_kl()
     best_step, best_state = 0, {k: v.clone() for k, v in decoders.state_dict().items()}
-    opt = torch.optim.Adam(decoders.parameters(), lr=lr)
+    if not list(decoders.parameters()):  # the plan ships nothing to tune (priors alone, own layers)
+        steps = 0
+    opt = torch.optim.Adam(decoders.parameters(), lr=lr) if steps else None
     every = max(1, min(25, steps // 8))
     with torch.enable_grad():
         for step in range(1, steps + 1):

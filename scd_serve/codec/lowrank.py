@@ -39,7 +39,9 @@ class JointCode:
         return torch.linalg.solve(g + lam * eye, self.cross[:rank])
 
     def rel_error(self, rank: int) -> float:
-        """||A Enc_r Dec_B(r) - B||^2 / ||B||^2 on the calibration rows (centred)."""
+        """||A Enc_r Dec_B(r) - B||^2 / ||B||^2 on the calibration rows (centred); rank 0: the mean alone."""
+        if rank == 0:
+            return 1.0
         dec = self.decoder(rank)
         # ||Zh D - B||^2 = tr(D^T G D) - 2 tr(D^T C) + ||B||^2
         g, c = self.gram[:rank, :rank], self.cross[:rank]

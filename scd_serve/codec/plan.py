@@ -1,5 +1,9 @@
 """The transfer plan: per layer, Reuse with ranks (r_k, r_v), Patch with rank r_h, Run, or Own.
 
+A Reuse stream of rank 0 (our addition) ships nothing: the consumer's mean and token prior of
+that stream stand alone. Calibration chooses it where the codes measure no better (a fine-tune
+can move a layer so far that the producer's states predict nothing the prior does not).
+
 Own (our addition, layer 0 only): the layer's input is the token's embedding alone, so the
 consumer computes its K/V from its own weights and the prompt's token ids: exact, nothing shipped,
 a projection's cost.
@@ -34,8 +38,9 @@ class LayerPlan:
                 raise ValueError(f"an '{OWN}' layer ships nothing, got {self}")
             return
         ranks = (self.r_k, self.r_v) if self.mode == REUSE else (self.r_h,)
-        if min(ranks) < (0 if self.mode == RUN else 1):
-            raise ValueError(f"{self.mode} layer needs positive ranks, got {self}")
+        if min(ranks) < (0 if self.mode in (RUN, REUSE) else 1):
+            raise ValueError(f"{self.mode} layer needs {'non-negative' if self.mode == REUSE else 'positive'} "
+                             f"ranks, got {self}")
 
     @property
     def streams(self) -> tuple[tuple[str, int], ...]:
@@ -43,9 +48,15 @@ class LayerPlan:
         run's first layer: the residual); none above a run's first layer, nor for an own layer."""
         if self.mode == OWN:
             return ()
-        if self.mode == REUSE:
-            return ("k", self.r_k), ("v", self.r_v)
+        if self.mode == REUSE:  # a rank-0 stream ships nothing: the consumer's token prior alone
+            return tuple((s, r) for s, r in (("k", self.r_k), ("v", self.r_v)) if r)
         return ((("h" if self.mode == PATCH else "r"), self.r_h),) if self.r_h else ()
+
+    @property
+    def decoded(self) -> tuple[tuple[str, int], ...]:
+        """(stream, rank) of each stream the consumer rebuilds from the codebook: both of a Reuse
+        layer, rank 0 included (its mean and token prior), else the streams shipped."""
+        return (("k", self.r_k), ("v", self.r_v)) if self.mode == REUSE else self.streams
 
     @property
     def code_width(self) -> int:

@@ -98,11 +98,12 @@ class ScdCodec:
             z = z * to_consumer(code[f"{name}_scale"], consumer)
         return z
 
-    def _decoder(self, layer: int, s: str, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decoder(self, layer: int, s: str, rank: int, device) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(Dec_B [rank, dB], or None for a rank-0 stream; mu_b [dB])."""
         key = (layer, s)
         if key not in self._dec:
             p = f"layers.{layer}.{s}"
-            self._dec[key] = (self.codebook.tensor(f"{p}.dec.r{rank}").to(device, torch.float32),
+            self._dec[key] = (self.codebook.tensor(f"{p}.dec.r{rank}").to(device, torch.float32) if rank else None,
                               self.codebook.tensor(f"{p}.mu_b").to(device, torch.float32))
         return self._dec[key]
 
@@ -146,11 +147,18 @@ class ScdCodec:
     def decoder_inputs(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
                        tokens: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What decode_layer combines with the layer's decoder or aligner (distill.py tunes those):
-        -> ({stream: code [T, r] as received}, {stream: token prior [T, dB], or 0.0})."""
-        codes = {s: self._unpack(code, f"z{s}", consumer) for s, _ in self.plan.layers[layer].streams}
+        -> ({stream: code [T, r] as received}, {stream decoded: token prior [T, dB], or 0.0}); a
+        rank-0 stream has a prior and no code."""
+        lp = self.plan.layers[layer]
+        codes = {s: self._unpack(code, f"z{s}", consumer) for s, _ in lp.streams}
         for z in codes.values():
             check_token_count(tokens, z)
-        return codes, {s: self._prior(layer, s, tokens, z, consumer) for s, z in codes.items()}
+        like = next(iter(codes.values()), None)
+        if like is None and lp.decoded:
+            if tokens is None:
+                raise CodebookError(f"layer {layer} ships no code: its rebuild needs the prompt's token ids (tokens=)")
+            like = to_consumer(torch.empty(torch.as_tensor(tokens).numel(), 0), consumer)  # [T, 0]
+        return codes, {s: self._prior(layer, s, tokens, codes.get(s, like), consumer) for s, _ in lp.decoded}
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
                      tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,12 +180,13 @@ class ScdCodec:
             return own_kv(consumer, layer, tokens)
         codes, priors = self.decoder_inputs(layer, code, consumer, tokens)  # codes: {stream: [T, r]}
         if lp.mode == REUSE:
+            n = next(iter(codes.values())).shape[0] if codes else torch.as_tensor(tokens).numel()
+            device = to_consumer(torch.empty(0), consumer).device
             out = []
-            for s, rank in (("k", lp.r_k), ("v", lp.r_v)):
-                z = codes[s]
-                dec, mu = self._decoder(layer, s, rank, z.device)
-                b = z @ dec + mu + priors[s]  # [T, dB]
-                out.append(b.reshape(z.shape[0], spec.num_kv_heads, spec.head_dim))
+            for s, rank in lp.decoded:
+                dec, mu = self._decoder(layer, s, rank, device)
+                b = mu + priors[s] + (codes[s] @ dec if rank else 0.0)  # [T, dB] ([dB]: mean alone)
+                out.append(b.expand(n, -1).reshape(n, spec.num_kv_heads, spec.head_dim))
             return out[0], out[1]
         if lp.mode == RUN:
             return self._run(layer, codes, priors, consumer, tokens)

@@ -4,8 +4,10 @@
    grid rank (everything else oracle). Raising the KL of the whole plan is predicted as the
    measured KL of the start plan plus these per-stream increments.
 2. For a patch set P: start at the largest ranks, lower ranks greedily by least predicted
-   KL increase per number saved while the prediction stays within budget, then measure the
-   end plan; if it is over budget, bisect back along the move sequence on measured KL.
+   KL increase per number saved (a move may skip grid ranks: rank 0, a Reuse stream's prior
+   alone, can measure better than the ranks just above it) while the prediction stays within
+   budget, then measure the end plan; if it is over budget, bisect back along the move
+   sequence on measured KL.
 3. Patch candidates are ordered by their measured benefit (KL drop when that layer alone
    is patched in the all-Reuse start plan); the patch count k is the one whose plan ships
    the fewest numbers within budget (ties: fewer patches). The curve over k is kept.
@@ -86,10 +88,8 @@ class PlanSearch:
             streams = ("k", "v") if lp.mode == REUSE else ("h",)
             for s in streams:
                 cur = getattr(lp, f"r_{s}")
-                lower = [r for r in self.grid[s] if r < cur]
-                if lower:
-                    new = lower[-1]
-                    delta = self.profile[(s, i, new)] - self.profile[(s, i, cur)]
+                for new in (r for r in self.grid[s] if r < cur):  # any lower rank: past a notch that
+                    delta = self.profile[(s, i, new)] - self.profile[(s, i, cur)]  # costs, one may gain
                     yield max(delta, 0.0), cur - new, i, replace(lp, **{f"r_{s}": new})
 
     def _descend(self, start: Plan, fits: Callable[[Plan, float, float], bool]) -> list[Plan]:

@@ -91,7 +91,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     if any(not 0 < i < num_layers for i in run_layers):
         raise ConfigError(f"run layers must be in 1..{num_layers - 1} (a run from 0 is a local prefill), "
                           f"got {list(run_layers)}", field="run_layers")
-    kv_grid = rank_grid(cspec.kv_width, KV_FRACTIONS)
+    kv_grid = [0] + rank_grid(cspec.kv_width, KV_FRACTIONS)  # 0: the stream's prior alone, nothing shipped
     h_grid = rank_grid(cspec.hidden_size, H_FRACTIONS)
     # Token priors absorb how differently two models mix nearby tokens; for one model the
     # codes alone are exact at full rank (same-model mode stays lossless), so none are fitted.

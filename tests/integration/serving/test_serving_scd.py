@@ -76,6 +76,33 @@ async def test_a_run_of_the_upper_layers_serves_concurrent_prompts_as_local_gree
         await node.stop()
 
 
+async def test_streams_of_rank_zero_ship_nothing_and_serve(setup, tmp_path):
+    """A plan whose Reuse streams may have rank 0 (the stream's mean and prior alone): the prefill
+    worker ships only the other codes, a layer with none ships an empty code, the request serves."""
+    import torch
+
+    rt, _, _ = setup
+    spec = spec_of(rt)
+    rows = collect_rows(rt, rt, [torch.tensor(p) for p in prompts(6, seed=11)], max_rows=4096)
+    fits = [fit_layer(r, spec.kv_width, (8, spec.hidden_size), aligner_width=32) for r in rows]
+    d = spec.kv_width
+    plan = Plan((LayerPlan(REUSE, 0, d), LayerPlan(REUSE, 0, 0)) + (LayerPlan(REUSE, d, d),) * (spec.num_layers - 2))
+    book = str(build_codebook(fits, {"scd": plan, "reuse": plan}, spec, spec).save(tmp_path / "book0"))
+    node = await start_prefill(rt, methods=("scd",), codebook=book)
+    peers, fill = await make_decode(rt, [node.address], method="scd", codebook=book)
+    engine = engine_for(rt)
+    try:
+        assert peers.ready(), peers.why_not_ready()
+        assert len(await greedy(engine, "z", prompts(1, seed=5)[0], "scd", fill)) == 12
+        shipped, raw = plan.code_width(), spec.num_layers * 2 * d
+        assert shipped == d + (spec.num_layers - 2) * 2 * d
+        assert fill.stats.num_transfers == 1 and fill.stats.payload_bytes * raw == fill.stats.raw_kv_bytes * shipped
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
+
+
 async def test_decode_with_another_codebook_is_refused(setup):
     rt, full, low = setup
     node = await start_prefill(rt, methods=("scd",), codebook=full)

@@ -63,3 +63,34 @@ def test_calibration_computes_layer_zero_itself_in_every_plan(calibrated):
     stats = book.manifest["calibration"]
     assert stats["report"]["held_out"] and stats["report"]["prompts"] == 2
     assert result.methods["prior-only"]["payload_ratio"] == 0
+
+
+def test_a_rank_zero_stream_is_its_prior_and_ships_nothing(calibrated):
+    """A Reuse stream of rank 0 decodes to the stream's mean and token prior (what prior-only
+    rebuilds), and the producer sends no code for it."""
+    from scd_serve.codec.codebook import Codebook
+
+    producer, consumer, result = calibrated
+    book = result.codebook
+    reuse = next(i for i, lp in enumerate(book.plan("reuse").layers) if lp.mode == REUSE)
+    r_v = book.plan("reuse").layers[reuse].r_v
+    layers = list(book.plan("reuse").layers)
+    layers[reuse] = LayerPlan(REUSE, 0, r_v)
+    plans = dict(book.manifest["plans"], scd=Plan(tuple(layers)).to_json())
+    zero = Codebook(dict(book.manifest, plans=plans), dict(book.tensors))
+    zero.validate()
+    c = codec.build("scd", producer=producer, consumer=consumer, codebook=zero)
+    prior_only = codec.build("prior-only", producer=producer, consumer=consumer, codebook=book)
+    ids = prompts(1, 20, seed=9)[0][0]
+    state = [s for _, s in producer.iter_prefill(ids, compute_logits=False)][reuse]
+    code = c.encode_layer(reuse, state)
+    assert set(code) == {"zv"} and c.states_needed(reuse) == frozenset({"values"})
+    k, v = c.decode_layer(reuse, code, consumer, tokens=ids)
+    k0, v0 = prior_only.decode_layer(reuse, {}, consumer, tokens=ids)
+    assert torch.equal(k, k0) and not torch.equal(v, v0)
+    both = Plan(tuple(LayerPlan(REUSE, 0, 0) if i == reuse else lp for i, lp in enumerate(layers)))
+    none = codec.build("scd", producer=producer, consumer=consumer,
+                       codebook=Codebook(dict(book.manifest, plans=dict(plans, scd=both.to_json())), dict(book.tensors)))
+    assert none.encode_layer(reuse, state) == {}
+    k, v = none.decode_layer(reuse, {}, consumer, tokens=ids)
+    assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -85,10 +85,15 @@ def test_width_cap_keeps_a_plan_within_budget_and_cap():
 def test_layer_plan_validation():
     import pytest
 
-    with pytest.raises(ValueError):
-        LayerPlan(REUSE, 0, 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        LayerPlan(REUSE, -1, 4)
+    with pytest.raises(ValueError, match="positive"):
+        LayerPlan(PATCH, r_h=0)
     with pytest.raises(ValueError):
         LayerPlan("zip", 1, 1)
+    # a rank-0 Reuse stream ships nothing but is still rebuilt (its mean and token prior)
+    assert LayerPlan(REUSE, 0, 4).streams == (("v", 4),) and LayerPlan(REUSE, 0, 4).code_width == 4
+    assert LayerPlan(REUSE, 0, 0).streams == () and LayerPlan(REUSE, 0, 0).decoded == (("k", 0), ("v", 0))
     assert LayerPlan(PATCH, r_h=8).code_width == 8
 
 
@@ -98,3 +103,34 @@ def test_width_cap_measures_each_plan_once():
     probe.measured.clear()
     search.run(budget=0.01, max_patches=2, max_width=40)  # every full-rank plan over budget and cap
     assert probe.measured and len(set(probe.measured)) == len(probe.measured)
+
+
+class PriorProbe(FakeProbe):
+    """Reuse streams with rank 0 (the token prior alone) allowed: it costs 1.0 a stream, except at
+    layer 3, where the prior alone beats any code (a fine-tune moved that layer so that the
+    producer's states mislead)."""
+
+    @staticmethod
+    def stream_cost(layer, s, r):
+        if r == 0:
+            return 0.005 if layer == 3 else 1.0
+        return {"k": 0.2, "v": 0.4}[s] / r + (0.3 if layer == 2 else 0.0) + (0.02 if layer == 3 else 0.0)
+
+    @staticmethod
+    def layer_cost(layer, tag):
+        kind, *ranks = tag
+        if kind == "patch":
+            return 0.02 + 0.5 / ranks[0]
+        if kind in ("k", "v"):
+            return PriorProbe.stream_cost(layer, kind, ranks[0])
+        return PriorProbe.stream_cost(layer, "k", ranks[0]) + PriorProbe.stream_cost(layer, "v", ranks[1])
+
+
+def test_a_stream_whose_codes_do_not_help_ships_nothing():
+    probe = PriorProbe()
+    layer_kv = lambda lp: (lambda ex, i: ("reuse", lp.r_k, lp.r_v) if lp.mode == REUSE else ("patch", lp.r_h))
+    stream_kv = lambda s, r: (lambda ex, i: ("patch", r) if s == "h" else (s, r))
+    search = PlanSearch(probe, 4, [0] + GRID, GRID, layer_kv, stream_kv)
+    best, _, _ = search.run(budget=0.5, max_patches=2)
+    assert best.feasible and best.plan.layers[3] == LayerPlan(REUSE, 0, 0) and best.plan.layers[3].code_width == 0
+    assert all(lp.code_width > 0 for lp in best.plan.layers[:3])  # elsewhere the prior alone costs 1.0 a stream
