@@ -25,7 +25,6 @@ records, or the files named).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -77,7 +76,10 @@ def states(rt: ModelRuntime, ids: Tensor) -> list:
     return [s for _, s in rt.iter_prefill(ids, compute_logits=False, residuals=True)]
 
 
-def features(sa: list, eb: Tensor, name: str, layer: int) -> Tensor:
+def features(sa, eb: Tensor | None, name: str, layer: int, dims: bool = False):
+    if dims:  # the producer's columns of these features (they come first): sa is (kv_width, hidden)
+        kv2, hidden = sa
+        return {"kv+prior": kv2, "h+prior": hidden}[name]
     t = eb.shape[0]
     kv = lambda s: torch.cat([s.keys.reshape(t, -1), s.values.reshape(t, -1)], 1)
     prior = lagged(eb)
@@ -99,6 +101,7 @@ def main(pair: str, num_fit: int = 200, num_held: int = 30, scored: int = 96, fi
     run_layers = [n // 2, (2 * n) // 3]
     fits = {(name, l): Ridge() for name in MAPPED for l in range(n)}
     run_fits = {l: Ridge() for l in run_layers}
+    sa_dims = [(2 * spec.kv_width, spec.hidden_size)] * n
     started = time.time()
     with torch.no_grad():
         for text in texts(root / "eval" / fit_file, num_fit):
@@ -112,6 +115,20 @@ def main(pair: str, num_fit: int = 200, num_held: int = 30, scored: int = 96, fi
             for l in run_layers:
                 run_fits[l].add(torch.cat([sa[l].residual, lagged(eb)], 1), sb[l].residual)
         maps = {k: r.solve() for k, r in fits.items()}
+        ranks = sorted({spec.kv_width // 2, spec.kv_width})  # codes of 0.25 and 0.5 of raw per layer
+        low = {}
+        for name in ("kv+prior", "h+prior"):
+            for l in range(n):
+                w, xtx = maps[(name, l)], fits[(name, l)].xtx
+                d_p = features(sa_dims[l], None, name, l, dims=True)  # the producer's columns come first
+                wp = w[:d_p]
+                cov = wp.T @ xtx[:d_p, :d_p] @ wp  # the producer part's fitted covariance
+                evals, evecs = torch.linalg.eigh(cov)
+                for r in ranks:
+                    v = evecs[:, -r:]
+                    wr = w.clone()
+                    wr[:d_p] = wp @ v @ v.T
+                    low[(name, l, r)] = wr
         run_maps = {l: r.solve() for l, r in run_fits.items()}
         print(f"fitted on {num_fit} texts in {time.time() - started:.0f} s", flush=True)
 
@@ -129,6 +146,10 @@ def main(pair: str, num_fit: int = 200, num_held: int = 30, scored: int = 96, fi
                 rebuilt = [shape(Ridge.apply(maps[(name, l)], features(sa, eb, name, l))) for l in range(n)]
                 variants[name] = rebuilt
                 variants[name + "*0"] = [oracle_kv[0]] + rebuilt[1:]
+            for name in ("kv+prior", "h+prior"):  # the producer's part at a code rank (reduced-rank regression)
+                for r in ranks:
+                    rebuilt = [shape(Ridge.apply(low[(name, l, r)], features(sa, eb, name, l))) for l in range(n)]
+                    variants[f"{name}@{r}*0"] = [oracle_kv[0]] + rebuilt[1:]
             for L in run_layers:
                 below = variants["h+prior*0"][:L]
                 r = Ridge.apply(run_maps[L], torch.cat([sa[L].residual, lagged(eb)], 1))
@@ -156,4 +177,14 @@ def main(pair: str, num_fit: int = 200, num_held: int = 30, scored: int = 96, fi
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(v) for v in sys.argv[2:5]), *sys.argv[5:7])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pair", help="directory with producer/, consumer/ and eval/")
+    ap.add_argument("num_fit", type=int, nargs="?", default=200, help="calibration texts the maps are fitted on")
+    ap.add_argument("num_held", type=int, nargs="?", default=30, help="held-out texts scored")
+    ap.add_argument("scored", type=int, nargs="?", default=96, help="tokens scored per held-out text")
+    ap.add_argument("fit_file", nargs="?", default="calibration.jsonl", help="under PAIR/eval/")
+    ap.add_argument("held_file", nargs="?", default="heldout.jsonl", help="under PAIR/eval/")
+    a = ap.parse_args()
+    main(a.pair, a.num_fit, a.num_held, a.scored, a.fit_file, a.held_file)
