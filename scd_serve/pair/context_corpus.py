@@ -55,14 +55,18 @@ def _all_files(root: str) -> tuple[SourceFile, ...]:
 
 def assign_modules(sizes: dict[str, int], seed: int) -> dict[str, str]:
     """module -> split: modules in a seeded order, each to the split furthest below its share."""
-    order = sorted(sizes, key=lambda m: hashlib.sha256(f"{seed}:{m}".encode()).hexdigest())
-    have = dict.fromkeys(SHARES, 0)
+    return deal_in_order(sorted(sizes, key=lambda m: hashlib.sha256(f"{seed}:{m}".encode()).hexdigest()), sizes, SHARES)
+
+
+def deal_in_order(order: list[str], sizes: dict[str, int], shares: dict[str, float]) -> dict[str, str]:
+    """unit -> split: each unit, in the order given, to the split furthest below its share of size."""
+    have = dict.fromkeys(shares, 0)
     out = {}
-    for module in order:
-        total = sum(have.values()) + sizes[module]
-        split = max(SHARES, key=lambda s: SHARES[s] * total - have[s])
-        out[module] = split
-        have[split] += sizes[module]
+    for unit in order:
+        total = sum(have.values()) + sizes[unit]
+        split = max(shares, key=lambda s: shares[s] * total - have[s])
+        out[unit] = split
+        have[split] += sizes[unit]
     return out
 
 

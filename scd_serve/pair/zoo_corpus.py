@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scd_serve.errors import ConfigError
-from scd_serve.pair.context_corpus import _all_files, stdlib_root
+from scd_serve.pair.context_corpus import _all_files, deal_in_order, stdlib_root
 
 SHARES = {"train": 0.8, "calibration": 0.1, "heldout": 0.1}
 # installed with scd-serve's own dependencies (the test extra), so every machine with the same
@@ -144,14 +144,7 @@ def _topics() -> list[Document]:
 
 def deal(sizes: dict[str, int], seed: int, shares: dict[str, float] = SHARES) -> dict[str, str]:
     """unit -> split: units in a seeded order, each to the split furthest below its share."""
-    have = dict.fromkeys(shares, 0)
-    out = {}
-    for unit in _seeded(sizes, seed, "deal"):
-        total = sum(have.values()) + sizes[unit]
-        split = max(shares, key=lambda s: shares[s] * total - have[s])
-        out[unit] = split
-        have[split] += sizes[unit]
-    return out
+    return deal_in_order(list(_seeded(sizes, seed, "deal")), sizes, shares)
 
 
 @functools.lru_cache(maxsize=8)
