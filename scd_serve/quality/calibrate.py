@@ -357,9 +357,17 @@ def run(args: argparse.Namespace) -> int:
     stats = result.codebook.manifest["calibration"]
     scd = stats["methods"]["scd"]
     where = "held-out report prompts" if stats["report"]["held_out"] else "probe prompts"
-    verdict = "meets" if stats["meets_budget"] else "does NOT meet"
+    verdict = "meets" if stats["meets_budget"] else (
+        f"does NOT meet: KL {scd['kl'] / cfg.kl_budget:.1f}x the budget, top-1 {cfg.min_top1 - scd['top1']:+.3f} short"
+        if scd["top1"] < cfg.min_top1 else f"does NOT meet: KL {scd['kl'] / cfg.kl_budget:.1f}x the budget")
     print(f"scd on {stats['report']['prompts']} {where}: KL {scd['kl']:.4f}, top-1 {scd['top1']:.3f} at "
-          f"{scd['payload_ratio']:.3f} of raw: {verdict} the budget (KL <= {cfg.kl_budget}, top-1 >= {cfg.min_top1})")
+          f"{scd['payload_ratio']:.3f} of raw: {verdict} (KL <= {cfg.kl_budget}, top-1 >= {cfg.min_top1})")
+    chosen_layers = len(chosen.layers)
+    computed = len(chosen.patch_layers) + (chosen_layers - chosen.run_layer if chosen.run_layer is not None else 0)
+    print(f"rebuild: the consumer computes {computed} of its {chosen_layers} layers' K/V itself from codes (patches "
+          f"and a run; a run from L costs (layers - L) / layers of its own prefill: "
+          f"{(chosen_layers - chosen.run_layer) / chosen_layers if chosen.run_layer is not None else 0:.2f} here); "
+          f"{sum(not lp.streams for lp in chosen.layers)} layers ship nothing", flush=True)
     print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} KL budget "
           f"{cfg.kl_budget}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
           f"{stats['seconds']} s")

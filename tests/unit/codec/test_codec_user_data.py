@@ -2,6 +2,7 @@
 shape and plain text), --dtype, and the up-front memory refusal before any model loads."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,7 @@ def test_calibrate_on_each_shape(pair, tmp_path, capsys, name):
     out = capsys.readouterr().out
     assert f"data: {data / name}: 6 prompts" in out and "truncated to their last 24 tokens" in out
     assert "fit on 4, probe on 1, report on 1 (1 documents held out" in out and "codebook:" in out
+    assert re.search(r"rebuild: the consumer computes \d+ of its 2 layers' K/V itself", out), out
     assert "asked for 4 + 1 + 24 (fit + probe + report)" in out
     book = Codebook.load(tmp_path / "book")
     assert book.manifest["calibration"]["fit_prompts"] == 4 and book.plan("scd").layers
