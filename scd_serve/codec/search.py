@@ -1,5 +1,7 @@
 """Loss-constrained plan search: fewest code numbers per token with measured KL <= budget.
 
+0. Within budget: measured KL <= the budget and, where a floor is given (calibrate's
+   min_top1), measured top-1 agreement with the oracle's next token at or above it.
 1. Profile: for every layer and stream, the KL when only that stream is rebuilt at each
    grid rank (everything else oracle). Raising the KL of the whole plan is predicted as the
    measured KL of the start plan plus these per-stream increments.
@@ -39,11 +41,13 @@ class PlanSearch:
     def __init__(self, probe: KLProbe, num_layers: int, kv_grid: list[int], h_grid: list[int],
                  layer_kv: Callable[[LayerPlan], LayerKV], stream_kv: Callable[[str, int], LayerKV],
                  progress: Callable[[str], None] | None = None, profile_probe: KLProbe | None = None,
-                 own_layers: Iterable[int] = ()):
+                 own_layers: Iterable[int] = (), min_top1: float | None = None):
         """layer_kv(lp) rebuilds a layer by its plan; stream_kv(stream, rank) rebuilds one stream
         ("k" / "v" at rank with the other stream oracle, or "h" at rank). own_layers: computed by
-        the consumer itself in every plan (plan.py's OWN: exact, nothing to search)."""
-        self.probe, self.num_layers = probe, num_layers
+        the consumer itself in every plan (plan.py's OWN: exact, nothing to search). min_top1: a
+        plan within budget must also agree with the oracle's next token this often on the probe."""
+        self.probe, self.num_layers, self.min_top1 = probe, num_layers, min_top1
+        self.top1: dict[Plan, float] = {}  # measured top-1 agreement of each plan measured
         self.own_layers = frozenset(own_layers)
         self.profile_probe = profile_probe or probe  # may be a cheaper subset: it only predicts
         self.grid = {"k": sorted(kv_grid), "v": sorted(kv_grid), "h": sorted(h_grid)}
@@ -53,7 +57,17 @@ class PlanSearch:
         self.budget: float | None = None
 
     def measure(self, plan: Plan) -> float:
-        return self.probe.measure({i: self.layer_kv(lp) for i, lp in enumerate(plan.layers)})
+        """The plan's KL on the probe (and its top-1 agreement, kept, where a floor is set)."""
+        replace = {i: self.layer_kv(lp) for i, lp in enumerate(plan.layers)}
+        if self.min_top1 is None:
+            return self.probe.measure(replace)
+        measured = self.probe.measure_all(replace)
+        self.top1[plan] = measured.top1
+        return measured.kl
+
+    def meets(self, plan: Plan, kl: float, budget: float) -> bool:
+        """Within the KL budget and, where a floor is set, at or above it in measured top-1."""
+        return kl <= budget and (self.min_top1 is None or self.top1.get(plan, 0.0) >= self.min_top1)
 
     def full_rank(self, patches: tuple[int, ...] = ()) -> Plan:
         rk, rh = self.grid["k"][-1], self.grid["h"][-1]
@@ -110,17 +124,17 @@ class PlanSearch:
         fit_width)."""
         start = self.full_rank(patches)
         kl_start = self.measure(start) if kl_start is None else kl_start
-        if kl_start > budget:
+        if not self.meets(start, kl_start, budget):
             return SearchPoint(len(patches), start, kl_start, kl_start, False)
         seq = self._descend(start, lambda plan, pred, delta: kl_start + pred + delta <= budget)
         lo, hi, kl_lo = 0, len(seq) - 1, kl_start  # seq[lo] is known to fit
         kl_hi = self.measure(seq[hi]) if hi > 0 else kl_start
-        if kl_hi <= budget:
+        if self.meets(seq[hi], kl_hi, budget):
             lo, kl_lo = hi, kl_hi
-        while hi - lo > 1:  # the prediction was optimistic: bisect on measured KL
+        while hi - lo > 1:  # the prediction was optimistic (or top-1 fell short): bisect on measurements
             mid = (lo + hi) // 2
             kl_mid = self.measure(seq[mid])
-            if kl_mid <= budget:
+            if self.meets(seq[mid], kl_mid, budget):
                 lo, kl_lo = mid, kl_mid
             else:
                 hi = mid
@@ -136,7 +150,7 @@ class PlanSearch:
         seq = self._descend(start, lambda plan, pred, delta: True)
         plan = next((p for p in seq if p.code_width() <= width), seq[-1])
         kl = self.measure(plan) if plan is not start else kl_start
-        return SearchPoint(len(patches), plan, kl, kl_start, kl <= self.budget if self.budget else True)
+        return SearchPoint(len(patches), plan, kl, kl_start, self.meets(plan, kl, self.budget) if self.budget else True)
 
     def with_run(self, plan: Plan, kl: float, layers: Iterable[int], rank: int,
                  max_width: int | None = None) -> tuple[Plan, float, dict[int, float]]:

@@ -125,7 +125,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         search = PlanSearch(probe, num_layers, kv_grid, h_grid, cands.layer_kv, cands.stream_kv,
                             progress=lambda msg: (bar.update(1) if msg.startswith("profiled") else bar.set_postfix_str(msg)),
                             profile_probe=KLProbe(consumer, probe.examples[: cfg.num_profile_prompts]),
-                            own_layers=OWN_LAYERS)
+                            own_layers=OWN_LAYERS, min_top1=cfg.min_top1)
         max_patches = num_layers // 2 if cfg.max_patches is None else cfg.max_patches
         max_width = None if cfg.max_payload is None else max(1, int(cfg.max_payload * 2 * cspec.kv_width * num_layers))
         best, curve, benefit = search.run(cfg.kl_budget, max_patches, max_width)

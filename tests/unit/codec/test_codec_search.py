@@ -134,3 +134,27 @@ def test_a_stream_whose_codes_do_not_help_ships_nothing():
     best, _, _ = search.run(budget=0.5, max_patches=2)
     assert best.feasible and best.plan.layers[3] == LayerPlan(REUSE, 0, 0) and best.plan.layers[3].code_width == 0
     assert all(lp.code_width > 0 for lp in best.plan.layers[:3])  # elsewhere the prior alone costs 1.0 a stream
+
+
+class TopProbe(FakeProbe):
+    """Top-1 agreement falls as KL grows: 1 - 2 KL."""
+
+    def measure_all(self, replace):
+        from scd_serve.codec.kl_probe import Measured
+
+        kl = self.measure(replace)
+        return Measured(kl, 1 - 2 * kl, 100)
+
+
+def test_a_top1_floor_is_met_as_well_as_the_kl_budget():
+    layer_kv = lambda lp: (lambda ex, i: ("reuse", lp.r_k, lp.r_v) if lp.mode == REUSE else ("patch", lp.r_h))
+    stream_kv = lambda s, r: (lambda ex, i: ("patch", r) if s == "h" else (s, r))
+    kl_only, _, _ = PlanSearch(TopProbe(), 4, GRID, GRID, layer_kv, stream_kv).run(budget=0.5, max_patches=2)
+    assert kl_only.feasible and kl_only.kl > 0.3  # the KL budget alone lets top-1 fall below 0.4
+    floor = PlanSearch(TopProbe(), 4, GRID, GRID, layer_kv, stream_kv, min_top1=0.4)
+    best, curve, _ = floor.run(budget=0.5, max_patches=2)
+    assert best.feasible and best.kl <= 0.3 and floor.top1[best.plan] >= 0.4
+    assert best.plan.code_width() > kl_only.plan.code_width()  # it ships more to agree more
+    # a floor no plan reaches: infeasible, the most faithful plan
+    none, curve, _ = PlanSearch(TopProbe(), 4, GRID, GRID, layer_kv, stream_kv, min_top1=0.99).run(0.5, 2)
+    assert not none.feasible and none.kl == min(p.kl for p in curve)
