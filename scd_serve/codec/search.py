@@ -1,7 +1,8 @@
 """Loss-constrained plan search: fewest code numbers per token with measured KL <= budget.
 
 0. Within budget: measured KL <= the budget and, where a floor is given (calibrate's
-   min_top1), measured top-1 agreement with the oracle's next token at or above it.
+   min_top1), measured top-1 agreement with the oracle's next token at or above it. A floor
+   that no plan reaches leaves the fewest numbers within the KL budget, flagged infeasible.
 1. Profile: for every layer and stream, the KL when only that stream is rebuilt at each
    grid rank (everything else oracle). Raising the KL of the whole plan is predicted as the
    measured KL of the start plan plus these per-stream increments.
@@ -124,21 +125,25 @@ class PlanSearch:
         fit_width)."""
         start = self.full_rank(patches)
         kl_start = self.measure(start) if kl_start is None else kl_start
-        if not self.meets(start, kl_start, budget):
+        if kl_start > budget:
             return SearchPoint(len(patches), start, kl_start, kl_start, False)
+        # a top-1 floor the full-rank plan misses is out of reach with this patch set: the KL
+        # budget alone then steers (the fewest numbers within it), and the point is not feasible
+        floor = self.meets(start, kl_start, budget)
+        fits = lambda plan, kl: self.meets(plan, kl, budget) if floor else kl <= budget
         seq = self._descend(start, lambda plan, pred, delta: kl_start + pred + delta <= budget)
         lo, hi, kl_lo = 0, len(seq) - 1, kl_start  # seq[lo] is known to fit
         kl_hi = self.measure(seq[hi]) if hi > 0 else kl_start
-        if self.meets(seq[hi], kl_hi, budget):
+        if fits(seq[hi], kl_hi):
             lo, kl_lo = hi, kl_hi
         while hi - lo > 1:  # the prediction was optimistic (or top-1 fell short): bisect on measurements
             mid = (lo + hi) // 2
             kl_mid = self.measure(seq[mid])
-            if self.meets(seq[mid], kl_mid, budget):
+            if fits(seq[mid], kl_mid):
                 lo, kl_lo = mid, kl_mid
             else:
                 hi = mid
-        return SearchPoint(len(patches), seq[lo], kl_lo, kl_start, True)
+        return SearchPoint(len(patches), seq[lo], kl_lo, kl_start, floor)
 
     def fit_width(self, patches: tuple[int, ...], width: int,
                   kl_start: float | None = None) -> SearchPoint:
@@ -186,8 +191,9 @@ class PlanSearch:
             self.progress(f"{k} patches: {curve[-1].plan.code_width()} numbers/token, KL {curve[-1].kl:.4f}")
         allowed = [p for p in curve if max_width is None or p.plan.code_width() <= max_width] or curve
         feasible = [p for p in allowed if p.feasible]
-        if feasible:
-            best = min(feasible, key=lambda p: (p.plan.code_width(), p.num_patches))
+        within_kl = [p for p in allowed if p.kl <= budget]
+        if feasible or within_kl:  # (within the KL budget only: the top-1 floor is out of reach, flagged)
+            best = min(feasible or within_kl, key=lambda p: (p.plan.code_width(), p.num_patches))
         else:  # nothing meets the budget: the most faithful plan, flagged infeasible
             best = min(allowed, key=lambda p: p.kl)
         return best, curve, benefit

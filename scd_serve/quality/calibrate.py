@@ -368,8 +368,8 @@ def run(args: argparse.Namespace) -> int:
           f"and a run; a run from L costs (layers - L) / layers of its own prefill: "
           f"{(chosen_layers - chosen.run_layer) / chosen_layers if chosen.run_layer is not None else 0:.2f} here); "
           f"{sum(not lp.streams for lp in chosen.layers)} layers ship nothing", flush=True)
-    print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} KL budget "
-          f"{cfg.kl_budget}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
+    print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} the budget, KL "
+          f"{cfg.kl_budget} and top-1 {cfg.min_top1}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
           f"{stats['seconds']} s")
     if stats["run"].get("kl"):
         measured = ", ".join(f"{layer}: {kl:.4f}" for layer, kl in stats["run"]["kl"].items())

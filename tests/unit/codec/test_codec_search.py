@@ -155,6 +155,10 @@ def test_a_top1_floor_is_met_as_well_as_the_kl_budget():
     best, curve, _ = floor.run(budget=0.5, max_patches=2)
     assert best.feasible and best.kl <= 0.3 and floor.top1[best.plan] >= 0.4
     assert best.plan.code_width() > kl_only.plan.code_width()  # it ships more to agree more
-    # a floor no plan reaches: infeasible, the most faithful plan
+    # a floor no plan reaches: flagged infeasible, the fewest numbers within the KL budget (not the
+    # widest plan, which buys no agreement it can reach)
     none, curve, _ = PlanSearch(TopProbe(), 4, GRID, GRID, layer_kv, stream_kv, min_top1=0.99).run(0.5, 2)
-    assert not none.feasible and none.kl == min(p.kl for p in curve)
+    assert not none.feasible and none.kl <= 0.5 and none.plan == kl_only.plan
+    # a KL budget no plan meets: the most faithful plan
+    worst, curve, _ = PlanSearch(TopProbe(), 4, GRID, GRID, layer_kv, stream_kv, min_top1=0.4).run(0.01, 2)
+    assert not worst.feasible and worst.kl == min(p.kl for p in curve)
