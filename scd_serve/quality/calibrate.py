@@ -73,6 +73,17 @@ def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]
     return {"kl": measured.kl, "top1": measured.top1, "payload_ratio": nbytes["n"] / raw}
 
 
+def measure_methods(probe: KLProbe, producer: Any, consumer: Any, book: Any,
+                    show_progress: bool = True) -> dict[str, dict[str, float]]:
+    """Every method a codebook serves (and prior-only, its zero-payload control) measured on the
+    probe's examples: the manifest's `calibration.methods` (calibrate's report, `scd-serve measure`)."""
+    from scd_serve import codec as registry
+
+    names = [m for m in registry.METHODS if m != "identity"] + ["prior-only"]
+    return {name: measure_codec(probe, registry.build(name, producer=producer, consumer=consumer, codebook=book),
+                                consumer) for name in tqdm(names, desc="measure methods", disable=not show_progress)}
+
+
 def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list, cfg: CalibrateConfig,
               log: Callable[[str], None] = print, show_progress: bool = True,
               distill_pairs: list | None = None, report_pairs: list | None = None) -> Calibration:
@@ -185,12 +196,10 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
                                                      progress=bar.update, residual_layers=run_layers))
     else:
         report = probe
-    methods = {}
-    for name in tqdm([m for m in registry.METHODS if m != "identity"] + ["prior-only"], desc="measure methods",
-                     disable=not show_progress):
-        codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
-        methods[name] = measure_codec(report, codec, consumer)
-        if report is not probe and name in ("scd", "reuse"):
+    methods = measure_methods(report, producer, consumer, book, show_progress)
+    if report is not probe:
+        for name in ("scd", "reuse"):
+            codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
             methods[name]["probe_kl"] = measure_codec(probe, codec, consumer)["kl"]
     stats["methods"] = methods
     stats["min_top1"] = cfg.min_top1

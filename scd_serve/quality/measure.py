@@ -24,22 +24,17 @@ from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
 
 
-def measure_methods(producer: Any, consumer: Any, book: Any, pairs: list, tail: int = 1,
-                    show_progress: bool = True) -> tuple[dict[str, dict[str, float]], dict]:
+def measure_held_out(producer: Any, consumer: Any, book: Any, pairs: list, tail: int = 1,
+                     show_progress: bool = True) -> tuple[dict[str, dict[str, float]], dict]:
     """pairs: (prompt ids [T], scored ids [n]) -> ({method: kl, top1, payload_ratio}, report facts)."""
-    from scd_serve import codec as registry
     from scd_serve.codec.kl_probe import KLProbe, make_examples
-    from scd_serve.quality.calibrate import measure_codec
+    from scd_serve.quality.calibrate import measure_methods
 
     run = book.plan("scd").run_layer
     with tqdm(total=len(pairs), desc="report prompts", disable=not show_progress) as bar:
         probe = KLProbe(consumer, make_examples(producer, consumer, pairs, tail=tail, progress=bar.update,
                                                 residual_layers=() if run is None else (run,)))
-    methods = {}
-    for name in tqdm([m for m in registry.METHODS if m != "identity"] + ["prior-only"], desc="measure methods",
-                     disable=not show_progress):
-        c = registry.build(name, producer=producer, consumer=consumer, codebook=book)
-        methods[name] = measure_codec(probe, c, consumer)
+    methods = measure_methods(probe, producer, consumer, book, show_progress)
     return methods, {"prompts": len(probe.examples), "positions": probe.num_positions, "held_out": True}
 
 
@@ -104,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
               [:REPORT_SCORED_TOKENS]) for p in items]
     cal = book.manifest.get("calibration", {})
     tail = cal.get("config", {}).get("probe_tail", 1)
-    methods, report = measure_methods(producer, consumer, book, pairs, tail=tail)
+    methods, report = measure_held_out(producer, consumer, book, pairs, tail=tail)
     report["source"] = str(args.data)
     min_top1 = args.min_top1 if args.min_top1 is not None else cal.get("min_top1", 0.95)
     print(f"{'method':<12}{'KL':>10}{'top-1':>8}{'payload/raw':>13}   ({report['prompts']} prompts of {args.data}, "
