@@ -21,7 +21,7 @@ import torch
 from scd_serve.codec.base import STREAM_STATES, check_code, state_field, to_consumer
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.lowrank import Aligner
-from scd_serve.codec.plan import OWN, REUSE, RUN, Plan
+from scd_serve.codec.plan import OWN, REUSE, RUN, LayerPlan, Plan
 from scd_serve.errors import CodebookError
 
 # runs held at once (one per prompt being rebuilt); beyond it the oldest, a failed transfer's, goes
@@ -145,11 +145,12 @@ class ScdCodec:
             self._context(tokens, to_consumer(torch.empty(len(tokens), 0), consumer), consumer)
 
     def decoder_inputs(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
-                       tokens: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                       tokens: torch.Tensor | None, lp: LayerPlan | None = None
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What decode_layer combines with the layer's decoder or aligner (distill.py tunes those):
         -> ({stream: code [T, r] as received}, {stream decoded: token prior [T, dB], or 0.0}); a
-        rank-0 stream has a prior and no code."""
-        lp = self.plan.layers[layer]
+        rank-0 stream has a prior and no code. lp: the layer's plan (default: the codec's)."""
+        lp = lp or self.plan.layers[layer]
         codes = {s: self._unpack(code, f"z{s}", consumer) for s, _ in lp.streams}
         for z in codes.values():
             check_token_count(tokens, z)
@@ -165,20 +166,13 @@ class ScdCodec:
         """tokens: the prompt's token ids [T] (needed when the codebook has token priors)."""
         lp = self.plan.layers[layer]
         spec = self.codebook.side_spec("consumer")
-        if not self.codes:
-            if tokens is None:
-                raise CodebookError("prior-only rebuilds from the prompt's token ids: pass tokens=")
-            if lp.mode == OWN:  # zero payload already: computed as in the plan
-                return own_kv(consumer, layer, tokens)
-            like = to_consumer(torch.empty(len(tokens), 0), consumer)  # [T, 0]: the length and device
-            return tuple(  # type: ignore[return-value]
-                (self.codebook.tensor(f"layers.{layer}.{s}.mu_b").to(like.device) + self._prior(layer, s, tokens, like, consumer))
-                .expand(like.shape[0], -1).reshape(like.shape[0], spec.num_kv_heads, spec.head_dim) for s in "kv")
+        if not self.codes and lp.mode != OWN:  # prior-only: every layer its streams' priors alone
+            lp = LayerPlan(REUSE)  # (an own layer is zero payload already: computed as in the plan)
         if lp.mode == OWN:  # layer 0 from the consumer's own embeddings of the prompt: exact
             if tokens is None:
                 raise CodebookError(f"layer {layer} is computed from the prompt's token ids: pass tokens=")
             return own_kv(consumer, layer, tokens)
-        codes, priors = self.decoder_inputs(layer, code, consumer, tokens)  # codes: {stream: [T, r]}
+        codes, priors = self.decoder_inputs(layer, code, consumer, tokens, lp)  # codes: {stream: [T, r]}
         if lp.mode == REUSE:
             n = next(iter(codes.values())).shape[0] if codes else torch.as_tensor(tokens).numel()
             device = to_consumer(torch.empty(0), consumer).device
