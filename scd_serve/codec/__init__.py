@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from scd_serve.codec.base import (ATTN_INPUT, KEYS, VALUES, TransferCodec, payload_bytes, wants_residuals)
+from scd_serve.codec.base import (ATTN_INPUT, KEYS, VALUES, TransferCodec, payload_bytes, transferred,
+                                  wants_residuals)
 from scd_serve.codec.baselines import IdentityCodec, RawCodec
 from scd_serve.codec.droidspeak import DroidSpeakCodec
 from scd_serve.codec.codebook import Codebook, as_codebook
@@ -46,11 +47,14 @@ def _droidspeak(producer: Any, consumer: Any, codebook: Any) -> DroidSpeakCodec:
 
 
 def _scd(method: str, producer: Any, consumer: Any, codebook: Any) -> ScdCodec:
+    """The scd plan's codecs replay what calibration chose for it; so does prior-only, its
+    zero-payload control (the two then differ only in the codes); reuse, the ablation, does not."""
     book = as_codebook(codebook, producer, consumer)
     if method == "prior-only":
-        return ScdCodec(method, book, book.plan("reuse"), codes=False)
+        return ScdCodec(method, book, book.plan("reuse"), codes=False, replay_tokens=book.replay_tokens)
     plan_name = method if method in book.manifest.get("plans", {}) or method != "scd-int8" else "scd"
-    return ScdCodec(method, book, book.plan(plan_name), int8=method.endswith("int8"))
+    replay = book.replay_tokens if plan_name == "scd" else 0
+    return ScdCodec(method, book, book.plan(plan_name), int8=method.endswith("int8"), replay_tokens=replay)
 
 # What serving offers; ABLATIONS are built by name for the eval table only.
 ABLATIONS: list[str] = ["prior-only"]
@@ -67,5 +71,5 @@ def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any
     return factory(producer, consumer, codebook)
 
 
-__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "payload_bytes", "wants_residuals", "Codebook", "TransferCodec",
+__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "payload_bytes", "transferred", "wants_residuals", "Codebook", "TransferCodec",
            "KEYS", "VALUES", "ATTN_INPUT"]

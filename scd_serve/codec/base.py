@@ -10,7 +10,10 @@ while the codes are still on their way (optional; SCD computes its token context
 Keys cross the codec in pre-RoPE form at the consumer's side: decode returns keys that,
 rotated by the consumer, give what the method intends the consumer to attend to.
 
-Prompt positions are 0..T-1 (the whole prompt is transferred from position 0).
+Prompt positions are 0..T-1 (the whole prompt is transferred from position 0). A codec may
+have `replay_tokens` R: the consumer takes codes for all but the prompt's last R handed-off
+tokens and computes those itself over the rebuilt rest (target-side context replay: the
+tokens nearest the ones it generates are its own computation). `transferred` says how many.
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ def state_field(state: Any, name: str) -> torch.Tensor:
 def wants_residuals(codec: Any, num_layers: int) -> bool:
     """Whether the producer's prefill must keep each layer's residual (iter_prefill(residuals=))."""
     return any(RESIDUAL in codec.states_needed(i) for i in range(num_layers))
+
+
+def transferred(codec: Any, num_tokens: int) -> int:
+    """Of `num_tokens` handed-off prompt tokens (T-1), how many the transfer carries: all but
+    the codec's replayed tail, at least one (0 for an empty handoff)."""
+    replay = int(getattr(codec, "replay_tokens", 0) or 0)
+    return max(1, num_tokens - replay) if num_tokens else 0
 
 
 def payload_bytes(code: Mapping[str, torch.Tensor]) -> int:

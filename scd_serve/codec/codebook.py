@@ -66,6 +66,15 @@ class Codebook:
         return Plan.from_json(plans[name])
 
     @property
+    def replay_tokens(self) -> int:
+        """Prompt tokens the consumer recomputes itself before the handoff's end (codec/base.py),
+        chosen by calibration for the scd plan; 0 in codebooks from before it."""
+        value = self.manifest.get("replay_tokens", 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CodebookError(f"codebook manifest: replay_tokens must be a non-negative integer, got {value!r}")
+        return value
+
+    @property
     def prior(self) -> dict[str, Any] | None:
         """The prior's manifest entry when the decoders add token priors, else None."""
         return self.manifest.get("prior")

@@ -33,6 +33,7 @@ class Example:
     pool: Any = None
     blocks: list[int] | None = None
     feed_h: list[Tensor] | None = None  # per layer (and after the last) the feed's residual rows [m, hidden], oracle
+    scored_from: int = 0  # feed rows before it are a replayed tail: computed, not scored
 
 
 def kl_divergence(logits_p: Tensor, logits_q: Tensor) -> Tensor:
@@ -44,17 +45,21 @@ def kl_divergence(logits_p: Tensor, logits_q: Tensor) -> Tensor:
 
 def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Tensor]],
                   block_size: int = 16, tail: int = 1, progress: Callable[[], None] | None = None,
-                  residual_layers: Iterable[int] = ()) -> list[Example]:
+                  residual_layers: Iterable[int] = (), replay: int = 0) -> list[Example]:
     """pairs: (prompt_ids [T], answer_ids [n]) -> examples with oracle pools and logits; the
     producer's residuals kept at residual_layers (where runs may start).
 
     The consumer runs the last `tail` prompt tokens itself (serving: 1); a longer tail scores
     more positions per prompt (the question as well as the answer), so the probe's KL is less
-    noisy for the same number of prompts."""
+    noisy for the same number of prompts. replay: that many prompt tokens more are run by the
+    consumer before the tail and not scored (a codec's replayed tail, codec/base.py; at least
+    one token stays transferred)."""
     out, keep = [], set(residual_layers)
     for prompt, answer in pairs:
         prompt, answer = torch.as_tensor(prompt).long(), torch.as_tensor(answer).long()
-        p = prompt.shape[0] - min(max(tail, 1), prompt.shape[0] - 1)
+        scored = min(max(tail, 1), prompt.shape[0] - 1)
+        local = min(scored + max(replay, 0), prompt.shape[0] - 1)
+        p = prompt.shape[0] - local
         full = torch.cat([prompt, answer])
         feed = full[p:-1]  # [n]
         states_a = [s if s.residual is None or i in keep else with_fields(s, residual=None)
@@ -71,7 +76,9 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
             feed_h.append(step.h)
             step.run_layer()
         feed_h.append(step.h)
-        out.append(Example(p, feed, states_a, states_b, step.logits()[0], prompt[:p], pool, blocks, feed_h))
+        skip = local - scored
+        out.append(Example(p, feed, states_a, states_b, step.logits()[0][skip:], prompt[:p], pool, blocks, feed_h,
+                           skip))
         if progress:
             progress()
     return out
@@ -92,7 +99,7 @@ class KLProbe:
 
     @property
     def num_positions(self) -> int:
-        return sum(int(e.feed.shape[0]) for e in self.examples)
+        return sum(int(e.feed.shape[0]) - e.scored_from for e in self.examples)
 
     def measure(self, replace: dict[int, LayerKV]) -> float:
         """Mean KL over all answer positions with layers in `replace` rebuilt by their function."""
@@ -110,7 +117,7 @@ class KLProbe:
             step = self.consumer.begin_extend(ex.pool, [(ex.blocks, ex.prefix, ex.feed)])
             # the layers below are the oracle's; each layer run writes the feed's own K/V before reading it
             step.resume(first, ex.feed_h[first])
-            logits = step.logits()[0]
+            logits = step.logits()[0][ex.scored_from:]
             kl = kl_divergence(logits, ex.oracle_logits)
             total, count = total + float(kl.sum()), count + kl.numel()
             agree += int((logits.argmax(-1) == ex.oracle_logits.argmax(-1)).sum())

@@ -58,6 +58,9 @@ class CalibrateConfig:
     # Distillation (codec/distill.py): Adam steps tuning the scd plan's decoders and aligners on the
     # consumer's next-token KL (0: closed form only), learning rate, prompts per step.
     distill_steps: int = 300
+    # Replayed tails tried on the scd plan (quality/probes.py): prompt tokens before the handoff's
+    # end the consumer computes itself rather than rebuilds (0 alone: never).
+    replay: tuple[int, ...] = (0, 16, 32, 64)
     distill_lr: float = 1e-4
     distill_batch: int = 16
     seed: int = 0
@@ -92,6 +95,8 @@ class CalibrateConfig:
             raise ConfigError(f"max_payload must be in (0, 1] (a fraction of raw K/V), got {self.max_payload}")
         if not 0 <= self.max_rebuild < 1:
             raise ConfigError(f"max_rebuild must be in [0, 1) (a share of the consumer's prefill), got {self.max_rebuild}")
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.replay) or not self.replay:
+            raise ConfigError(f"replay must list non-negative token counts, got {self.replay!r}")
         if self.max_patches is not None and self.max_patches < 0:
             raise ConfigError(f"max_patches must be >= 0, got {self.max_patches}")
 

@@ -22,6 +22,7 @@ import torch
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import detach
+from scd_serve.codec.base import transferred
 from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.consumer_codecs import bind_prompt
 from scd_serve.decode.receive import Received, drain, receive
@@ -200,6 +201,9 @@ class RemoteKVFill:
             deadline = min(deadline, req.deadline)
         if deadline <= start:
             raise DeadlineExceeded(f"request {rid} has no time left for a transfer")
+        handoff = len(tokens)  # raw K/V would ship them all
+        tokens = tokens[:transferred(codec, handoff)]  # a replayed tail is prefilled here (codec/base.py)
+        sink.limit(len(tokens))
         request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
                                     consumer_fingerprint=self.rt.fingerprint)
         prompt_codec = bind_prompt(codec, tokens, rid, self.codec_hooks)  # decode_layer sees the prompt's ids
@@ -243,7 +247,7 @@ class RemoteKVFill:
         s.num_transfers += 1
         s.num_cache_hits += int(got.cache_hit)
         s.payload_bytes += got.payload_bytes
-        raw = 2 * 2 * len(tokens) * self.rt.spec.num_layers * self.rt.spec.num_kv_heads * self.rt.spec.head_dim
+        raw = 2 * 2 * handoff * self.rt.spec.num_layers * self.rt.spec.num_kv_heads * self.rt.spec.head_dim
         s.raw_kv_bytes += raw
         s.encode_s += got.encode_us / 1e6
         s.rebuild_s += got.rebuild_s
@@ -259,7 +263,7 @@ class RemoteKVFill:
             except Exception:  # noqa: BLE001 - bookkeeping must never fail a transfer that succeeded
                 log.exception("request_id=%s: recording the transfer failed", rid)
         return {"prefill": peer.address, "payload_bytes": got.payload_bytes, "raw_kv_bytes": raw,
-                "cache_hit": got.cache_hit, "rebuild_s": got.rebuild_s}
+                "cache_hit": got.cache_hit, "rebuild_s": got.rebuild_s, "replayed_tokens": handoff - len(tokens)}
 
     async def _watch(self, job: _Job, done: asyncio.Future):
         """Wait for the transfer, giving the worker up as hung once its stream has been silent

@@ -20,7 +20,7 @@ class Shared:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_layers: int):
         self.loop = loop
-        self.layers: list[tuple[Any, Any] | None] = [None] * num_layers  # (k_pre, v) [T-1, kv_heads, hd]
+        self.layers: list[tuple[Any, Any] | None] = [None] * num_layers  # (k_pre, v) [filled, kv_heads, hd]
         self.landed = asyncio.Event()  # set (and cleared by readers) whenever a layer lands or it ends
         self.result: dict | None = None
         self.failed = False
@@ -46,7 +46,10 @@ class Shared:
         done = 0
         while done < len(self.layers):
             if self.layers[done] is not None:
-                sink.write_layer(done, *self.layers[done])
+                k_pre, v = self.layers[done]
+                if k_pre.shape[0] != sink.num_tokens:  # the leader's codec replays a tail (codec/base.py)
+                    sink.limit(k_pre.shape[0])
+                sink.write_layer(done, k_pre, v)
                 done += 1
                 continue
             if self.failed:

@@ -288,7 +288,7 @@ class Engine:
                 case Filled():
                     if h.sink is not None:
                         h.sink.close()  # every layer is in: a stray late write (an abandoned attempt) is refused
-                    self.scheduler.fill_done(h.seq)
+                    self.scheduler.fill_done(h.seq, None if h.sink is None else h.sink.num_tokens)
                 case FillFailed():
                     if h.sink is not None:
                         h.sink.close()  # no late writes over the local prefill

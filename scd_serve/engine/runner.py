@@ -96,23 +96,28 @@ class Runner:
             ahead = StepAhead(lambda: self.runtime.begin_decode_step(self.pool, [item]), spec.num_layers,
                               lambda logits: self._ready.__setitem__(seq.seq_id, logits[0]),
                               request_id=seq.request.request_id)
-        fill = _FillWriter(lambda: self.runtime.kv_writer(self.pool, block_ids, num_tokens), ahead)
+        fill = _FillWriter(lambda n: self.runtime.kv_writer(self.pool, block_ids, n), num_tokens, ahead)
         return LayerSink(fill.write, request_id=seq.request.request_id, num_layers=spec.num_layers,
                          num_tokens=num_tokens, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                         prepare=fill.prepare, on_complete=on_complete)
+                         prepare=fill.prepare, on_complete=on_complete, on_limit=fill.limit)
 
 
 class _FillWriter:
     """One fill's writes into the pool: the request's KV writer (slots, rotary tables) made once,
     before the first layer, and the step ahead told of each layer. LayerSink serializes calls."""
 
-    def __init__(self, make_writer, ahead: StepAhead | None):
-        self._make_writer, self._writer, self._ahead = make_writer, None, ahead
+    def __init__(self, make_writer, num_tokens: int, ahead: StepAhead | None):
+        self._make_writer, self._num_tokens, self._writer, self._ahead = make_writer, num_tokens, None, ahead
+
+    def limit(self, num_tokens: int) -> None:
+        """A fill of fewer tokens (a replayed tail): its own writer, and no step ahead, since the
+        engine prefills the tail before the first decode step."""
+        self._num_tokens, self._writer, self._ahead = num_tokens, None, None
 
     def prepare(self) -> None:
         if self._writer is None:
             with torch.inference_mode():
-                self._writer = self._make_writer()
+                self._writer = self._make_writer(self._num_tokens)
                 if self._ahead is not None:
                     self._ahead.start()
 

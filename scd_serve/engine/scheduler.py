@@ -93,11 +93,16 @@ class Scheduler:
             finished.append(seq)
         return finished
 
-    def fill_done(self, seq: Sequence) -> None:
-        """The KV fill wrote tokens 0..T-2: the sequence decodes from its last prompt token."""
+    def fill_done(self, seq: Sequence, num_filled: int | None = None) -> None:
+        """The KV fill wrote tokens 0..num_filled-1 (default T-1): the sequence prefills the rest
+        of its prompt but the last token here (a replayed tail), then decodes from that token."""
+        handoff = seq.num_tokens - 1
+        filled = handoff if num_filled is None else num_filled
+        if not 0 <= filled <= handoff:
+            raise ValueError(f"a fill of {filled} tokens for a handoff of {handoff}")
         if self.filling.pop(seq.seq_id, None) is None:
             return  # aborted meanwhile
-        seq.num_cached, seq.status = seq.num_tokens - 1, SequenceStatus.RUNNING
+        seq.num_cached, seq.status = filled, SequenceStatus.RUNNING
         self.running.append(seq)
 
     def fill_failed(self, seq: Sequence) -> bool:

@@ -19,7 +19,6 @@ from typing import Any, Callable
 import torch
 
 from scd_serve.codec.assemble import build_codebook, size_stats
-from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.candidates import Candidates
 from scd_serve.codec.curve import plot_tradeoff
@@ -37,6 +36,7 @@ from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
 from scd_serve.model.loader import DTYPES
+from scd_serve.quality.probes import ReplayProbes, choose_replay, measure_codec, measure_methods
 from scd_serve.quality.calibration_data import PROBE_SCORED_TOKENS, REPORT_SCORED_TOKENS, builtin_prompts, user_prompts
 
 # layer 0's input is the token alone: the consumer computes it itself in every plan (plan.py's OWN)
@@ -54,34 +54,6 @@ class Calibration:
     codebook: Codebook
     curve: list[SearchPoint]
     methods: dict[str, dict[str, float]]  # method -> measured kl, payload ratio to raw
-
-
-def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
-    """KL and top-1 agreement on the probe's examples and payload relative to raw 16-bit K/V,
-    through the real encode/decode."""
-    nbytes = {"n": 0}
-
-    def rebuild(ex, layer):
-        code = codec.encode_layer(layer, ex.producer[layer])
-        nbytes["n"] += payload_bytes(code)
-        return codec.decode_layer(layer, code, consumer, tokens=ex.tokens)
-
-    layers = range(spec_of(consumer).num_layers)
-    measured = probe.measure_all({i: rebuild for i in layers})
-    spec = spec_of(consumer)
-    raw = sum(e.prefix for e in probe.examples) * spec.num_layers * 2 * spec.kv_width * 2
-    return {"kl": measured.kl, "top1": measured.top1, "payload_ratio": nbytes["n"] / raw}
-
-
-def measure_methods(probe: KLProbe, producer: Any, consumer: Any, book: Any,
-                    show_progress: bool = True) -> dict[str, dict[str, float]]:
-    """Every method a codebook serves (and prior-only, its zero-payload control) measured on the
-    probe's examples: the manifest's `calibration.methods` (calibrate's report, `scd-serve measure`)."""
-    from scd_serve import codec as registry
-
-    names = [m for m in registry.METHODS if m != "identity"] + ["prior-only"]
-    return {name: measure_codec(probe, registry.build(name, producer=producer, consumer=consumer, codebook=book),
-                                consumer) for name in tqdm(names, desc="measure methods", disable=not show_progress)}
 
 
 def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list, cfg: CalibrateConfig,
@@ -190,17 +162,23 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         stats["distill"] = distill_plan(book, producer, consumer, cfg, show_progress, distill_pairs or
                                         [(p, torch.zeros(0, dtype=torch.long)) for p in fit_prompts],
                                         held_out_pairs=probe_pairs if report_pairs else None)
+    probes = ReplayProbes(producer, consumer, probe_pairs, cfg.probe_tail, run_layers, probe, show_progress)
+    if any(cfg.replay):
+        run_share = (num_layers - plan.run_layer) / num_layers if plan.run_layer is not None else 0.0
+        stats["replay"] = choose_replay(probes, book, cfg.replay, cfg.kl_budget, cfg.min_top1, run_share,
+                                        cfg.max_rebuild, log)
     if report_pairs:
         with tqdm(total=len(report_pairs), desc="report prompts", disable=not show_progress) as bar:
             report = KLProbe(consumer, make_examples(producer, consumer, report_pairs, tail=cfg.probe_tail,
                                                      progress=bar.update, residual_layers=run_layers))
+        reports = ReplayProbes(producer, consumer, report_pairs, cfg.probe_tail, run_layers, report, show_progress)
     else:
-        report = probe
-    methods = measure_methods(report, producer, consumer, book, show_progress)
+        report, reports = probe, probes
+    methods = measure_methods(reports, producer, consumer, book, show_progress)
     if report is not probe:
         for name in ("scd", "reuse"):
             codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
-            methods[name]["probe_kl"] = measure_codec(probe, codec, consumer)["kl"]
+            methods[name]["probe_kl"] = measure_codec(probes.at(codec.replay_tokens), codec, consumer)["kl"]
     stats["methods"] = methods
     stats["min_top1"] = cfg.min_top1
     stats["report"] = {"prompts": len(report.examples), "positions": report.num_positions,
@@ -277,6 +255,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rebuild", type=float, default=CalibrateConfig.max_rebuild, metavar="SHARE",
                         help="the most a rebuild may cost the decode worker as a share of its own prefill: the "
                              "runs tried by default (0: no runs)")
+    parser.add_argument("--replay", type=int, nargs="+", default=list(CalibrateConfig.replay), metavar="R",
+                        help="replayed tails tried: the prompt's last R tokens before the handoff's end are computed "
+                             "by the consumer over the rebuilt rest instead of rebuilt from codes (about R / T of its "
+                             "prefill, counted against --max-rebuild); the shortest meeting the budget is kept, else "
+                             "the one of best top-1 (0 alone: never)")
     parser.add_argument("--distill-steps", type=int, default=CalibrateConfig.distill_steps,
                         help="Adam steps that tune the scd plan's decoders and aligners on the consumer's own "
                              "next-token KL over the fit prompts (payload unchanged; 0: closed-form fits only)")
@@ -325,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
                           max_patches=args.max_patches, max_payload=args.max_payload,
                           aligner_steps=args.aligner_steps,
                           run_layers=None if args.run_layers is None else tuple(args.run_layers),
-                          max_rebuild=args.max_rebuild,
+                          max_rebuild=args.max_rebuild, replay=tuple(args.replay),
                           distill_steps=args.distill_steps, distill_lr=args.distill_lr, seed=args.seed,
                           prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
                           prior_states=args.prior_states, prior_state_layers=args.prior_state_layers,
@@ -380,6 +363,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} the budget, KL "
           f"{cfg.kl_budget} and top-1 {cfg.min_top1}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
           f"{stats['seconds']} s")
+    if "replay" in stats:
+        r = stats["replay"]
+        tried = ", ".join(f"{k}: KL {m['kl']:.4f} top-1 {m['top1']:.3f}" for k, m in r["measured"].items())
+        print(f"replay: the consumer computes the prompt's last {r['tokens']} tokens itself (probe, by replay: {tried})")
     if stats["run"].get("kl"):
         measured = ", ".join(f"{layer}: {kl:.4f}" for layer, kl in stats["run"]["kl"].items())
         print(f"runs measured (probe KL by first layer): {measured}; without a run {stats['run']['kl_without']:.4f}")

@@ -21,20 +21,17 @@ from typing import Any
 import torch
 
 from scd_serve.errors import ConfigError
-from scd_serve.extras import tqdm
 
 
 def measure_held_out(producer: Any, consumer: Any, book: Any, pairs: list, tail: int = 1,
                      show_progress: bool = True) -> tuple[dict[str, dict[str, float]], dict]:
     """pairs: (prompt ids [T], scored ids [n]) -> ({method: kl, top1, payload_ratio}, report facts)."""
-    from scd_serve.codec.kl_probe import KLProbe, make_examples
-    from scd_serve.quality.calibrate import measure_methods
+    from scd_serve.quality.probes import ReplayProbes, measure_methods
 
     run = book.plan("scd").run_layer
-    with tqdm(total=len(pairs), desc="report prompts", disable=not show_progress) as bar:
-        probe = KLProbe(consumer, make_examples(producer, consumer, pairs, tail=tail, progress=bar.update,
-                                                residual_layers=() if run is None else (run,)))
-    methods = measure_methods(probe, producer, consumer, book, show_progress)
+    probes = ReplayProbes(producer, consumer, pairs, tail, () if run is None else (run,), show_progress=show_progress)
+    methods = measure_methods(probes, producer, consumer, book, show_progress)
+    probe = probes.at(0)
     return methods, {"prompts": len(probe.examples), "positions": probe.num_positions, "held_out": True}
 
 

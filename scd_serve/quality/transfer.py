@@ -3,7 +3,9 @@ and greedy continuations from there.
 
 The handoff follows the architecture contract: the prompt's K/V for tokens 0..T-2 come
 from the method (or, for the oracle, from the consumer's own prefill, written through
-the same `write_kv`), and the consumer runs the last prompt token itself.
+the same `write_kv`), and the consumer runs the last prompt token itself. A codec that
+replays (codec/base.py) is sent the codes of fewer tokens, and the consumer computes the
+rest over them, as serving does; that time counts as rebuild.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scd_serve.codec.base import payload_bytes, wants_residuals
+from scd_serve.codec.base import payload_bytes, transferred, wants_residuals
 
 ORACLE = "oracle"
 # the control that shows codes carry the prompt: scd rebuilt from another prompt's codes (its
@@ -51,13 +53,19 @@ def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens:
         rebuild = time.perf_counter() - start
     else:
         residuals = wants_residuals(codec, rt_a.spec.num_layers)
-        source = prefix if donor is None else donor
+        cut = transferred(codec, prefix.shape[0])
+        shipped = prefix[:cut]
+        source = shipped if donor is None else donor[:cut]
         for layer, state in rt_a.iter_prefill(source, compute_logits=False, residuals=residuals):
             code = codec.encode_layer(layer, state)  # producer side, not timed as rebuild
             nbytes += payload_bytes(code)
             start = time.perf_counter()
-            k_pre, v = codec.decode_layer(layer, code, rt_b, tokens=prefix)  # k_pre, v: [T, kv_heads, head_dim]
+            k_pre, v = codec.decode_layer(layer, code, rt_b, tokens=shipped)  # k_pre, v: [cut, kv_heads, head_dim]
             rt_b.write_kv(pool, blocks, layer, k_pre, v)
+            rebuild += time.perf_counter() - start
+        if cut < prefix.shape[0]:  # the replayed tail, computed by the consumer over the rebuilt rest
+            start = time.perf_counter()
+            rt_b.extend(pool, [(blocks, cut, prefix[cut:])], logits="none")
             rebuild += time.perf_counter() - start
     return Handoff(pool, blocks, prefix.shape[0], nbytes, rebuild)
 

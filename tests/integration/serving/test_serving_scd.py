@@ -12,15 +12,18 @@ from serving_helpers import engine_for, greedy, make_decode, prompts, start_pref
 pytestmark = pytest.mark.timeout(90)
 
 
-def save_codebook(rt, path, rank, run_from=None):
-    """run_from: the scd plan runs the consumer's layers from there on a full-rank residual code."""
+def save_codebook(rt, path, rank, run_from=None, replay=0):
+    """run_from: the scd plan runs the consumer's layers from there on a full-rank residual code;
+    replay: the consumer computes the handoff's last tokens itself (codec/base.py)."""
     spec = spec_of(rt)
     rows = collect_rows(rt, rt, [__import__("torch").tensor(p) for p in prompts(6, seed=11)], max_rows=4096,
                         run_layers=() if run_from is None else (run_from,))
     fits = [fit_layer(r, spec.kv_width, (8, spec.hidden_size), aligner_width=32) for r in rows]
     plan = Plan(tuple(LayerPlan(REUSE, rank, rank) for _ in range(spec.num_layers)))
     scd = plan if run_from is None else Plan.with_run(plan, run_from, spec.hidden_size)
-    build_codebook(fits, {"scd": scd, "reuse": plan}, spec, spec).save(path)
+    book = build_codebook(fits, {"scd": scd, "reuse": plan}, spec, spec)
+    book.manifest["replay_tokens"] = replay
+    book.save(path)
     return str(path)
 
 
@@ -70,6 +73,35 @@ async def test_a_run_of_the_upper_layers_serves_concurrent_prompts_as_local_gree
         spec, half = spec_of(rt), spec_of(rt).num_layers // 2
         shipped, raw = half * 2 * spec.kv_width + spec.hidden_size, spec.num_layers * 2 * spec.kv_width
         assert fill.stats.num_transfers == 4 and fill.stats.payload_bytes * raw == fill.stats.raw_kv_bytes * shipped
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
+
+
+async def test_a_replayed_tail_is_not_shipped_and_serves_as_local_greedy(setup, tmp_path):
+    """A codebook that replays 5 tokens: the prefill worker gets the handoff less its tail, the
+    engine prefills the tail over the rebuilt rest; concurrent requests for one prompt share the
+    transfer (decode/shared.py) and each prefills its own tail."""
+    import asyncio
+
+    rt, _, _ = setup
+    book = save_codebook(rt, tmp_path / "book-replay", spec_of(rt).kv_width, replay=5)
+    node = await start_prefill(rt, methods=("scd",), codebook=book)
+    peers, fill = await make_decode(rt, [node.address], method="scd", codebook=book)
+    engine = engine_for(rt)
+    try:
+        assert peers.ready(), peers.why_not_ready()
+        batch = prompts(4, seed=7)
+        batch += [batch[0], batch[0]]  # one prompt three times at once
+        got = await asyncio.gather(*(greedy(engine, f"t{i}", p, "scd", fill) for i, p in enumerate(batch)))
+        assert got == [await greedy(engine, f"l{i}", p) for i, p in enumerate(batch)]
+        s = fill.stats
+        shipped = sum(max(1, len(p) - 1 - 5) for p in batch[:4])
+        handoff = sum(len(p) - 1 for p in batch[:4])
+        # full-rank fp16 codes weigh what raw K/V of the same tokens does: only the tail is missing
+        assert (s.num_transfers, fill.shared.num_shared) == (4, 2)
+        assert s.payload_bytes * handoff == s.raw_kv_bytes * shipped
     finally:
         await engine.stop(grace_s=1)
         await peers.close()

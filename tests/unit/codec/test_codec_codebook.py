@@ -165,3 +165,23 @@ def test_payload_cap_bounds_what_scd_ships(tmp_path):
     assert result.methods["scd"]["payload_ratio"] <= 0.25
     assert result.methods["scd-int8"]["payload_ratio"] <= 0.25 * 0.6
     assert all(point["code_width"] <= 0.25 * 2 * 2 * consumer.spec.kv_width for point in stats["curve"])
+
+
+def test_calibration_chooses_a_replay_and_the_served_codecs_use_it(tmp_path):
+    from scd_serve.quality.probes import pick_replay
+
+    producer, consumer = make_pair(tmp_path, layers=2)
+    pairs = prompts(10, 32)
+    cfg = CalibrateConfig(kl_budget=0.05, min_top1=1.0, max_rows=1024, aligner_steps=0, max_patches=0,
+                          distill_steps=0, run_layers=(), replay=(0, 4, 64), max_rebuild=0.4)
+    result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
+    r = result.codebook.manifest["calibration"]["replay"]
+    # 64 of a 31-token handoff is over max_rebuild: not tried; 0 and 4 were measured on the probe
+    assert set(r["measured"]) == {"0", "4"} and r["measured"]["4"]["share"] == pytest.approx(4 / 31)
+    measured = {int(k): v for k, v in r["measured"].items()}
+    assert (r["tokens"], r["meets"]) == pick_replay(measured, 0.05, 1.0)
+    result.codebook.save(tmp_path / "book")
+    build = lambda m: codec.build(m, producer=producer, consumer=consumer, codebook=tmp_path / "book")  # noqa: E731
+    assert build("scd").replay_tokens == build("scd-int8").replay_tokens == build("prior-only").replay_tokens \
+        == r["tokens"] == result.methods["scd"]["replay_tokens"]
+    assert build("reuse").replay_tokens == 0 and result.methods["raw"]["replay_tokens"] == 0

@@ -182,3 +182,31 @@ async def test_prefill_chunks_and_decodes_share_one_forward(engine, runtime, mon
     release.set()
     assert await first == runtime.generate_greedy(short, 40) and await second == runtime.generate_greedy(long, 8)
     assert calls  # at least one step held both a chunk and a decode
+
+
+def tail_fill(runtime, replay, corrupt_tail=False):
+    """A lossless transfer of all but the last `replay` handed-off tokens (a replaying codec):
+    the engine must prefill those itself. corrupt_tail: K/V of the whole handoff is written
+    first (an attempt of the other length), garbage in the tail, before the limit."""
+    async def fill(r, sink):
+        handoff = r.prompt_token_ids[:-1]
+        out = runtime.prefill(handoff)
+        if corrupt_tail:
+            sink.write_layer(0, out.keys[0] * 0 + 9, out.values[0] * 0 - 9)
+        n = max(1, len(handoff) - replay)
+        sink.limit(n)
+        for layer in range(sink.num_layers):
+            sink.write_layer(layer, out.keys[layer][:n], out.values[layer][:n])
+    return fill
+
+
+@pytest.mark.parametrize("replay,corrupt", [(3, False), (100, False), (3, True)])
+async def test_a_fill_that_leaves_a_replayed_tail_gives_the_local_tokens(engine, runtime, monkeypatch, replay, corrupt):
+    ps = [p for p in prompts(runtime, 6) if len(p) > 5]
+    local = [await run(engine, req(f"l{i}", p, 8)) for i, p in enumerate(ps)]
+    fed = count_decodes(monkeypatch, runtime)
+    filled = [await run(engine, req(f"f{i}", p, 8), tail_fill(runtime, replay, corrupt)) for i, p in enumerate(ps)]
+    assert filled == local
+    # no step ran ahead of the tail: every first token came from a decode step at the handoff's end
+    assert len(fed) == sum(len(t) for t in filled)
+    assert not engine.runner._ready

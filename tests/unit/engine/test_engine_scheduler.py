@@ -1,5 +1,7 @@
 """Scheduler + block manager without torch: continuous batching, chunked prefill, preemption."""
 
+import pytest
+
 from scd_serve.config.engine import EngineConfig
 from scd_serve.engine.block_manager import BlockManager
 from scd_serve.engine.request import GenerationRequest, SamplingParams
@@ -135,6 +137,23 @@ def test_remote_fill_holds_blocks_then_decodes_from_t_minus_1():
     s.fill_done(a)
     batch, _ = step(s)
     assert batch.prefills == [] and batch.decodes == [a] and a.num_cached == 6
+
+
+def test_a_fill_short_of_the_handoff_prefills_its_replayed_tail_then_decodes():
+    s, bm = make()
+    a = seq(6, fill=True)
+    s.add(a)
+    step(s)
+    s.fill_done(a, 3)  # tokens 0..2 filled; 3 and 4 are the replayed tail, 5 the first decode step's
+    batch, _ = step(s)
+    assert [(x, n) for x, n in batch.prefills] == [(a, 2)] and batch.decodes == []
+    batch, _ = step(s)
+    assert batch.decodes == [a] and a.output_token_ids == [7]
+    b = seq(6, fill=True, rid="b")
+    s.add(b)
+    step(s)
+    with pytest.raises(ValueError):
+        s.fill_done(b, 6)  # more than the handoff of 5
 
 
 def test_fill_failure_falls_back_to_local_prefill_in_same_blocks():

@@ -102,3 +102,21 @@ def test_on_complete_never_fires_for_a_closed_sink():
     with pytest.raises(TransferFailed):
         sink.write_layer(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
     assert fired == []
+
+
+def test_a_limited_fill_takes_the_shorter_rows_and_tells_its_writer_once():
+    writes, told = [], []
+    sink = LayerSink(lambda layer, k, v: writes.append((layer, k.shape[0])), request_id="r", num_layers=2,
+                     num_tokens=5, kv_heads=1, head_dim=4, on_limit=told.append)
+    sink.write_layer(0, torch.zeros(5, 1, 4), torch.zeros(5, 1, 4))  # an attempt at the whole handoff
+    sink.limit(3)
+    sink.limit(3)  # a retry of the same length changes nothing
+    assert told == [3] and sink.num_tokens == 3 and not sink.complete  # the old attempt's layer does not count
+    with pytest.raises(TransferCorrupt):
+        sink.write_layer(0, torch.zeros(5, 1, 4), torch.zeros(5, 1, 4))
+    sink.write_layer(0, torch.zeros(3, 1, 4), torch.zeros(3, 1, 4))
+    sink.write_layer(1, torch.zeros(3, 1, 4), torch.zeros(3, 1, 4))
+    assert sink.complete and writes == [(0, 5), (0, 3), (1, 3)]
+    for bad in (0, 6):
+        with pytest.raises(TransferFailed):
+            sink.limit(bad)
