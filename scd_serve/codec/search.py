@@ -157,22 +157,6 @@ class PlanSearch:
         kl = self.measure(plan) if plan is not start else kl_start
         return SearchPoint(len(patches), plan, kl, kl_start, self.meets(plan, kl, self.budget) if self.budget else True)
 
-    def with_run(self, plan: Plan, kl: float, layers: Iterable[int], rank: int,
-                 max_width: int | None = None) -> tuple[Plan, float, dict[int, float]]:
-        """`plan` with its layers from L up replaced by a run from L (plan.py) on a rank-`rank`
-        residual code, for the candidate L of least measured KL when that is below `kl` (the
-        plan's) within max_width; else `plan`. -> (plan, its KL, measured KL per candidate)."""
-        measured = {}
-        for layer in sorted(layers):
-            candidate = Plan.with_run(plan, layer, rank)
-            if max_width is None or candidate.code_width() <= max_width:
-                measured[layer] = self.measure(candidate)
-                self.progress(f"run from layer {layer}: KL {measured[layer]:.4f}")
-        best = min(measured, key=measured.get, default=None)
-        if best is None or measured[best] >= kl:
-            return plan, kl, measured
-        return Plan.with_run(plan, best, rank), measured[best], measured
-
     def run(self, budget: float, max_patches: int,
             max_width: int | None = None) -> tuple[SearchPoint, list[SearchPoint], dict[int, float]]:
         """max_width: most code numbers per token (None: no cap).

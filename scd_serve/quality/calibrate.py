@@ -36,7 +36,7 @@ from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
 from scd_serve.model.loader import DTYPES
-from scd_serve.quality.probes import ReplayProbes, choose_replay, measure_codec, measure_methods
+from scd_serve.quality.probes import ReplayProbes, choose_run_and_replay, measure_codec, measure_methods
 from scd_serve.quality.calibration_data import PROBE_SCORED_TOKENS, REPORT_SCORED_TOKENS, builtin_prompts, user_prompts
 
 # layer 0's input is the token alone: the consumer computes it itself in every plan (plan.py's OWN)
@@ -129,9 +129,13 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         else:
             stats_kl = kl_mlp
     run = {"kl_without": stats_kl}
-    if run_layers:
-        plan, stats_kl, measured = search.with_run(plan, stats_kl, run_layers, h_grid[-1], max_width)
-        run["kl"] = {str(layer): kl for layer, kl in measured.items()}
+    probes = ReplayProbes(producer, consumer, probe_pairs, cfg.probe_tail, run_layers, probe, show_progress)
+    # a run's residual code at full rank, or what the fit rows allow (fewer rows than dimensions)
+    run_ranks = {layer: min(h_grid[-1], fits[layer].codes["r"].max_rank) for layer in run_layers}
+    plan, replay, tail = choose_run_and_replay(search, plan, probes, run_ranks, max_width, cfg.kl_budget,
+                                               cfg.min_top1, cfg.max_rebuild, cfg.replay, log)
+    stats_kl = tail["kl"]
+    run["kl"] = {str(o["run"]): o["kl"] for o in tail["options"] if not o["replay"] and o["run"] is not None}
     # Reuse-only at SCD's payload: the equal-payload ablation of Patch (and of a run)
     reuse = (search.fit_width((), plan.code_width(), curve[0].kl_full_rank)  # curve[0]: no patches
              if plan.patch_layers or plan.run_layer is not None else best)
@@ -147,7 +151,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         "kv_rank_grid": kv_grid, "h_rank_grid": h_grid, "prior_only_kl": prior_only_kl,
         "prior_ridge": getattr(prior_fit, "ridge", cfg.ridge),
         "patch_benefit": {str(k): v for k, v in benefit.items()},
-        "run": run | {"layer": plan.run_layer},
+        "run": run | {"layer": plan.run_layer}, "replay": tail,
         "curve": [{"patches": p.num_patches, "patch_layers": list(p.plan.patch_layers),
                    "code_width": p.plan.code_width(), "kl": p.kl, "kl_full_rank": p.kl_full_rank,
                    "feasible": p.feasible} for p in curve],
@@ -157,16 +161,11 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     }
     stats["reuse_plan"] = {"code_width": reuse.plan.code_width(), "kl": reuse.kl}
     book = build_codebook(fits, {"scd": plan, "reuse": reuse.plan}, pspec, cspec,
-                          extra={"droidspeak_layers": ds_layers, "calibration": stats})
+                          extra={"droidspeak_layers": ds_layers, "calibration": stats, "replay_tokens": replay})
     if cfg.distill_steps:
         stats["distill"] = distill_plan(book, producer, consumer, cfg, show_progress, distill_pairs or
                                         [(p, torch.zeros(0, dtype=torch.long)) for p in fit_prompts],
                                         held_out_pairs=probe_pairs if report_pairs else None)
-    probes = ReplayProbes(producer, consumer, probe_pairs, cfg.probe_tail, run_layers, probe, show_progress)
-    if any(cfg.replay):
-        run_share = (num_layers - plan.run_layer) / num_layers if plan.run_layer is not None else 0.0
-        stats["replay"] = choose_replay(probes, book, cfg.replay, cfg.kl_budget, cfg.min_top1, run_share,
-                                        cfg.max_rebuild, log)
     if report_pairs:
         with tqdm(total=len(report_pairs), desc="report prompts", disable=not show_progress) as bar:
             report = KLProbe(consumer, make_examples(producer, consumer, report_pairs, tail=cfg.probe_tail,
@@ -363,10 +362,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} the budget, KL "
           f"{cfg.kl_budget} and top-1 {cfg.min_top1}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
           f"{stats['seconds']} s")
-    if "replay" in stats:
-        r = stats["replay"]
-        tried = ", ".join(f"{k}: KL {m['kl']:.4f} top-1 {m['top1']:.3f}" for k, m in r["measured"].items())
-        print(f"replay: the consumer computes the prompt's last {r['tokens']} tokens itself (probe, by replay: {tried})")
+    r = stats["replay"]
+    tried = "; ".join(f"replay {o['replay']} run {o['run']}: KL {o['kl']:.4f} top-1 {o['top1']:.3f} rebuild "
+                      f"{o['cost']:.2f}" for o in r["options"])
+    print(f"replay: the consumer computes the prompt's last {r['tokens']} tokens itself ({tried}; on the probe, "
+          "before distillation)")
     if stats["run"].get("kl"):
         measured = ", ".join(f"{layer}: {kl:.4f}" for layer, kl in stats["run"]["kl"].items())
         print(f"runs measured (probe KL by first layer): {measured}; without a run {stats['run']['kl_without']:.4f}")

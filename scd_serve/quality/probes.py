@@ -5,11 +5,11 @@ R handed-off tokens; the consumer computes those itself over the rebuilt rest (t
 context replay, as Mixture-of-Translators does). Its figures must be measured the way it is
 served, so `ReplayProbes` keeps one probe per R over the same prompts and scored positions.
 
-Calibration tries the replays in `CalibrateConfig.replay` on the chosen scd plan and keeps the
-shortest that meets the KL budget and the top-1 target; where none does, the one of best top-1
-if it buys at least MIN_TOP1_GAIN over none. A replay costs the decode worker about R / T of
-its own prefill of a T-token prompt; beside a run's share, it must fit max_rebuild on the
-probe's prompts.
+Calibration weighs the replays in `CalibrateConfig.replay` against runs of the consumer's upper
+layers (plan.py): both are the consumer computing part of the cache itself, a run for every
+token and some layers, a replay for some tokens and every layer. A replay costs the decode
+worker about R / T of its own prefill of a T-token prompt (less for longer prompts); with a
+run's share it must fit max_rebuild on the probe's prompts.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Callable
 from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codec_spec import spec_of
 from scd_serve.codec.kl_probe import KLProbe, make_examples
+from scd_serve.codec.plan import Plan
 from scd_serve.extras import tqdm
 
 MIN_TOP1_GAIN = 0.005  # less than this over no replay is noise on a probe of a few thousand positions
@@ -85,32 +86,44 @@ def measure_methods(probes: ReplayProbes, producer: Any, consumer: Any, book: An
     return {name: out[name] for name in names}
 
 
-def choose_replay(probes: ReplayProbes, book: Any, candidates: tuple[int, ...], kl_budget: float, min_top1: float,
-                  other_rebuild: float, max_rebuild: float, log: Callable[[str], None] = print) -> dict:
-    """The scd plan measured at each candidate replay that fits the rebuild budget beside
-    `other_rebuild` (a run's share) -> {"tokens": chosen, "measured": {R: figures}}."""
-    from scd_serve import codec as registry
-
-    measured: dict[int, dict[str, float]] = {}
-    for replay in sorted(set(candidates) | {0}):
+def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int],
+                          max_width: int | None, kl_budget: float, min_top1: float, max_rebuild: float,
+                          replays: tuple[int, ...], log: Callable[[str], None] = print) -> tuple[Plan, int, dict]:
+    """The consumer's own share of the rebuild, chosen jointly: `plan` or a run from one of
+    `run_ranks` (plan.py, on a residual code of that rank; (N - L) / N of a prefill), each with each
+    replay (R / T of the probe's
+    prompts), where the two together fit max_rebuild, measured on the probe at that replay.
+    -> (plan, replay, {"options": every one measured, "meets": ...}), chosen by `pick`."""
+    n = len(plan.layers)
+    options = []
+    for replay in sorted(set(replays) | {0}):
         share = probes.replay_share(replay) if replay else 0.0
-        if replay and other_rebuild + share > max_rebuild:
-            log(f"replay {replay}: {share:.2f} of the probe's prefill beside the run's {other_rebuild:.2f} is over "
-                f"max_rebuild {max_rebuild}: not tried")
-            continue
-        book.manifest["replay_tokens"] = replay
-        codec = registry.build("scd", producer=probes.producer, consumer=probes.consumer, codebook=book)
-        measured[replay] = measure_codec(probes.at(replay), codec, probes.consumer) | {"share": share}
-    chosen, meets = pick_replay(measured, kl_budget, min_top1)
-    book.manifest["replay_tokens"] = chosen
-    return {"tokens": chosen, "meets": meets, "measured": {str(r): m for r, m in measured.items()}}
+        runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
+        for layer, candidate in runs:
+            cost = share + ((n - layer) / n if layer is not None else 0.0)
+            if cost > max_rebuild or (max_width is not None and candidate.code_width() > max_width):
+                continue
+            m = probes.at(replay).measure_all({i: search.layer_kv(lp) for i, lp in enumerate(candidate.layers)})
+            options.append({"replay": replay, "run": layer, "cost": round(cost, 4), "kl": m.kl, "top1": m.top1,
+                            "plan": candidate})
+            log(f"replay {replay}, run from {layer}: probe KL {m.kl:.4f}, top-1 {m.top1:.3f}, rebuild {cost:.2f}")
+    chosen, meets = pick(options, kl_budget, min_top1)
+    table = [{k: v for k, v in o.items() if k != "plan"} for o in options]
+    return chosen["plan"], chosen["replay"], {"options": table, "meets": meets, "tokens": chosen["replay"],
+                                              "run": chosen["run"], "kl": chosen["kl"], "top1": chosen["top1"]}
 
 
-def pick_replay(measured: dict[int, dict[str, float]], kl_budget: float, min_top1: float) -> tuple[int, bool]:
-    """{replay: {kl, top1}} (0 among them) -> (the shortest replay meeting both targets, True), else
-    (the one of best top-1 where it gains MIN_TOP1_GAIN over none, or 0; False)."""
-    meets = [r for r, m in measured.items() if m["kl"] <= kl_budget and m["top1"] >= min_top1]
+def pick(options: list[dict], kl_budget: float, min_top1: float) -> tuple[dict, bool]:
+    """options: {replay, run, cost, kl, top1, plan}, the first the plan alone (no run, no replay).
+    -> (the cheapest meeting both targets, True); else, of those within the KL budget (the top-1
+    target out of reach), the best top-1 where it gains MIN_TOP1_GAIN over the cheapest of them,
+    else that cheapest; else the least KL (False)."""
+    meets = [o for o in options if o["kl"] <= kl_budget and o["top1"] >= min_top1]
     if meets:
-        return min(meets), True
-    best = max(measured, key=lambda r: (measured[r]["top1"], -r))
-    return (best if measured[best]["top1"] >= measured[0]["top1"] + MIN_TOP1_GAIN else 0), False
+        return min(meets, key=lambda o: (o["cost"], o["plan"].code_width())), True
+    within = [o for o in options if o["kl"] <= kl_budget]
+    if not within:
+        return min(options, key=lambda o: o["kl"]), False
+    cheapest = min(within, key=lambda o: (o["cost"], o["plan"].code_width()))
+    best = max(within, key=lambda o: (o["top1"], -o["cost"]))
+    return (best if best["top1"] >= cheapest["top1"] + MIN_TOP1_GAIN else cheapest), False

@@ -78,8 +78,11 @@ def test_calibrate_measures_the_run_layers_asked_for_then_eval(pair, tmp_path, c
     a, b, data = pair
     assert main(calibrate_args(a, b, data / "prompt.jsonl", tmp_path / "book", "--run-layers", "1")) == 0
     assert "runs measured (probe KL by first layer): 1: " in capsys.readouterr().out
-    run = Codebook.load(tmp_path / "book").manifest["calibration"]["run"]
-    assert set(run["kl"]) == {"1"} and run["layer"] == (1 if run["kl"]["1"] < run["kl_without"] else None)
+    cal = Codebook.load(tmp_path / "book").manifest["calibration"]
+    run, tail = cal["run"], cal["replay"]
+    # the run was measured, and the run or none was kept as calibration's joint choice says (quality/probes.py)
+    assert set(run["kl"]) == {"1"} and run["layer"] == tail["run"] and tail["run"] in (1, None)
+    assert {o["run"] for o in tail["options"]} == {None, 1}
     out = tmp_path / "eval.json"
     assert main(["eval", "--producer", str(a), "--consumer", str(b), "--data", str(data / "text.jsonl"),
                  "--codebook", str(tmp_path / "book"), "--method", "scd", "--max-tokens", "24",

@@ -12,7 +12,7 @@ from scd_serve.errors import CodebookError, ConfigError
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from scd_serve.quality.data import Record, tokenize
-from scd_serve.quality.probes import MIN_TOP1_GAIN, pick_replay
+from scd_serve.quality.probes import MIN_TOP1_GAIN, pick
 from scd_serve.quality.scorer import Scorer
 
 
@@ -38,12 +38,26 @@ def test_the_codebook_says_its_replay_and_refuses_a_bad_one():
         CalibrateConfig(kl_budget=0.1, replay=(0, -16))
 
 
-def test_the_shortest_replay_meeting_both_targets_else_the_best_top1_worth_its_cost():
-    m = {0: {"kl": 0.08, "top1": 0.90}, 16: {"kl": 0.04, "top1": 0.95}, 32: {"kl": 0.03, "top1": 0.97}}
-    assert pick_replay(m, 0.05, 0.95) == (16, True)
-    assert pick_replay(m, 0.05, 0.99) == (32, False)  # none meets: the best top-1
-    flat = {0: {"kl": 0.08, "top1": 0.90}, 64: {"kl": 0.07, "top1": 0.90 + MIN_TOP1_GAIN / 2}}
-    assert pick_replay(flat, 0.05, 0.95) == (0, False)  # a gain below the noise is not worth a prefill
+def test_the_cheapest_option_meeting_both_targets_else_the_best_top1_worth_its_cost():
+    from scd_serve.codec.plan import REUSE, RUN, LayerPlan, Plan
+
+    plan = Plan((LayerPlan(REUSE, 4, 4), LayerPlan(REUSE, 4, 4)))
+    ran = Plan((LayerPlan(REUSE, 4, 4), LayerPlan(RUN, r_h=8)))
+
+    def option(replay, run, cost, kl, top1):
+        return {"replay": replay, "run": run, "cost": cost, "kl": kl, "top1": top1, "plan": ran if run else plan}
+
+    alone, run1 = option(0, None, 0.0, 0.04, 0.90), option(0, 1, 0.5, 0.03, 0.93)
+    r16, r32 = option(16, None, 0.1, 0.04, 0.95), option(32, None, 0.2, 0.03, 0.97)
+    assert pick([alone, run1, r16, r32], 0.05, 0.95) == (r16, True)  # the cheapest that meets both
+    assert pick([alone, run1, r16, r32], 0.05, 0.99) == (r32, False)  # top-1 out of reach: the best of it
+    # a gain below the noise is not worth a prefill: the cheapest within the KL budget
+    flat = option(64, None, 0.25, 0.03, 0.90 + MIN_TOP1_GAIN / 2)
+    assert pick([alone, flat], 0.05, 0.95) == (alone, False)
+    # what is over the KL budget is not weighed by top-1; nothing within it: the least KL
+    over = option(16, None, 0.1, 0.06, 0.99)
+    assert pick([alone, over], 0.05, 0.95) == (alone, False)
+    assert pick([option(0, None, 0.0, 0.09, 0.5), run1 | {"kl": 0.07}], 0.05, 0.95)[0]["run"] == 1
 
 
 @pytest.fixture(scope="module")
