@@ -46,9 +46,15 @@ class ReplayProbes:
         return self._held[replay]
 
     def replay_share(self, replay: int) -> float:
-        """The replayed tokens' share of the probe prompts' handed-off tokens."""
-        examples = self.at(replay).examples
-        return sum(e.scored_from for e in examples) / max(1, sum(e.prefix + e.scored_from for e in examples))
+        """The replayed tokens' share of the probe prompts' handed-off tokens (as make_examples
+        splits each prompt, without building the probe)."""
+        replayed = handed = 0
+        for prompt, _ in self.pairs:
+            t = len(prompt)
+            scored = min(max(self.tail, 1), t - 1)
+            replayed += min(scored + replay, t - 1) - scored
+            handed += t - scored
+        return replayed / max(1, handed)
 
 
 def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
@@ -89,11 +95,10 @@ def measure_methods(probes: ReplayProbes, producer: Any, consumer: Any, book: An
 def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int],
                           max_width: int | None, kl_budget: float, min_top1: float, max_rebuild: float,
                           replays: tuple[int, ...], log: Callable[[str], None] = print) -> tuple[Plan, int, dict]:
-    """The consumer's own share of the rebuild, chosen jointly: `plan` or a run from one of
-    `run_ranks` (plan.py, on a residual code of that rank; (N - L) / N of a prefill), each with each
-    replay (R / T of the probe's
-    prompts), where the two together fit max_rebuild, measured on the probe at that replay.
-    -> (plan, replay, {"options": every one measured, "meets": ...}), chosen by `pick`."""
+    """The consumer's own share of the rebuild, chosen jointly: `plan` or a run from a layer of
+    `run_ranks` (plan.py, on a residual code of that rank; (N - L) / N of a prefill), each with
+    each replay (R / T of the probe's prompts), where the two together fit max_rebuild, measured
+    on the probe at that replay. -> (plan, replay, {"options": every one measured, ...}) by `pick`."""
     n = len(plan.layers)
     options = []
     for replay in sorted(set(replays) | {0}):
@@ -114,8 +119,7 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
 
 
 def pick(options: list[dict], kl_budget: float, min_top1: float) -> tuple[dict, bool]:
-    """options: {replay, run, cost, kl, top1, plan}, the first the plan alone (no run, no replay).
-    -> (the cheapest meeting both targets, True); else, of those within the KL budget (the top-1
+    """options: {replay, run, cost, kl, top1, plan}. -> (the cheapest meeting both targets, True); else, of those within the KL budget (the top-1
     target out of reach), the best top-1 where it gains MIN_TOP1_GAIN over the cheapest of them,
     else that cheapest; else the least KL (False)."""
     meets = [o for o in options if o["kl"] <= kl_budget and o["top1"] >= min_top1]

@@ -12,7 +12,7 @@ from scd_serve.errors import CodebookError, ConfigError
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from scd_serve.quality.data import Record, tokenize
-from scd_serve.quality.probes import MIN_TOP1_GAIN, pick
+from scd_serve.quality.probes import MIN_TOP1_GAIN, ReplayProbes, pick
 from scd_serve.quality.scorer import Scorer
 
 
@@ -81,6 +81,9 @@ def test_a_replay_probe_scores_the_same_positions_with_the_same_oracle(rt):
 
     measured = KLProbe(rt, replayed).measure_all({i: producer_kv for i in range(3)})
     assert measured.kl == pytest.approx(0.0, abs=1e-8) and measured.top1 == 1.0
+    # the share calibration charges a replay, worked out from the prompts, is the built probe's
+    share = sum(e.scored_from for e in replayed) / sum(e.prefix + e.scored_from for e in replayed)
+    assert ReplayProbes(rt, rt, pairs, tail=2).replay_share(8) == pytest.approx(share) == pytest.approx((8 + 8) / (28 + 10))
 
 
 def test_the_scorer_ships_fewer_tokens_and_the_consumer_computes_the_rest(rt):
