@@ -23,7 +23,9 @@ class Candidates:
         self.pspec: CodecSpec = spec_of(producer)
         self.cspec: CodecSpec = spec_of(consumer)
         self._decoders: dict[tuple[int, str, int], Tensor] = {}
-        self._ctx: dict[int, Tensor] = {}  # id(example) -> its prior's context of the prefix
+        # id(prefix tokens) -> (those tokens, their prior's context): the tokens are held, so that
+        # another probe's example (a replayed tail's: calibration builds several) never takes the id
+        self._ctx: dict[int, tuple[Tensor, Tensor]] = {}
         self._run: tuple[int, dict[int, tuple[Tensor, Tensor]]] | None = None  # (id(example), layer -> K/V)
 
     def _shape(self, x: Tensor) -> Tensor:
@@ -41,9 +43,10 @@ class Candidates:
             return 0.0
         head, bias = self.fits[layer].priors[s]
         prior = self.fits[layer].prior
-        if id(ex) not in self._ctx:
-            self._ctx[id(ex)] = prior.context(ex.tokens.cpu(), self.consumer, device="cpu")
-        return prior.apply(head, bias, self._ctx[id(ex)]).float()
+        held = self._ctx.get(id(ex.tokens))
+        if held is None or held[0] is not ex.tokens:
+            held = self._ctx[id(ex.tokens)] = (ex.tokens, prior.context(ex.tokens.cpu(), self.consumer, device="cpu"))
+        return prior.apply(head, bias, held[1]).float()
 
     def reuse_stream(self, ex: Example, layer: int, s: str, rank: int) -> Tensor:
         """Consumer-side pre-RoPE keys (s='k') or values (s='v') rebuilt from a rank-r code (rank 0:

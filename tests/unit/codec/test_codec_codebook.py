@@ -179,13 +179,14 @@ def test_calibration_weighs_replays_against_runs_and_the_served_codecs_use_its_c
     producer, consumer = make_pair(tmp_path, layers=2)
     pairs = prompts(10, 32)
     cfg = CalibrateConfig(kl_budget=0.05, min_top1=1.0, max_rows=1024, aligner_steps=0, max_patches=0,
-                          distill_steps=0, replay=(0, 4, 64), max_rebuild=0.6)
+                          distill_steps=0, replay=(0, 4, 8, 64), max_rebuild=0.6)
     result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
     r = result.codebook.manifest["calibration"]["replay"]
-    # measured: the plan and a run from layer 1 (half the layers), each with replay 0 and 4 (4 of a
-    # 31-token handoff) where the two together fit 0.6; replay 64 (the whole prompt) never fits
+    # measured: the plan and a run from layer 1 (half the layers), each with replay 0, 4 and 8 (of a
+    # 31-token handoff) where the two together fit 0.6; replay 64 (the whole prompt) never fits. Each
+    # replay's probe replaces the last (its examples' token contexts must not be taken for theirs)
     tried = {(o["replay"], o["run"]): o["cost"] for o in r["options"]}
-    assert tried == pytest.approx({(0, None): 0.0, (0, 1): 0.5, (4, None): 4 / 31}, abs=1e-3)
+    assert tried == pytest.approx({(0, None): 0.0, (0, 1): 0.5, (4, None): 4 / 31, (8, None): 8 / 31}, abs=1e-3)
     meets = [o for o in r["options"] if o["kl"] <= 0.05 and o["top1"] >= 1.0]
     chosen = next(o for o in r["options"] if (o["replay"], o["run"]) == (r["tokens"], r["run"]))
     assert r["meets"] == bool(meets) and (not meets or chosen["cost"] == min(o["cost"] for o in meets))
