@@ -15,6 +15,7 @@ from pathlib import Path
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.decode.chooser import LOCAL, Choice, Chooser, PeerView, method_kl, prompt_key
+from scd_serve.decode.transfer import handoff
 
 log = logging.getLogger("scd_serve.decode")
 LINK_BOUND_SHARE = 0.5  # a transfer whose reader waited this share of its first-to-last-chunk time was link-bound
@@ -58,7 +59,6 @@ class AutoMethod:
         self.chooser = Chooser(cfg, budget, raw, PAYLOAD_RATIO | calibration.payload_ratio, clock,
                                min_top1=min_top1, strict_kl=cfg.quality_budget is not None)
         self.fingerprint, self.peers, self.calibration, self.metrics = fingerprint, peers, calibration, metrics
-        self.switched: dict[str, Choice] = {}  # request_id -> what it became when its peer had no cached codes
         fill.on_transfer, fill.on_cold = self.observe_transfer, self.observe_cold
 
     def views(self, num_tokens: int) -> list[PeerView]:
@@ -88,7 +88,7 @@ class AutoMethod:
                    else "a one-token prompt has no KV to fill")
             choice = Choice(LOCAL, reason="needs-local", detail=why)
         else:
-            choice = self.chooser.choose(prompt_key(req.prompt_token_ids[:-1]), n, self.views(n))
+            choice = self.chooser.choose(prompt_key(handoff(req.prompt_token_ids)), n, self.views(n))
         if self.metrics is not None:
             self.metrics.observe_auto_choice(choice.method)
         log.debug("request_id=%s prompt_tokens=%d auto -> %s (%s: %s)", req.request_id, n, choice.method,
@@ -96,37 +96,37 @@ class AutoMethod:
         return choice
 
     def observe_transfer(self, address: str, req, got, wall_s: float) -> None:
-        """RemoteKVFill.on_transfer: one completed transfer (any method, auto or not)."""
+        """RemoteKVFill.on_transfer: one completed transfer (any method, auto or not); what the
+        request's TTFT will teach is kept on its Transfer."""
         link_s = (got.last_chunk_at - got.first_chunk_at) if got.first_chunk_at is not None else 0.0
-        self.chooser.observe_transfer(
-            address, req.method, prompt_key(req.prompt_token_ids[:-1]), req.num_prompt_tokens,
+        measured = self.chooser.observe_transfer(
+            address, req.method, prompt_key(handoff(req.prompt_token_ids)), req.num_prompt_tokens,
             payload_bytes=got.payload_bytes, rebuild_s=got.rebuild_s, producer_s=got.encode_us / 1e6,
             cache_hit=got.cache_hit, wall_s=wall_s, link_bytes=got.payload_bytes - got.first_chunk_bytes,
-            link_s=link_s, link_bound=link_s > 0 and got.wait_s >= LINK_BOUND_SHARE * link_s,
-            request_id=req.request_id)
+            link_s=link_s, link_bound=link_s > 0 and got.wait_s >= LINK_BOUND_SHARE * link_s)
+        if req.transfer is not None:
+            req.transfer.measured = measured
 
     def observe_cold(self, address: str, req) -> None:
         """RemoteKVFill.on_cold: the peer's first message said it holds no codes for the prompt,
         and the request goes to the local prefill (the choice had said so: Choice.local_if_cold)."""
-        self.chooser.observe_cold(address, req.method, prompt_key(req.prompt_token_ids[:-1]))
-        self.switched[req.request_id] = Choice(
-            LOCAL, reason="cold-switch", detail=f"{req.method}@{address} had no cached codes for the prompt (its "
-                                                f"first message said so): a local prefill beats a cold transfer")
+        self.chooser.observe_cold(address, req.method, prompt_key(handoff(req.prompt_token_ids)))
+        if req.transfer is not None:
+            req.transfer.switched = Choice(
+                LOCAL, reason="cold-switch", detail=f"{req.method}@{address} had no cached codes for the prompt "
+                                                    "(its first message said so): a local prefill beats a cold transfer")
         if self.metrics is not None:
             self.metrics.observe_auto_choice(LOCAL)
 
-    def outcome(self, req, choice: Choice, ttft_s: float) -> None:
-        """The request's first token came ttft_s after its choice."""
-        error = self.chooser.observe_outcome(req.request_id, choice, req.num_prompt_tokens, ttft_s)
+    def outcome(self, req, ttft_s: float) -> None:
+        """The request's first token came ttft_s after its choice (req.transfer's)."""
+        choice = req.transfer.choice
+        error = self.chooser.observe_outcome(choice, req.num_prompt_tokens, ttft_s, req.transfer.measured)
         if error is not None and choice.reason != "fixed":
             if self.metrics is not None:
                 self.metrics.observe_auto_prediction(choice.method, error)
             log.debug("request_id=%s auto %s predicted %.1f ms, took %.1f ms", req.request_id, choice.method,
                       choice.predicted_s * 1e3, ttft_s * 1e3)
-
-    def forget(self, request_id: str) -> None:
-        self.chooser.forget(request_id)
-        self.switched.pop(request_id, None)
 
 
 def fixed(method: str) -> Choice:

@@ -13,6 +13,7 @@ from scd_serve.api.backend import LOCAL, EngineBackend
 from scd_serve.config.decode import AUTO
 from scd_serve.decode.auto import fixed
 from scd_serve.decode.chooser import Choice
+from scd_serve.decode.transfer import Transfer
 from scd_serve.engine.request import GenerationRequest, TokenEvent
 from scd_serve.errors import InvalidRequest
 
@@ -40,9 +41,7 @@ class DecodeBackend(EngineBackend):
                          peers_ready=(lambda: peers.ready()) if must_have_peer else (lambda: not peers.dead))
         self.fill, self.peers = fill, peers
         self.auto = auto  # AutoMethod or None (then `auto` is refused)
-        self._choices: dict[str, Choice] = {}  # request_id -> its method's choice, while it runs
-        self._failed: dict[str, str] = {}  # request_id -> why its transfer failed, while it runs
-        self._filled: dict[str, dict] = {}  # request_id -> what its transfer carried, while it runs
+        self._live: dict[str, Transfer] = {}  # request_id -> its transfer, while it runs (the routes ask by id)
 
     @property
     def methods(self) -> list[str]:
@@ -51,32 +50,29 @@ class DecodeBackend(EngineBackend):
     def choice_of(self, request_id: str) -> Choice | None:
         """How a running request's method was picked (None once it ended); `local` with reason
         "fallback" when its transfer failed and the engine prefilled the prompt here."""
-        switched = self.auto.switched.get(request_id) if self.auto is not None else None
-        choice = switched or self._choices.get(request_id)
-        failed = self._failed.get(request_id)
-        if choice is None or not failed or choice.method == LOCAL or not self.engine.config.fallback_to_local:
-            return choice
-        where = f"{choice.method}@{choice.peer}" if choice.peer else choice.method
-        return Choice(LOCAL, reason="fallback", detail=f"{where} failed ({failed}): prefilled on this worker")
+        t = self._live.get(request_id)
+        return None if t is None else t.reported(self.engine.config.fallback_to_local)
 
     def transfer_of(self, request_id: str) -> dict | None:
         """What a running request's transfer carried (RemoteKVFill's result), None without one."""
-        return self._filled.get(request_id)
+        t = self._live.get(request_id)
+        return None if t is None else t.carried
 
     async def _watched_fill(self, req: GenerationRequest, sink) -> Any:
-        """The transfer, noting a failure (the engine then prefills here or fails the request)
-        or what it carried (the response says so)."""
+        """The transfer, noting on it a failure (the engine then prefills here or fails the
+        request) or what it carried (the response says so)."""
+        t = req.transfer
         try:
             result = await self.fill(req, sink)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._failed[req.request_id] = getattr(exc, "kind", None) or type(exc).__name__
+            t.failed = getattr(exc, "kind", None) or type(exc).__name__
             raise
         if not sink.complete:
-            self._failed[req.request_id] = f"wrote {sink.num_written} of {sink.num_layers} layers"
+            t.failed = f"wrote {sink.num_written} of {sink.num_layers} layers"
         elif isinstance(result, dict):
-            self._filled[req.request_id] = result
+            t.carried = result
         return result
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -85,33 +81,25 @@ class DecodeBackend(EngineBackend):
             if self.auto is None:
                 raise InvalidRequest(f"scd_method must be one of {self.methods}, got 'auto'", field="scd_method")
             choice = self.auto.choose(req)
-            req = dataclasses.replace(req, method=choice.method)
-            if choice.peer:
-                self.fill.preferred[rid] = choice.peer
-            if choice.local_if_cold and self.peers.config.fallback == "local":  # the engine then prefills here
-                self.fill.local_if_cold.add(rid)
+            # with local_if_cold the engine prefills here when the worker holds no codes
+            t = Transfer(choice, peer=choice.peer,
+                         local_if_cold=choice.local_if_cold and self.peers.config.fallback == "local")
         elif req.method != LOCAL and (why := needs_local(req)):  # no K/V would be transferred: say so
-            choice = Choice(LOCAL, reason="needs-local", detail=f"{why}: {req.method} not used")
-            req = dataclasses.replace(req, method=LOCAL)
+            t = Transfer(Choice(LOCAL, reason="needs-local", detail=f"{why}: {req.method} not used"))
         else:
-            choice = fixed(req.method)
-        self._choices[rid] = choice
+            t = Transfer(fixed(req.method))
+        req = dataclasses.replace(req, method=t.choice.method, transfer=t)
+        self._live[rid] = t
         start, first = time.perf_counter(), True
         try:
             async for event in super().generate(req):
                 if first:
                     first = False
                     if self.auto is not None:
-                        self.auto.outcome(req, choice, time.perf_counter() - start)
+                        self.auto.outcome(req, time.perf_counter() - start)
                 yield event
         finally:
-            self.fill.preferred.pop(rid, None)
-            self.fill.local_if_cold.discard(rid)
-            self._choices.pop(rid, None)
-            self._failed.pop(rid, None)
-            self._filled.pop(rid, None)
-            if self.auto is not None and (first or rid in self.auto.switched):
-                self.auto.forget(rid)
+            self._live.pop(rid, None)
 
     def ready_detail(self) -> dict[str, Any]:
         """What /ready adds to {"status": "ready"}: a worker serving on its fallback alone says so."""

@@ -33,7 +33,6 @@ LOCAL = "local"
 LOSSLESS = ("identity", "raw")  # exact where the producer is the consumer (16-bit raw: as good as exact)
 MIN_LINK_BYTES = 32 * 1024  # smaller transfers say more about latency than about the link
 LINK_JUMP = 1.5  # a link-bound pace this far from the estimate replaces it (the link changed) instead of smoothing
-_REMEMBERED = 1024  # transfers awaiting their outcome (request id -> measured core)
 
 
 def method_kl(producer: str, consumer: str, calibrated: Mapping[str, float], calibrated_for: str,
@@ -119,7 +118,6 @@ class Chooser:
         self.residual: dict[tuple[str, bool], Estimate] = {}  # (method, warm) -> seconds
         self._cached: OrderedDict[tuple[str, str, int], None] = OrderedDict()
         self._probed: dict[str, float] = {}  # option label -> when it was last explored or re-probed
-        self._measured: OrderedDict[str, tuple[float, bool]] = OrderedDict()  # request id -> (core s, warm)
 
     # ---- the choice -------------------------------------------------------------------------
     def choose(self, key: int, num_tokens: int, peers: Sequence[PeerView]) -> Choice:
@@ -212,13 +210,13 @@ class Chooser:
     # ---- what happened ----------------------------------------------------------------------
     def observe_transfer(self, peer: str, method: str, key: int, num_tokens: int, *, payload_bytes: int,
                          rebuild_s: float, producer_s: float, cache_hit: bool, wall_s: float,
-                         link_bytes: int = 0, link_s: float = 0.0, link_bound: bool = False,
-                         request_id: str = "") -> None:
+                         link_bytes: int = 0, link_s: float = 0.0, link_bound: bool = False) -> tuple[float, bool]:
         """A completed transfer of `method` from `peer`: what crossed, how long each part took.
         link_bytes / link_s is the pace from the first chunk to the last: the link's, when the
         reader mostly waited for bytes (link_bound) on cached codes and enough crossed; else only a
         bound (the link is at least that fast). A cold transfer, paced by the producer, only gives
-        a link not measured yet a first guess (its producer time taken out)."""
+        a link not measured yet a first guess (its producer time taken out).
+        -> (the transfer's core seconds, warm): what observe_outcome needs of it."""
         now, w, n = self.clock(), self.config.smoothing, max(1, num_tokens)
         self.payload.setdefault(method, Estimate()).update(payload_bytes / n, w, now)
         self.rebuild.setdefault(method, Estimate()).update(rebuild_s / n, w, now)
@@ -242,17 +240,14 @@ class Chooser:
             else:
                 link.at = now  # consistent with the estimate: it still holds
         self._remember(peer, method, key)
-        if request_id:
-            core = max(wire, rebuild_s, 0.0 if cache_hit else producer_s)
-            self._measured[request_id] = (core, cache_hit)
-            while len(self._measured) > _REMEMBERED:
-                self._measured.popitem(last=False)
+        return max(wire, rebuild_s, 0.0 if cache_hit else producer_s), cache_hit
 
-    def observe_outcome(self, request_id: str, choice: Choice, num_tokens: int, ttft_s: float) -> float | None:
-        """The request's time to first token (from the choice). Teaches the local speed or the
-        method's residual; -> |predicted - actual| / actual, or None without a prediction."""
+    def observe_outcome(self, choice: Choice, num_tokens: int, ttft_s: float,
+                        measured: tuple[float, bool] | None = None) -> float | None:
+        """The request's time to first token (from the choice); measured: what observe_transfer
+        returned for its transfer (None: none completed). Teaches the local speed or the method's
+        residual; -> |predicted - actual| / actual, or None without a prediction."""
         now, w = self.clock(), self.config.smoothing
-        measured = self._measured.pop(request_id, None)
         if choice.method == LOCAL:
             self.local.update(ttft_s / max(1, num_tokens), w, now)
         elif measured is not None:  # a transfer that completed (not one that fell back to local)
@@ -263,10 +258,6 @@ class Chooser:
         if choice.predicted_s is None or ttft_s <= 0:
             return None
         return abs(choice.predicted_s - ttft_s) / ttft_s
-
-    def forget(self, request_id: str) -> None:
-        """A request that ended without an outcome (failed, cancelled)."""
-        self._measured.pop(request_id, None)
 
     def observe_cold(self, peer: str, method: str, key: int) -> None:
         """The peer said it does not hold this prompt's codes (evicted, or it restarted): nor, in

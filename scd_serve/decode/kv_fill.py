@@ -27,6 +27,7 @@ from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.consumer_codecs import bind_prompt
 from scd_serve.decode.receive import Received, drain, receive
 from scd_serve.decode.shared import SharedTransfers
+from scd_serve.decode.transfer import handoff
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               TransferTimedOut, Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
@@ -69,13 +70,11 @@ class RemoteKVFill:
         self.stats = TransferStats()
         self.shared = SharedTransfers(runtime.spec.num_layers)  # transfers other requests may copy
         self.per_peer: Counter = Counter()  # completed transfers per prefill address
-        self.inflight: dict[str, str] = {}  # request_id -> prefill address (empty when idle)
+        self.num_inflight = 0  # transfers running now
         self._aborts: set[asyncio.Task] = set()
         self._freed = asyncio.Event()  # set whenever a transfer ends and frees a peer slot
         self._threads = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="scd-transfer")
         self._jobs: set[_Job] = set()
-        self.preferred: dict[str, str] = {}  # request_id -> prefill address to try first (the `auto` choice)
-        self.local_if_cold: set[str] = set()  # request ids to prefill locally when the codes are not cached there
         self.num_cold_switches = 0  # transfers stopped at their header for a local prefill (ColdAtPeer)
         self.on_cold: Callable[[str, object], None] | None = None  # told (prefill address, request) of each
         # Told of every completed transfer: (prefill address, request, Received, wall seconds).
@@ -102,7 +101,7 @@ class RemoteKVFill:
                 self.shared.leave(key, shared)
 
     async def _fill(self, req, sink) -> dict:
-        tokens = list(req.prompt_token_ids[:-1])  # the last prompt token is our first decode step
+        tokens = handoff(req.prompt_token_ids)
         tried: list[str] = []
         errors: list[ScdError] = []
         for attempt in range(self.config.max_attempts):
@@ -176,7 +175,7 @@ class RemoteKVFill:
     def _preferred(self, req, num_tokens: int, tried: list[str]):
         """The peer the request was routed to (the `auto` choice) when it still serves the
         method and has a free slot; else None (the load-aware choice decides)."""
-        address = self.preferred.pop(req.request_id, "")
+        address = req.transfer.take_peer() if req.transfer is not None else ""
         peer = self.peers.peers.get(address)
         if peer is None or address in tried or all(p is not peer for p in self.peers.serving(req.method, num_tokens)):
             return None
@@ -210,12 +209,12 @@ class RemoteKVFill:
 
         def check_header(header) -> None:
             self._check_header(header, peer, codec)
-            self._check_cold(header, peer, rid)
+            self._check_cold(header, peer, req.transfer)
 
         verifier = StreamVerifier(rid, req.method, len(tokens), self.rt.spec.num_layers, check_header=check_header)
         job = _Job(peer, request, deadline)
         self._jobs.add(job)
-        self.inflight[rid] = peer.address
+        self.num_inflight += 1
         ok = server_ended = False
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -236,7 +235,7 @@ class RemoteKVFill:
             raise err from None
         finally:
             self._jobs.discard(job)
-            self.inflight.pop(rid, None)
+            self.num_inflight -= 1
             self._freed.set()
             if not ok:
                 done.cancel()  # nobody waits for it now: the thread's outcome must not land there
@@ -286,10 +285,10 @@ class RemoteKVFill:
             raise IncompatiblePeer(f"prefill {peer.address} sent codec_version {header.codec_version}, "
                                    f"this worker decodes {codec.version}")
 
-    def _check_cold(self, header, peer, rid: str) -> None:
+    def _check_cold(self, header, peer, transfer) -> None:
         """The prefill side says early whether it holds the codes: stop a cold transfer the
         `auto` choice would rather have prefilled here (local_if_cold)."""
-        if not header.cache_hit and rid in self.local_if_cold:
+        if not header.cache_hit and transfer is not None and transfer.local_if_cold:
             raise ColdAtPeer(f"prefill {peer.address} has no cached codes for this prompt ({header.codec_id}); "
                              f"a local prefill is predicted faster than a cold transfer")
 
@@ -329,7 +328,7 @@ class RemoteKVFill:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def snapshot(self) -> dict:
-        return asdict(self.stats) | {"per_prefill": dict(self.per_peer), "inflight": len(self.inflight),
+        return asdict(self.stats) | {"per_prefill": dict(self.per_peer), "inflight": self.num_inflight,
                                      "cold_switches": self.num_cold_switches, "shared": self.shared.num_shared}
 
 

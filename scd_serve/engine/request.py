@@ -106,6 +106,7 @@ class GenerationRequest:
     method: str = "local"  # transfer method: "local" (no transfer), "raw", "scd", ...
     deadline: float | None = None  # time.monotonic() by which the request must finish
     grammar: Any = None  # structured outputs: a compiled engine.grammar.Grammar the output must match
+    transfer: Any = None  # the decode worker's Transfer (decode/transfer.py): what its KV fill reads; opaque here
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -127,8 +127,8 @@ class LocalStack:
         bm = self.engine.block_manager
         if bm.num_free != bm.num_blocks:
             out["kv_blocks_in_use"] = bm.num_blocks - bm.num_free
-        if self.fill.inflight:
-            out["decode_transfers"] = dict(self.fill.inflight)
+        if self.fill.num_inflight:
+            out["decode_transfers"] = self.fill.num_inflight
         if self.servicer is not None and self.servicer.transfers:
             out["prefill_transfers"] = sorted(self.servicer.transfers)
         if self.engine.scheduler.has_unfinished():

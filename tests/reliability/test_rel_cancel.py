@@ -63,7 +63,7 @@ async def test_d2_disconnect_while_prefill_in_flight(make_stack, stream):
     task.cancel()  # the connection closes
     await asyncio.gather(task, return_exceptions=True)
     # a transfer that outlived the client would run on for most of its ~6 s
-    assert await eventually(lambda: not stack.servicer.transfers and not stack.fill.inflight, 3.0, step=0.01), \
+    assert await eventually(lambda: not stack.servicer.transfers and not stack.fill.num_inflight, 3.0, step=0.01), \
         "transfer outlived the client by > 3 s"
     assert rid in stack.served.cancelled or rid in [a for a, _ in stack.served.aborts]
     slow["p"].layer_delay_s = 0.0

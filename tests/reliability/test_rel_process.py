@@ -66,7 +66,7 @@ async def test_kill9_prefill_under_50_concurrent_then_restart(rt, model_dir, tmp
         reqs = [asyncio.ensure_future(timed(stack.client, completion(f"kill nine {i} " + "q" * (i % 9), 8,
                                                                      scd_method="identity"))) for i in range(50)]
         assert await eventually(lambda: stack.fill.stats.num_transfers >= transfers0 + 5, 30, step=0.005)
-        in_flight = len(stack.fill.inflight)
+        in_flight = stack.fill.num_inflight
         proc.p.send_signal(signal.SIGKILL)
         # F2: /ready must follow the dead peer (with --fallback local: still 200, saying the worker
         # now prefills alone); watched from the kill on, beside the 50 requests
@@ -154,7 +154,7 @@ async def test_f4_g3_sigterm_prefill_not_serving_first_and_decode_stays_clean(rt
         assert await eventually(lambda: seen, 10, step=0.01)
         assert seen == ["SERVING"]
         req = asyncio.ensure_future(timed(stack.client, completion("pulled during sigterm", 3, scd_method="identity")))
-        assert await eventually(lambda: stack.fill.inflight, 10, step=0.01)
+        assert await eventually(lambda: stack.fill.num_inflight, 10, step=0.01)
         proc.p.send_signal(signal.SIGTERM)
         code, took, body = await asyncio.wait_for(req, 15)
         assert code in (200, 502, 503), body  # finished within grace, or failed cleanly / fell back

@@ -87,7 +87,7 @@ async def test_100_disconnects_mid_stream_and_mid_transfer(make_stack):
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             task = asyncio.ensure_future(http.post("/v1/completions", json=completion(f"transfer {i}", 8,
                                                                                       scd_method="identity")))
-            while stack.fill.stats.num_transfers + len(stack.fill.inflight) == 0 and not task.done():
+            while stack.fill.stats.num_transfers + stack.fill.num_inflight == 0 and not task.done():
                 await asyncio.sleep(0.005)
             await asyncio.sleep(0.05)
             task.cancel()

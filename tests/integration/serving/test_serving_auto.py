@@ -115,6 +115,7 @@ async def test_auto_explores_then_picks_a_lossless_transfer_and_says_so(tmp_path
         assert picked == 6
         errors = [line for line in metrics.splitlines() if line.startswith("scd_auto_prediction_error_ratio_count")]
         assert errors and sum(float(line.split()[-1]) for line in errors) >= 3  # the "fastest" ones were predicted
+        assert backend._live == {}  # each request's Transfer ended with it
 
 
 @pytest.fixture(scope="module")

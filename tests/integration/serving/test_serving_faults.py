@@ -40,7 +40,7 @@ def dying_runtime(rt, holder):
 
 async def _clean(engine, fill, *nodes, timeout=10.0):
     """Nothing in flight on either side and every block free, within `timeout` s (a leak never clears)."""
-    assert await wait_until(lambda: fill.inflight == {} and all(n.servicer.transfers == {} for n in nodes), timeout)
+    assert await wait_until(lambda: fill.num_inflight == 0 and all(n.servicer.transfers == {} for n in nodes), timeout)
     assert await wait_until(lambda: engine.block_manager.num_free == engine.block_manager.num_blocks, timeout)
 
 
@@ -195,7 +195,7 @@ async def test_closing_the_decode_side_ends_transfers_in_flight_at_once(rt):
     # a shutting-down decode worker must not leave a transfer thread blocked on its stream
     async with decode_stack(rt, SlowRuntime(rt, delay=6.0)) as (node, fill, engine):
         task = asyncio.ensure_future(greedy(engine, "closing", prompts(1)[0], "identity", fill))
-        assert await wait_until(lambda: node.servicer.transfers and fill.inflight, 10.0)
+        assert await wait_until(lambda: node.servicer.transfers and fill.num_inflight, 10.0)
         t0 = time.monotonic()
         fill.close()
         with pytest.raises(Unavailable, match="CANCELLED"):  # the stream's end, well before its 30 s deadline

@@ -35,17 +35,16 @@ class World:
     def serve(self, chooser, choice, key=1, n=N, cached=True, producer_s_per_token=50e-6):
         """Run `choice` in this world; tell the chooser; -> its prediction error."""
         self.num += 1
-        rid = f"r{self.num}"
         if choice.method == LOCAL:
-            return chooser.observe_outcome(rid, choice, n, self.local * n)
+            return chooser.observe_outcome(choice, n, self.local * n)
         payload = RATIO[choice.method] * RAW_PER_TOKEN * n
         wire, rebuild = payload / self.rate, self.rebuild[choice.method] * n
         producer = 0.0 if cached else producer_s_per_token * n
         took = max(wire, rebuild, producer)
-        chooser.observe_transfer(choice.peer, choice.method, key, n, payload_bytes=int(payload), rebuild_s=rebuild,
-                                 producer_s=producer, cache_hit=cached, wall_s=took, link_bytes=int(payload),
-                                 link_s=took, link_bound=cached and wire > rebuild, request_id=rid)
-        return chooser.observe_outcome(rid, choice, n, took + self.overhead)
+        measured = chooser.observe_transfer(choice.peer, choice.method, key, n, payload_bytes=int(payload),
+                                            rebuild_s=rebuild, producer_s=producer, cache_hit=cached, wall_s=took,
+                                            link_bytes=int(payload), link_s=took, link_bound=cached and wire > rebuild)
+        return chooser.observe_outcome(choice, n, took + self.overhead, measured)
 
 
 def make(clock=None, **cfg):
@@ -243,12 +242,13 @@ def test_fixed_and_failed_requests():
     chooser = make()
     from scd_serve.decode.chooser import Choice
 
-    assert chooser.observe_outcome("nope", Choice("scd"), N, 0.02) is None  # fell back: no transfer measured
-    chooser.observe_transfer(PEER, "scd", 1, N, payload_bytes=280_000, rebuild_s=0.01, producer_s=0.0,
-                             cache_hit=True, wall_s=0.01, request_id="x")
-    chooser.forget("x")
-    assert chooser.observe_outcome("x", Choice("scd"), N, 0.02) is None
-    assert chooser.observe_outcome("y", Choice(LOCAL), N, 0.06) is None  # no prediction, but it learns
+    assert chooser.observe_outcome(Choice("scd"), N, 0.02) is None  # fell back: no transfer measured
+    measured = chooser.observe_transfer(PEER, "scd", 1, N, payload_bytes=280_000, rebuild_s=0.01, producer_s=0.0,
+                                        cache_hit=True, wall_s=0.01)
+    assert measured == (pytest.approx(0.01), True)  # the transfer's core: its rebuild here, on cached codes
+    assert chooser.observe_outcome(Choice("scd"), N, 0.02, measured) is None  # measured, but nothing predicted
+    assert chooser.residual[("scd", True)].value == pytest.approx(0.01)  # what it learned: the rest of the TTFT
+    assert chooser.observe_outcome(Choice(LOCAL), N, 0.06) is None  # no prediction, but it learns
     assert chooser.local.value == pytest.approx(0.06 / N)
 
 
