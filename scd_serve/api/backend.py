@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
+from scd_serve.config.methods import LOCAL
 from scd_serve.engine.request import GenerationRequest, KVFill, TokenEvent
 from scd_serve.errors import InvalidRequest
 
-LOCAL = "local"  # the method with no transfer: the decode worker prefills the prompt itself
 
 
 class Backend(Protocol):

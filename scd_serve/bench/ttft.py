@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from scd_serve.config.methods import AUTO, LOCAL
 from scd_serve.bench import procs
 from scd_serve.bench.loadgen import random_prompt
 from scd_serve.bench.netns import NetnsLink
@@ -29,7 +30,6 @@ from scd_serve.errors import ConfigError, DeadlineExceeded, TransferFailed, Unav
 
 RAW_SHARES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)  # raw wire time / oracle TTFT at the reference length
 CEILING_SHARE = 0.6  # a tbf rate above this share of the unshaped throughput is not what limits the wire
-AUTO, LOCAL = "auto", "local"
 SETTLE = "settle"  # an uncounted request after the local prefill in each round of worker_rounds
 WITHIN = 1.10  # `auto` counts as following the link when within 10% of the best method allowed there
 

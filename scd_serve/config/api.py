@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scd_serve.config.methods import LOCAL
 from scd_serve.errors import ConfigError, check_range
 
 
@@ -26,7 +27,7 @@ class ApiConfig:
     default_max_tokens: int = 256
     max_stop: int = 4  # stop sequences per request
     max_stop_chars: int = 64  # characters per stop sequence
-    default_method: str = "local"  # for a request without `scd_method` ("local" = no transfer)
+    default_method: str = LOCAL  # for a request without `scd_method`
     request_timeout_s: float = 300.0  # end to end, then 504
     enable_docs: bool = True  # /docs and /openapi.json (off in hardened deployments)
     timeout_keep_alive_s: int = 5  # idle keep-alive connections are closed after this (uvicorn)

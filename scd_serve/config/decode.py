@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from scd_serve.config.methods import LOCAL
 from scd_serve.config.model import DTYPE_CHOICES
 from scd_serve.config.transport import TransportConfig
 from scd_serve.config.address import check_address
@@ -12,9 +13,8 @@ from scd_serve.errors import ConfigError, check_range
 
 DEFAULT_CONSUMER = "models/demo-pair/consumer"
 DEFAULT_CODEBOOK = "models/demo-pair/codebook"
-FALLBACKS = ("local", "none")
+FALLBACKS = (LOCAL, "none")
 PRIOR_TABLE_MODES = ("auto", "on", "off")  # of the token prior's vocabulary table (codec/prior_table.py)
-AUTO = "auto"  # the method that picks, per request, the fastest one the quality budget allows
 
 
 @dataclass(frozen=True)

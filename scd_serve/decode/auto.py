@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scd_serve.config.decode import DecodeConfig
-from scd_serve.decode.chooser import LOCAL, Choice, Chooser, PeerView, method_kl, prompt_key
+from scd_serve.config.methods import LOCAL
+from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
+from scd_serve.decode.chooser import Choice, Chooser, PeerView, method_kl, prompt_key
 from scd_serve.decode.transfer import handoff
 
 log = logging.getLogger("scd_serve.decode")
@@ -55,7 +57,7 @@ class AutoMethod:
         cfg = config.chooser
         budget = cfg.quality_budget if cfg.quality_budget is not None else (calibration.budget or 0.0)
         min_top1 = cfg.min_top1 if cfg.min_top1 is not None else calibration.min_top1
-        raw = 2 * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim  # 16-bit K and V, one token
+        raw = bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)  # one token
         self.chooser = Chooser(cfg, budget, raw, PAYLOAD_RATIO | calibration.payload_ratio, clock,
                                min_top1=min_top1, strict_kl=cfg.quality_budget is not None)
         self.fingerprint, self.peers, self.calibration, self.metrics = fingerprint, peers, calibration, metrics

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from scd_serve import codec as codec_registry
-from scd_serve.api.backend import LOCAL, EngineBackend
-from scd_serve.config.decode import AUTO
+from scd_serve.api.backend import EngineBackend
+from scd_serve.config.methods import AUTO, LOCAL
 from scd_serve.decode.auto import fixed
 from scd_serve.decode.chooser import Choice
 from scd_serve.decode.transfer import Transfer

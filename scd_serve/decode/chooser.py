@@ -27,9 +27,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from scd_serve.config.methods import LOCAL
 from scd_serve.config.decode import ChooserConfig
 
-LOCAL = "local"
 LOSSLESS = ("identity", "raw")  # exact where the producer is the consumer (16-bit raw: as good as exact)
 MIN_LINK_BYTES = 32 * 1024  # smaller transfers say more about latency than about the link
 LINK_JUMP = 1.5  # a link-bound pace this far from the estimate replaces it (the link changed) instead of smoothing

@@ -28,6 +28,7 @@ from scd_serve.decode.consumer_codecs import bind_prompt
 from scd_serve.decode.receive import Received, drain, receive
 from scd_serve.decode.shared import SharedTransfers
 from scd_serve.decode.transfer import handoff
+from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
                               TransferTimedOut, Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
@@ -246,7 +247,8 @@ class RemoteKVFill:
         s.num_transfers += 1
         s.num_cache_hits += int(got.cache_hit)
         s.payload_bytes += got.payload_bytes
-        raw = 2 * 2 * handoff * self.rt.spec.num_layers * self.rt.spec.num_kv_heads * self.rt.spec.head_dim
+        spec = self.rt.spec
+        raw = handoff * bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)
         s.raw_kv_bytes += raw
         s.encode_s += got.encode_us / 1e6
         s.rebuild_s += got.rebuild_s

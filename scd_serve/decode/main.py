@@ -8,8 +8,9 @@ import dataclasses
 import logging
 import os
 
+from scd_serve.config.methods import AUTO, LOCAL
 from scd_serve.config.control import ControlConfig, add_control_arguments
-from scd_serve.config.decode import (AUTO, DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, PRIOR_TABLE_MODES,
+from scd_serve.config.decode import (DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, PRIOR_TABLE_MODES,
                                      ChooserConfig, DecodeConfig, split_peers)
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
 from scd_serve.control.lifecycle import add_worker_arguments, advertised, run_role, start_http, stop_event
@@ -260,7 +261,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     print(f"decode worker serving http://{config.host}:{port} (advertised {address}), consumer {rt.fingerprint} "
           f"on {rt.device} in {str(rt.dtype).removeprefix('torch.')}, default method {method}, fallback {config.fallback}"
           + (f", quality budget {auto.chooser.budget:g}" if method == AUTO else ""), flush=True)
-    if not peers.ready() and method != "local":
+    if not peers.ready() and method != LOCAL:
         log.warning("not ready yet: %s", peers.why_not_ready())
     died = await stopped_or_died(stop, engine)
     if died:  # /ready already says 503; answer 503 a moment longer, then exit nonzero for the supervisor

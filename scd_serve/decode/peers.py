@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from scd_serve.config.methods import AUTO, LOCAL
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
 from scd_serve.control.lifecycle import cancel_all, detach, supervise
@@ -37,7 +38,7 @@ def compat_problems(info, consumer_spec, method: str, codecs, expect_producer: s
             problems.append(f"{name}: producer {theirs} != consumer {ours}")
     if expect_producer and info.producer_fingerprint != expect_producer:
         problems.append(f"producer_fingerprint: {info.producer_fingerprint} != expected {expect_producer}")
-    if method in ("local", "auto") or problems:  # auto: each method is checked when the chooser asks
+    if method in (LOCAL, AUTO) or problems:  # auto: each method is checked when the chooser asks
         return problems
     return problems + method_problems(info, method, codecs)
 

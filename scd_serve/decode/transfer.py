@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scd_serve.decode.chooser import LOCAL, Choice
+from scd_serve.config.methods import LOCAL
+from scd_serve.decode.chooser import Choice
 
 
 def handoff(prompt_token_ids: Sequence[int]) -> list[int]:

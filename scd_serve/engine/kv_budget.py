@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from scd_serve.errors import ConfigError
 
 GIB = 2**30
+RAW_DTYPE_BYTES = 2  # what a raw K/V transfer ships per number (16-bit): the unit of "payload / raw"
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from scd_serve.config.methods import LOCAL
 from scd_serve.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    method: str = "local"  # transfer method: "local" (no transfer), "raw", "scd", ...
+    method: str = LOCAL  # transfer method: LOCAL (no transfer), "raw", "scd", ... (config/methods.py)
     deadline: float | None = None  # time.monotonic() by which the request must finish
     grammar: Any = None  # structured outputs: a compiled engine.grammar.Grammar the output must match
     transfer: Any = None  # the decode worker's Transfer (decode/transfer.py): what its KV fill reads; opaque here

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
 from scd_serve.codec.memory import check_fits, estimate
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
@@ -134,7 +135,7 @@ def eval_ppl(method: str, codec, rt_a, rt_b, texts: list[dict]) -> float:
 
 
 def raw_kv_bytes_per_token(spec) -> int:
-    return 2 * spec.num_layers * spec.kv_width * 2  # K and V, every layer, 16-bit
+    return bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)
 
 
 def build_codec(method: str, rt_a, rt_b, codebook):

@@ -20,6 +20,7 @@ from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codec_spec import spec_of
 from scd_serve.codec.kl_probe import KLProbe, make_examples
 from scd_serve.codec.plan import Plan
+from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
 from scd_serve.extras import tqdm
 
 MIN_TOP1_GAIN = 0.005  # less than this over no replay is noise on a probe of a few thousand positions
@@ -70,7 +71,8 @@ def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]
 
     spec = spec_of(consumer)
     measured = probe.measure_all({i: rebuild for i in range(spec.num_layers)})
-    raw = sum(e.prefix + e.scored_from for e in probe.examples) * spec.num_layers * 2 * spec.kv_width * 2
+    raw = sum(e.prefix + e.scored_from for e in probe.examples) * bytes_per_token(
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)
     return {"kl": measured.kl, "top1": measured.top1, "payload_ratio": nbytes["n"] / raw}
 
 

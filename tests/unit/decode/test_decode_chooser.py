@@ -3,7 +3,8 @@
 import pytest
 
 from scd_serve.config.decode import ChooserConfig, DecodeConfig
-from scd_serve.decode.chooser import LOCAL, Chooser, PeerView, method_kl, prompt_key
+from scd_serve.config.methods import LOCAL
+from scd_serve.decode.chooser import Chooser, PeerView, method_kl, prompt_key
 from scd_serve.errors import ConfigError
 
 # the demo pair's manifest (calibration.methods.*.kl): scd and scd-int8 within 0.05, reuse and raw not

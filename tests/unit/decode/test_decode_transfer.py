@@ -1,6 +1,7 @@
 """Transfer: one request's transfer facts in one object (no request-id maps), and the handoff rule."""
 
-from scd_serve.decode.chooser import LOCAL, Choice
+from scd_serve.config.methods import LOCAL
+from scd_serve.decode.chooser import Choice
 from scd_serve.decode.transfer import Transfer, handoff
 
 
