@@ -26,7 +26,7 @@ One reduced-rank ridge regression serves every target (layer, stream):
 with U [m, rank] shared and H [rank, dB] per target: the codebook holds m*rank plus rank*dB
 numbers per target, whatever the vocabulary.
 
-The fit is codec/feature_fit.py; every token's reduced rows at once, codec/prior_table.py.
+The fit is calibration/feature_fit.py; every token's reduced rows at once, codec/prior_table.py.
 """
 
 from __future__ import annotations

@@ -55,10 +55,10 @@ class CalibrateConfig:
     prior_frequent: int = 0  # feature prior: most frequent fit tokens with one-hot columns
     prior_rank: int = 64
     prior_ridge: float | None = None
-    # Distillation (codec/distill.py): Adam steps tuning the scd plan's decoders and aligners on the
+    # Distillation (calibration/distill.py): Adam steps tuning the scd plan's decoders and aligners on the
     # consumer's next-token KL (0: closed form only), learning rate, prompts per step.
     distill_steps: int = 300
-    # Replayed tails tried on the scd plan (quality/probes.py): prompt tokens before the handoff's
+    # Replayed tails tried on the scd plan (calibration/probes.py): prompt tokens before the handoff's
     # end the consumer computes itself rather than rebuilds (0 alone: never).
     replay: tuple[int, ...] = (0, 16, 32, 64)
     distill_lr: float = 1e-4

@@ -18,25 +18,25 @@ from typing import Any, Callable
 
 import torch
 
-from scd_serve.codec.assemble import build_codebook, size_stats
+from scd_serve.calibration.assemble import build_codebook, size_stats
 from scd_serve.codec.codebook import Codebook
-from scd_serve.codec.candidates import Candidates
-from scd_serve.codec.curve import plot_tradeoff
-from scd_serve.codec.fit import collect_rows, fit_layer, subtract_priors, train_aligner
-from scd_serve.codec.memory import check_fits, estimate
-from scd_serve.codec.feature_fit import FeatureFit
+from scd_serve.calibration.candidates import Candidates
+from scd_serve.calibration.curve import plot_tradeoff
+from scd_serve.calibration.fit import collect_rows, fit_layer, subtract_priors, train_aligner
+from scd_serve.calibration.memory import check_fits, estimate
+from scd_serve.calibration.feature_fit import FeatureFit
 from scd_serve.codec.features import FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
-from scd_serve.codec.distill import distill_plan
-from scd_serve.codec.kl_probe import KLProbe, make_examples
+from scd_serve.calibration.distill import distill_plan
+from scd_serve.calibration.kl_probe import KLProbe, make_examples
 from scd_serve.codec.plan import OWN, LayerPlan
-from scd_serve.codec.search import PlanSearch, SearchPoint
+from scd_serve.calibration.search import PlanSearch, SearchPoint
 from scd_serve.codec.codec_spec import spec_of
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
 from scd_serve.model.loader import DTYPES
-from scd_serve.quality.probes import ReplayProbes, choose_run_and_replay, measure_codec, measure_methods
+from scd_serve.calibration.probes import ReplayProbes, choose_run_and_replay, measure_codec, measure_methods
 from scd_serve.quality.calibration_data import PROBE_SCORED_TOKENS, REPORT_SCORED_TOKENS, builtin_prompts, user_prompts
 
 # layer 0's input is the token alone: the consumer computes it itself in every plan (plan.py's OWN)
@@ -60,7 +60,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
               log: Callable[[str], None] = print, show_progress: bool = True,
               distill_pairs: list | None = None, report_pairs: list | None = None) -> Calibration:
     """distill_pairs: (prompt, scored tokens) of the fit set for distillation (default: the fit
-    prompts alone, which feed their last tokens; codec/distill.py). report_pairs: prompts held
+    prompts alone, which feed their last tokens; calibration/distill.py). report_pairs: prompts held
     out from everything (calibration_data.py) on which the manifest's figures are measured;
     without them the figures are the probe's, which the plan was chosen on (said in the manifest)."""
     from scd_serve import codec as registry

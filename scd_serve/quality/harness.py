@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
-from scd_serve.codec.memory import check_fits, estimate
+from scd_serve.calibration.memory import check_fits, estimate
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
 from scd_serve.model.loader import DTYPES

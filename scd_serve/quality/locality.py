@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from scd_serve.codec.feature_fit import FeatureFit
+from scd_serve.calibration.feature_fit import FeatureFit
 from scd_serve.codec.features import FeatureSpec
 
 Tensor = torch.Tensor

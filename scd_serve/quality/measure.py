@@ -26,7 +26,7 @@ from scd_serve.errors import ConfigError
 def measure_held_out(producer: Any, consumer: Any, book: Any, pairs: list, tail: int = 1,
                      show_progress: bool = True) -> tuple[dict[str, dict[str, float]], dict]:
     """pairs: (prompt ids [T], scored ids [n]) -> ({method: kl, top1, payload_ratio}, report facts)."""
-    from scd_serve.quality.probes import ReplayProbes, measure_methods
+    from scd_serve.calibration.probes import ReplayProbes, measure_methods
 
     run = book.plan("scd").run_layer
     probes = ReplayProbes(producer, consumer, pairs, tail, () if run is None else (run,), show_progress=show_progress)

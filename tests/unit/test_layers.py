@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cluster", "bench", "testing"),
     ("gateway", "pair"),
     ("decode", "prefill", "quality"),
+    ("calibration",),
     ("api", "codec", "planner"),
     ("engine", "model", "transport", "control", "corpus"),
     ("config", "extras"),

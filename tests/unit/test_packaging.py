@@ -113,13 +113,13 @@ def _tqdm_eval():
 
 
 def _memory_check():
-    from scd_serve.codec.memory import available_bytes
+    from scd_serve.calibration.memory import available_bytes
 
     available_bytes("cpu")
 
 
 def _tradeoff_figure(tmp_path):
-    from scd_serve.codec.curve import plot_tradeoff
+    from scd_serve.calibration.curve import plot_tradeoff
 
     plot_tradeoff([], None, 1, 0.1, tmp_path / "x.png")
 

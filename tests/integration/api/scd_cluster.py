@@ -24,9 +24,9 @@ from scd_serve.prefill.worker import PrefillWorker
 
 def build_pair(root):
     """(runtime, codebook dir): a tiny llama and a rank-4 (lossy) scd codebook for it."""
-    from scd_serve.codec.assemble import build_codebook
+    from scd_serve.calibration.assemble import build_codebook
     from scd_serve.codec.codec_spec import spec_of
-    from scd_serve.codec.fit import collect_rows, fit_layer
+    from scd_serve.calibration.fit import collect_rows, fit_layer
     from scd_serve.codec.plan import REUSE, LayerPlan, Plan
 
     rt = ModelRuntime.load(save_tiny_model(root / "model", "llama"))

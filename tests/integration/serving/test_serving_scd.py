@@ -2,8 +2,8 @@
 
 import pytest
 
-from scd_serve.codec.assemble import build_codebook
-from scd_serve.codec.fit import collect_rows, fit_layer
+from scd_serve.calibration.assemble import build_codebook
+from scd_serve.calibration.fit import collect_rows, fit_layer
 from scd_serve.codec.plan import REUSE, LayerPlan, Plan
 from scd_serve.codec.codec_spec import spec_of
 

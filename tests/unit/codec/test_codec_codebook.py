@@ -20,7 +20,7 @@ def calibrated(tmp_path_factory):
     producer, consumer = make_pair(root, layers=2)
     pairs = prompts(10, 32)
     # two random models: a loose KL budget, and a top-1 floor that such a pair can reach (its
-    # full-rank plan agrees on 3 of the probe's 16 positions; the search meets both: codec/search.py)
+    # full-rank plan agrees on 3 of the probe's 16 positions; the search meets both: calibration/search.py)
     # no token prior, and a budget between the means alone (KL 0.12) and full-rank codes (0.03): the
     # plan ships codes (a run would meet it too, at half a prefill: not taken)
     cfg = CalibrateConfig(kl_budget=0.07, min_top1=0.15, max_rows=1024, aligner_steps=10, max_patches=1,

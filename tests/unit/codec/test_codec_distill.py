@@ -1,11 +1,11 @@
-"""Distillation of the scd plan's decoders on the consumer's own KL (codec/distill.py)."""
+"""Distillation of the scd plan's decoders on the consumer's own KL (calibration/distill.py)."""
 
 import pytest
 import torch
 
 from scd_serve import codec
-from scd_serve.codec.distill import make_examples, distill, suffix_logits, top_kl
-from scd_serve.codec.kl_probe import KLProbe, make_examples as probe_examples
+from scd_serve.calibration.distill import make_examples, distill, suffix_logits, top_kl
+from scd_serve.calibration.kl_probe import KLProbe, make_examples as probe_examples
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model

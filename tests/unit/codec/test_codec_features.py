@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from scd_serve.codec.feature_fit import FeatureFit
+from scd_serve.calibration.feature_fit import FeatureFit
 from scd_serve.codec.features import FeaturePrior, FeatureSpec, features, most_frequent
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import CodebookError, ConfigError

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scd_serve.codec.kl_probe import KLProbe, kl_divergence, make_examples
+from scd_serve.calibration.kl_probe import KLProbe, kl_divergence, make_examples
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from scd_serve import codec
-from scd_serve.codec.assemble import build_codebook
+from scd_serve.calibration.assemble import build_codebook
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.codec_spec import spec_of
-from scd_serve.codec.fit import collect_rows, fit_layer
+from scd_serve.calibration.fit import collect_rows, fit_layer
 from scd_serve.codec.plan import PATCH, REUSE, RUN, LayerPlan, Plan
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import CodebookError, ConfigError
@@ -109,7 +109,7 @@ def test_distillation_tunes_the_runs_residual_map_through_the_consumers_own_laye
     below at full rank; tuning lowers the held-out KL, and most of the gain is the map's (its
     tuned tensors put back to the noisy start lose it): the graph reaches the map through the
     consumer's own layers above it."""
-    from scd_serve.codec.distill import Decoders, distill, make_examples
+    from scd_serve.calibration.distill import Decoders, distill, make_examples
 
     producer, consumer = make_pair(tmp_path, layers=4, noise=0.3)
     spec = spec_of(producer)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from scd_serve import codec
-from scd_serve.codec.assemble import build_codebook
-from scd_serve.codec.fit import collect_rows, fit_layer, train_aligner
+from scd_serve.calibration.assemble import build_codebook
+from scd_serve.calibration.fit import collect_rows, fit_layer, train_aligner
 from scd_serve.codec.plan import PATCH, REUSE, LayerPlan, Plan
 from scd_serve.codec.codec_spec import spec_of
 

@@ -1,7 +1,7 @@
 """Plan search on a synthetic KL model: budget respected, payload minimised, infeasible flagged."""
 
 from scd_serve.codec.plan import PATCH, REUSE, LayerPlan
-from scd_serve.codec.search import PlanSearch
+from scd_serve.calibration.search import PlanSearch
 
 GRID = [4, 8, 16, 32]
 
@@ -140,7 +140,7 @@ class TopProbe(FakeProbe):
     """Top-1 agreement falls as KL grows: 1 - 2 KL."""
 
     def measure_all(self, replace):
-        from scd_serve.codec.kl_probe import Measured
+        from scd_serve.calibration.kl_probe import Measured
 
         kl = self.measure(replace)
         return Measured(kl, 1 - 2 * kl, 100)

@@ -80,7 +80,7 @@ def test_calibrate_measures_the_run_layers_asked_for_then_eval(pair, tmp_path, c
     assert "runs measured (probe KL by first layer): 1: " in capsys.readouterr().out
     cal = Codebook.load(tmp_path / "book").manifest["calibration"]
     run, tail = cal["run"], cal["replay"]
-    # the run was measured, and the run or none was kept as calibration's joint choice says (quality/probes.py)
+    # the run was measured, and the run or none was kept as calibration's joint choice says (calibration/probes.py)
     assert set(run["kl"]) == {"1"} and run["layer"] == tail["run"] and tail["run"] in (1, None)
     assert {o["run"] for o in tail["options"]} == {None, 1}
     out = tmp_path / "eval.json"

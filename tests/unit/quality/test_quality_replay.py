@@ -6,13 +6,13 @@ import torch
 
 from scd_serve import codec
 from scd_serve.codec.codebook import Codebook
-from scd_serve.codec.kl_probe import KLProbe, make_examples
+from scd_serve.calibration.kl_probe import KLProbe, make_examples
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import CodebookError, ConfigError
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from scd_serve.quality.data import Record, tokenize
-from scd_serve.quality.probes import MIN_TOP1_GAIN, ReplayProbes, pick
+from scd_serve.calibration.probes import MIN_TOP1_GAIN, ReplayProbes, pick
 from scd_serve.quality.scorer import Scorer
 
 

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from scd_serve.codec.base import positions_for
-from scd_serve.codec.fit import LayerFit, code_rows
+from scd_serve.calibration.fit import LayerFit, code_rows
 from scd_serve.codec.plan import OWN, PATCH, REUSE, LayerPlan
-from scd_serve.codec.kl_probe import Example, LayerKV
+from scd_serve.calibration.kl_probe import Example, LayerKV
 from scd_serve.codec.codec_spec import CodecSpec, rotate_with, spec_of
 
 Tensor = torch.Tensor

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codec_spec import spec_of
-from scd_serve.codec.kl_probe import KLProbe, make_examples
+from scd_serve.calibration.kl_probe import KLProbe, make_examples
 from scd_serve.codec.plan import Plan
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
 from scd_serve.extras import tqdm

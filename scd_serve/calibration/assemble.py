@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from scd_serve.codec.codebook import Codebook
-from scd_serve.codec.fit import LayerFit
+from scd_serve.calibration.fit import LayerFit
 from scd_serve.codec.plan import Plan
 from scd_serve.codec.codec_spec import CodecSpec
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from scd_serve.codec.plan import OWN, PATCH, REUSE, LayerPlan, Plan
-from scd_serve.codec.kl_probe import KLProbe, LayerKV
+from scd_serve.calibration.kl_probe import KLProbe, LayerKV
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scd_serve.codec.plan import REUSE, Plan
-from scd_serve.codec.search import SearchPoint
+from scd_serve.calibration.search import SearchPoint
 from scd_serve.extras import pyplot
 
 
