@@ -57,12 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def rebuild(fresh, c=c, codes=codes):  # as the decode worker: prepare once, then every layer
             c = fresh if fresh is not None else c
-            tokens = ids.tolist()
             writer = rt_b.kv_writer(pool, blocks, args.tokens)
-            if hasattr(c, "prepare"):
-                c.prepare(tokens, rt_b)
+            prompt = registry.begin(c, ids.tolist(), rt_b)
+            prompt.prepare()
             for layer, code in enumerate(codes):
-                k, v = c.decode_layer(layer, code, rt_b, tokens=tokens)
+                k, v = prompt.decode_layer(layer, code)
                 writer.write(layer, k, v)
 
         t = median_s(rebuild, args.repeat, build if args.cold else lambda: None)

@@ -24,7 +24,7 @@ import httpx
 import torch
 
 from scd_serve.bench.loadgen import answer_commands, random_prompt, stream_completion, wait_ready
-from scd_serve.decode.consumer_codecs import PromptCodec
+from scd_serve.codec.rebuild import begin
 from scd_serve.decode.receive import drain, receive
 from scd_serve.engine.step_ahead import StepAhead
 from scd_serve.errors import TransferFailed
@@ -91,7 +91,7 @@ class Probe:
         blocks = list(range(pool.num_blocks))
         verifier = StreamVerifier(rid, method, len(shipped), self.rt.spec.num_layers,
                                   check_header=lambda h: _check_version(h, method, codec))
-        prompt_codec = PromptCodec(codec, shipped)
+        rebuild = begin(codec, shipped, self.rt)
         writer, logits = [], []
         ahead = StepAhead(lambda: self.rt.begin_decode_step(pool, [(blocks, len(shipped), last)]),
                           self.rt.spec.num_layers, logits.append, request_id=rid)
@@ -99,10 +99,10 @@ class Probe:
         def prepare() -> None:  # as the worker's sink.prepare + codec.prepare
             writer.append(self.rt.kv_writer(pool, blocks, len(shipped)))
             ahead.start()
-            prompt_codec.prepare(self.rt)
+            rebuild.prepare()
 
         def rebuild_layer(layer: int, code: dict) -> None:
-            k_pre, v = prompt_codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd]
+            k_pre, v = rebuild.decode_layer(layer, code)  # [T-1, kvh, hd]
             writer[0].write(layer, k_pre, v)
             ahead.landed(layer)
 

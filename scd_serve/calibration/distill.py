@@ -158,9 +158,9 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
             fed = tail if scored.numel() else BARE_TAIL
             p = prompt.shape[0] - max(1, min(fed, prompt.shape[0] // 2))
             prefix, feed = prompt[:p], torch.cat([prompt, scored])[p:-1] if scored.numel() else prompt[p:]
-            codes, priors = [], []
+            codes, priors, rebuild = [], [], codec.begin(prefix, consumer)
             for layer, state in producer.iter_prefill(prefix, compute_logits=False, residuals=residuals):
-                code, prior = codec.decoder_inputs(layer, codec.encode_layer(layer, state), consumer, prefix)
+                code, prior = codec.decoder_inputs(layer, codec.encode_layer(layer, state), rebuild)
                 codes.append({s: z.half() for s, z in code.items()})
                 priors.append({s: x if isinstance(x, float) else x.half() for s, x in prior.items()})
             oracle = [s for _, s in consumer.iter_prefill(prefix, compute_logits=False)]

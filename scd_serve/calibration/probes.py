@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codec_spec import spec_of
+from scd_serve.codec.rebuild import begin
 from scd_serve.calibration.kl_probe import KLProbe, make_examples
 from scd_serve.codec.plan import Plan
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
@@ -62,12 +63,14 @@ def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]
     """KL and top-1 agreement on the probe's scored positions, and payload relative to raw
     16-bit K/V of the whole handoff (replayed tokens included: raw would ship them), through
     the real encode/decode."""
-    nbytes = {"n": 0}
+    nbytes, prompt = {"n": 0}, {"ex": None, "rebuild": None}  # the probe runs each example's layers in turn
 
     def rebuild(ex, layer):
+        if prompt["ex"] is not ex:
+            prompt["ex"], prompt["rebuild"] = ex, begin(codec, ex.tokens, consumer)
         code = codec.encode_layer(layer, ex.producer[layer])
         nbytes["n"] += payload_bytes(code)
-        return codec.decode_layer(layer, code, consumer, tokens=ex.tokens)
+        return prompt["rebuild"].decode_layer(layer, code)
 
     spec = spec_of(consumer)
     measured = probe.measure_all({i: rebuild for i in range(spec.num_layers)})

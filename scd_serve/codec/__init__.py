@@ -2,7 +2,8 @@
 
     codec = build("raw", producer=rt_a, consumer=rt_b)      # runtimes or their specs
     code = codec.encode_layer(layer, state)                 # producer: dict[str, Tensor]
-    k_pre, v = codec.decode_layer(layer, code, rt_b, tokens=ids)  # consumer; then rt_b.write_kv
+    rebuild = begin(codec, ids, rt_b)                        # consumer, one per prompt
+    k_pre, v = rebuild.decode_layer(layer, code)            # then rt_b.write_kv
 
 `METHODS` lists the names `build` accepts. The producer can build its half with specs only
 (the codebook carries the producer encoders); the consumer passes its runtime to decode.
@@ -18,6 +19,7 @@ from scd_serve.codec.baselines import IdentityCodec, RawCodec
 from scd_serve.codec.droidspeak import DroidSpeakCodec
 from scd_serve.codec.codebook import Codebook, as_codebook
 from scd_serve.codec.quant import QuantCodec
+from scd_serve.codec.rebuild import Rebuild, begin
 from scd_serve.codec.scd import ScdCodec
 from scd_serve.errors import ConfigError
 
@@ -71,5 +73,5 @@ def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any
     return factory(producer, consumer, codebook)
 
 
-__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "payload_bytes", "transferred", "wants_residuals", "Codebook", "TransferCodec",
+__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "begin", "Rebuild", "payload_bytes", "transferred", "wants_residuals", "Codebook", "TransferCodec",
            "KEYS", "VALUES", "ATTN_INPUT"]

@@ -5,8 +5,8 @@ state as soon as the layer is done and ships the returned dict of tensors; the c
 calls `decode_layer(layer, code, consumer)` and writes the returned (k_pre, v) with
 `consumer.write_kv`, which applies the consumer's own RoPE. The consumer passes the
 transferred prompt's token ids as `tokens=` (it holds them; SCD's token priors read them).
-A codec may also have `prepare(tokens, consumer)`: prompt-only work the consumer runs
-while the codes are still on their way (optional; SCD computes its token contexts).
+A codec that keeps state between one prompt's layers has `begin(tokens, consumer)`, which
+returns that prompt's Rebuild (codec/rebuild.py; SCD keeps its token context and a run there).
 Keys cross the codec in pre-RoPE form at the consumer's side: decode returns keys that,
 rotated by the consumer, give what the method intends the consumer to attend to.
 

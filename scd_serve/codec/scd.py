@@ -13,7 +13,6 @@ adds prior(prompt tokens) to each rebuilt stream; the codes carry only the rest.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Mapping
 
 import torch
@@ -22,10 +21,9 @@ from scd_serve.codec.base import STREAM_STATES, check_code, state_field, to_cons
 from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.plan import OWN, REUSE, RUN, LayerPlan, Plan
+from scd_serve.codec.rebuild import Rebuild
 from scd_serve.errors import CodebookError
 
-# runs held at once (one per prompt being rebuilt); beyond it the oldest, a failed transfer's, goes
-MAX_RUNS = 64
 
 
 def quantize_int8(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +56,6 @@ class ScdCodec:
         self._aligners: dict[int, Aligner] = {}
         self._priors: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._context_prior = codebook.context_prior()
-        self._last_context: tuple[Any, torch.device, torch.Tensor] | None = None
-        self._runs: dict[int, tuple[Any, Any]] = {}  # id(tokens) -> (tokens, the run's PrefillIterator)
-        self._runs_lock = threading.Lock()  # rebuild threads start and end runs concurrently
 
     def states_needed(self, layer: int) -> frozenset[str]:
         return frozenset(STREAM_STATES[s] for s, _ in self.plan.layers[layer].streams)
@@ -114,69 +109,51 @@ class ScdCodec:
             self._aligners[layer] = self.codebook.aligner(layer, s, rank).to(device)
         return self._aligners[layer]
 
-    def _prior(self, layer: int, s: str, tokens: torch.Tensor | None, like: torch.Tensor,
-               consumer: Any) -> torch.Tensor | float:
-        """The token prior of stream s for the prompt tokens: [T, dB], or 0 without one."""
+    def _prior(self, layer: int, s: str, rebuild: "ScdRebuild", like: torch.Tensor) -> torch.Tensor | float:
+        """The token prior of stream s for the prompt's tokens: [T, dB], or 0 without one."""
         key = (layer, s, like.device)
         if key not in self._priors:
             found = self.codebook.prior_tensors(layer, s)
             self._priors[key] = found and tuple(t.to(like.device, torch.float32) for t in found)
         if self._priors[key] is None:
             return 0.0
-        if tokens is None:
-            raise CodebookError(f"codebook '{self.codebook_id}' decodes with token priors: "
-                                "decode_layer needs the prompt's token ids (tokens=)")
-        return self._context_prior.apply(*self._priors[key], self._context(tokens, like, consumer))
+        return self._context_prior.apply(*self._priors[key], rebuild.context(like))
 
-    def _context(self, tokens: Any, like: torch.Tensor, consumer: Any) -> torch.Tensor:
-        """The prior's context of the prompt (token ids [T, taps] or features [T, rank]), computed
-        once per prompt: every layer of a request passes the same tokens object, so a one-slot
-        cache keyed by identity serves them all."""
-        last = self._last_context  # read once: rebuild threads may replace it concurrently
-        if last is not None and last[0] is tokens and last[1] == like.device:
-            return last[2]
-        ids = check_token_count(tokens, like)
-        ctx = self._context_prior.context(ids, consumer, device=like.device)
-        self._last_context = (tokens, like.device, ctx)
-        return ctx
-
-    def prepare(self, tokens: Any, consumer: Any) -> None:
-        """Prompt-only work, done while the codes are on their way: the prior's context every
-        layer reads (decode_layer then finds it for the same tokens object)."""
-        if self._context_prior is not None:
-            self._context(tokens, to_consumer(torch.empty(len(tokens), 0), consumer), consumer)
-
-    def decoder_inputs(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
-                       tokens: torch.Tensor | None, lp: LayerPlan | None = None
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """What decode_layer combines with the layer's decoder or aligner (distill.py tunes those):
-        -> ({stream: code [T, r] as received}, {stream decoded: token prior [T, dB], or 0.0}); a
-        rank-0 stream has a prior and no code. lp: the layer's plan (default: the codec's)."""
-        lp = lp or self.plan.layers[layer]
-        codes = {s: self._unpack(code, f"z{s}", consumer) for s, _ in lp.streams}
-        for z in codes.values():
-            check_token_count(tokens, z)
-        like = next(iter(codes.values()), None)
-        if like is None and lp.decoded:
-            if tokens is None:
-                raise CodebookError(f"layer {layer} ships no code: its rebuild needs the prompt's token ids (tokens=)")
-            like = to_consumer(torch.empty(torch.as_tensor(tokens).numel(), 0), consumer)  # [T, 0]
-        return codes, {s: self._prior(layer, s, tokens, codes.get(s, like), consumer) for s, _ in lp.decoded}
+    def begin(self, tokens: Any, consumer: Any) -> "ScdRebuild":
+        """One prompt's rebuild (codec/rebuild.py): tokens, its prompt's token ids [T] (needed
+        where the codebook has token priors, own layers or a run)."""
+        return ScdRebuild(self, tokens, consumer)
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
                      tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens: the prompt's token ids [T] (needed when the codebook has token priors)."""
-        lp = self.plan.layers[layer]
+        """One layer alone (a run's layers above its first need the prompt's Rebuild: `begin`)."""
+        return self.begin(tokens, consumer).decode_layer(layer, code)
+
+    def decoder_inputs(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild",
+                       lp: LayerPlan | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a layer's decode combines with its decoder or aligner (distill.py tunes those):
+        -> ({stream: code [T, r] as received}, {stream decoded: token prior [T, dB], or 0.0}); a
+        rank-0 stream has a prior and no code. lp: the layer's plan (default: the codec's)."""
+        lp = lp or self.plan.layers[layer]
+        codes = {s: self._unpack(code, f"z{s}", rebuild.consumer) for s, _ in lp.streams}
+        for z in codes.values():
+            check_token_count(rebuild.tokens, z)
+        like = next(iter(codes.values()), None)
+        if like is None and lp.decoded:
+            like = to_consumer(torch.empty(rebuild.num_tokens(layer), 0), rebuild.consumer)  # [T, 0]
+        return codes, {s: self._prior(layer, s, rebuild, codes.get(s, like)) for s, _ in lp.decoded}
+
+    def _decode(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, consumer = self.plan.layers[layer], rebuild.consumer
         spec = self.codebook.side_spec("consumer")
         if not self.codes and lp.mode != OWN:  # prior-only: every layer its streams' priors alone
             lp = LayerPlan(REUSE)  # (an own layer is zero payload already: computed as in the plan)
         if lp.mode == OWN:  # layer 0 from the consumer's own embeddings of the prompt: exact
-            if tokens is None:
-                raise CodebookError(f"layer {layer} is computed from the prompt's token ids: pass tokens=")
-            return own_kv(consumer, layer, tokens)
-        codes, priors = self.decoder_inputs(layer, code, consumer, tokens, lp)  # codes: {stream: [T, r]}
+            return own_kv(consumer, layer, rebuild.token_ids(layer))
+        codes, priors = self.decoder_inputs(layer, code, rebuild, lp)  # codes: {stream: [T, r]}
         if lp.mode == REUSE:
-            n = next(iter(codes.values())).shape[0] if codes else torch.as_tensor(tokens).numel()
+            n = next(iter(codes.values())).shape[0] if codes else rebuild.num_tokens(layer)
             device = to_consumer(torch.empty(0), consumer).device
             out = []
             for s, rank in lp.decoded:
@@ -185,41 +162,67 @@ class ScdCodec:
                 out.append(b.expand(n, -1).reshape(n, spec.num_kv_heads, spec.head_dim))
             return out[0], out[1]
         if lp.mode == RUN:
-            return self._run(layer, codes, priors, consumer, tokens)
+            return rebuild.run_layer(layer, codes, priors)
         z = codes["h"]
         with torch.no_grad():
             h = self._aligner(layer, "h", lp.r_h, z.device)(z) + priors["h"]  # [T, hidden] H_in,B
-        dtype = getattr(consumer, "dtype", torch.float32)
-        return consumer.recompute_kv(layer, h.to(dtype if isinstance(dtype, torch.dtype) else torch.float32))
+        return consumer.recompute_kv(layer, h.to(consumer_dtype(consumer)))
 
-    def _run(self, layer: int, codes: dict[str, torch.Tensor], priors: dict[str, Any], consumer: Any,
-             tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
+
+class ScdRebuild(Rebuild):
+    """One prompt through an ScdCodec: its token context, computed once for every layer, and a
+    run's forward, held from the run's first layer to its last (they decode in order)."""
+
+    def __init__(self, codec: ScdCodec, tokens: Any, consumer: Any):
+        super().__init__(codec, tokens, consumer)
+        self._context: tuple[torch.device, torch.Tensor] | None = None
+        self._run: Any = None  # the consumer's forward from the run's first layer (model.run_from)
+
+    def prepare(self) -> None:
+        """The prior's context, while the codes are on their way."""
+        if self.codec._context_prior is not None and self.tokens is not None:
+            self.context(to_consumer(torch.empty(len(self.tokens), 0), self.consumer))
+
+    def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.codec._decode(layer, code, self)
+
+    def token_ids(self, layer: int) -> Any:
+        if self.tokens is None:
+            raise CodebookError(f"codebook '{self.codec.codebook_id}' decodes layer {layer} from the prompt's "
+                                "token ids: pass tokens=")
+        return self.tokens
+
+    def num_tokens(self, layer: int) -> int:
+        return torch.as_tensor(self.token_ids(layer)).numel()
+
+    def context(self, like: torch.Tensor) -> torch.Tensor:
+        """The prior's context of the prompt (token ids [T, taps] or features [T, rank]) on like's device."""
+        if self._context is None or self._context[0] != like.device:
+            if self.tokens is None:
+                raise CodebookError(f"codebook '{self.codec.codebook_id}' decodes with token priors: "
+                                    "decode_layer needs the prompt's token ids (tokens=)")
+            ids = check_token_count(self.tokens, like)
+            self._context = (like.device, self.codec._context_prior.context(ids, self.consumer, device=like.device))
+        return self._context[1]
+
+    def run_layer(self, layer: int, codes: dict[str, torch.Tensor], priors: dict[str, Any]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """A run's layer: the first maps the residual code and starts the consumer's own forward
-        from it; each layer above takes that prompt's next layer (the tokens object, the same for
-        every layer of a rebuild, names the prompt)."""
-        if tokens is None:
-            raise CodebookError("a run is computed per prompt: decode_layer needs the prompt's token ids (tokens=)")
-        key, last = id(tokens), len(self.plan.layers) - 1
+        from it; each layer above takes its next layer."""
+        self.token_ids(layer)  # a run is computed per prompt
         if "r" in codes:
             with torch.no_grad():  # [T, hidden] the consumer's residual entering `layer`
-                h = self._aligner(layer, "r", self.plan.layers[layer].r_h, codes["r"].device)(codes["r"]) + priors["r"]
-            run = consumer.run_from(layer, h)
-            with self._runs_lock:
-                self._runs[key] = (tokens, run)
-                while len(self._runs) > MAX_RUNS:
-                    self._runs.pop(next(iter(self._runs)))
-        else:
-            with self._runs_lock:
-                held, run = self._runs.get(key, (None, None))
-            if held is not tokens:
-                raise CodebookError(f"layer {layer} is computed by a run whose first layer "
-                                    f"({self.plan.run_layer}) was not decoded for this prompt")
-        at, state = next(run)
+                lp = self.codec.plan.layers[layer]
+                h = self.codec._aligner(layer, "r", lp.r_h, codes["r"].device)(codes["r"]) + priors["r"]
+            self._run = self.consumer.run_from(layer, h)
+        elif self._run is None:
+            raise CodebookError(f"layer {layer} is computed by a run whose first layer "
+                                f"({self.codec.plan.run_layer}) was not decoded for this prompt")
+        at, state = next(self._run)
         if at != layer:
             raise CodebookError(f"the run is at layer {at}, decode_layer asked for {layer}: a run decodes in order")
-        if layer == last:
-            with self._runs_lock:
-                self._runs.pop(key, None)
+        if layer == len(self.codec.plan.layers) - 1:
+            self._run = None
         return state.keys, state.values
 
 
@@ -233,8 +236,12 @@ def check_token_count(tokens: Any, like: torch.Tensor) -> torch.Tensor | None:
     return ids
 
 
+def consumer_dtype(consumer: Any) -> torch.dtype:
+    dtype = getattr(consumer, "dtype", torch.float32)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
 def own_kv(consumer: Any, layer: int, tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """An own layer's K/V (plan.py): the consumer's projections of its own layer-0 input. -> [T, kvh, hd] x2"""
     h = consumer.token_inputs(torch.as_tensor(tokens).reshape(-1))  # [T, hidden]
-    dtype = getattr(consumer, "dtype", torch.float32)
-    return consumer.recompute_kv(layer, h.to(dtype if isinstance(dtype, torch.dtype) else torch.float32))
+    return consumer.recompute_kv(layer, h.to(consumer_dtype(consumer)))

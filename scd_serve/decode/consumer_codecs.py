@@ -52,31 +52,3 @@ class ConsumerCodecs:
             return ""
         except (ScdError, ValueError, KeyError, OSError) as exc:
             return f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"
-
-
-class PromptCodec:
-    """A consumer codec bound to one prompt's token ids (decode_layer's `tokens`), so the
-    rebuild seam stays decode_layer(layer, code, consumer) for every caller and wrapper."""
-
-    def __init__(self, codec, tokens: list[int]):
-        self._codec, self._tokens = codec, tokens
-
-    def __getattr__(self, name):
-        return getattr(self._codec, name)
-
-    def prepare(self, consumer) -> None:
-        prepare = getattr(self._codec, "prepare", None)  # optional in the codec contract
-        if prepare is not None:
-            prepare(self._tokens, consumer)
-
-    def decode_layer(self, layer: int, code: dict, consumer):
-        return self._codec.decode_layer(layer, code, consumer, tokens=self._tokens)
-
-
-def bind_prompt(codec, tokens: list[int], request_id: str, hooks=()) -> object:
-    """A request's consumer codec: bound to its prompt's token ids, then wrapped by each hook,
-    (codec, request_id) -> codec, in order (RemoteKVFill.codec_hooks)."""
-    bound = PromptCodec(codec, tokens)
-    for hook in hooks:
-        bound = hook(bound, request_id)
-    return bound

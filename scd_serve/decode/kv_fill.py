@@ -23,8 +23,8 @@ import torch
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import detach
 from scd_serve.codec.base import transferred
+from scd_serve.codec.rebuild import begin
 from scd_serve.decode.breaker import OPEN
-from scd_serve.decode.consumer_codecs import bind_prompt
 from scd_serve.decode.receive import Received, drain, receive
 from scd_serve.decode.shared import SharedTransfers
 from scd_serve.decode.transfer import handoff
@@ -80,7 +80,7 @@ class RemoteKVFill:
         self.on_cold: Callable[[str, object], None] | None = None  # told (prefill address, request) of each
         # Told of every completed transfer: (prefill address, request, Received, wall seconds).
         self.on_transfer: Callable[[str, object, Received, float], None] | None = None
-        # (codec, request_id) -> codec wrappers of each request's codec: fault injection, tracing
+        # (Rebuild, request_id) -> Rebuild: wrappers of each request's rebuild (fault injection, tracing)
         self.codec_hooks: list[Callable[[object, str], object]] = []
 
     async def __call__(self, req, sink) -> dict:
@@ -206,7 +206,9 @@ class RemoteKVFill:
         sink.limit(len(tokens))
         request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
                                     consumer_fingerprint=self.rt.fingerprint)
-        prompt_codec = bind_prompt(codec, tokens, rid, self.codec_hooks)  # decode_layer sees the prompt's ids
+        rebuild = begin(codec, tokens, self.rt)  # the prompt's decode side (codec/rebuild.py)
+        for hook in self.codec_hooks:
+            rebuild = hook(rebuild, rid)
 
         def check_header(header) -> None:
             self._check_header(header, peer, codec)
@@ -221,8 +223,8 @@ class RemoteKVFill:
         done = loop.create_future()
         try:
             job.start()  # the request leaves now, while a transfer thread wakes up to read the answer
-            self._threads.submit(job.run, loop, done, verifier, lambda: self._prepare(prompt_codec, sink),
-                                 lambda layer, code: self.rebuild_layer(layer, code, prompt_codec, sink))
+            self._threads.submit(job.run, loop, done, verifier, lambda: self._prepare(rebuild, sink),
+                                 lambda layer, code: self.rebuild_layer(layer, code, rebuild, sink))
             got = await self._watch(job, done)
             ok = True
         except grpc.RpcError as exc:
@@ -294,19 +296,19 @@ class RemoteKVFill:
             raise ColdAtPeer(f"prefill {peer.address} has no cached codes for this prompt ({header.codec_id}); "
                              f"a local prefill is predicted faster than a cold transfer")
 
-    def _prepare(self, codec, sink) -> None:
+    def _prepare(self, rebuild, sink) -> None:
         """The rebuild's prompt-only work, while the first chunk is on its way."""
         try:
             sink.prepare()
-            codec.prepare(self.rt)
+            rebuild.prepare()
         except ScdError:
             raise
         except Exception as exc:  # a local fault, not the peer's: this transfer fails, the worker lives
             raise TransferFailed(f"preparing the rebuild failed: {type(exc).__name__}: {exc}") from None
 
-    def rebuild_layer(self, layer: int, code: dict, codec, sink) -> None:
+    def rebuild_layer(self, layer: int, code: dict, rebuild, sink) -> None:
         try:
-            k_pre, v = codec.decode_layer(layer, code, self.rt)  # [T-1, kvh, hd] each
+            k_pre, v = rebuild.decode_layer(layer, code)  # [transferred tokens, kvh, hd] each
         except ScdError:
             raise
         except Exception as exc:  # malformed code: refuse it, never write garbage

@@ -61,17 +61,25 @@ class Shared:
 
 
 class _Tee:
-    """A sink that also hands each written layer to a Shared."""
+    """A sink (what a transfer uses of engine/sink.LayerSink) that also hands each written layer
+    to a Shared."""
 
     def __init__(self, sink, shared: Shared):
         self._sink, self._shared = sink, shared
 
+    @property
+    def closed(self) -> bool:
+        return self._sink.closed
+
+    def prepare(self) -> None:
+        self._sink.prepare()
+
+    def limit(self, num_tokens: int) -> None:
+        self._sink.limit(num_tokens)
+
     def write_layer(self, layer: int, k_pre, v) -> None:
         self._sink.write_layer(layer, k_pre, v)
         self._shared.put(layer, k_pre, v)
-
-    def __getattr__(self, name: str):
-        return getattr(self._sink, name)
 
 
 class SharedTransfers:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from scd_serve.codec.base import payload_bytes, transferred, wants_residuals
+from scd_serve.codec.rebuild import begin
 
 ORACLE = "oracle"
 # the control that shows codes carry the prompt: scd rebuilt from another prompt's codes (its
@@ -56,11 +57,12 @@ def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens:
         cut = transferred(codec, prefix.shape[0])
         shipped = prefix[:cut]
         source = shipped if donor is None else donor[:cut]
+        prompt = begin(codec, shipped, rt_b)
         for layer, state in rt_a.iter_prefill(source, compute_logits=False, residuals=residuals):
             code = codec.encode_layer(layer, state)  # producer side, not timed as rebuild
             nbytes += payload_bytes(code)
             start = time.perf_counter()
-            k_pre, v = codec.decode_layer(layer, code, rt_b, tokens=shipped)  # k_pre, v: [cut, kv_heads, head_dim]
+            k_pre, v = prompt.decode_layer(layer, code)  # k_pre, v: [cut, kv_heads, head_dim]
             rt_b.write_kv(pool, blocks, layer, k_pre, v)
             rebuild += time.perf_counter() - start
         if cut < prefix.shape[0]:  # the replayed tail, computed by the consumer over the rebuilt rest

@@ -190,18 +190,20 @@ def on_decode(fill: Any, before: Callable[[int], None], request_id: str | None =
     the fill's public `codec_hooks`. It binds at each transfer's start; returns its remover."""
 
     class _Hooked:
-        def __init__(self, codec):
-            self._codec = codec
+        """A request's Rebuild (codec/rebuild.py) with `before` ahead of each layer."""
 
-        def __getattr__(self, name):
-            return getattr(self._codec, name)
+        def __init__(self, rebuild):
+            self._rebuild = rebuild
 
-        def decode_layer(self, layer, code, consumer):
+        def prepare(self):
+            self._rebuild.prepare()
+
+        def decode_layer(self, layer, code):
             before(layer)
-            return self._codec.decode_layer(layer, code, consumer)
+            return self._rebuild.decode_layer(layer, code)
 
-    def hook(codec, rid: str):
-        return _Hooked(codec) if request_id is None or rid == request_id else codec
+    def hook(rebuild, rid: str):
+        return _Hooked(rebuild) if request_id is None or rid == request_id else rebuild
 
     fill.codec_hooks.append(hook)
     return lambda: fill.codec_hooks.remove(hook)

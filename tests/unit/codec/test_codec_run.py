@@ -52,13 +52,14 @@ def test_same_model_run_rebuilds_the_prefill_and_interleaved_prompts_keep_their_
     states = [[s for _, s in rt.iter_prefill(x, compute_logits=False, residuals=True)] for x in ids]
     codes = [[c.encode_layer(i, s) for i, s in enumerate(st)] for st in states]
     assert codes[0][3] == {} and set(codes[0][2]) == {"zr"}
-    # two prompts rebuilt layer by layer in turn, as two transfer threads would
+    # two prompts rebuilt layer by layer in turn, as two transfer threads would: each its own Rebuild
+    rebuilds = [codec.begin(c, x, rt) for x in ids]
     for layer in range(4):
-        for x, st, code in zip(ids, states, codes):
-            k, v = c.decode_layer(layer, code[layer], rt, tokens=x)
+        for rb, st, code in zip(rebuilds, states, codes):
+            k, v = rb.decode_layer(layer, code[layer])
             torch.testing.assert_close(k, st[layer].keys, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(v, st[layer].values, atol=2e-2, rtol=2e-2)
-    assert not c._runs  # each run let go at its last layer
+    assert all(rb._run is None for rb in rebuilds)  # each run let go at its last layer
 
 
 def test_run_layers_out_of_turn_are_refused(same_model):
@@ -67,13 +68,17 @@ def test_run_layers_out_of_turn_are_refused(same_model):
     x = torch.arange(10)
     st = [s for _, s in rt.iter_prefill(x, compute_logits=False, residuals=True)]
     with pytest.raises(CodebookError, match="first layer \\(2\\) was not decoded"):
-        c.decode_layer(3, {}, rt, tokens=x)
+        c.decode_layer(3, {}, rt, tokens=x)  # one layer alone: no run of this prompt holds layer 3
     with pytest.raises(CodebookError, match="tokens="):
         c.decode_layer(2, c.encode_layer(2, st[2]), rt)
-    c.decode_layer(2, c.encode_layer(2, st[2]), rt, tokens=x)
-    c.decode_layer(3, {}, rt, tokens=x)
+    rb = codec.begin(c, x, rt)
+    rb.decode_layer(2, c.encode_layer(2, st[2]))
+    rb.decode_layer(3, {})
     with pytest.raises(CodebookError, match="was not decoded"):  # the run ended at the last layer
-        c.decode_layer(3, {}, rt, tokens=x)
+        rb.decode_layer(3, {})
+    other = codec.begin(c, x, rt)  # the same tokens, another rebuild: its run is its own
+    with pytest.raises(CodebookError, match="was not decoded"):
+        other.decode_layer(3, {})
     with pytest.raises(CodebookError, match="'residual' was not captured"):
         c.encode_layer(2, next(iter(rt.iter_prefill(x, compute_logits=False)))[1])
 
