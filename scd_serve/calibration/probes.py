@@ -124,15 +124,20 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
 
 
 def pick(options: list[dict], kl_budget: float, min_top1: float) -> tuple[dict, bool]:
-    """options: {replay, run, cost, kl, top1, plan}. -> (the cheapest meeting both targets, True); else, of those within the KL budget (the top-1
-    target out of reach), the best top-1 where it gains MIN_TOP1_GAIN over the cheapest of them,
-    else that cheapest; else the least KL (False)."""
+    """options: {replay, run, cost, kl, top1, plan} -> (the cheapest meeting both targets, True);
+    else, of those within the KL budget (the top-1 target out of reach), the cheapest whose top-1
+    is within MIN_TOP1_GAIN of the best (closer is the probe's noise, not worth a prefill), when
+    it gains MIN_TOP1_GAIN over the cheapest of them all, else that cheapest; else the least KL."""
+    def cheapest(among: list[dict]) -> dict:
+        return min(among, key=lambda o: (o["cost"], o["plan"].code_width()))
+
     meets = [o for o in options if o["kl"] <= kl_budget and o["top1"] >= min_top1]
     if meets:
-        return min(meets, key=lambda o: (o["cost"], o["plan"].code_width())), True
+        return cheapest(meets), True
     within = [o for o in options if o["kl"] <= kl_budget]
     if not within:
         return min(options, key=lambda o: o["kl"]), False
-    cheapest = min(within, key=lambda o: (o["cost"], o["plan"].code_width()))
-    best = max(within, key=lambda o: (o["top1"], -o["cost"]))
-    return (best if best["top1"] >= cheapest["top1"] + MIN_TOP1_GAIN else cheapest), False
+    best = max(o["top1"] for o in within)
+    near = cheapest([o for o in within if o["top1"] >= best - MIN_TOP1_GAIN])
+    floor = cheapest(within)
+    return (near if near["top1"] >= floor["top1"] + MIN_TOP1_GAIN else floor), False

@@ -51,6 +51,9 @@ def test_the_cheapest_option_meeting_both_targets_else_the_best_top1_worth_its_c
     r16, r32 = option(16, None, 0.1, 0.04, 0.95), option(32, None, 0.2, 0.03, 0.97)
     assert pick([alone, run1, r16, r32], 0.05, 0.95) == (r16, True)  # the cheapest that meets both
     assert pick([alone, run1, r16, r32], 0.05, 0.99) == (r32, False)  # top-1 out of reach: the best of it
+    # within the probe's noise of the best, the cheapest (a run costing twice as much buys nothing sure)
+    twin = option(0, 1, 0.5, 0.03, 0.97 + MIN_TOP1_GAIN / 2)
+    assert pick([alone, r32, twin], 0.05, 0.99) == (r32, False)
     # a gain below the noise is not worth a prefill: the cheapest within the KL budget
     flat = option(64, None, 0.25, 0.03, 0.90 + MIN_TOP1_GAIN / 2)
     assert pick([alone, flat], 0.05, 0.95) == (alone, False)
