@@ -227,15 +227,16 @@ class Engine:
                         self._wake.clear()
                     continue
                 try:
-                    tokens = self.runner.run(batch)
+                    sampled = self.runner.run(batch)
                 except Exception as exc:  # noqa: BLE001 - this step's requests fail, the engine goes on
                     self._step_failed(batch, exc)
                     continue
                 self._failed_steps = 0
-                batch, tokens = self._drop_failed_rows(batch, tokens)
+                logprobs = {batch.decodes[i].seq_id: lp for i, lp in sampled.logprobs.items()}
+                batch, tokens = self._drop_failed_rows(batch, sampled.rows)
                 self.scheduler.postprocess(batch, tokens)
                 for seq, token in zip(batch.decodes, tokens, strict=True):
-                    self._emit_token(seq, token)
+                    self._emit_token(seq, token, logprobs.get(seq.seq_id))
                 self.num_generated_tokens += len(tokens)
                 self.num_steps += 1
                 self._flush()
@@ -320,15 +321,15 @@ class Engine:
         log.debug("ended request_id=%s reason=%s output_tokens=%d", h.seq.request.request_id, reason,
                   h.seq.num_output_tokens)
 
-    def _emit_token(self, seq: Sequence, token: int) -> None:
+    def _emit_token(self, seq: Sequence, token: int, logprob: Any = None) -> None:
+        """logprob: the token's TokenLogprob where the request asked for log-probabilities."""
         h = self._live[seq.seq_id]
         params = seq.request.params
         delta = h.detok.add(token, check_stop=seq.num_output_tokens >= params.min_tokens)
         if h.detok.stopped and not seq.is_finished:
             self.scheduler.finish(seq, "stop")
             seq.stop_reason = h.detok.stop_reason
-        extra: dict[str, Any] = {"logprob": seq.last_logprob}
-        seq.last_logprob = None
+        extra: dict[str, Any] = {"logprob": logprob}
         if seq.prompt_logprobs is not None and seq.num_output_tokens == 1:
             extra["prompt_logprobs"] = tuple(seq.prompt_logprobs)
         if not seq.is_finished:

@@ -11,7 +11,7 @@ import torch
 
 from scd_serve.config.engine import EngineConfig
 from scd_serve.engine.grammar import TokenMask
-from scd_serve.engine.sampler import sample, token_logprobs
+from scd_serve.engine.sampler import Sampled, sample, token_logprobs
 from scd_serve.engine.scheduler import ScheduledBatch
 from scd_serve.engine.sequence import Sequence
 from scd_serve.engine.runtime_protocol import Runtime
@@ -32,9 +32,10 @@ class Runner:
         self.mask = TokenMask()  # structured outputs' bitmask, allocated on the first constrained step
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
+    def run(self, batch: ScheduledBatch) -> Sampled:
         """Cache the scheduled prefill chunks and run one decode step, in one forward where the
-        runtime can (mixed_step: the weights are read once); one sampled token per decode."""
+        runtime can (mixed_step: the weights are read once); per decode, a sampled token (or why
+        there is none) and its log-probability where asked for."""
         chunks = [(seq.block_ids, seq.num_cached, seq.token_ids[seq.num_cached:seq.num_cached + n])
                   for seq, n in batch.prefills]
         # the last prompt token is a decode step: a chunk's logits serve prompt log-probabilities only
@@ -53,7 +54,7 @@ class Runner:
             if seq.prompt_logprobs is not None:
                 self._record_prompt_logprobs(seq, out)
         if not batch.decodes:
-            return []
+            return Sampled([])
         if len(todo) == len(rows):
             return sample(logits, batch.decodes, self.eos_token_ids, self.mask)  # nothing was made ahead: no copy
         for i, row in zip(todo, logits if logits is not None else [], strict=True):

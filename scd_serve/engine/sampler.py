@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Collection
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +32,14 @@ class Ended:
     grammar could take: the sequence ends there (finish_reason "stop"), with no new token."""
 
 
+@dataclass
+class Sampled:
+    """One step's sampling, row by row in the batch's decode order."""
+
+    rows: list[int | StepFailed | Ended]  # the token sampled, or why the row has none
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # row -> its token's, where asked for
+
+
 def generator_for(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(seed if seed is not None else secrets.randbits(63))
@@ -38,7 +47,7 @@ def generator_for(seed: int | None, device: torch.device | str = "cpu") -> torch
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = (),
-           mask: TokenMask | None = None) -> list[int | StepFailed | Ended]:
+           mask: TokenMask | None = None) -> Sampled:
     raw = logits.float()  # logits: [B, vocab] (any float dtype/device); one row per sequence
     finite = torch.isfinite(raw).all(dim=-1).tolist()
     ok = [i for i in range(len(seqs)) if finite[i]]
@@ -85,11 +94,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
                 out[i] = failed[i] = StepFailed(f"the grammar refused token {out[i]} for request "
                                                 f"{seqs[i].request.request_id}")
     wanted = [i for i in ok if seqs[i].request.params.logprobs is not None and i not in failed]
+    logprobs = {}
     if wanted:
         ks = [seqs[i].request.params.logprobs for i in wanted]
-        for i, lp in zip(wanted, token_logprobs(raw[wanted], [out[i] for i in wanted], ks), strict=True):
-            seqs[i].last_logprob = lp
-    return out
+        logprobs = dict(zip(wanted, token_logprobs(raw[wanted], [out[i] for i in wanted], ks), strict=True))
+    return Sampled(out, logprobs)
 
 
 def _mask_guided(mask: TokenMask, logits: torch.Tensor, raw: torch.Tensor, guided: list[int],

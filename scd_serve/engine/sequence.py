@@ -42,8 +42,6 @@ class Sequence:
         self.grammar: Any = request.grammar.matcher() if request.grammar is not None else None
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-        # params.logprobs: the sampler's TokenLogprob for the token just sampled (taken when emitted)
-        self.last_logprob: Any = None
         # params.prompt_logprobs: one TokenLogprob per prompt token, filled by the local prefill
         # (the first token has no context, so None); a recompute after preemption adds nothing
         want = request.params.prompt_logprobs is not None

@@ -92,7 +92,7 @@ def test_one_step_masks_the_guided_rows_and_leaves_the_others_alone(compiler):
     seqs[1].grammar, seqs[3].grammar = grammar.matcher(), allowed(grammar, "d")
     logits = torch.zeros(4, len(tok))
     logits[:, tid("z")] = 10.0  # every row's favourite is 'z', which no grammar allows
-    out = sample(logits.clone(), seqs, {tok.eos_token_id})
+    out = sample(logits.clone(), seqs, {tok.eos_token_id}).rows
     assert out[0] == out[2] == tid("z")  # unconstrained rows: untouched
     assert out[1] in (tid("c"), tid("d")) and out[3] == tid("o")  # constrained: what each grammar allows next
 
@@ -103,7 +103,7 @@ def test_the_grammar_wins_over_min_tokens_and_a_complete_grammar_takes_the_end_t
     grammar = compiler.compile(GrammarSpec("choice", '["ok"]', "guided_choice"))
     seq = Sequence(req("r", [65], min_tokens=5, max_tokens=8))
     seq.grammar = allowed(grammar, "ok")
-    assert sample(torch.zeros(1, len(tok)), [seq], {eos}) == [eos]  # min_tokens would mask it: the grammar's end wins
+    assert sample(torch.zeros(1, len(tok)), [seq], {eos}).rows == [eos]  # min_tokens would mask it: the grammar's end wins
 
 
 def test_a_complete_grammar_without_any_end_token_ends_the_row_without_a_token():
@@ -113,7 +113,7 @@ def test_a_complete_grammar_without_any_end_token_ends_the_row_without_a_token()
     seq, other = Sequence(req("r", [65])), Sequence(req("o", [65]))
     seq.grammar = grammar.matcher()
     assert all(seq.grammar.accept_token(t) for t in tok.encode("ok"))
-    out = sample(torch.zeros(2, len(tok)), [seq, other])
+    out = sample(torch.zeros(2, len(tok)), [seq, other]).rows
     assert isinstance(out[0], Ended) and isinstance(out[1], int)
 
 
@@ -125,7 +125,7 @@ def test_a_token_the_grammar_refuses_fails_that_row_alone(compiler, monkeypatch)
     monkeypatch.setattr("scd_serve.engine.grammar.TokenMask.reapply", lambda self, logits, rows: None)  # mask lost
     logits = torch.zeros(2, len(tok))
     logits[:, tid("z")] = 5.0
-    out = sample(logits, seqs, {tok.eos_token_id})
+    out = sample(logits, seqs, {tok.eos_token_id}).rows
     assert isinstance(out[0], StepFailed) and "refused" in out[0].message and out[1] == tid("z")
 
 

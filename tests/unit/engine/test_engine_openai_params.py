@@ -55,11 +55,12 @@ def test_min_p_drops_tokens_below_the_fraction_of_the_best():
 def test_logprobs_are_the_raw_distribution_even_when_bias_picks_the_token():
     logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]])
     s = Sequence(GenerationRequest("r", [1], SamplingParams(temperature=0, logprobs=2, logit_bias=((3, 100.0),))))
-    assert sample(logits, [s]) == [3]  # the bias forced token 3
-    raw = torch.log_softmax(logits[0], -1)
-    assert s.last_logprob.logprob == pytest.approx(float(raw[3]))
-    assert [t for t, _ in s.last_logprob.top] == [1, 2]
-    assert [v for _, v in s.last_logprob.top] == pytest.approx(raw[[1, 2]].tolist())
+    out = sample(logits, [s])
+    assert out.rows == [3] and set(out.logprobs) == {0}  # the bias forced token 3
+    raw, lp = torch.log_softmax(logits[0], -1), out.logprobs[0]
+    assert lp.logprob == pytest.approx(float(raw[3]))
+    assert [t for t, _ in lp.top] == [1, 2]
+    assert [v for _, v in lp.top] == pytest.approx(raw[[1, 2]].tolist())
 
 
 @pytest.mark.parametrize("bad", [dict(min_p=1.5), dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")),

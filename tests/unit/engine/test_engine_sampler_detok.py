@@ -18,7 +18,7 @@ def seqs(*params):
 
 def test_greedy_is_argmax_per_row():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
-    assert sample(logits, seqs(SamplingParams(temperature=0), SamplingParams(temperature=0))) == [1, 0]
+    assert sample(logits, seqs(SamplingParams(temperature=0), SamplingParams(temperature=0))).rows == [1, 0]
 
 
 def test_top_k_and_top_p_cut_the_tail():
@@ -43,7 +43,7 @@ def test_every_legal_extreme_gives_a_distribution(temperature, top_p, top_k):
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=2**63 - 1)
     p = probabilities(logits, params)
     assert torch.isfinite(p).all() and (p >= 0).all() and abs(float(p.sum()) - 1) < 1e-9
-    (token,) = sample(logits[None], seqs(params))
+    (token,) = sample(logits[None], seqs(params)).rows
     assert isinstance(token, int) and 0 <= token < 200
     # all the mass on the best tokens (a huge temperature makes every token equally likely: then
     # a tiny top_p keeps one of those, any)
@@ -59,14 +59,14 @@ def test_an_extreme_repetition_penalty_still_samples(penalty, temperature):
     logits = torch.randn(50, generator=torch.Generator().manual_seed(4)) * 8
     seen = list(range(50))  # every token in the prompt: all are penalised
     params = SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=7)
-    (token,) = sample(logits[None], [Sequence(GenerationRequest("r", seen, params))])
+    (token,) = sample(logits[None], [Sequence(GenerationRequest("r", seen, params))]).rows
     assert isinstance(token, int) and 0 <= token < 50
 
 
 def test_non_finite_row_fails_alone():
     logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan"), 0.0, 1.0], [0.0, float("inf"), 1.0]])
     out = sample(logits, seqs(SamplingParams(temperature=0), SamplingParams(temperature=0.5),
-                              SamplingParams(temperature=0)))
+                              SamplingParams(temperature=0))).rows
     assert out[0] == 1 and all(isinstance(e, StepFailed) and "non-finite" in e.message for e in out[1:])
 
 
@@ -76,17 +76,17 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch():
 
     def draw(batch_logits, n=20):
         (s,) = seqs(p)
-        return [sample(batch_logits, [s])[0] for _ in range(n)]
+        return [sample(batch_logits, [s]).rows[0] for _ in range(n)]
 
     alone = draw(logits[:1])
     again = draw(logits[:1])
     assert alone == again
     # the same sequence next to two others draws the same tokens
     s, o1, o2 = seqs(p, SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0))
-    together = [sample(logits, [s, o1, o2])[0] for _ in range(20)]
+    together = [sample(logits, [s, o1, o2]).rows[0] for _ in range(20)]
     assert together == alone
     (s,) = seqs(SamplingParams(temperature=1.0, seed=43))
-    assert [sample(logits[:1], [s])[0] for _ in range(20)] != alone
+    assert [sample(logits[:1], [s]).rows[0] for _ in range(20)] != alone
 
 
 @pytest.mark.parametrize("field,kwargs", [
@@ -139,7 +139,7 @@ def test_a_batch_of_rows_samples_each_rows_own_distribution():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).repeat(n, 1)
     params = [SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams(temperature=1.0, top_k=2, seed=i)
               for i in range(n)]
-    out = torch.tensor(sample(logits, seqs(*params)))
+    out = torch.tensor(sample(logits, seqs(*params)).rows)
     for rows, want in ((out[1::2], [0.5, 0.3, 0.15, 0.05]), (out[0::2], [0.625, 0.375, 0.0, 0.0])):
         freq = torch.bincount(rows, minlength=4).double() / rows.numel()
         for f, p in zip(freq.tolist(), want):
@@ -161,6 +161,6 @@ def test_a_sampling_bug_costs_only_the_row_it_hits(monkeypatch):
     monkeypatch.setattr(sampler, "candidates", broken)
     logits = torch.tensor([[0.0, 9.0, 1.0]] * 3)
     out = sample(logits, seqs(SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=13),
-                              SamplingParams(temperature=1e-3, seed=1)))
+                              SamplingParams(temperature=1e-3, seed=1))).rows
     assert out[0] == 1 and out[2] == 1
     assert isinstance(out[1], StepFailed) and "injected" in out[1].message
