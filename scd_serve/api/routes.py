@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from scd_serve.api.choices import Outcome, all_or_none, best, child_seed, first_event, rest
 from scd_serve.api.render import Render, close_all
@@ -23,7 +23,7 @@ from scd_serve.api.prompt import chat_prompt_ids, completion_prompts, unknown_wa
 from scd_serve.api.sampling import MAX_CHOICES, Plan, check_length, check_logit_bias, sampling_params
 from scd_serve.api.responses import ChatCompletionResponse, CompletionResponse, ModelList, ok
 from scd_serve.api.schemas import ChatCompletionRequest, CompletionRequest
-from scd_serve.api.sse import USAGE_HEADER, USAGE_TRAILER, Shape, sse_stream
+from scd_serve.api.sse import USAGE_HEADER, USAGE_TRAILER, ClosingStreamingResponse, Shape, sse_stream
 from scd_serve.api.structured import compile_grammar, one_spec, requested_specs
 from scd_serve.api.tools import tool_plan
 from scd_serve.control.lifecycle import cancel_all
@@ -143,7 +143,7 @@ async def _serve(request: Request, body, *, chat: bool, max_tokens: int | None) 
     if body.stream:
         chunks = render.stream(firsts, streams)
         trailer = render.summary if request.headers.get(USAGE_HEADER) == USAGE_TRAILER else None
-        return StreamingResponse(sse_stream(_first_with(chunks, picked) if picked else chunks, rid, on_end, trailer),
+        return ClosingStreamingResponse(sse_stream(_first_with(chunks, picked) if picked else chunks, rid, on_end, trailer),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                           **choice_headers(picked), **headers})

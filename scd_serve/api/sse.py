@@ -17,6 +17,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from starlette.responses import StreamingResponse
+
 from scd_serve.errors import ScdError
 
 log = logging.getLogger("scd_serve.api")
@@ -102,3 +104,19 @@ async def sse_stream(chunks: AsyncIterator[dict], request_id: str, on_end: Calla
         await chunks.aclose()
         on_end(status)
     yield data("[DONE]")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body iterator however the response ends. Under ASGI
+    spec 2.4 (uvicorn) Starlette learns that the client left from a send that fails, and leaves
+    the iterator suspended: its `finally` (abort the engine request, close the upstream stream)
+    would run only once it is collected, which a reference cycle puts off, often past the end
+    of the generation."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()

@@ -16,14 +16,14 @@ from functools import partial
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
 from scd_serve import __version__
 from scd_serve.api.app import add_version_and_live, create_app
 from scd_serve.api.guard import RequestGuard, error_response
 from scd_serve.api.handlers import install_error_handlers
-from scd_serve.api.sse import USAGE_HEADER, USAGE_TRAILER
+from scd_serve.api.sse import USAGE_HEADER, USAGE_TRAILER, ClosingStreamingResponse
 from scd_serve.config.api import ApiConfig
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
@@ -129,7 +129,7 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
             broken = metrics.broken.labels(pick.address).inc
             stop = shutting_down_or_silent(app.state.closing, silent, pick.address)
             # background: also runs when the client left before the body started streaming
-            return StreamingResponse(relay(resp, done, pick.address, rid, broken, clock, stop),
+            return ClosingStreamingResponse(relay(resp, done, pick.address, rid, broken, clock, stop),
                                      status_code=resp.status_code, background=BackgroundTask(done),
                                      headers={k: v for k, v in resp.headers.items() if k.lower() in RETURN_HEADERS})
         if watch.gone:
