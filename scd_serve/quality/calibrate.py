@@ -58,11 +58,13 @@ class Calibration:
 
 def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list, cfg: CalibrateConfig,
               log: Callable[[str], None] = print, show_progress: bool = True,
-              distill_pairs: list | None = None, report_pairs: list | None = None) -> Calibration:
+              distill_pairs: list | None = None, report_pairs: list | None = None,
+              choice_pairs: list | None = None) -> Calibration:
     """distill_pairs: (prompt, scored tokens) of the fit set for distillation (default: the fit
     prompts alone, which feed their last tokens; calibration/distill.py). report_pairs: prompts held
     out from everything (calibration_data.py) on which the manifest's figures are measured;
-    without them the figures are the probe's, which the plan was chosen on (said in the manifest)."""
+    without them the figures are the probe's, which the plan was chosen on (said in the manifest).
+    choice_pairs: the probe prompts scored longer, for the run and replay choice (default: the probe's)."""
     from scd_serve import codec as registry
 
     pspec, cspec = spec_of(producer), spec_of(consumer)
@@ -129,7 +131,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         else:
             stats_kl = kl_mlp
     run = {"kl_without": stats_kl}
-    probes = ReplayProbes(producer, consumer, probe_pairs, cfg.probe_tail, run_layers, probe, show_progress)
+    probes = ReplayProbes(producer, consumer, choice_pairs or probe_pairs, cfg.probe_tail, run_layers,
+                          None if choice_pairs else probe, show_progress)
     # a run's residual code at full rank, or what the fit rows allow (fewer rows than dimensions)
     run_ranks = {layer: min(h_grid[-1], fits[layer].codes["r"].max_rank) for layer in run_layers}
     plan, replay, tail = choose_run_and_replay(search, plan, probes, run_ranks, max_width, cfg.kl_budget,
@@ -339,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
                               f"context of {context} positions", field="max_tokens")
         data = user_prompts(consumer, args.data, records, cfg, max_tokens, args.greedy_tokens)
     result = calibrate(producer, consumer, data.fit, data.probe, cfg, distill_pairs=data.fit_pairs,
-                       report_pairs=data.report)
+                       report_pairs=data.report, choice_pairs=data.choice)
     result.codebook.manifest["calibration"]["data"] = {"source": args.data, "dtype": args.dtype}
     out = result.codebook.save(args.out)
     spec = spec_of(consumer)

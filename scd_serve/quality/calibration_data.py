@@ -37,6 +37,9 @@ class CalibrationData:
     probe: list[tuple[Tensor, Tensor]]  # (prompt ids, scored ids)
     report: list[tuple[Tensor, Tensor]]
     report_documents: int = 0
+    # the probe prompts scored as long as the report's: what the run and replay choice reads (a
+    # replay mends the tokens nearest the prompt, so a short score would overrate it)
+    choice: list[tuple[Tensor, Tensor]] | None = None
 
     def summary(self) -> str:
         return (f"fit on {len(self.fit)}, probe on {len(self.probe)}, report on {len(self.report)} "
@@ -97,17 +100,19 @@ def user_prompts(consumer, data: str, records: list, cfg: CalibrateConfig, max_t
             run_oracle(consumer, p, greedy_tokens, -1 if eos is None else int(eos)).scored
         return p.ids, ref[:limit]
 
+    choice = [scored(items[i], REPORT_SCORED_TOKENS) for i in tqdm(probe_i, desc="probe references",
+                                                                    disable=not show_progress)]
+
     no_answer = torch.zeros(0, dtype=torch.long)
     out = CalibrationData(
         fit=[torch.cat([items[i].ids, items[i].reference]) if items[i].kind == "text" and items[i].reference
              is not None else items[i].ids for i in fit_i],
         fit_pairs=[(items[i].ids, no_answer if items[i].reference is None else items[i].reference[:PROBE_SCORED_TOKENS])
                    for i in fit_i],
-        probe=[scored(items[i], PROBE_SCORED_TOKENS) for i in tqdm(probe_i, desc="probe references",
-                                                                    disable=not show_progress)],
+        probe=[(ids, ref[:PROBE_SCORED_TOKENS]) for ids, ref in choice],
         report=[scored(items[i], REPORT_SCORED_TOKENS) for i in tqdm(report_i, desc="report references",
                                                                       disable=not show_progress)],
-        report_documents=len({items[i].document for i in report_i}))
+        report_documents=len({items[i].document for i in report_i}), choice=choice)
     print(out.summary(), flush=True)
     return out
 

@@ -169,6 +169,27 @@ def test_a_file_of_the_builtin_prompts_gives_the_builtin_calibration_prompts(tmp
     assert "fit on 4, probe on 2, report on 1 (1 documents held out" in capsys.readouterr().out
 
 
+def test_the_run_and_replay_choice_reads_the_probe_prompts_scored_as_long_as_the_report(tmp_path):
+    """A replay mends the tokens nearest the prompt: the choice scores the probe prompts as far as
+    the report does (REPORT_SCORED_TOKENS), the plan search as far as PROBE_SCORED_TOKENS."""
+    from types import SimpleNamespace
+
+    from scd_serve.config.codec import CalibrateConfig
+    from scd_serve.model.loader import load_tokenizer
+    from scd_serve.quality.calibration_data import PROBE_SCORED_TOKENS, user_prompts
+    from scd_serve.quality.data import read_records
+
+    tok = load_tokenizer(Path(__file__).parents[3] / "models" / "demo-pair" / "consumer")
+    f = tmp_path / "texts.jsonl"
+    f.write_text("".join(json.dumps({"text": f"doc {i}: " + "the quick brown fox " * 150, "source": f"d{i}"}) + "\n"
+                         for i in range(8)))
+    cfg = CalibrateConfig(kl_budget=0.05, num_prompts=4, num_probe_prompts=2, num_report_prompts=2)
+    got = user_prompts(SimpleNamespace(tokenizer=tok), str(f), read_records(f), cfg, 4000, 16, show_progress=False)
+    assert [p.tolist() for p, _ in got.choice] == [p.tolist() for p, _ in got.probe]
+    assert all(len(s) == PROBE_SCORED_TOKENS < len(c) and c[:PROBE_SCORED_TOKENS].tolist() == s.tolist()
+               for (_, s), (_, c) in zip(got.probe, got.choice))
+
+
 def test_measure_records_held_out_figures_that_auto_reads(pair, tmp_path, capsys):
     from scd_serve.codec.codebook import TENSORS
     from scd_serve.decode.auto import Calibration
