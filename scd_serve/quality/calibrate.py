@@ -50,7 +50,7 @@ def rank_grid(width: int, fractions: tuple[float, ...]) -> list[int]:
 
 
 @dataclass
-class Calibration:
+class CalibrationResult:
     codebook: Codebook
     curve: list[SearchPoint]
     methods: dict[str, dict[str, float]]  # method -> measured kl, payload ratio to raw
@@ -59,7 +59,7 @@ class Calibration:
 def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list, cfg: CalibrateConfig,
               log: Callable[[str], None] = print, show_progress: bool = True,
               distill_pairs: list | None = None, report_pairs: list | None = None,
-              choice_pairs: list | None = None) -> Calibration:
+              choice_pairs: list | None = None) -> CalibrationResult:
     """distill_pairs: (prompt, scored tokens) of the fit set for distillation (default: the fit
     prompts alone, which feed their last tokens; calibration/distill.py). report_pairs: prompts held
     out from everything (calibration_data.py) on which the manifest's figures are measured;
@@ -190,7 +190,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     stats["size"] = size_stats(book, consumer)
     stats["seconds"] = round(time.time() - started, 1)
     stats["probe_measurements"] = probe.num_measurements
-    return Calibration(book, curve, methods)
+    return CalibrationResult(book, curve, methods)
 
 
 def prior_fitter(cfg: CalibrateConfig, consumer: Any, fit_prompts: list) -> Any:
