@@ -61,7 +61,7 @@ class DecodeBackend(EngineBackend):
     async def _watched_fill(self, req: GenerationRequest, sink) -> Any:
         """The transfer, noting on it a failure (the engine then prefills here or fails the
         request) or what it carried (the response says so)."""
-        t = req.transfer
+        t = req.transfer if req.transfer is not None else Transfer(fixed(req.method))  # (made by generate)
         try:
             result = await self.fill(req, sink)
         except asyncio.CancelledError:

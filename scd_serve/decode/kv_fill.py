@@ -201,8 +201,8 @@ class RemoteKVFill:
             deadline = min(deadline, req.deadline)
         if deadline <= start:
             raise DeadlineExceeded(f"request {rid} has no time left for a transfer")
-        handoff = len(tokens)  # raw K/V would ship them all
-        tokens = tokens[:transferred(codec, handoff)]  # a replayed tail is prefilled here (codec/base.py)
+        num_handed = len(tokens)  # raw K/V would ship them all
+        tokens = tokens[:transferred(codec, num_handed)]  # a replayed tail is prefilled here (codec/base.py)
         sink.limit(len(tokens))
         request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
                                     consumer_fingerprint=self.rt.fingerprint)
@@ -250,7 +250,7 @@ class RemoteKVFill:
         s.num_cache_hits += int(got.cache_hit)
         s.payload_bytes += got.payload_bytes
         spec = self.rt.spec
-        raw = handoff * bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)
+        raw = num_handed * bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)
         s.raw_kv_bytes += raw
         s.encode_s += got.encode_us / 1e6
         s.rebuild_s += got.rebuild_s
@@ -266,7 +266,7 @@ class RemoteKVFill:
             except Exception:  # noqa: BLE001 - bookkeeping must never fail a transfer that succeeded
                 log.exception("request_id=%s: recording the transfer failed", rid)
         return {"prefill": peer.address, "payload_bytes": got.payload_bytes, "raw_kv_bytes": raw,
-                "cache_hit": got.cache_hit, "rebuild_s": got.rebuild_s, "replayed_tokens": handoff - len(tokens)}
+                "cache_hit": got.cache_hit, "rebuild_s": got.rebuild_s, "replayed_tokens": num_handed - len(tokens)}
 
     async def _watch(self, job: _Job, done: asyncio.Future):
         """Wait for the transfer, giving the worker up as hung once its stream has been silent
