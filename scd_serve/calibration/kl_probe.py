@@ -43,6 +43,15 @@ def kl_divergence(logits_p: Tensor, logits_q: Tensor) -> Tensor:
     return (logp.exp() * (logp - logq)).sum(-1).clamp_min(0.0)
 
 
+def split_prompt(length: int, tail: int = 1, replay: int = 0) -> tuple[int, int]:
+    """A prompt of `length` tokens in a probe -> (P positions transferred, R replayed): the consumer
+    runs the last `tail` itself and scores them, and `replay` more before them, not scored (at
+    least one position stays transferred)."""
+    scored = min(max(tail, 1), length - 1)
+    local = min(scored + max(replay, 0), length - 1)
+    return length - local, local - scored
+
+
 def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Tensor]],
                   block_size: int = 16, tail: int = 1, progress: Callable[[], None] | None = None,
                   residual_layers: Iterable[int] = (), replay: int = 0) -> list[Example]:
@@ -57,9 +66,7 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
     out, keep = [], set(residual_layers)
     for prompt, answer in pairs:
         prompt, answer = torch.as_tensor(prompt).long(), torch.as_tensor(answer).long()
-        scored = min(max(tail, 1), prompt.shape[0] - 1)
-        local = min(scored + max(replay, 0), prompt.shape[0] - 1)
-        p = prompt.shape[0] - local
+        p, skip = split_prompt(prompt.shape[0], tail, replay)
         full = torch.cat([prompt, answer])
         feed = full[p:-1]  # [n]
         states_a = [s if s.residual is None or i in keep else with_fields(s, residual=None)
@@ -76,7 +83,6 @@ def make_examples(producer: Any, consumer: Any, pairs: Iterable[tuple[Tensor, Te
             feed_h.append(step.h)
             step.run_layer()
         feed_h.append(step.h)
-        skip = local - scored
         out.append(Example(p, feed, states_a, states_b, step.logits()[0][skip:], prompt[:p], pool, blocks, feed_h,
                            skip))
         if progress:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codec_spec import spec_of
 from scd_serve.codec.rebuild import begin
-from scd_serve.calibration.kl_probe import KLProbe, make_examples
+from scd_serve.calibration.kl_probe import KLProbe, make_examples, split_prompt
 from scd_serve.codec.plan import Plan
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
 from scd_serve.extras import tqdm
@@ -50,13 +50,8 @@ class ReplayProbes:
     def replay_share(self, replay: int) -> float:
         """The replayed tokens' share of the probe prompts' handed-off tokens (as make_examples
         splits each prompt, without building the probe)."""
-        replayed = handed = 0
-        for prompt, _ in self.pairs:
-            t = len(prompt)
-            scored = min(max(self.tail, 1), t - 1)
-            replayed += min(scored + replay, t - 1) - scored
-            handed += t - scored
-        return replayed / max(1, handed)
+        splits = [split_prompt(len(prompt), self.tail, replay) for prompt, _ in self.pairs]
+        return sum(r for _, r in splits) / max(1, sum(p + r for p, r in splits))
 
 
 def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
@@ -105,10 +100,10 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
     each replay (R / T of the probe's prompts), where the two together fit max_rebuild, measured
     on the probe at that replay. -> (plan, replay, {"options": every one measured, ...}) by `pick`."""
     n = len(plan.layers)
+    runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
     options = []
     for replay in sorted(set(replays) | {0}):
         share = probes.replay_share(replay) if replay else 0.0
-        runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
         for layer, candidate in runs:
             cost = share + ((n - layer) / n if layer is not None else 0.0)
             if cost > max_rebuild or (max_width is not None and candidate.code_width() > max_width):
