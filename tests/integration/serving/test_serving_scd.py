@@ -1,5 +1,7 @@
 """The `scd` method over gRPC with a real codebook directory: handshake, transfer, refusal."""
 
+from contextlib import asynccontextmanager
+
 import pytest
 
 from scd_serve.calibration.assemble import build_codebook
@@ -10,6 +12,22 @@ from scd_serve.codec.codec_spec import spec_of
 from serving_helpers import engine_for, greedy, make_decode, prompts, start_prefill, tiny_runtime
 
 pytestmark = pytest.mark.timeout(90)
+
+
+@asynccontextmanager
+async def scd_stack(rt, book):
+    """A prefill worker serving `scd` from `book`, the decode side's peers and fill, and an engine
+    (all the same model): -> (node, peers, fill, engine), stopped on the way out."""
+    node = await start_prefill(rt, methods=("scd",), codebook=book)
+    peers, fill = await make_decode(rt, [node.address], method="scd", codebook=book)
+    engine = engine_for(rt)
+    try:
+        assert peers.ready(), peers.why_not_ready()
+        yield node, peers, fill, engine
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
 
 
 def save_codebook(rt, path, rank, run_from=None, replay=0):
@@ -38,20 +56,12 @@ def setup(tmp_path_factory):
 
 async def test_scd_full_rank_same_model_matches_local_greedy(setup):
     rt, full, _ = setup
-    node = await start_prefill(rt, methods=("scd",), codebook=full)
-    peers, fill = await make_decode(rt, [node.address], method="scd", codebook=full)
-    engine = engine_for(rt)
-    try:
-        assert peers.ready(), peers.why_not_ready()
+    async with scd_stack(rt, full) as (node, peers, fill, engine):
         info = peers.peers[node.address].info
         assert [c.codec_id for c in info.codecs] == ["scd"] and info.codecs[0].codebook_id
         for i, p in enumerate(prompts(3, seed=5)):
             assert await greedy(engine, f"s{i}", p, "scd", fill) == await greedy(engine, f"l{i}", p)
         assert fill.stats.num_transfers == 3 and fill.stats.payload_bytes > 0
-    finally:
-        await engine.stop(grace_s=1)
-        await peers.close()
-        await node.stop()
 
 
 async def test_a_run_of_the_upper_layers_serves_concurrent_prompts_as_local_greedy(setup, tmp_path):
@@ -61,11 +71,7 @@ async def test_a_run_of_the_upper_layers_serves_concurrent_prompts_as_local_gree
 
     rt, full, _ = setup
     book = save_codebook(rt, tmp_path / "book-run", spec_of(rt).kv_width, run_from=spec_of(rt).num_layers // 2)
-    node = await start_prefill(rt, methods=("scd",), codebook=book)
-    peers, fill = await make_decode(rt, [node.address], method="scd", codebook=book)
-    engine = engine_for(rt)
-    try:
-        assert peers.ready(), peers.why_not_ready()
+    async with scd_stack(rt, book) as (_, peers, fill, engine):
         batch = prompts(4, seed=6)
         got = await asyncio.gather(*(greedy(engine, f"r{i}", p, "scd", fill) for i, p in enumerate(batch)))
         assert got == [await greedy(engine, f"l{i}", p) for i, p in enumerate(batch)]
@@ -73,10 +79,6 @@ async def test_a_run_of_the_upper_layers_serves_concurrent_prompts_as_local_gree
         spec, half = spec_of(rt), spec_of(rt).num_layers // 2
         shipped, raw = half * 2 * spec.kv_width + spec.hidden_size, spec.num_layers * 2 * spec.kv_width
         assert fill.stats.num_transfers == 4 and fill.stats.payload_bytes * raw == fill.stats.raw_kv_bytes * shipped
-    finally:
-        await engine.stop(grace_s=1)
-        await peers.close()
-        await node.stop()
 
 
 async def test_a_replayed_tail_is_not_shipped_and_serves_as_local_greedy(setup, tmp_path):
@@ -87,11 +89,7 @@ async def test_a_replayed_tail_is_not_shipped_and_serves_as_local_greedy(setup, 
 
     rt, _, _ = setup
     book = save_codebook(rt, tmp_path / "book-replay", spec_of(rt).kv_width, replay=5)
-    node = await start_prefill(rt, methods=("scd",), codebook=book)
-    peers, fill = await make_decode(rt, [node.address], method="scd", codebook=book)
-    engine = engine_for(rt)
-    try:
-        assert peers.ready(), peers.why_not_ready()
+    async with scd_stack(rt, book) as (_, peers, fill, engine):
         batch = prompts(4, seed=7)
         batch += [batch[0], batch[0]]  # one prompt three times at once
         got = await asyncio.gather(*(greedy(engine, f"t{i}", p, "scd", fill) for i, p in enumerate(batch)))
@@ -102,10 +100,6 @@ async def test_a_replayed_tail_is_not_shipped_and_serves_as_local_greedy(setup, 
         # full-rank fp16 codes weigh what raw K/V of the same tokens does: only the tail is missing
         assert (s.num_transfers, fill.shared.num_shared) == (4, 2)
         assert s.payload_bytes * handoff == s.raw_kv_bytes * shipped
-    finally:
-        await engine.stop(grace_s=1)
-        await peers.close()
-        await node.stop()
 
 
 async def test_streams_of_rank_zero_ship_nothing_and_serve(setup, tmp_path):
@@ -120,19 +114,11 @@ async def test_streams_of_rank_zero_ship_nothing_and_serve(setup, tmp_path):
     d = spec.kv_width
     plan = Plan((LayerPlan(REUSE, 0, d), LayerPlan(REUSE, 0, 0)) + (LayerPlan(REUSE, d, d),) * (spec.num_layers - 2))
     book = str(build_codebook(fits, {"scd": plan, "reuse": plan}, spec, spec).save(tmp_path / "book0"))
-    node = await start_prefill(rt, methods=("scd",), codebook=book)
-    peers, fill = await make_decode(rt, [node.address], method="scd", codebook=book)
-    engine = engine_for(rt)
-    try:
-        assert peers.ready(), peers.why_not_ready()
+    async with scd_stack(rt, book) as (_, peers, fill, engine):
         assert len(await greedy(engine, "z", prompts(1, seed=5)[0], "scd", fill)) == 12
         shipped, raw = plan.code_width(), spec.num_layers * 2 * d
         assert shipped == d + (spec.num_layers - 2) * 2 * d
         assert fill.stats.num_transfers == 1 and fill.stats.payload_bytes * raw == fill.stats.raw_kv_bytes * shipped
-    finally:
-        await engine.stop(grace_s=1)
-        await peers.close()
-        await node.stop()
 
 
 async def test_decode_with_another_codebook_is_refused(setup):
