@@ -57,6 +57,13 @@ class Metrics:
         self.vllm_waiting = gauge("vllm:num_requests_waiting", "admitted requests waiting for KV blocks or a KV fill",
                                   _MODEL)
         self.vllm_kv_usage = gauge("vllm:kv_cache_usage_perc", "KV pool blocks in use (1 = full)", _MODEL)
+        self.vllm_prefix_queries = counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                           _MODEL)
+        self.vllm_prefix_hits = counter("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache", _MODEL)
+        self.served = counter("scd_requests_served", "answered requests by where the prompt's K/V came from "
+                              "(disaggregated: a prefill worker's transfer; local: this worker's own prefill)",
+                              ["kv_source"])
+        self._totals: dict[int, float] = {}  # id(counter child) -> the cumulative stat counted so far
         self.ttft = latency("scd_time_to_first_token_seconds", "request received -> first token", ["method"])
         self.inter_token = gap("scd_inter_token_latency_seconds", "gap between consecutive tokens", ["method"])
         self.e2e = latency("scd_e2e_request_latency_seconds", "request received -> last token", ["method"])
@@ -144,6 +151,14 @@ class Metrics:
         total = stats.get("num_total_blocks", 0)
         if total:
             self.vllm_kv_usage.labels(model).set(1.0 - stats.get("num_free_blocks", total) / total)
+        counted = [(self.vllm_prefix_queries.labels(model), stats.get("prefix_cache_queried_tokens")),
+                   (self.vllm_prefix_hits.labels(model), stats.get("prefix_cache_hit_tokens")),
+                   *((self.served.labels(k), n) for k, n in stats.get("served", {}).items())]
+        for child, now in counted:
+            if now is not None:
+                before = self._totals.get(id(child), 0)
+                child.inc(max(0, now - before))
+                self._totals[id(child)] = max(before, now)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -131,7 +131,11 @@ class Render:
         prompt = sum(len(ids) for _, ids in self.prompts)
         done = best(outcomes, self.plan.n, self.plan.best_of) if self.plan.best_of != self.plan.n else outcomes
         generated = sum(o.usage.completion_tokens for o in done if o.usage) if self.plan.generate else 0
-        return Usage(prompt, generated)
+        cached: dict[int, int] = {}  # per prompt: what every one of its choices found cached
+        for o in outcomes:
+            got = o.usage.cached_tokens if o.usage else 0
+            cached[o.prompt_index] = min(cached.get(o.prompt_index, got), got)
+        return Usage(prompt, generated, sum(cached.values()))
 
 
 async def close_all(streams: list[AsyncIterator]) -> None:

@@ -101,6 +101,7 @@ class DecodeConfig:
     chat_template: str = ""  # a Jinja chat template file, or the template itself ("" = the tokenizer's)
     seed: int | None = None  # seeds the engine's stream of seeds for requests without one (vLLM's --seed)
     json_whitespace: int = 16  # structured outputs: most blanks between two JSON elements (0: compact JSON)
+    enable_prefix_caching: bool = True  # reuse cached K/V blocks of prompts' shared prefixes (vLLM's flag)
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -22,6 +22,9 @@ class EngineConfig:
     idle_poll_s: float = 0.05  # an idle loop wakes this often (deadlines, liveness)
     retry_after_s: int = 1  # sent with 429
     fallback_to_local: bool = True  # a failed KV fill prefills locally instead of failing the request
+    # Keep full K/V blocks after their request ends and reuse them for prompts that start with the
+    # same tokens (multi-turn chats, shared system prompts); evicted LRU when the pool needs room.
+    prefix_caching: bool = True
     # Structured outputs: the most whitespace characters between two JSON elements (0: none, compact
     # JSON). Bounded so that a small or unsure model cannot spend max_tokens on blanks; 16 leaves
     # room for pretty-printed nesting.

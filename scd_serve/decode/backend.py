@@ -42,6 +42,7 @@ class DecodeBackend(EngineBackend):
         self.fill, self.peers = fill, peers
         self.auto = auto  # AutoMethod or None (then `auto` is refused)
         self._live: dict[str, Transfer] = {}  # request_id -> its transfer, while it runs (the routes ask by id)
+        self.served = {"disaggregated": 0, "local": 0}  # answered requests by where their prompt's K/V came from
 
     @property
     def methods(self) -> list[str]:
@@ -100,6 +101,9 @@ class DecodeBackend(EngineBackend):
                 yield event
         finally:
             self._live.pop(rid, None)
+            if not first:
+                served = t.reported(self.engine.config.fallback_to_local).method
+                self.served["local" if served == LOCAL else "disaggregated"] += 1
 
     def ready_detail(self) -> dict[str, Any]:
         """What /ready adds to {"status": "ready"}: a worker serving on its fallback alone says so."""
@@ -110,7 +114,8 @@ class DecodeBackend(EngineBackend):
 
     def stats(self) -> dict[str, Any]:
         auto = {"auto": self.auto.chooser.snapshot()} if self.auto is not None else {}
-        return self.engine.stats() | {"transfer": self.fill.snapshot(), "prefill_peers": self.peers.status()} | auto
+        return self.engine.stats() | {"transfer": self.fill.snapshot(), "prefill_peers": self.peers.status(),
+                                      "served": dict(self.served)} | auto
 
     def load_report(self) -> dict[str, float]:
         """What heartbeats report to the control plane (numbers only)."""

@@ -82,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-whitespace", type=int, default=DecodeConfig.json_whitespace,
                         help="structured outputs: the most whitespace characters between two JSON elements "
                              "(0 = compact JSON); a small model can otherwise spend its max_tokens on blanks")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=DecodeConfig.enable_prefix_caching,
+                        help="keep finished requests' full K/V blocks and reuse them for prompts that start with "
+                             "the same tokens (multi-turn chats, shared system prompts; evicted LRU when the pool "
+                             "needs room); --no-enable-prefix-caching turns it off")
     add_transport_arguments(parser)
     add_control_arguments(parser)
 
@@ -236,7 +241,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     max_len = pool.max_model_len
     engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks, max_num_seqs=config.max_num_seqs,
                               max_concurrent=max(EngineConfig.max_concurrent, config.max_num_seqs), seed=config.seed,
-                              json_whitespace=config.json_whitespace,
+                              json_whitespace=config.json_whitespace, prefix_caching=config.enable_prefix_caching,
                               request_timeout_s=config.request_timeout_s, fallback_to_local=config.fallback == "local")
     template = chat_template(config.chat_template, rt.tokenizer)
     model_name = os.path.basename(os.path.normpath(config.model))

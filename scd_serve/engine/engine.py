@@ -64,7 +64,7 @@ class Engine:
             raise ConfigError(f"engine.max_model_len {config.max_model_len} exceeds the model's "
                               f"max_position_embeddings {limit}")
         self.config, self.runtime, self.tokenizer = config, runtime, runtime.tokenizer
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.generation_defaults = GenerationDefaults.load(runtime.path)
         self.eos_token_ids = (frozenset([eos] if eos is not None else [])
@@ -119,7 +119,9 @@ class Engine:
         s, bm = self.scheduler, self.block_manager
         return {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_filling": len(s.filling),
                 "num_requests": self._num_handles(), "num_free_blocks": bm.num_free,
-                "num_total_blocks": bm.num_blocks, "num_generated_tokens": self.num_generated_tokens,
+                "num_total_blocks": bm.num_blocks, "num_cached_blocks": bm.num_cached_blocks,
+                "prefix_cache_queried_tokens": bm.num_queried_tokens, "prefix_cache_hit_tokens": bm.num_hit_tokens,
+                "num_generated_tokens": self.num_generated_tokens,
                 "num_steps": self.num_steps, "num_fallbacks": self.num_fallbacks,
                 "num_steps_ahead": self.runner.num_steps_ahead, "ready": self.ready()}
 
@@ -336,7 +338,7 @@ class Engine:
             self._outbox.append((h, TokenEvent(token, delta, **extra)))
             return
         delta += h.detok.flush()
-        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
+        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_prefix_cached)
         self._outbox.append((h, TokenEvent(token, delta, seq.finish_reason, usage, stop_reason=seq.stop_reason,
                                            queue_s=seq.queue_s, **extra)))
         del self._live[seq.seq_id]
@@ -347,7 +349,7 @@ class Engine:
         """The sequence is done without a new token (its grammar is complete, no end token)."""
         h = self._live.pop(seq.seq_id)
         self.scheduler.finish(seq, "stop")
-        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
+        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_prefix_cached)
         self._outbox.append((h, TokenEvent(None, h.detok.flush(), "stop", usage, queue_s=seq.queue_s)))
 
     def _flush(self) -> None:

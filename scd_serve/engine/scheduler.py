@@ -76,9 +76,11 @@ class Scheduler:
         """Advance prefills, append one token per decode; returns the sequences that finished."""
         for seq, n in batch.prefills:
             seq.num_cached += n
+            self.block_manager.cache_full_blocks(seq)
         finished = []
         for seq, token in zip(batch.decodes, token_ids, strict=True):
             seq.append_token(token)
+            self.block_manager.cache_full_blocks(seq)
             params = seq.request.params
             if token in params.stop_token_ids:
                 self.finish(seq, "stop")
@@ -103,6 +105,7 @@ class Scheduler:
         if self.filling.pop(seq.seq_id, None) is None:
             return  # aborted meanwhile
         seq.num_cached, seq.status = filled, SequenceStatus.RUNNING
+        self.block_manager.cache_full_blocks(seq)
         self.running.append(seq)
 
     def fill_failed(self, seq: Sequence) -> bool:
@@ -142,10 +145,15 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch) -> None:
         while self.waiting and len(self.running) + len(self.filling) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            # a locally prefilled prompt starts from its longest cached prefix (prompt
+            # log-probabilities need the forward pass over every prompt token)
+            lookup = not seq.needs_fill and seq.prompt_logprobs is None
+            if not self.block_manager.can_allocate(seq, lookup):
                 break  # FIFO: no overtaking, so a long prompt is not starved by short ones
             self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            seq.num_cached = self.block_manager.allocate(seq, lookup)
+            if not seq.num_preemptions:
+                seq.num_prefix_cached = seq.num_cached
             if seq.queue_s is None:
                 seq.queue_s = time.monotonic() - seq.waiting_since
             if seq.needs_fill:

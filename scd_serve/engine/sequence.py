@@ -30,7 +30,9 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of its leading full blocks (block manager)
         self.num_cached = 0
+        self.num_prefix_cached = 0  # prompt tokens whose K/V came from the prefix cache at admission
         self.status = SequenceStatus.WAITING
         self.needs_fill = needs_fill  # cleared after a preemption: recompute is local
         self.waiting_since = time.monotonic()  # the queue timeout counts from here; reset on preemption
@@ -62,6 +64,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def cache_namespace(self) -> str:
+        """Whose K/V its blocks hold: the consumer's own prefill, or a fill's (rebuilt or shipped,
+        not the same numbers), so a prefix is only reused where it was made the same way."""
+        return f"fill:{self.request.method}" if self.needs_fill else "local"
 
     @property
     def last_token(self) -> int:

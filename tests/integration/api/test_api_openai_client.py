@@ -59,3 +59,22 @@ def test_models_and_errors_through_the_client(client):
     bad = openai.OpenAI(base_url=client.base_url, api_key="sk-wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_a_chats_later_turns_report_their_cached_prompt_tokens(client, server, tiny_runtime):
+    """Multi-turn: each turn's prompt repeats the last; the decode worker's prefix cache holds it,
+    `usage.prompt_tokens_details.cached_tokens` says how much, and /metrics counts the hits."""
+    import httpx
+
+    msgs = [{"role": "system", "content": "You are a terse assistant for a shipping company."}]
+    cached = []
+    for turn in range(3):
+        msgs.append({"role": "user", "content": f"Where is parcel number {turn}?"})
+        r = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=6, temperature=0)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        assert cached[-1] < r.usage.prompt_tokens
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+    assert cached[1] > 0 and cached[2] > cached[1]
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= cached[1] + cached[2]

@@ -25,7 +25,8 @@ async def test_completion_whole(client, backend):
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == "fake-model"
     assert body["choices"][0]["text"] == "Hello" and body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     rid = r.headers["x-request-id"]
     assert len(rid) == 32 and body["id"] == f"cmpl-{rid}"  # one id: the header's, in the body too
     req = backend.calls[0]

@@ -210,3 +210,16 @@ async def test_a_fill_that_leaves_a_replayed_tail_gives_the_local_tokens(engine,
     # no step ran ahead of the tail: every first token came from a decode step at the handoff's end
     assert len(fed) == sum(len(t) for t in filled)
     assert not engine.runner._ready
+
+
+async def test_turns_that_reuse_cached_blocks_answer_as_the_model_alone(engine, runtime):
+    """Each turn repeats the last one's prompt and answer: its prefill starts after the cached
+    blocks, and the greedy tokens are the runtime's own."""
+    prompt = runtime.tokenizer.encode("system: you answer in one line. ")
+    for turn in range(3):
+        prompt = prompt + runtime.tokenizer.encode(f"user: question {turn}? assistant:")
+        events = [e async for e in engine.generate(req(f"t{turn}", prompt, 8))]
+        tokens = [e.token_id for e in events if e.token_id is not None]
+        assert tokens == runtime.generate_greedy(prompt, 8)
+        assert (events[-1].usage.cached_tokens > 0) == (turn > 0)
+        prompt = prompt + tokens

@@ -15,7 +15,7 @@ def make(num_blocks=16, block_size=4, max_num_seqs=4, max_prefill_tokens=8, max_
     cfg = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                        max_concurrent=max(max_num_seqs, 8), max_prefill_tokens=max_prefill_tokens,
                        max_model_len=max_model_len, **kw)
-    bm = BlockManager(cfg.num_blocks, cfg.block_size)
+    bm = BlockManager(cfg.num_blocks, cfg.block_size, cfg.prefix_caching)
     return Scheduler(cfg, bm, frozenset([EOS])), bm
 
 
@@ -109,7 +109,7 @@ def test_waiting_when_pool_is_full_then_admitted_after_free():
 
 
 def test_preemption_frees_newest_and_recomputes_it_locally():
-    s, bm = make(num_blocks=4, block_size=2, max_num_seqs=4, max_model_len=8)
+    s, bm = make(num_blocks=4, block_size=2, max_num_seqs=4, max_model_len=8, prefix_caching=False)
     a = seq(3, max_tokens=5, rid="a")  # 2 blocks
     b = seq(3, max_tokens=5, rid="b")  # 2 blocks
     s.add(a)
