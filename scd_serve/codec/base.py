@@ -43,11 +43,13 @@ class TransferCodec(Protocol):
         """Producer side. state: keys [T,kvh,hd] pre-RoPE, values [T,kvh,hd], attn_input [T,hidden]."""
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
-                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tokens: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Consumer side -> (k_pre [T,kvh,hd], v [T,kvh,hd]) for consumer.write_kv.
 
-        tokens: the transferred prompt's token ids [T]; the decode side always holds them,
-        and codecs whose decoders use them (SCD with token priors) need them."""
+        tokens: the transferred rows' token ids [T]; the decode side always holds them, and
+        codecs whose decoders use them (SCD with token priors) need them. start: the prompt
+        position of the first row (a transfer after a cached prefix; state.start on the
+        producer side)."""
 
 
 def state_field(state: Any, name: str) -> torch.Tensor:
@@ -85,9 +87,15 @@ def check_code(code: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def positions_for(num_tokens: int) -> torch.Tensor:
-    """Prompt positions of a transferred layer. -> [T] long."""
-    return torch.arange(num_tokens, dtype=torch.long)
+def positions_for(num_tokens: int, start: int = 0) -> torch.Tensor:
+    """Prompt positions of a transferred layer's rows, the first at `start`. -> [T] long."""
+    return torch.arange(start, start + num_tokens, dtype=torch.long)
+
+
+def first_position(state: Any) -> int:
+    """The prompt position of a producer state's first row (LayerState.start; 0 for a mapping without one)."""
+    value = state.get("start", 0) if isinstance(state, Mapping) else getattr(state, "start", 0)
+    return int(value)
 
 
 def device_of(consumer: Any) -> torch.device | None:

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from scd_serve.codec.base import (KEYS, VALUES, check_code, positions_for, state_field,
+from scd_serve.codec.base import (KEYS, VALUES, check_code, first_position, positions_for, state_field,
                                   to_consumer)
 from scd_serve.codec.codec_spec import CodecSpec, rotate_with, spec_of
 
@@ -34,7 +34,7 @@ class IdentityCodec:
         return check_code({"k": k, "v": v})
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
-                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tokens: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return to_consumer(code["k"], consumer), to_consumer(code["v"], consumer)
 
 
@@ -54,14 +54,14 @@ class RawCodec:
 
     def encode_layer(self, layer: int, state: Any) -> dict[str, torch.Tensor]:
         k_pre = state_field(state, KEYS)  # [T, kvh, hd]
-        pos = positions_for(k_pre.shape[0]).to(k_pre.device)
+        pos = positions_for(k_pre.shape[0], first_position(state)).to(k_pre.device)
         k_post = rotate_with(self.producer, self.producer_spec, k_pre.float(), pos)
         return check_code({"k": k_post.to(self.dtype), "v": state_field(state, VALUES).to(self.dtype)})
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
-                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tokens: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         k_post = to_consumer(code["k"], consumer)
-        pos = positions_for(k_post.shape[0]).to(k_post.device)
+        pos = positions_for(k_post.shape[0], start).to(k_post.device)
         k_pre = unrotate_for_consumer(consumer, k_post, pos)
         return k_pre, to_consumer(code["v"], consumer)
 

@@ -43,9 +43,9 @@ class DroidSpeakCodec:
         return check_code({"h": state_field(state, ATTN_INPUT).to(self.dtype)})  # h: [T, hidden]
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
-                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tokens: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if "h" not in code:
-            return self.raw.decode_layer(layer, code, consumer, tokens)
+            return self.raw.decode_layer(layer, code, consumer, tokens, start)
         return consumer.recompute_kv(layer, to_consumer(code["h"], consumer, _compute_dtype(consumer)))
 
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from scd_serve.codec.base import KEYS, VALUES, check_code, positions_for, state_field, to_consumer
+from scd_serve.codec.base import KEYS, VALUES, check_code, first_position, positions_for, state_field, to_consumer
 from scd_serve.codec.baselines import unrotate_for_consumer
 from scd_serve.codec.codec_spec import rotate_with, spec_of
 
@@ -70,7 +70,8 @@ class QuantCodec:
     def encode_layer(self, layer: int, state: Any) -> dict[str, torch.Tensor]:
         k_pre = state_field(state, KEYS).float()  # [T, kvh, hd]
         t = k_pre.shape[0]
-        k = rotate_with(self.producer, self.producer_spec, k_pre, positions_for(t).to(k_pre.device))
+        pos = positions_for(t, first_position(state)).to(k_pre.device)
+        k = rotate_with(self.producer, self.producer_spec, k_pre, pos)
         k = k.reshape(t, -1)  # [T, d]
         v = state_field(state, VALUES).float().reshape(t, -1)  # [T, d]
         g, d = self.group, k.shape[1]
@@ -87,7 +88,7 @@ class QuantCodec:
         })
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
-                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tokens: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.group
         vq = unpack(to_consumer(code["vq"], consumer, torch.uint8), self.bits).float()  # [T, d]
         t, d = vq.shape
@@ -98,5 +99,5 @@ class QuantCodec:
              + to_consumer(code["km"], consumer)[:, None]).reshape(-1, d)[:t]
         spec = spec_of(consumer)
         k_post = k.reshape(t, spec.num_kv_heads, spec.head_dim)
-        k_pre = unrotate_for_consumer(consumer, k_post, positions_for(t).to(k.device))
+        k_pre = unrotate_for_consumer(consumer, k_post, positions_for(t, start).to(k.device))
         return k_pre, v.reshape(t, spec.num_kv_heads, spec.head_dim)

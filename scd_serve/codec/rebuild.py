@@ -1,13 +1,17 @@
 """Rebuild: the decode side of a codec for one prompt, layer by layer.
 
-    rebuild = begin(codec, tokens, consumer)  # tokens: the transferred prompt's ids [T]
-    rebuild.prepare()                          # prompt-only work, while the codes are on their way
-    k_pre, v = rebuild.decode_layer(layer, code)
+    rebuild = begin(codec, tokens, consumer, start)  # tokens: the transferred prompt's ids [T]
+    rebuild.prepare()                                 # prompt-only work, while the codes are on their way
+    k_pre, v = rebuild.decode_layer(layer, code)      # rows start..T-1
 
 What a codec keeps between a prompt's layers (SCD's token context, a run's forward) lives on the
 prompt's Rebuild, so nothing is cached by id() and no proxy stands in for the codec. A codec
 without such state needs no `begin` of its own: the plain Rebuild passes the prompt's tokens
 to its decode_layer.
+
+A transfer after the decode side's cached prefix carries rows start.. only; a codec whose rows
+do not decode alone (a run: the consumer's forward over the whole prompt) is sent every row
+and the caller keeps the ones it lacks (`decodes_from`).
 """
 
 from __future__ import annotations
@@ -19,18 +23,29 @@ import torch
 
 
 class Rebuild:
-    def __init__(self, codec: Any, tokens: Any, consumer: Any):
-        self.codec, self.tokens, self.consumer = codec, tokens, consumer
+    def __init__(self, codec: Any, tokens: Any, consumer: Any, start: int = 0):
+        self.codec, self.tokens, self.consumer, self.start = codec, tokens, consumer, start
+
+    @property
+    def rows(self) -> Any:
+        """The decoded rows' token ids [T - start] (None where the caller gave no tokens)."""
+        return self.tokens if self.tokens is None or not self.start else self.tokens[self.start:]
 
     def prepare(self) -> None:
         """Prompt-only work (none for a stateless codec)."""
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (k_pre, v): [T, kv_heads, head_dim] each, for the consumer's write_kv."""
-        return self.codec.decode_layer(layer, code, self.consumer, tokens=self.tokens)
+        return self.codec.decode_layer(layer, code, self.consumer, tokens=self.rows, start=self.start)
 
 
-def begin(codec: Any, tokens: Any, consumer: Any) -> Rebuild:
+def begin(codec: Any, tokens: Any, consumer: Any, start: int = 0) -> Rebuild:
     """The prompt's Rebuild: the codec's own where it keeps per-prompt state, else the plain one."""
     make = getattr(codec, "begin", None)
-    return make(tokens, consumer) if make is not None else Rebuild(codec, tokens, consumer)
+    return make(tokens, consumer, start) if make is not None else Rebuild(codec, tokens, consumer, start)
+
+
+def decodes_from(codec: Any, start: int) -> int:
+    """The first row a transfer must carry for a decode side that holds rows ..start-1: `start`,
+    or 0 for a codec whose rows do not decode alone (`rows_decode_alone` False)."""
+    return start if getattr(codec, "rows_decode_alone", True) else 0

@@ -119,14 +119,26 @@ class ScdCodec:
             return 0.0
         return self._context_prior.apply(*self._priors[key], rebuild.context(like))
 
-    def begin(self, tokens: Any, consumer: Any) -> "ScdRebuild":
+    @property
+    def rows_decode_alone(self) -> bool:
+        """Whether rows start.. decode without the rows before them (codec/rebuild.py): not with
+        a run, which is the consumer's forward over the whole prompt."""
+        return self.plan.run_layer is None
+
+    def begin(self, tokens: Any, consumer: Any, start: int = 0) -> "ScdRebuild":
         """One prompt's rebuild (codec/rebuild.py): tokens, its prompt's token ids [T] (needed
-        where the codebook has token priors, own layers or a run)."""
-        return ScdRebuild(self, tokens, consumer)
+        where the codebook has token priors, own layers or a run); rows start.. are decoded."""
+        if start and not self.rows_decode_alone:
+            raise CodebookError(f"codebook '{self.codebook_id}' has a run: its rebuild starts at the prompt's "
+                                f"first token, not {start}")
+        return ScdRebuild(self, tokens, consumer, start)
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor], consumer: Any,
-                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer alone (a run's layers above its first need the prompt's Rebuild: `begin`)."""
+                     tokens: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer alone (a run's layers above its first, and token priors after a cached
+        prefix, need the prompt's Rebuild: `begin`). tokens: the rows' ids."""
+        if start and self._context_prior is not None:
+            raise CodebookError("token priors read the tokens before the first row: decode through begin()")
         return self.begin(tokens, consumer).decode_layer(layer, code)
 
     def decoder_inputs(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild",
@@ -137,7 +149,7 @@ class ScdCodec:
         lp = lp or self.plan.layers[layer]
         codes = {s: self._unpack(code, f"z{s}", rebuild.consumer) for s, _ in lp.streams}
         for z in codes.values():
-            check_token_count(rebuild.tokens, z)
+            check_token_count(rebuild.rows, z)
         like = next(iter(codes.values()), None)
         if like is None and lp.decoded:
             like = to_consumer(torch.empty(rebuild.num_tokens(layer), 0), rebuild.consumer)  # [T, 0]
@@ -173,15 +185,15 @@ class ScdRebuild(Rebuild):
     """One prompt through an ScdCodec: its token context, computed once for every layer, and a
     run's forward, held from the run's first layer to its last (they decode in order)."""
 
-    def __init__(self, codec: ScdCodec, tokens: Any, consumer: Any):
-        super().__init__(codec, tokens, consumer)
+    def __init__(self, codec: ScdCodec, tokens: Any, consumer: Any, start: int = 0):
+        super().__init__(codec, tokens, consumer, start)
         self._context: tuple[torch.device, torch.Tensor] | None = None
         self._run: Any = None  # the consumer's forward from the run's first layer (model.run_from)
 
     def prepare(self) -> None:
         """The prior's context, while the codes are on their way."""
         if self.codec._context_prior is not None and self.tokens is not None:
-            self.context(to_consumer(torch.empty(len(self.tokens), 0), self.consumer))
+            self.context(to_consumer(torch.empty(len(self.tokens) - self.start, 0), self.consumer))
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.codec._decode(layer, code, self)
@@ -190,19 +202,22 @@ class ScdRebuild(Rebuild):
         if self.tokens is None:
             raise CodebookError(f"codebook '{self.codec.codebook_id}' decodes layer {layer} from the prompt's "
                                 "token ids: pass tokens=")
-        return self.tokens
+        return self.rows
 
     def num_tokens(self, layer: int) -> int:
         return torch.as_tensor(self.token_ids(layer)).numel()
 
     def context(self, like: torch.Tensor) -> torch.Tensor:
-        """The prior's context of the prompt (token ids [T, taps] or features [T, rank]) on like's device."""
+        """The prior's context of the decoded rows (token ids [T, taps] or features [T, rank]) on
+        like's device, made from the whole prompt (a row's context reads the tokens before it)."""
         if self._context is None or self._context[0] != like.device:
             if self.tokens is None:
                 raise CodebookError(f"codebook '{self.codec.codebook_id}' decodes with token priors: "
                                     "decode_layer needs the prompt's token ids (tokens=)")
-            ids = check_token_count(self.tokens, like)
-            self._context = (like.device, self.codec._context_prior.context(ids, self.consumer, device=like.device))
+            check_token_count(self.rows, like)
+            ids = torch.as_tensor(self.tokens).reshape(-1)
+            context = self.codec._context_prior.context(ids, self.consumer, device=like.device)
+            self._context = (like.device, context[self.start:])
         return self._context[1]
 
     def run_layer(self, layer: int, codes: dict[str, torch.Tensor], priors: dict[str, Any]

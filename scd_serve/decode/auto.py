@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,8 @@ class AutoMethod:
                                min_top1=min_top1, strict_kl=cfg.quality_budget is not None)
         self.fingerprint, self.peers, self.calibration, self.metrics = fingerprint, peers, calibration, metrics
         fill.on_transfer, fill.on_cold = self.observe_transfer, self.observe_cold
+        # (prompt ids, method) -> tokens the engine's prefix cache holds for it (set with the engine)
+        self.cached_prefix: Callable[[list[int], str], int] = lambda ids, method: 0
 
     def views(self, num_tokens: int) -> list[PeerView]:
         """Every prefill worker a transfer could go to now, with the methods the pair allows."""
@@ -90,7 +93,10 @@ class AutoMethod:
                    else "a one-token prompt has no KV to fill")
             choice = Choice(LOCAL, reason="needs-local", detail=why)
         else:
-            choice = self.chooser.choose(prompt_key(handoff(req.prompt_token_ids)), n, self.views(n))
+            cached = self.cached_prefix(req.prompt_token_ids, LOCAL)  # what a local prefill would skip
+            choice = self.chooser.choose(prompt_key(handoff(req.prompt_token_ids)), n, self.views(n), cached)
+            if choice.method == LOCAL:
+                choice = dataclasses.replace(choice, cached_tokens=cached)
         if self.metrics is not None:
             self.metrics.observe_auto_choice(choice.method)
         log.debug("request_id=%s prompt_tokens=%d auto -> %s (%s: %s)", req.request_id, n, choice.method,
@@ -123,7 +129,9 @@ class AutoMethod:
     def outcome(self, req, ttft_s: float) -> None:
         """The request's first token came ttft_s after its choice (req.transfer's)."""
         choice = req.transfer.choice
-        error = self.chooser.observe_outcome(choice, req.num_prompt_tokens, ttft_s, req.transfer.measured)
+        # a local prefill's speed is learnt from the tokens it computed (not those it found cached)
+        error = self.chooser.observe_outcome(choice, req.num_prompt_tokens - choice.cached_tokens, ttft_s,
+                                             req.transfer.measured)
         if error is not None and choice.reason != "fixed":
             if self.metrics is not None:
                 self.metrics.observe_auto_prediction(choice.method, error)

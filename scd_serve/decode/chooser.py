@@ -71,6 +71,7 @@ class Choice:
     cached: bool = False  # the chooser expected the peer to hold the prompt's codes
     # ... and, should the peer say it does not (its first message), the local prefill beats a cold transfer
     local_if_cold: bool = False
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache held for a local prefill, at the choice
 
 
 @dataclass
@@ -120,10 +121,11 @@ class Chooser:
         self._probed: dict[str, float] = {}  # option label -> when it was last explored or re-probed
 
     # ---- the choice -------------------------------------------------------------------------
-    def choose(self, key: int, num_tokens: int, peers: Sequence[PeerView]) -> Choice:
-        """The option for a prompt (`key`: prompt_key of its ids) of num_tokens tokens."""
+    def choose(self, key: int, num_tokens: int, peers: Sequence[PeerView], local_cached: int = 0) -> Choice:
+        """The option for a prompt (`key`: prompt_key of its ids) of num_tokens tokens, of which a
+        local prefill finds local_cached in the engine's prefix cache."""
         now = self.clock()
-        local = self._local(num_tokens, now)
+        local = self._local(num_tokens - local_cached, now)
         transfers = [self._transfer(p, m, key, num_tokens) for p in peers for m in self.allowed(p)]
         if not transfers:
             why = "no usable prefill worker" if not peers else f"no transfer method within {self.describe_budget()}"

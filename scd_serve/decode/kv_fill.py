@@ -1,10 +1,11 @@
 """RemoteKVFill: the engine's KVFill over gRPC. Pull codes, verify, rebuild layer by layer.
 
 Per request: pick a prefill worker by load, then run the transfer in a transfer thread
-(receive.py), every chunk checked BEFORE it is decoded and each layer rebuilt into the
+(job.py, receive.py), every chunk checked BEFORE it is decoded and each layer rebuilt into the
 request's blocks as it arrives; the event loop only waits for the thread. A retryable
 failure tries another worker (up to max_attempts), then the engine may prefill locally.
-Cancellation cancels the stream and sends Abort to the prefill worker.
+Cancellation cancels the stream and sends Abort to the prefill worker. A prompt that starts
+with blocks in the engine's prefix cache asks for the codes of the rest only (sink.start).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import torch
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import detach
 from scd_serve.codec.base import transferred
-from scd_serve.codec.rebuild import begin
+from scd_serve.codec.rebuild import begin, decodes_from
 from scd_serve.decode.breaker import OPEN
-from scd_serve.decode.receive import Received, drain, receive
+from scd_serve.decode.job import TransferJob
+from scd_serve.decode.receive import Received
 from scd_serve.decode.shared import SharedTransfers
 from scd_serve.decode.transfer import handoff
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
@@ -75,7 +77,7 @@ class RemoteKVFill:
         self._aborts: set[asyncio.Task] = set()
         self._freed = asyncio.Event()  # set whenever a transfer ends and frees a peer slot
         self._threads = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="scd-transfer")
-        self._jobs: set[_Job] = set()
+        self._jobs: set[TransferJob] = set()
         self.num_cold_switches = 0  # transfers stopped at their header for a local prefill (ColdAtPeer)
         self.on_cold: Callable[[str, object], None] | None = None  # told (prefill address, request) of each
         # Told of every completed transfer: (prefill address, request, Received, wall seconds).
@@ -85,7 +87,7 @@ class RemoteKVFill:
 
     async def __call__(self, req, sink) -> dict:
         """Fill `sink` by a transfer, or by copying another request's for the same prompt (shared.py)."""
-        key = (req.method, tuple(req.prompt_token_ids))
+        key = (req.method, tuple(req.prompt_token_ids), sink.start)
         shared, leads = self.shared.join(key)
         got = None
         try:
@@ -201,12 +203,17 @@ class RemoteKVFill:
             deadline = min(deadline, req.deadline)
         if deadline <= start:
             raise DeadlineExceeded(f"request {rid} has no time left for a transfer")
-        num_handed = len(tokens)  # raw K/V would ship them all
-        tokens = tokens[:transferred(codec, num_handed)]  # a replayed tail is prefilled here (codec/base.py)
+        # Rows sink.start.. are missing here (those before were in the prefix cache): raw K/V
+        # would ship them all; a replayed tail is prefilled here (codec/base.py), at least one
+        # row is shipped; a codec whose rows do not decode alone is sent them all (rebuild.py).
+        held = sink.start
+        num_needed = len(tokens) - held
+        tokens = tokens[:max(held + 1, transferred(codec, len(tokens)))]
         sink.limit(len(tokens))
-        request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method,
+        ship_from = decodes_from(codec, held)
+        request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method, start=ship_from,
                                     consumer_fingerprint=self.rt.fingerprint)
-        rebuild = begin(codec, tokens, self.rt)  # the prompt's decode side (codec/rebuild.py)
+        rebuild = begin(codec, tokens, self.rt, ship_from)  # the prompt's decode side (codec/rebuild.py)
         for hook in self.codec_hooks:
             rebuild = hook(rebuild, rid)
 
@@ -214,8 +221,9 @@ class RemoteKVFill:
             self._check_header(header, peer, codec)
             self._check_cold(header, peer, req.transfer)
 
-        verifier = StreamVerifier(rid, req.method, len(tokens), self.rt.spec.num_layers, check_header=check_header)
-        job = _Job(peer, request, deadline)
+        verifier = StreamVerifier(rid, req.method, len(tokens) - ship_from, self.rt.spec.num_layers,
+                                  check_header=check_header)
+        job = TransferJob(peer, request, deadline)
         self._jobs.add(job)
         self.num_inflight += 1
         ok = server_ended = False
@@ -224,7 +232,7 @@ class RemoteKVFill:
         try:
             job.start()  # the request leaves now, while a transfer thread wakes up to read the answer
             self._threads.submit(job.run, loop, done, verifier, lambda: self._prepare(rebuild, sink),
-                                 lambda layer, code: self.rebuild_layer(layer, code, rebuild, sink))
+                                 lambda layer, code: self.rebuild_layer(layer, code, rebuild, sink, held - ship_from))
             got = await self._watch(job, done)
             ok = True
         except grpc.RpcError as exc:
@@ -250,7 +258,7 @@ class RemoteKVFill:
         s.num_cache_hits += int(got.cache_hit)
         s.payload_bytes += got.payload_bytes
         spec = self.rt.spec
-        raw = num_handed * bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)
+        raw = num_needed * bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)
         s.raw_kv_bytes += raw
         s.encode_s += got.encode_us / 1e6
         s.rebuild_s += got.rebuild_s
@@ -266,9 +274,10 @@ class RemoteKVFill:
             except Exception:  # noqa: BLE001 - bookkeeping must never fail a transfer that succeeded
                 log.exception("request_id=%s: recording the transfer failed", rid)
         return {"prefill": peer.address, "payload_bytes": got.payload_bytes, "raw_kv_bytes": raw,
-                "cache_hit": got.cache_hit, "rebuild_s": got.rebuild_s, "replayed_tokens": num_handed - len(tokens)}
+                "cache_hit": got.cache_hit, "rebuild_s": got.rebuild_s, "cached_tokens": held,
+                "replayed_tokens": held + num_needed - len(tokens)}
 
-    async def _watch(self, job: _Job, done: asyncio.Future):
+    async def _watch(self, job: TransferJob, done: asyncio.Future):
         """Wait for the transfer, giving the worker up as hung once its stream has been silent
         for stall_timeout_s (time waiting for a free transfer thread does not count)."""
         stall_s = self.config.transport.stall_timeout_s
@@ -306,9 +315,11 @@ class RemoteKVFill:
         except Exception as exc:  # a local fault, not the peer's: this transfer fails, the worker lives
             raise TransferFailed(f"preparing the rebuild failed: {type(exc).__name__}: {exc}") from None
 
-    def rebuild_layer(self, layer: int, code: dict, rebuild, sink) -> None:
+    def rebuild_layer(self, layer: int, code: dict, rebuild, sink, skip: int = 0) -> None:
+        """One layer's code into the sink, less its first `skip` rows (held here already)."""
         try:
-            k_pre, v = rebuild.decode_layer(layer, code)  # [transferred tokens, kvh, hd] each
+            k_pre, v = rebuild.decode_layer(layer, code)  # [rows shipped, kvh, hd] each
+            k_pre, v = k_pre[skip:], v[skip:]
         except ScdError:
             raise
         except Exception as exc:  # malformed code: refuse it, never write garbage
@@ -334,59 +345,3 @@ class RemoteKVFill:
     def snapshot(self) -> dict:
         return asdict(self.stats) | {"per_prefill": dict(self.per_peer), "inflight": self.num_inflight,
                                      "cold_switches": self.num_cold_switches, "shared": self.shared.num_shared}
-
-
-class _Job:
-    """One transfer: its stream is opened on the event loop (start, cancel), read in a thread (run)."""
-
-    def __init__(self, peer, request: pb.PrefillRequest, deadline: float):
-        self.peer, self.request, self.deadline = peer, request, deadline
-        self._call = None
-        self.reading = False  # a transfer thread reads the stream (set there)
-        self.last_message = time.monotonic()  # when the stream last gave a message (or reading began)
-
-    def start(self) -> None:
-        """Open the stream (non-blocking): the request leaves while a thread wakes up to read
-        the answer (one waiting for a thread past its deadline fails with DEADLINE_EXCEEDED)."""
-        timeout = max(0.001, self.deadline - time.monotonic())
-        self.request.timeout_ms = max(1, int(timeout * 1e3))  # the worker bounds its side too
-        self._call = self.peer.client.stream(self.request, timeout=timeout)
-
-    def run(self, loop, done: asyncio.Future, verifier: StreamVerifier, prepare, rebuild_layer) -> None:
-        """Transfer thread: the transfer, its outcome to `done`, then the stream's end (drain)."""
-        self.last_message, self.reading = time.monotonic(), True
-        try:
-            with torch.inference_mode():
-                got = receive(self._heard(self._call), verifier, prepare, rebuild_layer)
-        except BaseException as exc:  # noqa: BLE001 - the event loop re-raises it
-            _settle(loop, done, exc=exc)
-            return
-        _settle(loop, done, result=got)
-        why = drain(self._call)
-        if why:
-            log.debug("request_id=%s: after its last chunk: %s", self.request.request_id, why)
-
-    def _heard(self, call):
-        """The stream's messages, each stamped on arrival (the event loop's stall watch reads it)."""
-        for msg in call:
-            self.last_message = time.monotonic()
-            yield msg
-
-    def cancel(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-
-
-def _settle(loop, fut: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
-    """From a thread: complete `fut` on its loop, unless it was cancelled (or the loop closed)."""
-    def settle() -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    try:
-        loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the event loop is closed: nobody is waiting
-        pass

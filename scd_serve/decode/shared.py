@@ -47,8 +47,8 @@ class Shared:
         while done < len(self.layers):
             if self.layers[done] is not None:
                 k_pre, v = self.layers[done]
-                if k_pre.shape[0] != sink.num_tokens:  # the leader's codec replays a tail (codec/base.py)
-                    sink.limit(k_pre.shape[0])
+                if k_pre.shape[0] != sink.num_tokens - sink.start:  # the leader's codec replays a tail
+                    sink.limit(sink.start + k_pre.shape[0])
                 sink.write_layer(done, k_pre, v)
                 done += 1
                 continue
@@ -71,6 +71,10 @@ class _Tee:
     def closed(self) -> bool:
         return self._sink.closed
 
+    @property
+    def start(self) -> int:
+        return self._sink.start
+
     def prepare(self) -> None:
         self._sink.prepare()
 
@@ -83,7 +87,7 @@ class _Tee:
 
 
 class SharedTransfers:
-    """(method, prompt) -> the Shared of a transfer some fill is still using."""
+    """(method, prompt, first position) -> the Shared of a transfer some fill is still using."""
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers

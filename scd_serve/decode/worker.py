@@ -68,6 +68,7 @@ class DecodeWorker:
         await self.connect(health_loop)
         self.engine = Engine(self.runtime_wrap(self.rt) if self.runtime_wrap else self.rt, self.engine_config)
         self.engine.start()
+        self.auto.cached_prefix = self.engine.cached_prefix
         self.backend = DecodeBackend(self.engine, self.model_name, self.fill, self.peers, self.config.method, self.auto)
         self.app = create_app(self.api_config, self.backend, self.metrics)
         return self

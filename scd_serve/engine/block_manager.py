@@ -67,7 +67,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, cache_lookup: bool = False) -> int:
         """Blocks for the sequence; returns how many of its tokens already have K/V (a cached
-        prefix, whole blocks, never the last token: that one is fed to the first decode step)."""
+        prefix of whole blocks, never the last token: that one is fed to the first decode step)."""
         hits = self._hits(seq) if cache_lookup and not seq.block_ids else []
         if cache_lookup:
             self.num_queried_tokens += seq.num_tokens
@@ -131,13 +131,22 @@ class BlockManager:
             heapq.heappush(self._lowest, block)
         return len(dropped)
 
+    def cached_prefix(self, token_ids: list[int], namespace: str, fill: bool = False) -> int:
+        """How many of a prompt's tokens a sequence admitted now would find cached (a peek for
+        `auto`'s prediction; changes nothing)."""
+        return len(self._lookup(token_ids, namespace, fill)) * self.block_size
+
     def _hits(self, seq: Sequence) -> list[int]:
-        """The cached blocks the sequence's tokens start with, at most up to its last token."""
+        return self._lookup(seq.token_ids, seq.cache_namespace, seq.needs_fill)
+
+    def _lookup(self, token_ids: list[int], namespace: str, fill: bool) -> list[int]:
+        """The cached blocks the tokens start with, short of the last token (and of one more for
+        a fill, which then transfers at least that one)."""
         if not self.prefix_caching:
             return []
         bs, hits, parent = self.block_size, [], b""
-        for i in range((seq.num_tokens - 1) // bs):
-            parent = block_hash(parent, seq.cache_namespace, seq.token_ids[i * bs:(i + 1) * bs])
+        for i in range((len(token_ids) - (2 if fill else 1)) // bs):
+            parent = block_hash(parent, namespace, token_ids[i * bs:(i + 1) * bs])
             block = self._by_hash.get(parent)
             if block is None:
                 break

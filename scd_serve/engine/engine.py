@@ -25,12 +25,13 @@ from scd_serve.engine.fill import run_fill
 from scd_serve.engine.generation_config import GenerationDefaults
 from scd_serve.engine.grammar import GrammarCompiler
 from scd_serve.engine.inbox import Abort, Add, Filled, FillFailed, Message
+from scd_serve.config.methods import LOCAL
 from scd_serve.engine.request import GenerationRequest, KVFill, TokenEvent, Usage
 from scd_serve.engine.runner import Runner
 from scd_serve.engine.sampler import Ended
 from scd_serve.engine.runtime_protocol import Runtime
 from scd_serve.engine.scheduler import ScheduledBatch, Scheduler
-from scd_serve.engine.sequence import Sequence
+from scd_serve.engine.sequence import Sequence, cache_namespace
 from scd_serve.engine.sink import LayerSink
 from scd_serve.errors import (ConfigError, DeadlineExceeded, EngineDead, InvalidRequest, Overloaded, PromptTooLong,
                               ScdError, ShuttingDown, StepFailed)
@@ -124,6 +125,13 @@ class Engine:
                 "num_generated_tokens": self.num_generated_tokens,
                 "num_steps": self.num_steps, "num_fallbacks": self.num_fallbacks,
                 "num_steps_ahead": self.runner.num_steps_ahead, "ready": self.ready()}
+
+    def cached_prefix(self, token_ids: list[int], method: str) -> int:
+        """Prompt tokens a request by `method` (a fill's, or "local") would find in the prefix
+        cache now. A peek from any thread: it reads dicts the loop writes, so the answer may be
+        a step old, which a prediction can take."""
+        fill = method != LOCAL
+        return self.block_manager.cached_prefix(list(token_ids), cache_namespace(method, fill), fill)
 
     # ---------------------------------------------------------------- requests
     async def generate(self, req: GenerationRequest, kv_fill: KVFill | None = None) -> AsyncIterator[TokenEvent]:

@@ -90,16 +90,17 @@ class Runner:
         """The sink a fill writes `seq`'s prompt K/V into; with step_ahead (and a runtime that can),
         its first decode step runs as the layers land (StepAhead)."""
         spec = self.runtime.spec
-        block_ids, num_tokens = list(seq.block_ids), seq.num_tokens - 1
+        block_ids, start, num_tokens = list(seq.block_ids), seq.fill_start, seq.num_tokens - 1
         ahead = None
         if step_ahead and self.runtime.begin_decode_step is not None:
             item = (block_ids, num_tokens, seq.last_token)
             ahead = StepAhead(lambda: self.runtime.begin_decode_step(self.pool, [item]), spec.num_layers,
                               lambda logits: self._ready.__setitem__(seq.seq_id, logits[0]),
                               request_id=seq.request.request_id)
-        fill = _FillWriter(lambda n: self.runtime.kv_writer(self.pool, block_ids, n), num_tokens, ahead)
+        fill = _FillWriter(lambda n: self.runtime.kv_writer(self.pool, block_ids, n - start, start),  # start..n-1
+                           num_tokens, ahead)
         return LayerSink(fill.write, request_id=seq.request.request_id, num_layers=spec.num_layers,
-                         num_tokens=num_tokens, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                         num_tokens=num_tokens, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, start=start,
                          prepare=fill.prepare, on_complete=on_complete, on_limit=fill.limit)
 
 
@@ -123,7 +124,7 @@ class _FillWriter:
                     self._ahead.start()
 
     def write(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
-        # k_pre, v: [tokens, kv_heads, head_dim] of one layer, keys before RoPE
+        # k_pre, v: [tokens from the sink's start, kv_heads, head_dim] of one layer, keys before RoPE
         self.prepare()
         with torch.inference_mode():
             self._writer.write(layer, k_pre, v)

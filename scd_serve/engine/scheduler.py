@@ -96,11 +96,12 @@ class Scheduler:
         return finished
 
     def fill_done(self, seq: Sequence, num_filled: int | None = None) -> None:
-        """The KV fill wrote tokens 0..num_filled-1 (default T-1): the sequence prefills the rest
-        of its prompt but the last token here (a replayed tail), then decodes from that token."""
+        """The KV fill wrote tokens fill_start..num_filled-1 (default T-1; those before were
+        cached): the sequence prefills the rest of its prompt but the last token here (a
+        replayed tail), then decodes from that token."""
         handoff = seq.num_tokens - 1
         filled = handoff if num_filled is None else num_filled
-        if not 0 <= filled <= handoff:
+        if not seq.fill_start <= filled <= handoff:
             raise ValueError(f"a fill of {filled} tokens for a handoff of {handoff}")
         if self.filling.pop(seq.seq_id, None) is None:
             return  # aborted meanwhile
@@ -109,10 +110,11 @@ class Scheduler:
         self.running.append(seq)
 
     def fill_failed(self, seq: Sequence) -> bool:
-        """Fallback: the fill broke off, so prefill locally into the blocks it already holds."""
+        """Fallback: the fill broke off, so prefill locally into the blocks it already holds
+        (after its cached prefix, whose blocks others may hold too)."""
         if self.filling.pop(seq.seq_id, None) is None:
             return False
-        seq.needs_fill, seq.num_cached, seq.status = False, 0, SequenceStatus.RUNNING
+        seq.needs_fill, seq.num_cached, seq.status = False, seq.fill_start, SequenceStatus.RUNNING
         self.running.append(seq)
         return True
 
@@ -145,13 +147,13 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch) -> None:
         while self.waiting and len(self.running) + len(self.filling) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # a locally prefilled prompt starts from its longest cached prefix (prompt
-            # log-probabilities need the forward pass over every prompt token)
-            lookup = not seq.needs_fill and seq.prompt_logprobs is None
+            # a prompt starts from its longest cached prefix (prompt log-probabilities need the
+            # forward pass over every prompt token); a fill writes only the rest
+            lookup = seq.prompt_logprobs is None
             if not self.block_manager.can_allocate(seq, lookup):
                 break  # FIFO: no overtaking, so a long prompt is not starved by short ones
             self.waiting.popleft()
-            seq.num_cached = self.block_manager.allocate(seq, lookup)
+            seq.num_cached = seq.fill_start = self.block_manager.allocate(seq, lookup)
             if not seq.num_preemptions:
                 seq.num_prefix_cached = seq.num_cached
             if seq.queue_s is None:

@@ -12,6 +12,13 @@ from scd_serve.engine.request import GenerationRequest
 _ids = itertools.count()
 
 
+def cache_namespace(method: str, fill: bool) -> str:
+    """Whose K/V a sequence's blocks hold, for the prefix cache: the consumer's own prefill, or
+    a fill's by `method` (rebuilt or shipped: other numbers), so that a prefix is only reused
+    where it was made the same way."""
+    return f"fill:{method}" if fill else "local"
+
+
 class SequenceStatus(Enum):
     WAITING = auto()  # admitted, waiting for KV blocks and a batch slot
     FILLING = auto()  # holds blocks; a KV fill (transfer) is writing the prompt's K/V
@@ -35,6 +42,10 @@ class Sequence:
         self.num_prefix_cached = 0  # prompt tokens whose K/V came from the prefix cache at admission
         self.status = SequenceStatus.WAITING
         self.needs_fill = needs_fill  # cleared after a preemption: recompute is local
+        # Fixed for the sequence's life: what it computes after a cached prefix or a fill attends
+        # to that K/V, even after a preemption or a fallback
+        self.cache_namespace = cache_namespace(request.method, needs_fill)
+        self.fill_start = 0  # the first position its fill writes (after a cached prefix)
         self.waiting_since = time.monotonic()  # the queue timeout counts from here; reset on preemption
         self.queue_s: float | None = None  # arrival -> first admission (set once; vLLM's queue time)
         self.finish_reason: str | None = None
@@ -64,12 +75,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def cache_namespace(self) -> str:
-        """Whose K/V its blocks hold: the consumer's own prefill, or a fill's (rebuilt or shipped,
-        not the same numbers), so a prefix is only reused where it was made the same way."""
-        return f"fill:{self.request.method}" if self.needs_fill else "local"
 
     @property
     def last_token(self) -> int:

@@ -15,7 +15,8 @@ from scd_serve.errors import TransferCorrupt, TransferFailed
 
 class LayerSink:
     def __init__(self, write: Callable[[int, Any, Any], None], *, request_id: str, num_layers: int,
-                 num_tokens: int, kv_heads: int, head_dim: int, prepare: Callable[[], None] | None = None,
+                 num_tokens: int, kv_heads: int, head_dim: int, start: int = 0,
+                 prepare: Callable[[], None] | None = None,
                  on_complete: Callable[[], None] | None = None, on_limit: Callable[[int], None] | None = None):
         self._write = write  # (layer, k_pre, v) -> stores into this request's blocks
         self._prepare = prepare  # per-request work before the first write (idempotent)
@@ -25,8 +26,12 @@ class LayerSink:
         self._on_limit = on_limit  # told the new token count when a fill covers fewer (limit)
         self.request_id = request_id
         self.num_layers = num_layers
-        self.num_tokens = num_tokens  # T-1: every prompt token but the last (fewer after limit)
-        self.shape = (num_tokens, kv_heads, head_dim)
+        # Writes cover prompt positions start..num_tokens-1: start > 0 after a cached prefix;
+        # num_tokens is T-1, every prompt token but the last (fewer after limit)
+        self.start, self.num_tokens = start, num_tokens
+        if not 0 <= start < num_tokens:
+            raise ValueError(f"a sink from position {start} for {num_tokens} tokens")
+        self.shape = (num_tokens - start, kv_heads, head_dim)
         self._handoff = num_tokens
         self._lock, self._closed = threading.Lock(), False
         self._written: set[int] = set()
@@ -45,21 +50,22 @@ class LayerSink:
         return len(self._written)
 
     def limit(self, num_tokens: int) -> None:
-        """The fill writes K/V for the first `num_tokens` of the T-1 only (a codec's replayed
+        """The fill writes K/V up to position `num_tokens` of the T-1 only (a codec's replayed
         tail, codec/base.py): the engine prefills the rest itself. Before every write of an
         attempt; a retry may set it again."""
-        if not 1 <= num_tokens <= self._handoff:
-            raise TransferFailed(f"a fill of {num_tokens} tokens does not fit a handoff of {self._handoff}")
+        if not self.start < num_tokens <= self._handoff:
+            raise TransferFailed(f"a fill to position {num_tokens} does not fit positions {self.start}.."
+                                 f"{self._handoff - 1}")
         with self._lock:
             if num_tokens == self.num_tokens:
                 return
-            self.num_tokens, self.shape = num_tokens, (num_tokens, *self.shape[1:])
+            self.num_tokens, self.shape = num_tokens, (num_tokens - self.start, *self.shape[1:])
             self._written.clear()  # an earlier attempt's layers were of the other length
             if self._on_limit is not None:
                 self._on_limit(num_tokens)
 
     def write_layer(self, layer: int, k_pre: Any, v: Any) -> None:
-        # k_pre, v: [num_tokens, kv_heads, head_dim]; k before RoPE (the pool rotates it)
+        # k_pre, v: [num_tokens - start, kv_heads, head_dim]; k before RoPE (the pool rotates it)
         try:
             layer = operator.index(layer)  # int, numpy or 0-d tensor integers; not floats
         except TypeError:

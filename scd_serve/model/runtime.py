@@ -30,6 +30,13 @@ class LayerState:
     # [T, hidden] the layer's input, before input_layernorm; only when asked (residuals=True): most
     # callers keep states per layer, and this is as wide as attn_input
     residual: Tensor | None = None
+    start: int = 0  # the prompt position of row 0
+
+    def rows_from(self, start: int) -> LayerState:
+        """The rows of prompt positions start.. (a transfer after the decode side's cached prefix)."""
+        cut = start - self.start
+        return LayerState(self.keys[cut:], self.values[cut:], self.attn_input[cut:],
+                          None if self.residual is None else self.residual[cut:], start)
 
 
 @dataclass

@@ -11,9 +11,10 @@ from array import array
 from collections import OrderedDict
 
 
-def cache_key(method: str, token_ids) -> tuple[str, int, bytes]:
+def cache_key(method: str, token_ids, start: int = 0) -> tuple[str, int, int, bytes]:
+    """Codes of token_ids[start:] by `method` (the producer's pass saw all of token_ids)."""
     digest = hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=16).digest()
-    return (method, len(token_ids), digest)
+    return (method, len(token_ids), start, digest)
 
 
 class CodeCache:

@@ -161,6 +161,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if not 1 <= n <= self.max_prompt_tokens:
             raise InvalidRequest(f"token_ids has {n} tokens; must be 1..{self.max_prompt_tokens}",
                                  field="token_ids")
+        if request.start >= n:
+            raise InvalidRequest(f"start {request.start} leaves no token of {n} to transfer; must be < {n}",
+                                 field="start")
         vocab = self.rt.spec.vocab_size
         if max(tokens) >= vocab:
             raise InvalidRequest(f"token id {max(tokens)} >= vocab size {vocab}", field="token_ids")
@@ -178,15 +181,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def _stream(self, request, tokens: list[int], codec, t: Transfer, context) -> None:
         s = self.rt.spec
-        key = cache_key(request.method, tokens)
+        key = cache_key(request.method, tokens, request.start)
         cached = self.cache.get(key)
         ranges = group_layers(cached, self.config.chunk_bytes, keep_ends=True) if cached else \
             [(i, i + 1) for i in range(s.num_layers)]
         header = pb.TransferHeader(
             request_id=t.request_id, codec_id=request.method, codec_version=codec.version,
             producer_fingerprint=self.rt.fingerprint, consumer_fingerprint=request.consumer_fingerprint,
-            num_tokens=len(tokens), num_layers=s.num_layers, total_chunks=len(ranges),
-            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, cache_hit=cached is not None)
+            num_tokens=len(tokens) - request.start, num_layers=s.num_layers, total_chunks=len(ranges),
+            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, cache_hit=cached is not None, start=request.start)
         if cached is not None:  # codes ready: the header rides with chunk 0 (one write less before it)
             t.cache_hit = True
             for seq, (a, b) in enumerate(ranges):
@@ -198,15 +201,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         first = pb.PrefillChunk(header=header)
         await context.write(first)  # at once: the producer takes a while
         t.sent_bytes += first.ByteSize()
-        layers = await self._produce_and_send(tokens, codec, t, context, len(ranges))
+        layers = await self._produce_and_send(tokens, request.start, codec, t, context, len(ranges))
         self.cache.put(key, layers)
 
-    async def _produce_and_send(self, tokens, codec, t: Transfer, context, total: int) -> list[list]:
+    async def _produce_and_send(self, tokens, start: int, codec, t: Transfer, context, total: int) -> list[list]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         emit = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
         self.num_prefills += 1
-        loop.run_in_executor(self._pool, _produce, self.rt, codec, tokens, t.stop, emit)
+        loop.run_in_executor(self._pool, _produce, self.rt, codec, tokens, start, t.stop, emit)
         layers: list[list] = []
         while True:
             item = await queue.get()
@@ -231,8 +234,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _produce(rt, codec, tokens: list[int], stop: threading.Event, emit) -> None:
-    """Worker thread: prefill layer by layer, encode, hand each layer over at once."""
+def _produce(rt, codec, tokens: list[int], first: int, stop: threading.Event, emit) -> None:
+    """Worker thread: prefill layer by layer, encode the rows from position `first` on (the
+    states of every earlier token shaped them), hand each layer over at once."""
     try:
         ids = torch.tensor(tokens, dtype=torch.long)  # ids: [T]
         start = time.perf_counter()
@@ -240,7 +244,7 @@ def _produce(rt, codec, tokens: list[int], stop: threading.Event, emit) -> None:
         for layer, state in rt.iter_prefill(ids, compute_logits=False, residuals=residuals):
             if stop.is_set():
                 return
-            tensors = encode_code(layer, codec.encode_layer(layer, state))
+            tensors = encode_code(layer, codec.encode_layer(layer, state.rows_from(first) if first else state))
             now = time.perf_counter()
             emit((layer, tensors, int((now - start) * 1e6)))
             start = now

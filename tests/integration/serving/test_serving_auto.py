@@ -58,7 +58,9 @@ async def auto_worker(consumer, producer, methods, codebook="", budget=None, fal
         nodes.append(node)
     config = DecodeConfig(model="unused", codebook=codebook, prefill=(node.address,), method="auto", fallback=fallback,
                           chooser=ChooserConfig(quality_budget=budget))
-    worker = DecodeWorker(consumer, config, engine_config(fallback_to_local=fallback == "local"),
+    # without the prefix cache: these tests send one prompt again and again, which a local
+    # prefill would then find cached (test_decode_chooser covers that choice)
+    worker = DecodeWorker(consumer, config, engine_config(fallback_to_local=fallback == "local", prefix_caching=False),
                           ApiConfig(model_name="tiny", max_model_len=256, max_tokens_cap=64, default_method="auto"),
                           runtime_wrap=SlowPrefill)
     try:

@@ -12,7 +12,7 @@ from serving_helpers import engine_for, greedy, make_decode, prompts, settled, s
 async def test_identity_transfer_matches_local_alone_and_16_concurrent(rt):
     node = await start_prefill(rt)
     peers, fill = await make_decode(rt, [node.address])
-    engine = engine_for(rt)
+    engine = engine_for(rt, prefix_caching=False)  # the repeated prompt is the producer code cache's to serve
     try:
         assert peers.ready(), peers.status()
         ps = prompts(16)
@@ -39,11 +39,37 @@ async def test_identity_transfer_matches_local_alone_and_16_concurrent(rt):
         await node.stop()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["identity", "raw"])
+async def test_later_turns_ship_only_what_the_prefix_cache_lacks_and_answer_as_local(rt, method):
+    """Multi-turn: each turn repeats the last turn's prompt and answer. The decode worker holds
+    the earlier blocks and asks the producer for the rest only (PrefillRequest.start): fewer
+    bytes, and the greedy tokens of a local prefill (producer == consumer: lossless)."""
+    node = await start_prefill(rt, methods=(method,))
+    peers, fill = await make_decode(rt, [node.address], method=method)
+    engine = engine_for(rt)
+    try:
+        prompt, sent = prompts(1, seed=3)[0] * 3, []  # 3 x 3..39 tokens, then the turns' answers
+        for turn in range(3):
+            before = fill.stats.payload_bytes
+            local = await greedy(engine, f"l{turn}", prompt)  # (local's blocks are another namespace)
+            assert await greedy(engine, f"d{turn}", prompt, method, fill) == local
+            sent.append((fill.stats.payload_bytes - before) / len(prompt))
+            prompt = prompt + local + [5, 6, 7]
+        assert fill.stats.num_transfers == 3 and fill.stats.num_failed == 0
+        assert sent[1] < 0.7 * sent[0] and sent[2] < 0.7 * sent[0]  # bytes per prompt token
+        assert engine.block_manager.num_hit_tokens > 0
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
+
+
 @pytest.mark.parametrize("chunk_bytes,chunks", [(1, 2), (1 << 20, 1)])
 async def test_cache_hit_resends_codes_in_layer_chunks_or_packed(rt, chunk_bytes, chunks):
     node = await start_prefill(rt, chunk_bytes=chunk_bytes)
     peers, fill = await make_decode(rt, [node.address])
-    engine = engine_for(rt)
+    engine = engine_for(rt, prefix_caching=False)  # the repeated prompt is the producer code cache's to serve
     headers = []
     real = fill._check_header
     fill._check_header = lambda h, peer, codec: (headers.append(h), real(h, peer, codec))[1]

@@ -109,6 +109,18 @@ def test_a_very_slow_link_loses_to_the_local_prefill():
     assert {p.method for p in picks[-3:]} == {LOCAL}
 
 
+def test_a_prompt_cached_on_this_worker_is_prefilled_here_for_its_uncached_rest():
+    chooser, world = make(), World(rate=100e6)  # a transfer beats prefilling all 1024 tokens here
+    picks = warmed(world, chooser, requests=6)
+    assert picks[-1].method != LOCAL
+    cached = chooser.choose(1, N, [peer()], local_cached=N - 64)  # all but 64 tokens in the prefix cache
+    assert (cached.method, cached.reason) == (LOCAL, "fastest")
+    assert cached.predicted_s == pytest.approx(world.local * 64)  # the speed learnt, times what is left
+    # a local prefill's outcome teaches the speed of the tokens it computed
+    chooser.observe_outcome(cached, 64, world.local * 64)
+    assert chooser.local.value == pytest.approx(world.local)
+
+
 def test_choice_follows_a_slowed_link_and_a_recovered_one():
     clock = Clock()
     chooser, world = make(clock), World(rate=2e9)

@@ -157,7 +157,7 @@ def fill_from(rt, fail_at_layer=None, delay=0.0):
             if layer == fail_at_layer:
                 raise ConnectionError("peer went away")
             await asyncio.sleep(delay)
-            sink.write_layer(layer, out.keys[layer], out.values[layer])
+            sink.write_layer(layer, out.keys[layer][sink.start:], out.values[layer][sink.start:])
     kv_fill.calls = calls
     return kv_fill
 

@@ -91,9 +91,9 @@ def count_decodes(monkeypatch, runtime):
 def layer_fill(runtime, order=None, delay_s=0.0):
     async def fill(r, sink):  # what a lossless transfer delivers: the consumer's own K/V, in `order`
         out = runtime.prefill(r.prompt_token_ids[:-1])
-        for layer in order or range(sink.num_layers):
+        for layer in order or range(sink.num_layers):  # the rows after a cached prefix
             await asyncio.sleep(delay_s)
-            sink.write_layer(layer, out.keys[layer], out.values[layer])
+            sink.write_layer(layer, out.keys[layer][sink.start:], out.values[layer][sink.start:])
     return fill
 
 
@@ -148,10 +148,11 @@ async def test_a_layer_written_again_restarts_the_step_ahead(engine, runtime):
 
     async def retried_fill(r, sink):
         out = runtime.prefill(r.prompt_token_ids[:-1])
-        sink.write_layer(0, -out.keys[0] * 3, out.values[0] * 5)  # an attempt that broke off after layer 0
+        k, v = out.keys[:, sink.start:], out.values[:, sink.start:]  # the rows after a cached prefix
+        sink.write_layer(0, -k[0] * 3, v[0] * 5)  # an attempt that broke off after layer 0
         await asyncio.sleep(0.01)
         for layer in range(sink.num_layers):  # the retry writes every layer
-            sink.write_layer(layer, out.keys[layer], out.values[layer])
+            sink.write_layer(layer, k[layer], v[layer])
 
     ahead = engine.stats()["num_steps_ahead"]
     assert await run(engine, req("f", ids, 4), retried_fill) == local
@@ -191,12 +192,13 @@ def tail_fill(runtime, replay, corrupt_tail=False):
     async def fill(r, sink):
         handoff = r.prompt_token_ids[:-1]
         out = runtime.prefill(handoff)
+        k, v = out.keys[:, sink.start:], out.values[:, sink.start:]  # the rows after a cached prefix
         if corrupt_tail:
-            sink.write_layer(0, out.keys[0] * 0 + 9, out.values[0] * 0 - 9)
-        n = max(1, len(handoff) - replay)
+            sink.write_layer(0, k[0] * 0 + 9, v[0] * 0 - 9)
+        n = max(sink.start + 1, len(handoff) - replay)
         sink.limit(n)
         for layer in range(sink.num_layers):
-            sink.write_layer(layer, out.keys[layer][:n], out.values[layer][:n])
+            sink.write_layer(layer, k[layer][:n - sink.start], v[layer][:n - sink.start])
     return fill
 
 
