@@ -62,6 +62,19 @@ def test_same_model_run_rebuilds_the_prefill_and_interleaved_prompts_keep_their_
     assert all(rb._run is None for rb in rebuilds)  # each run let go at its last layer
 
 
+def test_a_run_is_sent_every_row_after_a_cached_prefix_whose_own_rows_it_cannot_rebuild(same_model):
+    """A run is the consumer's forward over the whole prompt: a transfer that starts after the
+    decode side's cached prefix still carries every row (decodes_from), and a rebuild asked
+    to start mid-prompt is refused rather than attending to nothing before it."""
+    rt, book = same_model
+    c = codec.build("scd", producer=rt, consumer=rt, codebook=book)
+    assert not c.rows_decode_alone and codec.rebuild.decodes_from(c, 16) == 0
+    with pytest.raises(CodebookError, match="run"):
+        codec.begin(c, torch.arange(20), rt, 16)
+    no_run = codec.build("reuse", producer=rt, consumer=rt, codebook=book)
+    assert no_run.rows_decode_alone and codec.rebuild.decodes_from(no_run, 16) == 16
+
+
 def test_run_layers_out_of_turn_are_refused(same_model):
     rt, book = same_model
     c = codec.build("scd", producer=rt, consumer=rt, codebook=book)
