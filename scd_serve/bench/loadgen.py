@@ -46,9 +46,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, tim
                         return res
                     now = time.perf_counter()
                     if meta is not None:
-                        meta["scd"] = event.get("scd", meta.get("scd"))
-                        texts = (c.get("text") or "" for c in event.get("choices") or [])
-                        meta["text"] = meta.get("text", "") + "".join(texts)
+                        _note(meta, event)
                     usage = event.get("usage") or {}
                     if usage.get("completion_tokens") is not None:
                         res.reported_tokens = int(usage["completion_tokens"])
@@ -67,6 +65,18 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, tim
     except (httpx.HTTPError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
     return res
+
+
+def _note(meta: dict, event: dict) -> None:
+    """What a stream's event adds to `meta`: the `scd` field, the text, the token ids (from
+    logprobs with return_tokens_as_token_ids) and the usage."""
+    meta["scd"] = event.get("scd", meta.get("scd"))
+    for c in event.get("choices") or []:
+        meta["text"] = meta.get("text", "") + (c.get("text") or "")
+        tokens = (c.get("logprobs") or {}).get("tokens") or []
+        meta.setdefault("token_ids", []).extend(int(t.split(":", 1)[1]) for t in tokens if t.startswith("token_id:"))
+    if event.get("usage"):
+        meta["usage"] = event["usage"]
 
 
 def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
@@ -140,6 +150,36 @@ async def timed_requests(client: httpx.AsyncClient, url: str, body: dict, count:
     return out
 
 
+async def chat(client: httpx.AsyncClient, url: str, system: list[int], turns: list[list[int]], body: dict,
+               timeout_s: float) -> list[dict]:
+    """One conversation: turn k sends the system prompt, every earlier message and answer, and
+    message k, as token ids (what a chat client resends each turn). -> per turn: TTFT, prompt
+    tokens, those the prefix cache held, the bytes its transfer carried, the method that served."""
+    history, out = list(system), []
+    for k, message in enumerate(turns):
+        prompt, meta = history + message, {}
+        before = await transfer_bytes(client, url)
+        res = await stream_completion(client, url, {**body, "prompt": prompt, "logprobs": 0,
+                                                    "return_tokens_as_token_ids": True,
+                                                    "stream_options": {"include_usage": True}}, timeout_s, meta)
+        if not res.ok:
+            raise RuntimeError(f"turn {k}: {res.error or 'no token'}")
+        usage, scd = meta.get("usage") or {}, meta.get("scd") or {}
+        out.append({"turn": k, "ttft_s": res.ttft, "prompt_tokens": len(prompt),
+                    "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                    "payload_bytes": await transfer_bytes(client, url) - before, "method": scd.get("method")})
+        history = prompt + meta.get("token_ids", [])
+    return out
+
+
+async def transfer_bytes(client: httpx.AsyncClient, url: str) -> float:
+    """The decode worker's scd_transfer_bytes_total, all methods: the code bytes its fills received."""
+    r = await client.get(f"{url}/metrics", timeout=30.0)
+    r.raise_for_status()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines()
+               if line.startswith("scd_transfer_bytes_total{"))
+
+
 async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
     url, timeout = cmd["url"], float(cmd.get("timeout_s", 120.0))
     if cmd["cmd"] == "ready":
@@ -151,6 +191,8 @@ async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
         return {"text": r.text}
     if cmd["cmd"] == "requests":
         return {"samples": await timed_requests(client, url, cmd["body"], int(cmd["count"]), timeout)}
+    if cmd["cmd"] == "chat":
+        return {"turns": await chat(client, url, cmd["system"], cmd["turns"], cmd["body"], timeout)}
     if cmd["cmd"] == "rounds":  # one request per body in turn, `rounds` times: a load swing hits them alike
         samples: dict[str, list] = {name: [] for name in cmd["bodies"]}
         for _ in range(int(cmd["rounds"])):

@@ -1,4 +1,4 @@
-"""`scd-serve bench {ttft,serve,structured}`: the measured benchmarks (the planner is `scd-serve plan`)."""
+"""`scd-serve bench {ttft,chat,serve,structured}`: the measured benchmarks (the planner is `scd-serve plan`)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--start-timeout", type=float, default=300.0)
     t.add_argument("--point-timeout", type=float, default=1800.0)
 
+    c = sub.add_parser("chat", help="multi-turn chats over a shared system prompt: TTFT, bytes and cached share "
+                                     "per turn, the decode worker's prefix cache on and off")
+    c.add_argument("--json", required=True, help="write the results here")
+    c.add_argument("--bandwidth", default="100mbit", help="the link's rate between prefill and decode")
+    c.add_argument("--methods", nargs="+", default=["scd", "local"], help="scd_method of the requests")
+    c.add_argument("--chats", type=int, default=3, help="conversations per method and cache setting")
+    c.add_argument("--turns", type=int, default=4)
+    c.add_argument("--system-tokens", type=int, default=1024, help="the system prompt every chat starts with")
+    c.add_argument("--turn-tokens", type=int, default=48, help="each user message")
+    c.add_argument("--max-tokens", type=int, default=16, help="each answer (greedy)")
+    c.add_argument("--producer", default=f"{DEMO}/producer")
+    c.add_argument("--consumer", default=f"{DEMO}/consumer")
+    c.add_argument("--codebook", default=f"{DEMO}/codebook")
+    c.add_argument("--resend-chunk-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    c.add_argument("--no-netns", action="store_true", help="use the userspace token-bucket proxy")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--start-timeout", type=float, default=300.0)
+    c.add_argument("--request-timeout", type=float, default=300.0)
+
     g = sub.add_parser("structured", help="tokens/s with half the streams grammar-constrained (json_schema) "
                                           "vs none, on one decode worker")
     g.add_argument("--json", required=True)
@@ -106,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.bench == "ttft":
         doc = _ttft(args)
+    elif args.bench == "chat":
+        from scd_serve.bench.chat import print_table, run_chat
+
+        doc = run_chat(args)
+        print_table(doc)
     elif args.bench == "structured":
         from scd_serve.bench.structured import run_structured
 

@@ -146,19 +146,22 @@ def start_prefill(args, link, logs: Path) -> tuple[subprocess.Popen, str]:
     return proc, link.producer_addr(port)
 
 
-def start_worker(args, link, address: str, logs: Path) -> tuple[subprocess.Popen, str]:
+def start_worker(args, link, address: str, logs: Path, extra: tuple[str, ...] = (),
+                 name: str = "decode") -> tuple[subprocess.Popen, str]:
     """The real `scd-serve decode` beside the probe, listening -> (process, URL); the probe
-    then waits for /ready (peers handshaken). Its default method is auto (a codebook) or raw."""
+    then waits for /ready (peers handshaken). Its default method is auto (a codebook) or raw.
+    extra: more of its flags; name: its log's."""
     port = procs.free_port()
     cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.consumer,
            "--codebook", args.codebook or "", "--host", "127.0.0.1", "--port", str(port), "--prefill", address,
-           "--fallback", "none"]  # a failed transfer is an error here, never a silent local prefill
+           "--fallback", "none", *extra]  # a failed transfer is an error here, never a silent local prefill
     if getattr(args, "quality_budget", None) is not None:
         cmd += ["--quality-budget", str(args.quality_budget)]
     if getattr(args, "auto_stale_s", None) is not None:
         cmd += ["--auto-stale-s", str(args.auto_stale_s)]
-    proc = procs.spawn(cmd, logs / "decode.log")
-    procs.wait_tcp("127.0.0.1", port, proc, args.start_timeout, link.exec_prefix("consumer"), logs / "decode.log")
+    log = logs / f"{name}.log"
+    proc = procs.spawn(cmd, log)
+    procs.wait_tcp("127.0.0.1", port, proc, args.start_timeout, link.exec_prefix("consumer"), log)
     return proc, f"http://127.0.0.1:{port}"
 
 

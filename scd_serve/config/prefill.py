@@ -29,6 +29,9 @@ class PrefillConfig:
     # Code cache for repeated prompts: bounded by bytes and entries (LRU).
     cache_bytes: int = 256 * MiB
     cache_entries: int = 1024
+    # The producer's prefix cache: K/V of this many tokens kept (paged, LRU) so that a prompt
+    # starting with one seen before (a chat's next turn) is prefilled from there on; 0 = off.
+    prefix_cache_tokens: int = 16384
     # Cached codes are resent in chunks of up to this many bytes (1 = one layer per chunk), the
     # first and last layer alone (transport.chunking.group_layers). 32 KiB: a message costs
     # ~0.2-0.4 ms per side in Python gRPC, the wire time of ~32 KB at 1 Gbit/s.
@@ -48,8 +51,8 @@ class PrefillConfig:
         for name in ("max_concurrent", "cache_entries", "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"prefill.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_prompt_tokens < 0 or self.cache_bytes < 0:
-            raise ConfigError("prefill.max_prompt_tokens and cache_bytes must be >= 0")
+        if self.max_prompt_tokens < 0 or self.cache_bytes < 0 or self.prefix_cache_tokens < 0:
+            raise ConfigError("prefill.max_prompt_tokens, cache_bytes and prefix_cache_tokens must be >= 0")
         if self.chunk_bytes > self.transport.max_message_bytes // 2:
             raise ConfigError(f"prefill.chunk_bytes ({self.chunk_bytes}) must be at most half of "
                               f"max_message_bytes ({self.transport.max_message_bytes})")

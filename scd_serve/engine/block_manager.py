@@ -60,15 +60,16 @@ class BlockManager:
     # -- admission: blocks for every token the sequence holds now (prompt, or prompt+output
     #    after a preemption), which also covers the slot of its first decode step. A sequence
     #    that may reuse a prefix (cache_lookup) starts from the longest cached one.
-    def can_allocate(self, seq: Sequence, cache_lookup: bool = False) -> bool:
-        hits = self._hits(seq) if cache_lookup else []
+    def can_allocate(self, seq: Sequence, cache_lookup: bool = False, limit: int | None = None) -> bool:
+        hits = self._hits(seq, limit) if cache_lookup else []
         need = self.blocks_for(seq.num_tokens) - len(seq.block_ids) - len(hits)
         return need <= self.num_free - sum(b in self._evictable for b in hits)
 
-    def allocate(self, seq: Sequence, cache_lookup: bool = False) -> int:
+    def allocate(self, seq: Sequence, cache_lookup: bool = False, limit: int | None = None) -> int:
         """Blocks for the sequence; returns how many of its tokens already have K/V (a cached
-        prefix of whole blocks, never the last token: that one is fed to the first decode step)."""
-        hits = self._hits(seq) if cache_lookup and not seq.block_ids else []
+        prefix of whole blocks, never the last token: that one is fed to the first decode step;
+        at most `limit` tokens where given)."""
+        hits = self._hits(seq, limit) if cache_lookup and not seq.block_ids else []
         if cache_lookup:
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += len(hits) * self.block_size
@@ -136,8 +137,9 @@ class BlockManager:
         `auto`'s prediction; changes nothing)."""
         return len(self._lookup(token_ids, namespace, fill)) * self.block_size
 
-    def _hits(self, seq: Sequence) -> list[int]:
-        return self._lookup(seq.token_ids, seq.cache_namespace, seq.needs_fill)
+    def _hits(self, seq: Sequence, limit: int | None = None) -> list[int]:
+        hits = self._lookup(seq.token_ids, seq.cache_namespace, seq.needs_fill)
+        return hits if limit is None else hits[:limit // self.block_size]
 
     def _lookup(self, token_ids: list[int], namespace: str, fill: bool) -> list[int]:
         """The cached blocks the tokens start with, short of the last token (and of one more for

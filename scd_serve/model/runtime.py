@@ -97,9 +97,23 @@ class ModelRuntime:
         stacked = (torch.stack([getattr(s, name) for s in states]) for name in ("keys", "values", "attn_input"))
         return PrefillOutput(it.logits, *stacked)  # [L, T, ...] each
 
-    def iter_prefill(self, input_ids, compute_logits: bool = True, residuals: bool = False) -> PrefillIterator:
+    def iter_prefill(self, input_ids, compute_logits: bool = True, residuals: bool = False,
+                     cached: tuple[KVPool, Sequence[int], int] | None = None) -> PrefillIterator:
+        """cached: (pool, block_ids, n) where the prompt's first n tokens' K/V are (a prefix
+        cache): input_ids are then the rest, computed over that K/V in place (model/step.py,
+        their own K/V written after it), and every LayerState has residuals, start n, no logits."""
         ids = self._check_ids(input_ids)
+        if cached is not None:
+            return PrefillIterator(self._continue(ids, *cached))
         return PrefillIterator(self._prefill_layers(ids, compute_logits, residuals))
+
+    @torch.no_grad()
+    def _continue(self, ids: Tensor, pool: KVPool, block_ids: Sequence[int], num_cached: int):
+        step = self.begin_extend(pool, [(block_ids, num_cached, ids)], "none")
+        for layer in range(self.spec.num_layers):
+            h, x, k_pre, v = step.run_layer()  # the rest's rows, [T - n, ...] each
+            yield layer, LayerState(k_pre, v, x, h, start=num_cached)
+        return None
 
     @torch.no_grad()
     def _prefill_layers(self, ids: Tensor, compute_logits: bool, residuals: bool, first: int = 0,

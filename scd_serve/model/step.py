@@ -119,12 +119,14 @@ class Step:
         self.h, self.layer = h.to(self.h.device, self.h.dtype), layer
 
     @torch.no_grad()
-    def run_layer(self) -> None:
-        """Run the next layer; it reads only that layer of the pool."""
+    def run_layer(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Run the next layer; it reads only that layer of the pool. -> the step's rows entering
+        it (h [N, hidden]), their normed input (x [N, hidden]) and K/V (k_pre, v [N, kv_heads, hd]):
+        the producer's states, where a prefill worker's step continues a cached prefix."""
         spec, layer = self.rt.spec, self.layer
         if self.done:
             raise RuntimeError("every layer of this step has run")
-        lw = self.rt.weights.layers[layer]
+        lw, h_in = self.rt.weights.layers[layer], self.h
         x = rms_norm(self.h, lw.ln1, spec.rms_norm_eps)
         k_pre, v = project_kv(lw, spec, x)  # [N, kv_heads, hd]
         self.pool.write(layer, self.slots, rope.apply(k_pre, self.cos, self.sin), v)
@@ -137,6 +139,7 @@ class Step:
             out = self._attend_in_place(k_layer, v_layer, q, window)
         self.h = finish_layer(lw, spec, self.h, out)
         self.layer += 1
+        return h_in, x, k_pre, v
 
     def _attend_in_place(self, k_layer: Tensor, v_layer: Tensor, q: Tensor, window: int | None) -> Tensor:
         # q: [N, heads, hd] -> [N, heads*hd]; one-token items through the kernel when it serves

@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          codebook=DEFAULT_CODEBOOK, listener="gRPC", port=50051, dialer="decode workers should")
     parser.add_argument("--max-concurrent", type=int, default=4, help="transfers at once; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--cache-mb", type=int, default=256, help="code cache for repeated prompts (MiB, 0 = off)")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=PrefillConfig.prefix_cache_tokens,
+                        help="the producer's prefix cache: K/V of this many tokens kept so that a prompt starting "
+                             "with one seen before (a chat's next turn) is prefilled from there on (0 = off)")
     parser.add_argument("--transfer-lease-s", type=float, default=60.0)
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="longest prompt accepted, in tokens (0 = the model's max_position_embeddings)")

@@ -22,6 +22,7 @@ from scd_serve.config.prefill import PrefillConfig
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, InvalidRequest, Overloaded,
                               PayloadTooLarge, ScdError, TransferFailed)
 from scd_serve.prefill.code_cache import CodeCache, cache_key
+from scd_serve.prefill.prefix import PrefixStates
 from scd_serve.prefill.metrics import PrefillMetrics
 from scd_serve.transport.chunking import chunk_message, group_layers
 from scd_serve.transport.proto import PROTOCOL_VERSION, pb, pb_grpc
@@ -64,6 +65,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.transfers: dict[str, Transfer] = {}
         self.max_prompt_tokens = config.max_prompt_tokens or runtime.spec.max_position_embeddings
         self._pool = ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="producer")
+        self.prefix = PrefixStates(runtime, config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.num_served = 0  # completed transfers
         self.num_prefills = 0  # producer runs (cache misses that started)
         self.num_failed = 0
@@ -209,7 +211,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         queue: asyncio.Queue = asyncio.Queue()
         emit = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
         self.num_prefills += 1
-        loop.run_in_executor(self._pool, _produce, self.rt, codec, tokens, start, t.stop, emit)
+        loop.run_in_executor(self._pool, _produce, self.rt, codec, tokens, start, t.stop, emit, self.prefix)
         layers: list[list] = []
         while True:
             item = await queue.get()
@@ -234,14 +236,19 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _produce(rt, codec, tokens: list[int], first: int, stop: threading.Event, emit) -> None:
-    """Worker thread: prefill layer by layer, encode the rows from position `first` on (the
-    states of every earlier token shaped them), hand each layer over at once."""
+def _produce(rt, codec, tokens: list[int], first: int, stop: threading.Event, emit,
+             prefix: PrefixStates | None = None) -> None:
+    """Worker thread: prefill layer by layer (from the producer's cached prefix on, where it
+    holds one), encode the rows from position `first` on (the states of every earlier token
+    shaped them), hand each layer over at once."""
+    states = None
     try:
-        ids = torch.tensor(tokens, dtype=torch.long)  # ids: [T]
         start = time.perf_counter()
-        residuals = wants_residuals(codec, rt.spec.num_layers)
-        for layer, state in rt.iter_prefill(ids, compute_logits=False, residuals=residuals):
+        states = prefix.layers(tokens, first) if prefix is not None else None
+        if states is None:
+            ids = torch.tensor(tokens, dtype=torch.long)  # ids: [T]
+            states = rt.iter_prefill(ids, compute_logits=False, residuals=wants_residuals(codec, rt.spec.num_layers))
+        for layer, state in states:
             if stop.is_set():
                 return
             tensors = encode_code(layer, codec.encode_layer(layer, state.rows_from(first) if first else state))
@@ -251,3 +258,6 @@ def _produce(rt, codec, tokens: list[int], first: int, stop: threading.Event, em
         emit(_DONE)
     except BaseException as exc:  # noqa: BLE001 - handed to the loop, which fails the RPC
         emit(exc)
+    finally:
+        if hasattr(states, "close"):  # a prefix run stopped half way frees its blocks now
+            states.close()

@@ -71,8 +71,8 @@ class FaultyProducer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rt, name)
 
-    def iter_prefill(self, ids, compute_logits: bool = True, residuals: bool = False):
-        for layer, state in self._rt.iter_prefill(ids, compute_logits=compute_logits, residuals=residuals):
+    def iter_prefill(self, ids, compute_logits: bool = True, residuals: bool = False, **kw):
+        for layer, state in self._rt.iter_prefill(ids, compute_logits=compute_logits, residuals=residuals, **kw):
             if self.layer_delay_s:
                 time.sleep(self.layer_delay_s)
             yield layer, state

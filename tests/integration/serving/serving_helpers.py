@@ -132,10 +132,10 @@ class SlowRuntime:
     def __getattr__(self, name):
         return getattr(self._rt, name)
 
-    def iter_prefill(self, ids, compute_logits=True, residuals=False):
+    def iter_prefill(self, ids, compute_logits=True, residuals=False, **kw):
         import time as _time
 
-        for layer, state in self._rt.iter_prefill(ids, compute_logits=compute_logits, residuals=residuals):
+        for layer, state in self._rt.iter_prefill(ids, compute_logits=compute_logits, residuals=residuals, **kw):
             if self.on_layer is not None:
                 self.on_layer(layer)
             _time.sleep(self.delay)
