@@ -87,8 +87,10 @@ class Cluster:
         self._spawn("gateway", [*cli, "gateway", "--port", str(gw_port), "--control-bind", control], env, logs)
         self._spawn("prefill", [*link.exec_prefix("producer"), *cli, "prefill", "--model", str(pair / "producer"),
                                 *book, "--host", link.producer_bind(), "--port", str(prefill_port)], env, logs)
+        # every method meets each prompt afresh: no prefix cache holds it from the method before
         self._spawn("decode", [*cli, "decode", "--model", str(pair / "consumer"), *book, "--port", str(decode_port),
-                               "--prefill", link.producer_addr(prefill_port), "--control-url", control], env, logs)
+                               "--prefill", link.producer_addr(prefill_port), "--control-url", control,
+                               "--no-enable-prefix-caching"], env, logs)
 
     def _spawn(self, name: str, cmd: list[str], env: dict, logs: Path) -> None:
         proc = procs.spawn(cmd, logs / f"{name}.log", env)

@@ -146,11 +146,12 @@ def start_prefill(args, link, logs: Path) -> tuple[subprocess.Popen, str]:
     return proc, link.producer_addr(port)
 
 
-def start_worker(args, link, address: str, logs: Path, extra: tuple[str, ...] = (),
+def start_worker(args, link, address: str, logs: Path, extra: tuple[str, ...] = ("--no-enable-prefix-caching",),
                  name: str = "decode") -> tuple[subprocess.Popen, str]:
     """The real `scd-serve decode` beside the probe, listening -> (process, URL); the probe
     then waits for /ready (peers handshaken). Its default method is auto (a codebook) or raw.
-    extra: more of its flags; name: its log's."""
+    extra: more of its flags (by default no prefix cache: a method's TTFT is timed on a prompt
+    the worker must fill again each time, `warm` meaning the producer's code cache); name: its log's."""
     port = procs.free_port()
     cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.consumer,
            "--codebook", args.codebook or "", "--host", "127.0.0.1", "--port", str(port), "--prefill", address,
