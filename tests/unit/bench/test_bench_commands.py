@@ -1,4 +1,4 @@
-"""`bench ttft` and `bench serve` run end to end on tiny random models and write well-formed output.
+"""`bench ttft`, `bench chat` and `bench serve` run end to end on tiny random models and write well-formed output.
 
 Real processes (prefill worker, probe, decode worker, baseline server), so marked slow.
 No timing is asserted: benchmarks print figures, tests only check that they are produced.
@@ -102,3 +102,20 @@ def test_bench_serve_mixed_runs_engine_static_batches_and_sequential(pair, tmp_p
     for t in doc["targets"].values():
         assert t["completed"] == t["requests"] == 4 and t["throughput_tokens_per_s"] > 0
     assert doc["engine_over_static"] > 0 and doc["engine_over_sequential"] > 0
+
+
+def test_bench_chat_reports_each_turn_with_the_prefix_cache_on_and_off(pair, tmp_path):
+    out = tmp_path / "chat.json"
+    rc = main(["bench", "chat", "--json", str(out), "--producer", pair[0], "--consumer", pair[1], "--codebook", "",
+               "--methods", "raw", "local", "--chats", "2", "--turns", "3", "--system-tokens", "64",
+               "--turn-tokens", "16", "--max-tokens", "4", "--bandwidth", "1gbit"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["samples"]) == 2 * 2 * 2 * 3  # methods x chats x cache settings x turns
+    later = [r for r in doc["table"] if r["turn"] > 1]
+    for r in later:
+        assert r["off"]["cached_share"] == 0 and r["on"]["cached_share"] > 0.5, r
+        assert r["on"]["served"] == r["off"]["served"] == [r["method"]]
+    for r in (r for r in later if r["method"] == "raw"):  # the rest only is shipped
+        assert 0 < r["on"]["payload_bytes"] < 0.5 * r["off"]["payload_bytes"], r
+    assert set(doc["later_turns"]) == {"raw", "local"}
