@@ -50,9 +50,12 @@ def attend_paged(k_layer: Tensor, v_layer: Tensor, runs: Sequence[tuple[int, int
     q_pos = torch.arange(first_q, first_q + tq, device=q.device) if tq > 1 else None
     if len(pieces) == 1 and tq > 1:
         k, v, start = pieces[0]
+        # a chunk from the prompt's start over its own keys alone is plain causal: SDPA's fused
+        # causal kernel then, ~1.8x faster on the CPU than the same attention with a mask
+        causal = window is None and start == first_q and k.shape[0] == tq
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             attn_mask=_mask(q_pos, start, k.shape[0], window),
-                                             enable_gqa=q.shape[1] != k.shape[1])
+                                             attn_mask=None if causal else _mask(q_pos, start, k.shape[0], window),
+                                             is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
         return out[0].transpose(0, 1).flatten(1)
     return _attend_pieces(q, q_pos, pieces, window)
 
