@@ -1,6 +1,9 @@
-"""create_gateway_app: proxy OpenAI routes (SSE included) to the least-loaded decode worker.
+"""create_gateway_app: proxy OpenAI routes (SSE included) to the least-loaded decode worker
+that serves the request's `model`.
 
-Decode workers come from the control-plane registry (ready ones only) and a static list.
+Decode workers come from the control-plane registry (ready ones only, each with the model names
+it serves: several experts behind one gateway) and a static list (serving any name asked).
+A `model` no worker serves is a 404 naming those that are; /v1/models lists every one.
 One that cannot be reached is skipped for the next before any byte went back; a client
 that leaves closes the upstream request at any point (gateway/relay.py), so the worker
 aborts it. The gateway answers /version itself, serves the workers' OpenAPI schema, and
@@ -28,7 +31,7 @@ from scd_serve.config.api import ApiConfig
 from scd_serve.config.gateway import GatewayConfig
 from scd_serve.control.choice import Candidate, LoadBalancer
 from scd_serve.control.registry import Registry
-from scd_serve.errors import Unavailable
+from scd_serve.errors import NotFound, Unavailable
 from scd_serve.gateway.metrics import MISSING, GatewayMetrics, RequestClock
 from scd_serve.gateway.relay import ClientWatch, Closing, NoFirstByte, Upstream, relay, shutting_down_or_silent, until
 
@@ -39,7 +42,7 @@ FORWARD_HEADERS = (b"authorization", b"content-type", b"accept")
 RETURN_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control", "x-scd-method",
                   "x-scd-method-reason", "x-scd-warning")
 # (method, path, timed): the routes passed to a decode worker; `timed` ones feed the latency histograms
-PROXIED = (("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True), ("GET", "/v1/models", False),
+PROXIED = (("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
            ("POST", "/tokenize", False), ("POST", "/detokenize", False))
 
 
@@ -65,35 +68,55 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     app.state.balancer = balancer
     app.state.closing = Closing()  # gateway/main begins it on SIGTERM
 
-    def candidates() -> list[Candidate]:
+    def candidates(model: str | None = None) -> list[Candidate]:
+        """Ready decode workers serving `model` (any, for None; a static one serves every name)."""
         cands = {r.address: Candidate(r.address, int(r.load.get("running", 0)), int(r.load.get("waiting", 0)),
                                       int(r.load.get("capacity", 0)))
-                 for r in registry.workers(role="decode", ready_only=True)}
+                 for r in registry.workers(role="decode", ready_only=True)
+                 if model is None or not r.models or model in r.models}
         for address in config.decode:
             cands.setdefault(address, Candidate(address))
         return list(cands.values())
+
+    def served_models() -> list[str]:
+        return sorted({m for r in registry.workers(role="decode") for m in r.models})
+
+    def unknown_model(model: object) -> NotFound | None:
+        """A 404 for a `model` that no decode worker serves (None where one does, may, or none is
+        known: then the worker says, or the request waits for one to be ready)."""
+        if not isinstance(model, str) or config.decode:
+            return None
+        known = served_models()
+        if not known or model in known:
+            return None
+        names = ", ".join(repr(m) for m in known)
+        return NotFound(f"model {model!r} does not exist; this server serves {names}", field="model",
+                        code="model_not_found")
 
     async def proxy(request: Request, method: str, path: str, timed: bool = False) -> Response:
         rid = request.scope.get("state", {}).get("request_id")
         body = await request.body()
         headers = [(k, v) for k, v in request.scope["headers"] if k.lower() in FORWARD_HEADERS]
         headers.append((b"x-request-id", rid.encode()))  # the worker takes it: one id in logs, body and header
-        msg = peek(body) if timed else {}
-        stream = msg.get("stream") is True
+        msg = peek(body) if method == "POST" else {}
+        if (missing := unknown_model(msg.get("model", None))) is not None:
+            return error_response(missing, rid)
+        stream = timed and msg.get("stream") is True
         if timed and stream:
             headers.append((USAGE_HEADER.encode(), USAGE_TRAILER.encode()))  # token counts for the vLLM series
         watch = ClientWatch(request.receive)  # the body was read: the next message is the disconnect
         try:
             clock = metrics.clock(msg.get("model", MISSING)) if timed else None
-            return await forward(watch, rid, method, path, body, headers, clock, stream)
+            model = msg.get("model") if isinstance(msg.get("model"), str) else None
+            return await forward(watch, rid, method, path, body, headers, clock, stream, model)
         finally:
             await watch.close()
 
     async def forward(watch: ClientWatch, rid, method: str, path: str, body: bytes, headers: list,
-                      clock: RequestClock | None, stream: bool) -> Response:
+                      clock: RequestClock | None, stream: bool, model: str | None = None) -> Response:
         tried: list[str] = []
         for _ in range(config.max_attempts):
-            pick = balancer.choose(candidates(), exclude=tried)
+            pick = balancer.choose(candidates(model), exclude=tried)
             if pick is None or watch.gone:
                 break
             tried.append(pick.address)
@@ -137,7 +160,8 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
             metrics.requests.labels(tried[-1] if tried else "", "499").inc()
             return Response(status_code=499)  # nobody reads it
         why = f"tried {', '.join(tried)}" if tried else "none registered and ready"
-        return error_response(Unavailable(f"no decode worker available ({why})"), rid)
+        serving = f" serving {model!r}" if model is not None else ""
+        return error_response(Unavailable(f"no decode worker{serving} available ({why})"), rid)
 
     def models_at(address: str) -> tuple[str, ...]:
         return next((r.models for r in registry.workers(role="decode") if r.address == address), ())
@@ -149,6 +173,29 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
 
     for method, path, timed in PROXIED:
         app.add_api_route(path, proxied(method, path, timed), methods=[method])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """Every model the ready decode workers serve: one worker of each set of names is asked
+        for its cards (vLLM's shape), and the lists are merged."""
+        rid = request.scope.get("state", {}).get("request_id")
+        headers = [(k, v) for k, v in request.scope["headers"] if k.lower() in FORWARD_HEADERS]
+        by_names = {r.models: r.address for r in registry.workers(role="decode", ready_only=True)}
+        addresses = list(dict.fromkeys([*by_names.values(), *config.decode]))
+        cards: dict[str, dict] = {}
+        for address in addresses:
+            try:
+                resp = await state["client"].get(f"http://{address}/v1/models", headers=headers)
+            except httpx.TransportError:
+                continue
+            if resp.status_code != 200:  # the worker's own error (401: a wrong key) is the answer
+                return Response(resp.content, status_code=resp.status_code,
+                                headers={k: v for k, v in resp.headers.items() if k.lower() in RETURN_HEADERS})
+            for card in resp.json().get("data", []):
+                cards.setdefault(card.get("id"), card)
+        if not cards:
+            return error_response(Unavailable("no ready decode worker"), rid)
+        return JSONResponse({"object": "list", "data": list(cards.values())})
 
     add_version_and_live(app)
 

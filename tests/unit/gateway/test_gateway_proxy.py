@@ -97,3 +97,46 @@ async def test_no_decode_worker_is_a_clear_503():
             assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
         r = await c.post("/v1/chat/completions", json={"messages": []})
         assert r.status_code == 503 and "no decode worker" in r.json()["error"]["message"]
+
+
+def expert(name: str) -> FastAPI:
+    """A decode worker serving the model `name`: it answers with its name, lists its card."""
+    app = stub_decode(name)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "scd-serve"}]}
+
+    return app
+
+
+async def test_several_experts_behind_one_gateway_each_model_to_its_own_workers():
+    (s1, t1, a1), (s2, t2, a2), (s3, t3, a3) = [await serve(expert(n)) for n in ("base-chat", "coder", "coder")]
+    reg = Registry(ttl_s=30)
+    for wid, address, model, running in (("d1", a1, "base-chat", 0), ("d2", a2, "coder", 3), ("d3", a3, "coder", 0)):
+        reg.apply({"type": "heartbeat", "id": wid, "role": "decode", "address": address, "ready": True,
+                   "load": {"running": running, "waiting": 0}, "models": [model]})
+    app = create_gateway_app(GatewayConfig(port=0), reg)
+    try:
+        async with LifespanManager(app), httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                                           base_url="http://gw") as c:
+            assert (await c.post("/v1/completions", json={"model": "base-chat", "prompt": "x"})).json()["worker"] \
+                == "base-chat"
+            for _ in range(3):  # the less loaded coder worker each time: load-aware within the model
+                r = await c.post("/v1/completions", json={"model": "coder", "prompt": "x"})
+                assert r.status_code == 200 and r.json()["worker"] == "coder"
+            assert app.state.balancer.inflight == {}
+            r = await c.post("/v1/completions", json={"model": "poet", "prompt": "x"})
+            err = r.json()["error"]
+            assert r.status_code == 404 and err["code"] == "model_not_found" and err["param"] == "model"
+            assert "'base-chat', 'coder'" in err["message"]
+            listed = (await c.get("/v1/models")).json()
+            assert sorted(card["id"] for card in listed["data"]) == ["base-chat", "coder"]
+            reg.apply({"type": "heartbeat", "id": "d1", "role": "decode", "address": a1, "ready": False,
+                       "load": {}, "models": ["base-chat"]})
+            r = await c.post("/v1/completions", json={"model": "base-chat", "prompt": "x"})
+            assert r.status_code == 503 and "serving 'base-chat'" in r.json()["error"]["message"]  # not ready
+    finally:
+        for s, t in ((s1, t1), (s2, t2), (s3, t3)):
+            s.should_exit = True
+            await t
