@@ -16,6 +16,8 @@ DEFAULT_CODEBOOK = "models/demo-pair/codebook"
 class PrefillConfig:
     model: str = DEFAULT_PRODUCER
     codebook: str = DEFAULT_CODEBOOK  # "" or missing directory = codebook-free methods only
+    # codebooks of further consumers (experts) this producer feeds: their codebook methods too
+    expert_codebooks: tuple[str, ...] = ()
     device: str = "cpu"
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU
     host: str = "127.0.0.1"

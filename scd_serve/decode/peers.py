@@ -46,21 +46,22 @@ def compat_problems(info, consumer_spec, method: str, codecs, expect_producer: s
 def method_problems(info, method: str, codecs) -> list[str]:
     """[] if this worker can rebuild `method` from the producer `info` describes."""
     problems = []
-    offered = {c.codec_id: c for c in info.codecs}
-    theirs = offered.get(method)
-    if theirs is None:
-        return [f"codecs: method {method!r} not offered (offers {sorted(offered)})"]
+    offered = [c for c in info.codecs if c.codec_id == method]
+    if not offered:
+        return [f"codecs: method {method!r} not offered (offers {sorted({c.codec_id for c in info.codecs})})"]
     why = codecs.can_build(info, method)
     if why:
         return [f"codecs: cannot build consumer half of {method!r}: {why}"]
     ours = codecs.get(info, method)
+    # a producer that feeds several experts offers a method once per codebook: ours, if it has it
+    our_book = getattr(ours, "codebook_id", "") or ""
+    theirs = next((c for c in offered if c.codebook_id == our_book), offered[0])
     if theirs.codec_version != ours.version:
         problems.append(f"codec_version[{method}]: {theirs.codec_version} != {ours.version}")
     calibrated_for = getattr(ours, "producer_fingerprint", "") or ""
     if calibrated_for and info.producer_fingerprint != calibrated_for:
         problems.append(f"producer_fingerprint: {info.producer_fingerprint} != {calibrated_for} "
                         f"(the codebook of {method!r} was calibrated for it)")
-    our_book = getattr(ours, "codebook_id", "") or ""
     if theirs.codebook_id != our_book:
         problems.append(f"codebook_id[{method}]: {theirs.codebook_id or '-'} != {our_book or '-'}")
     return problems

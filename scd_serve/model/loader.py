@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from scd_serve.errors import ModelLoadError
+from scd_serve.model import adapter
 from scd_serve.model.rope import Rotary, inv_freq_and_scaling
 from scd_serve.config.model import DTYPE_NAMES
 from scd_serve.model.spec import ModelSpec, spec_from_config
@@ -101,6 +102,8 @@ def check_device(device: str | torch.device, dtype: torch.dtype) -> torch.device
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Loaded:
     dev = check_device(device, dtype)
     root = resolve(path)
+    if adapter.is_adapter(root):  # a LoRA adapter: served as its base with the adapter merged in
+        root = adapter.merged(root)
     cfg = read_config(root)
     spec = spec_from_config(cfg, where=str(root / "config.json"))
     found, digest = read_tensors(root, spec)

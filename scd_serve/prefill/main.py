@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          codebook=DEFAULT_CODEBOOK, listener="gRPC", port=50051, dialer="decode workers should")
     parser.add_argument("--max-concurrent", type=int, default=4, help="transfers at once; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--cache-mb", type=int, default=256, help="code cache for repeated prompts (MiB, 0 = off)")
+    parser.add_argument("--expert-codebook", dest="expert_codebooks", action="append", default=[], metavar="DIR",
+                        help="the codebook of a further consumer (expert) this producer feeds, repeatable: one "
+                             "prefill pool serves several experts, each decode worker the codes of its own")
     parser.add_argument("--prefix-cache-tokens", type=int, default=PrefillConfig.prefix_cache_tokens,
                         help="the producer's prefix cache: K/V of this many tokens kept so that a prompt starting "
                              "with one seen before (a chat's next turn) is prefilled from there on (0 = off)")
@@ -49,18 +52,19 @@ def check_exposure(config: PrefillConfig, control: ControlConfig, insecure: bool
 def config_from_args(args) -> PrefillConfig:
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(PrefillConfig) if hasattr(args, f.name)}
     return PrefillConfig(**flags | dict(max_prompt_tokens=args.max_model_len, cache_bytes=args.cache_mb << 20,
+                                        expert_codebooks=tuple(args.expert_codebooks),
                                         codebook=DEFAULT_CODEBOOK if args.codebook is None else args.codebook,
                                         transport=transport_config_from_args(args)))
 
 
-def build_codecs(rt, codebook: str) -> dict:
-    """Every method the registry knows that builds here (scd needs a codebook)."""
+def build_codecs(rt, codebook: str, methods=None) -> dict:
+    """Every method the registry knows (or of `methods`) that builds here (scd needs a codebook)."""
     from scd_serve import codec as codec_registry
     from scd_serve.codec.codebook import codebook_arg
     from scd_serve.errors import ScdError
 
     codecs, skipped, book = {}, {}, codebook_arg(codebook)
-    for method in codec_registry.METHODS:
+    for method in methods or codec_registry.METHODS:
         try:
             codecs[method] = codec_registry.build(method, producer=rt, codebook=book)
         except (ScdError, ValueError, OSError) as exc:
@@ -86,7 +90,13 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None, cod
     if codebook_chosen and codebook_arg(config.codebook):
         refuse_other_pair(config.codebook, "--model", producer=rt)
     codecs = build_codecs(rt, config.codebook)
-    worker = PrefillWorker(rt, codecs, config)
+    experts = []
+    for book in config.expert_codebooks:  # each must be for this producer; its codebook methods only
+        from scd_serve.codec import NEEDS_CODEBOOK
+
+        refuse_other_pair(book, "--model", producer=rt)
+        experts.append(build_codecs(rt, book, sorted(NEEDS_CODEBOOK)))
+    worker = PrefillWorker(rt, codecs, config, experts=experts)
     await worker.start()
     servicer, port = worker.servicer, worker.port
     address = advertised(config.advertise, config.host, port)
@@ -106,7 +116,8 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None, cod
         metrics_http.install_signal_handlers = lambda: None  # stop_event() owns SIGINT/SIGTERM
         metrics_task = asyncio.create_task(metrics_http.serve())
     print(f"prefill worker serving on {config.host}:{port} (advertised {address}), producer {rt.fingerprint}, "
-          f"methods {', '.join(codecs)}" + (f", metrics on :{config.metrics_port}" if metrics_http else ""), flush=True)
+          f"methods {', '.join(codecs)}" + (f", {len(experts)} more expert codebook(s)" if experts else "")
+          + (f", metrics on :{config.metrics_port}" if metrics_http else ""), flush=True)
     await stop.wait()
     if metrics_http is not None:
         metrics_http.should_exit = True

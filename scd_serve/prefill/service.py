@@ -57,9 +57,13 @@ class Transfer:
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, runtime, codecs: dict, config: PrefillConfig, metrics: PrefillMetrics | None = None):
+    def __init__(self, runtime, codecs: dict, config: PrefillConfig, metrics: PrefillMetrics | None = None,
+                 experts: list[dict] = ()):
         self.rt = runtime
         self.codecs = codecs  # method name -> TransferCodec (producer half)
+        # the codebook methods of further consumers (experts) this producer feeds, one dict each:
+        # a request gets the codec made for its consumer (PrefillRequest.consumer_fingerprint)
+        self.experts = list(experts)
         self.config = config
         self.cache = CodeCache(config.cache_bytes, config.cache_entries)
         self.transfers: dict[str, Transfer] = {}
@@ -81,7 +85,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             head_dim=s.head_dim, compute_dtype=str(self.rt.dtype).removeprefix("torch."),
             codecs=[pb.CodecInfo(codec_id=name, codec_version=c.version,
                                  codebook_id=getattr(c, "codebook_id", "") or "")
-                    for name, c in self.codecs.items()],
+                    for codecs in (self.codecs, *self.experts) for name, c in codecs.items()],
             max_message_bytes=self.config.transport.max_message_bytes,
             max_prompt_tokens=self.max_prompt_tokens, hidden_size=s.hidden_size, rope_theta=s.rope_theta,
             max_concurrent=self.config.max_concurrent)
@@ -169,21 +173,24 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         vocab = self.rt.spec.vocab_size
         if max(tokens) >= vocab:
             raise InvalidRequest(f"token id {max(tokens)} >= vocab size {vocab}", field="token_ids")
-        codec = self.codecs.get(request.method)
-        if codec is None:
+        offered = [c[request.method] for c in (self.codecs, *self.experts) if request.method in c]
+        if not offered:
             raise InvalidRequest(f"method {request.method!r} not served here; have {sorted(self.codecs)}",
                                  field="method")
+        asked = request.consumer_fingerprint
+        codec = next((c for c in offered if getattr(c, "consumer_fingerprint", "") in ("", asked)), offered[0])
         want = getattr(codec, "consumer_fingerprint", "")
-        if want and request.consumer_fingerprint and want != request.consumer_fingerprint:
-            raise IncompatiblePeer(f"codebook of {request.method!r} is for consumer {want}, "
-                                   f"request comes from {request.consumer_fingerprint}")
+        if want and asked and want != asked:
+            made_for = ", ".join(sorted({getattr(c, "consumer_fingerprint", "") for c in offered}))
+            raise IncompatiblePeer(f"no codebook of {request.method!r} here is for consumer {asked} "
+                                   f"(they are for {made_for})")
         if len(self.transfers) >= self.config.max_concurrent:
             raise Overloaded(f"prefill worker runs {len(self.transfers)} transfers (max_concurrent)")
         return codec
 
     async def _stream(self, request, tokens: list[int], codec, t: Transfer, context) -> None:
         s = self.rt.spec
-        key = cache_key(request.method, tokens, request.start)
+        key = cache_key(f"{request.method}@{codec.version}", tokens, request.start)  # one entry per codebook
         cached = self.cache.get(key)
         ranges = group_layers(cached, self.config.chunk_bytes, keep_ends=True) if cached else \
             [(i, i + 1) for i in range(s.num_layers)]
@@ -203,24 +210,34 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         first = pb.PrefillChunk(header=header)
         await context.write(first)  # at once: the producer takes a while
         t.sent_bytes += first.ByteSize()
-        layers = await self._produce_and_send(tokens, request.start, codec, t, context, len(ranges))
-        self.cache.put(key, layers)
+        # the same method by the other experts' codebooks, encoded from this one prefill and
+        # cached: an expert that reads the prompt next is served without a prefill of its own
+        siblings = [c[request.method] for c in (self.codecs, *self.experts)
+                    if request.method in c and c[request.method].version != codec.version]
+        made = await self._produce_and_send(tokens, request.start, [codec, *siblings], t, context, len(ranges))
+        for c, layers in zip([codec, *siblings], made):
+            self.cache.put(cache_key(f"{request.method}@{c.version}", tokens, request.start), layers)
 
-    async def _produce_and_send(self, tokens, start: int, codec, t: Transfer, context, total: int) -> list[list]:
+    async def _produce_and_send(self, tokens, start: int, codecs: list, t: Transfer, context,
+                                total: int) -> list[list[list]]:
+        """Stream codecs[0]'s codes as the producer makes them; -> every codec's layers."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         emit = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
         self.num_prefills += 1
-        loop.run_in_executor(self._pool, _produce, self.rt, codec, tokens, start, t.stop, emit, self.prefix)
-        layers: list[list] = []
+        loop.run_in_executor(self._pool, _produce, self.rt, codecs, tokens, start, t.stop, emit, self.prefix)
+        made: list[list[list]] = [[] for _ in codecs]
         while True:
             item = await queue.get()
             if item is _DONE:
-                return layers
+                return made
             if isinstance(item, BaseException):
                 log.error("producer failed request_id=%s: %s", t.request_id, item)
-                raise TransferFailed(f"producer failed on layer {len(layers)}: {type(item).__name__}")
-            layer, tensors, us = item
+                raise TransferFailed(f"producer failed on layer {len(made[0])}: {type(item).__name__}")
+            layer, per_codec, us = item
+            for layers, tensors in zip(made[1:], per_codec[1:]):
+                layers.append(tensors)
+            tensors = per_codec[0]
             msg = chunk_message(t.request_id, layer, total, layer, layer + 1, tensors, us)
             if msg.ByteSize() > self.config.transport.max_message_bytes - FRAMING:
                 raise PayloadTooLarge(f"layer {layer} code is {msg.ByteSize()} bytes, over max_message_bytes "
@@ -228,7 +245,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                       f"or send a shorter prompt")
             await context.write(msg)
             t.sent_bytes += msg.ByteSize()
-            layers.append(tensors)
+            made[0].append(tensors)
 
     def close(self) -> None:
         for t in list(self.transfers.values()):
@@ -236,22 +253,24 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _produce(rt, codec, tokens: list[int], first: int, stop: threading.Event, emit,
+def _produce(rt, codecs: list, tokens: list[int], first: int, stop: threading.Event, emit,
              prefix: PrefixStates | None = None) -> None:
     """Worker thread: prefill layer by layer (from the producer's cached prefix on, where it
     holds one), encode the rows from position `first` on (the states of every earlier token
-    shaped them), hand each layer over at once."""
+    shaped them) by each codec, hand each layer over at once."""
     states = None
     try:
         start = time.perf_counter()
         states = prefix.layers(tokens, first) if prefix is not None else None
         if states is None:
             ids = torch.tensor(tokens, dtype=torch.long)  # ids: [T]
-            states = rt.iter_prefill(ids, compute_logits=False, residuals=wants_residuals(codec, rt.spec.num_layers))
+            residuals = any(wants_residuals(c, rt.spec.num_layers) for c in codecs)
+            states = rt.iter_prefill(ids, compute_logits=False, residuals=residuals)
         for layer, state in states:
             if stop.is_set():
                 return
-            tensors = encode_code(layer, codec.encode_layer(layer, state.rows_from(first) if first else state))
+            rows = state.rows_from(first) if first else state
+            tensors = [encode_code(layer, c.encode_layer(layer, rows)) for c in codecs]
             now = time.perf_counter()
             emit((layer, tensors, int((now - start) * 1e6)))
             start = now

@@ -18,9 +18,10 @@ from scd_serve.transport.server import bind, make_server, set_serving
 
 class PrefillWorker:
     def __init__(self, runtime: Any, codecs: dict, config: PrefillConfig, *, servicer_cls=PrefillServicer,
-                 servicer_wrap: Callable[[PrefillServicer], Any] | None = None, max_concurrent_rpcs: int | None = None):
+                 servicer_wrap: Callable[[PrefillServicer], Any] | None = None, max_concurrent_rpcs: int | None = None,
+                 experts: list[dict] = ()):
         self.config = config
-        self.servicer = servicer_cls(runtime, codecs, config)
+        self.servicer = servicer_cls(runtime, codecs, config, **({"experts": list(experts)} if experts else {}))
         self.served = servicer_wrap(self.servicer) if servicer_wrap else self.servicer  # what gRPC calls
         self.guard = CallGuard(config.transport.worker_token)  # refused calls: scd_prefill_refused_calls_total
         self.server, self.health = make_server(config.transport, max_concurrent_rpcs, self.guard)
