@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--consumer", default=None, help="consumer model (decode workers; default: the pair's)")
     parser.add_argument("--codebook", default=None,
                         help="SCD codebook directory (default: the pair's; none there: codebook-free methods)")
+    parser.add_argument("--expert", dest="experts", action="append", default=[], metavar="NAME=DIR[:CODEBOOK]",
+                        help="a further consumer of the same producer (a fine-tuned expert: a model or a LoRA adapter "
+                             "directory), served under NAME by --decode-workers decode workers of its own and fed by "
+                             "the same prefill workers (its codebook from `scd-serve calibrate`; none: codebook-free "
+                             "methods); repeatable. The gateway routes each request by its `model`")
     parser.add_argument("--method", default=None, help="default transfer method (default: auto when a codebook loads, else raw)")
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
@@ -195,11 +200,32 @@ def cluster_env(base: dict[str, str], api_key: str = "") -> dict[str, str]:
     return env
 
 
-def decode_flags(args) -> list[str]:
-    """The decode workers' own flags, from up's (the API key goes by the environment instead)."""
+def parse_experts(specs: list[str], taken: set[str]) -> list[tuple[str, str, str]]:
+    """--expert NAME=DIR[:CODEBOOK] -> (name, model directory, codebook or ""), checked."""
+    out = []
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        model, _, codebook = rest.partition(":")
+        if not eq or not name or not model:
+            raise ConfigError(f"--expert {spec!r}: expected NAME=DIR or NAME=DIR:CODEBOOK", field="expert")
+        if name in taken:
+            raise ConfigError(f"--expert {spec!r}: the model name {name!r} is served already", field="expert")
+        if not any((Path(model) / f).is_file() for f in ("config.json", "adapter_config.json")):
+            raise ConfigError(f"--expert {spec!r}: {model} is neither a model nor a LoRA adapter directory",
+                              field="expert")
+        if codebook and not (Path(codebook) / "manifest.json").is_file():
+            raise ConfigError(f"--expert {spec!r}: {codebook} is not a codebook directory", field="expert")
+        taken.add(name)
+        out.append((name, model, codebook))
+    return out
+
+
+def decode_flags(args, names: list[str]) -> list[str]:
+    """The decode workers' own flags, from up's, serving `names` (the API key goes by the
+    environment instead)."""
     flags = ["--method", args.method] if args.method else []
-    if args.served_model_name:
-        flags += ["--served-model-name", *args.served_model_name]
+    if names:
+        flags += ["--served-model-name", *names]
     for flag, value in (("--max-num-seqs", args.max_num_seqs or None), ("--chat-template", args.chat_template),
                         ("--seed", args.seed)):
         flags += [flag, str(value)] if value not in (None, "") else []
@@ -212,6 +238,7 @@ def run(args) -> int:
     check_port(args.host, args.port)
     if args.prefill_workers < 1 or args.decode_workers < 1:
         raise ConfigError("--prefill-workers and --decode-workers must be >= 1")
+    experts = parse_experts(args.experts, set(args.served_model_name or [Path(args.consumer).name]))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
     deadline = time.monotonic() + args.ready_timeout_s
@@ -224,14 +251,21 @@ def run(args) -> int:
         m = gateway.wait_line(r"gateway serving (http://\S+), control plane (tcp://\S+)", deadline)
         url, control = m.group(1), m.group(2)
         common = ["--host", "127.0.0.1", "--port", "0", "--control-url", control, "--device", args.device,
-                  "--dtype", args.dtype, "--codebook", args.codebook, "--max-model-len", str(args.max_model_len)]
+                  "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+        books = [arg for _, _, book in experts if book for arg in ("--expert-codebook", book)]
         for i in range(args.prefill_workers):
-            prefill.append(Child(f"prefill-{i}", ["prefill", "--model", args.producer, *common], env))
-        decode_only = decode_flags(args)
+            prefill.append(Child(f"prefill-{i}", ["prefill", "--model", args.producer, *common,
+                                                  "--codebook", args.codebook, *books], env))
         for i in range(args.decode_workers):
-            decode.append(Child(f"decode-{i}", ["decode", "--model", args.consumer, *common, *decode_only], env))
+            decode.append(Child(f"decode-{i}", ["decode", "--model", args.consumer, *common,
+                                                "--codebook", args.codebook, *decode_flags(args, args.served_model_name)],
+                                env))
+        for name, model, book in experts:
+            for i in range(args.decode_workers):
+                decode.append(Child(f"decode-{name}-{i}", ["decode", "--model", model, *common, "--codebook", book,
+                                                           *decode_flags(args, [name])], env))
         children += prefill + decode
-        wait_ready(url, args.decode_workers, children, deadline)
+        wait_ready(url, len(decode), children, deadline)
         print(f"scd-serve is up: {url}/v1 (OpenAI API; try `curl {url}/v1/models`). Ctrl-C stops it.", flush=True)
         while not _stop.is_set():
             if gateway.proc.poll() is not None:

@@ -34,14 +34,15 @@ def check_port(host: str, port: int, flag: str = "--port") -> None:
 
 
 def check_model_dir(path: str, flag: str = "--model") -> None:
-    """Refuse a directory without a Hugging Face config.json before any weight is read."""
+    """Refuse a directory without a Hugging Face config.json (or a PEFT adapter's) before any weight is read."""
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(f"{flag} {path}: no such directory; pass a Hugging Face model directory (config.json "
                           f"and *.safetensors), or build the embedded pairs' models: {BUILD_PAIR}")
-    if not (p / "config.json").is_file():
+    if not (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
         raise ConfigError(f"{flag} {path}: no config.json there, so not a model directory; pass the directory "
-                          f"that holds config.json and the *.safetensors files")
+                          f"that holds config.json and the *.safetensors files (or a LoRA adapter's, "
+                          f"adapter_config.json)")
 
 
 def check_zmq_bind(url: str, flag: str) -> None:

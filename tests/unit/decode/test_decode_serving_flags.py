@@ -37,10 +37,24 @@ def test_a_chat_template_comes_from_a_file_or_inline_and_a_broken_one_stops_the_
 def test_up_passes_the_decode_flags_on_and_the_api_key_by_environment():
     args = cli.build_parser(only="up").parse_args(["up", "--api-key", "sk-up-key-123", "--max-num-seqs", "4",
                                                    "--seed", "3", "--chat-template", "t.jinja"])
-    flags = decode_flags(args)
+    flags = decode_flags(args, [])
     assert flags == ["--max-num-seqs", "4", "--chat-template", "t.jinja", "--seed", "3"]
     assert "sk-up-key-123" not in flags and cluster_env({}, args.api_key)["SCD_API_KEY"] == "sk-up-key-123"
-    assert decode_flags(cli.build_parser(only="up").parse_args(["up"])) == []
+    assert decode_flags(cli.build_parser(only="up").parse_args(["up"]), []) == []
+    assert decode_flags(args, ["coder"])[:2] == ["--served-model-name", "coder"]  # an expert's workers
+
+
+def test_up_checks_each_expert_it_is_given(tmp_path):
+    from scd_serve.cluster.up import parse_experts
+
+    (tmp_path / "coder").mkdir()
+    (tmp_path / "coder" / "adapter_config.json").write_text("{}")
+    got = parse_experts([f"coder={tmp_path / 'coder'}"], {"consumer"})
+    assert got == [("coder", str(tmp_path / "coder"), "")]
+    for spec, why in ((f"{tmp_path / 'coder'}", "NAME=DIR"), (f"consumer={tmp_path / 'coder'}", "served already"),
+                      (f"x={tmp_path / 'nothing'}", "neither a model"), (f"y={tmp_path / 'coder'}:{tmp_path}", "codebook")):
+        with pytest.raises(ConfigError, match=why):
+            parse_experts([spec], {"consumer"})
 
 
 def test_the_seed_is_checked():
