@@ -61,6 +61,7 @@ class Cluster:
     extra_env: dict | None = None
     api_key: str = ""
     env_file: str = ""  # compose --env-file (variables for the compose file itself)
+    overrides: tuple[str, ...] = ()  # more compose files, after docker-compose.yml (-f each)
 
     @property
     def env(self) -> dict[str, str]:
@@ -84,7 +85,8 @@ class Cluster:
 
     def compose(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
         env_file = ["--env-file", self.env_file] if self.env_file else []
-        return run("docker", "compose", "-p", self.project, "-f", str(ROOT / "docker-compose.yml"), *env_file, *args,
+        files = [arg for f in ("docker-compose.yml", *self.overrides) for arg in ("-f", str(ROOT / f))]
+        return run("docker", "compose", "-p", self.project, *files, *env_file, *args,
                    timeout=timeout, check=check, env=self.env)
 
     def up(self, *args: str) -> None:
