@@ -6,11 +6,11 @@ methods with their calibrated KL, its load, and our transfers in flight to it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -8,10 +8,10 @@ attention reads in place as views of the pool (model/paged.py).
 Prefix cache (vLLM's automatic prefix caching, in the shape of nano-vllm's block manager): a
 block whose every slot holds K/V is registered under a hash of (the sequence's cache namespace,
 every token up to the block's end). A later sequence whose prompt starts with the same tokens in
-the same namespace takes those blocks (each block knows who holds it) and prefills only the rest. A block
-nobody holds keeps its K/V and its hash until the pool needs it: such blocks are evicted least
-recently used first, so the cache lives in what would otherwise be idle memory. Shared blocks are
-only ever read: a sequence writes at positions >= num_cached, which lie in blocks of its own.
+the same namespace takes those blocks (each block knows who holds it) and prefills only the
+rest. A block nobody holds keeps its K/V and its hash until the pool needs it: such blocks are
+evicted least recently used first, so the cache lives in what would otherwise be idle memory.
+Shared blocks are only ever read: a sequence writes at positions >= num_cached, in its own blocks.
 """
 
 from __future__ import annotations

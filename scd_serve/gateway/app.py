@@ -99,7 +99,12 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
         headers = [(k, v) for k, v in request.scope["headers"] if k.lower() in FORWARD_HEADERS]
         headers.append((b"x-request-id", rid.encode()))  # the worker takes it: one id in logs, body and header
         msg = peek(body) if method == "POST" else {}
-        if (missing := unknown_model(msg.get("model", None))) is not None:
+        if (missing := unknown_model(msg.get("model", None))) is not None:  # counted, answered here
+            metrics.requests.labels("", str(missing.http_status)).inc()
+            if timed:
+                clock = metrics.clock(msg.get("model", MISSING))
+                clock.bind((), missing.http_status)
+                clock.end()
             return error_response(missing, rid)
         stream = timed and msg.get("stream") is True
         if timed and stream:
