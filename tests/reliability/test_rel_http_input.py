@@ -64,7 +64,8 @@ async def test_a3_prompt_too_long_boundary_and_no_prefill_call(stack):
     assert len(stack.served.calls) == calls  # refused before any prefill worker saw it
     r = await stack.client.post(URL, json=completion([7] * (max_len - m), m, scd_method="identity"))
     assert r.status_code == 200, r.text  # exactly max_model_len is accepted
-    assert r.json()["usage"] == {"prompt_tokens": max_len - m, "completion_tokens": m, "total_tokens": max_len}
+    assert r.json()["usage"] == {"prompt_tokens": max_len - m, "completion_tokens": m, "total_tokens": max_len,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
     assert len(stack.served.calls) == calls + 1
     await assert_clean(stack, stack.base)
 
