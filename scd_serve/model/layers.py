@@ -22,15 +22,35 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(dtype)
 
 
+class PackedWeight:
+    """A linear layer's weight [out, in] reordered once into oneDNN's blocked layout (a serving
+    runtime on a CPU with native bfloat16: ModelRuntime.pack_linears): each matmul then skips
+    the reorder F.linear does per call, 1.5-1.7x faster at decode batch sizes, same numbers."""
+
+    def __init__(self, w: Tensor):
+        self.out_features, self.in_features = w.shape
+        self.dtype = w.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8)
+
+    def __call__(self, x: Tensor, b: Tensor | None) -> Tensor:
+        rows = x.reshape(-1, self.in_features)  # [N, in]
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, b, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def linear(x: Tensor, w: Tensor | PackedWeight, b: Tensor | None) -> Tensor:
+    return w(x, b) if isinstance(w, PackedWeight) else F.linear(x, w, b)
+
+
 def project_q(lw: LayerWeights, spec: ModelSpec, x: Tensor) -> Tensor:
     # x: [..., hidden] -> q: [..., heads, head_dim] (pre-RoPE, after q_norm if any)
-    q = F.linear(x, lw.wq, lw.bq).unflatten(-1, (spec.num_heads, spec.head_dim))
+    q = linear(x, lw.wq, lw.bq).unflatten(-1, (spec.num_heads, spec.head_dim))
     return rms_norm(q, lw.q_norm, spec.rms_norm_eps) if lw.q_norm is not None else q
 
 
 def project_kv(lw: LayerWeights, spec: ModelSpec, x: Tensor) -> tuple[Tensor, Tensor]:
     # x: [..., hidden] -> k_pre, v: [..., kv_heads, head_dim] (k after k_norm if any)
-    kv = F.linear(x, lw.wkv, lw.bkv)
+    kv = linear(x, lw.wkv, lw.bkv)
     k, v = kv.split(spec.kv_width, dim=-1)
     k = k.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
     v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
@@ -49,10 +69,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
 
 def finish_layer(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> Tensor:
     # h: residual [..., hidden]; attn: attention output [..., heads*hd] -> new residual
-    h = h + F.linear(attn, lw.wo, lw.bo)
+    h = h + linear(attn, lw.wo, lw.bo)
     x = rms_norm(h, lw.ln2, spec.rms_norm_eps)
-    gate, up = F.linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+    gate, up = linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, lw.w_down, lw.b_down)
 
 
 def causal_mask(q_pos: Tensor, lengths: Tensor, s: int, window: int | None) -> Tensor:

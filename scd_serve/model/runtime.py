@@ -16,7 +16,7 @@ import torch
 from scd_serve.errors import InvalidRequest, PromptTooLong
 from scd_serve.model import loader, rope
 from scd_serve.model.kv_pool import KVPool
-from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model.layers import PackedWeight, attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
 from scd_serve.model.step import DecodeStep, Step
 
 Tensor = torch.Tensor
@@ -263,6 +263,20 @@ class ModelRuntime:
             token = int(self.decode_step(pool, [(blocks, t + len(out) - 1, token)])[0].argmax())
             out.append(token)
         return out
+
+    def pack_linears(self) -> bool:
+        """For serving on a CPU with native bfloat16 (bfloat16 weights): every layer's linear
+        weights reordered once into oneDNN's layout (layers.PackedWeight). Not for autograd
+        (calibration differentiates through the layers): the serving roles call it at start.
+        -> whether it packed."""
+        if not (self.device.type == "cpu" and self.dtype == torch.bfloat16 and loader.cpu_has_native_bf16()
+                and torch.backends.mkldnn.is_available()):
+            return False
+        for lw in self.weights.layers:
+            for name in ("wq", "wkv", "wo", "w_gate_up", "w_down"):
+                if not isinstance(getattr(lw, name), PackedWeight):
+                    setattr(lw, name, PackedWeight(getattr(lw, name)))
+        return True  # (the output head stays: packed, it measured no faster, and a tied one would be copied)
 
     def logits_of(self, h: Tensor) -> Tensor:
         """h [N, hidden] (last layer's output) -> [N, vocab] float32: the final norm and the head."""

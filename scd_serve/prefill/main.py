@@ -87,6 +87,8 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None, cod
     check_model_dir(config.model)
     stop = stop_event()
     rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
+    if rt.pack_linears():
+        log.info("linear weights packed for oneDNN (bfloat16 on a CPU with native bfloat16)")
     if codebook_chosen and codebook_arg(config.codebook):
         refuse_other_pair(config.codebook, "--model", producer=rt)
     codecs = build_codecs(rt, config.codebook)
