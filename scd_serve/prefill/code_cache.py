@@ -11,10 +11,11 @@ from array import array
 from collections import OrderedDict
 
 
-def cache_key(method: str, token_ids, start: int = 0) -> tuple[str, int, int, bytes]:
-    """Codes of token_ids[start:] by `method` (the producer's pass saw all of token_ids)."""
+def cache_key(method: str, codec_version: str, token_ids, start: int = 0) -> tuple[str, str, int, int, bytes]:
+    """Codes of token_ids[start:] by `method` in that codec's version (one entry per codebook;
+    the producer's pass saw all of token_ids)."""
     digest = hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=16).digest()
-    return (method, len(token_ids), start, digest)
+    return (method, codec_version, len(token_ids), start, digest)
 
 
 class CodeCache:

@@ -190,7 +190,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def _stream(self, request, tokens: list[int], codec, t: Transfer, context) -> None:
         s = self.rt.spec
-        key = cache_key(f"{request.method}@{codec.version}", tokens, request.start)  # one entry per codebook
+        key = cache_key(request.method, codec.version, tokens, request.start)
         cached = self.cache.get(key)
         ranges = group_layers(cached, self.config.chunk_bytes, keep_ends=True) if cached else \
             [(i, i + 1) for i in range(s.num_layers)]
@@ -216,7 +216,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                     if request.method in c and c[request.method].version != codec.version]
         made = await self._produce_and_send(tokens, request.start, [codec, *siblings], t, context, len(ranges))
         for c, layers in zip([codec, *siblings], made):
-            self.cache.put(cache_key(f"{request.method}@{c.version}", tokens, request.start), layers)
+            self.cache.put(cache_key(request.method, c.version, tokens, request.start), layers)
 
     async def _produce_and_send(self, tokens, start: int, codecs: list, t: Transfer, context,
                                 total: int) -> list[list[list]]:
