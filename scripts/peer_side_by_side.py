@@ -43,7 +43,8 @@ def launch(target: str, args, port: int, log: Path) -> subprocess.Popen:
     else:
         env |= {"SCD_DTYPE": args.dtype}
         cmd = [sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.model, "--codebook", "",
-               "--method", "local", "--port", str(port), "--max-model-len", "2048", "--served-model-name", "m"]
+               "--method", "local", "--port", str(port), "--max-model-len", "2048", "--served-model-name", "m",
+               *args.scd_args]
     return procs.spawn(cmd, log, env)
 
 
@@ -78,6 +79,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--targets", nargs="+", default=["vllm", "scd"], choices=["vllm", "scd"])
     p.add_argument("--logs", default="out/peer")
+    p.add_argument("--scd-arg", dest="scd_args", action="append", default=[],
+                   help="another flag for the decode worker (repeatable), e.g. --scd-arg=--max-num-batched-tokens=2048")
     args = p.parse_args()
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)

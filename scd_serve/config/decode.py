@@ -98,6 +98,7 @@ class DecodeConfig:
     prior_table: str = "auto"
     prior_table_budget_s: float = 60.0
     max_num_seqs: int = 32  # sequences decoding at once (the batch bound; vLLM's --max-num-seqs)
+    max_num_batched_tokens: int = 512  # prompt tokens prefilled per engine step (vLLM's name)
     chat_template: str = ""  # a Jinja chat template file, or the template itself ("" = the tokenizer's)
     seed: int | None = None  # seeds the engine's stream of seeds for requests without one (vLLM's --seed)
     json_whitespace: int = 16  # structured outputs: most blanks between two JSON elements (0: compact JSON)
@@ -133,6 +134,7 @@ class DecodeConfig:
                               f"prior_table_budget_s in [0, 86400], got {self.prior_table!r} and "
                               f"{self.prior_table_budget_s}")
         check_range("decode.max_num_seqs", self.max_num_seqs, 1, 4096)
+        check_range("decode.max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ConfigError(f"decode.seed (--seed) must be in [0, 2^63), got {self.seed}")
         if self.control_url and not self.control_url.startswith(("tcp://", "ipc://", "inproc://")):

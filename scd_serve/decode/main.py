@@ -72,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when predicted within --prior-table-budget-s)")
     parser.add_argument("--prior-table-budget-s", type=float, default=DecodeConfig.prior_table_budget_s,
                         help="with --prior-table auto: the most seconds the table may take to make")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=DecodeConfig.max_num_batched_tokens,
+                        help="prompt tokens prefilled per engine step: a longer prompt is prefilled in chunks, "
+                             "with the running sequences' decode steps between them (more: a faster prefill, "
+                             "longer gaps for the others)")
     parser.add_argument("--max-num-seqs", type=int, default=DecodeConfig.max_num_seqs,
                         help="sequences decoding at once (the batch bound); more requests wait for a slot")
     parser.add_argument("--chat-template", default="",
@@ -146,7 +150,7 @@ def kv_budget(rt, config: DecodeConfig):
 
     kv_cache_gib, gpu_memory_utilization = config.kv_cache_gib, config.gpu_memory_utilization
     # the block size, batch bound and prefill chunk the worker runs with
-    eng = EngineConfig(max_num_seqs=config.max_num_seqs,
+    eng = EngineConfig(max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_num_batched_tokens,
                        max_concurrent=max(EngineConfig.max_concurrent, config.max_num_seqs))
     spec, size = rt.spec, torch.empty((), dtype=rt.dtype).element_size()
     if kv_cache_gib:
@@ -242,6 +246,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     log.info("%s", pool.note)
     max_len = pool.max_model_len
     engine_cfg = EngineConfig(max_model_len=max_len, num_blocks=pool.num_blocks, max_num_seqs=config.max_num_seqs,
+                              max_prefill_tokens=config.max_num_batched_tokens,
                               max_concurrent=max(EngineConfig.max_concurrent, config.max_num_seqs), seed=config.seed,
                               json_whitespace=config.json_whitespace, prefix_caching=config.enable_prefix_caching,
                               request_timeout_s=config.request_timeout_s, fallback_to_local=config.fallback == "local")

@@ -20,6 +20,12 @@ def test_decode_takes_the_flags_into_its_config():
     assert (config.max_num_seqs, config.seed, config.chat_template) == (7, 11, TEMPLATE)
     with pytest.raises(ConfigError, match="max_num_seqs"):
         config_from_args(cli.build_parser(only="decode").parse_args(["decode", "--max-num-seqs", "0"]))
+    chunk = ["decode", "--max-num-batched-tokens"]
+    assert config_from_args(cli.build_parser(only="decode").parse_args([*chunk, "2048"])).max_num_batched_tokens == 2048
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        config_from_args(cli.build_parser(only="decode").parse_args([*chunk, "0"]))
+    assert not config_from_args(cli.build_parser(only="decode").parse_args(["decode", "--no-enable-prefix-caching"])) \
+        .enable_prefix_caching
 
 
 def test_a_chat_template_comes_from_a_file_or_inline_and_a_broken_one_stops_the_start(tmp_path):
