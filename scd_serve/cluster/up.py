@@ -69,8 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                        help="weights and KV dtype of every worker (auto: bfloat16 on CUDA and on CPUs with native "
-                             "bfloat16, AMX or AVX512-BF16; else float32)")
+                        help="weights and KV dtype of every worker (auto: bfloat16 on CUDA, float32 on the CPU)")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="longest prompt + completion of the decode workers, longest prompt of the prefill "
                              "workers (0 = their defaults)")

@@ -66,7 +66,7 @@ class DecodeConfig:
     model: str = DEFAULT_CONSUMER
     codebook: str = DEFAULT_CODEBOOK  # "" or missing directory = codebook-free methods only
     device: str = "cpu"
-    dtype: str = "auto"  # bfloat16 on CUDA and CPUs with native bf16 (AMX, AVX512-BF16), else float32
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU
     host: str = "127.0.0.1"
     port: int = 8100  # HTTP; 0 = the OS picks
     control_url: str = ""  # "" = no control plane (static peers only)

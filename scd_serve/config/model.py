@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from scd_serve.errors import ConfigError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the one dtype table: every --dtype and config reads it
-DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: bfloat16 on CUDA (float16 without it) and on CPUs with native bf16, else float32
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: bfloat16 on CUDA (float16 without it), float32 on the CPU
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

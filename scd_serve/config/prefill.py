@@ -19,7 +19,7 @@ class PrefillConfig:
     # codebooks of further consumers (experts) this producer feeds: their codebook methods too
     expert_codebooks: tuple[str, ...] = ()
     device: str = "cpu"
-    dtype: str = "auto"  # bfloat16 on CUDA and CPUs with native bf16 (AMX, AVX512-BF16), else float32
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = the OS picks
     metrics_port: int = 0  # HTTP GET /metrics for Prometheus (behind the worker token); 0 = none

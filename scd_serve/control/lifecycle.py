@@ -45,8 +45,9 @@ def add_worker_arguments(parser, *, model: str, model_help: str, codebook: str, 
     parser.add_argument("--advertise", default="", help=f"HOST:PORT {dialer} dial (default host:port)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                        help="weights and KV pool dtype (auto: bfloat16 on CUDA, and on CPUs that multiply it "
-                             "natively, AMX or AVX512-BF16; else float32, where bfloat16 matmuls are emulated and slow)")
+                        help="weights and KV pool dtype (auto: bfloat16 on CUDA, float32 on the CPU; bfloat16 on a CPU "
+                             "with AMX or AVX512-BF16 is ~3x faster, but SCD rebuilds from a float32-calibrated "
+                             "codebook worse there: docs/benchmarks.md)")
 
 
 async def cancel_all(*tasks: asyncio.Future) -> None:

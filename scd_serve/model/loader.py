@@ -73,14 +73,15 @@ def load_tokenizer(path: Path) -> Any | None:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """A --dtype name or a torch dtype. "auto": bfloat16 on CUDA (float16 without it); on the CPU
-    bfloat16 where it multiplies natively (cpu_has_native_bf16), else float32."""
+    """A --dtype name or a torch dtype. "auto": bfloat16 on CUDA (float16 without it), float32 on
+    the CPU. (bfloat16 is 2.75x faster to prefill on a CPU that multiplies it natively, but a
+    codebook calibrated in float32 then rebuilds 10x worse: docs/benchmarks.md, "Which dtype".)"""
     if not isinstance(dtype, str):
         return dtype
     if dtype == "auto":
         if torch.device(device).type == "cuda" and torch.cuda.is_available():
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -89,7 +90,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bfloat16 natively (AMX-BF16 or AVX512-BF16) and torch may use
     it (ATEN_CPU_CAPABILITY not lowered below AVX-512). There bfloat16 prefills ~3x faster than
-    float32 (0.5B shape, 1,024 tokens, docs/benchmarks.md); without it bfloat16 is emulated, slower."""
+    float32 (0.5B shape, 1,024 tokens, docs/benchmarks.md) and its weights are worth packing
+    (ModelRuntime.pack_linears); without it bfloat16 is emulated, slower."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return False
     try:
