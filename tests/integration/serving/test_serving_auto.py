@@ -95,6 +95,8 @@ async def test_auto_explores_then_picks_a_lossless_transfer_and_says_so(tmp_path
             assert r.headers["x-scd-method-reason"].startswith("fastest; ") and "local" in f["detail"]
             assert f["predicted_ttft_ms"] > 0
         assert backend.fill.stats.num_transfers == 5  # every choice but local transferred
+        assert backend.served == {"disaggregated": 5, "local": 1}  # "did it disaggregate at all?"
+        assert 'scd_requests_served_total{kv_source="local"} 1.0' in (await client.get("/metrics")).text
         assert backend.stats()["auto"]["link_mbit_s"]  # it measured the link
 
         fixed = await complete(client, scd_method="identity")  # a named method is reported as such
