@@ -53,9 +53,9 @@ def model_steps(args) -> int:
     runs = {}
     for name in args.dtypes:
         rt = ModelRuntime.load(args.model, dtype=name)
-        ids = ids % rt.spec.vocab_size
-        pool, blocks = rt.new_kv_pool(-(-args.tokens // 16) + 1, 16), list(range(-(-args.tokens // 16) + 1))
-        runs[name] = {"prefill": lambda _, rt=rt, pool=pool, b=blocks: rt.extend(pool, [(b, 0, ids)], logits="none"),
+        num_blocks = -(-args.tokens // 16) + 1
+        pool, blocks, x = rt.new_kv_pool(num_blocks, 16), list(range(num_blocks)), ids % rt.spec.vocab_size
+        runs[name] = {"prefill": lambda _, rt=rt, pool=pool, b=blocks, x=x: rt.extend(pool, [(b, 0, x)], logits="none"),
                       "decode 1": lambda _, rt=rt, pool=pool, b=blocks: rt.decode_step(pool, [(b, args.tokens, 5)]),
                       "decode 8": lambda _, rt=rt, pool=pool, b=blocks: rt.decode_step(pool, [(b, args.tokens, 5)] * 8)}
     print(f"{args.model}: prefill of {args.tokens} tokens, decode steps over them; {args.threads} thread(s), "

@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from scd_serve.config.engine import EngineConfig
+from scd_serve.config.methods import LOCAL
 from scd_serve.engine.block_manager import BlockManager
 from scd_serve.engine.detokenizer import Detokenizer
 from scd_serve.engine.fill import run_fill
 from scd_serve.engine.generation_config import GenerationDefaults
 from scd_serve.engine.grammar import GrammarCompiler
 from scd_serve.engine.inbox import Abort, Add, Filled, FillFailed, Message
-from scd_serve.config.methods import LOCAL
 from scd_serve.engine.request import GenerationRequest, KVFill, TokenEvent, Usage
 from scd_serve.engine.runner import Runner
 from scd_serve.engine.sampler import Ended

@@ -90,7 +90,7 @@ class Runner:
         """The sink a fill writes `seq`'s prompt K/V into; with step_ahead (and a runtime that can),
         its first decode step runs as the layers land (StepAhead)."""
         spec = self.runtime.spec
-        block_ids, start, num_tokens = list(seq.block_ids), seq.fill_start, seq.num_tokens - 1
+        block_ids, start, num_tokens = list(seq.block_ids), seq.num_prefix_cached, seq.num_tokens - 1
         ahead = None
         if step_ahead and self.runtime.begin_decode_step is not None:
             item = (block_ids, num_tokens, seq.last_token)

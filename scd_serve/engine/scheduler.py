@@ -96,12 +96,12 @@ class Scheduler:
         return finished
 
     def fill_done(self, seq: Sequence, num_filled: int | None = None) -> None:
-        """The KV fill wrote tokens fill_start..num_filled-1 (default T-1; those before were
-        cached): the sequence prefills the rest of its prompt but the last token here (a
+        """The KV fill wrote tokens num_prefix_cached..num_filled-1 (default T-1; those before
+        were cached): the sequence prefills the rest of its prompt but the last token here (a
         replayed tail), then decodes from that token."""
         handoff = seq.num_tokens - 1
         filled = handoff if num_filled is None else num_filled
-        if not seq.fill_start <= filled <= handoff:
+        if not seq.num_prefix_cached <= filled <= handoff:
             raise ValueError(f"a fill of {filled} tokens for a handoff of {handoff}")
         if self.filling.pop(seq.seq_id, None) is None:
             return  # aborted meanwhile
@@ -114,7 +114,7 @@ class Scheduler:
         (after its cached prefix, whose blocks others may hold too)."""
         if self.filling.pop(seq.seq_id, None) is None:
             return False
-        seq.needs_fill, seq.num_cached, seq.status = False, seq.fill_start, SequenceStatus.RUNNING
+        seq.needs_fill, seq.num_cached, seq.status = False, seq.num_prefix_cached, SequenceStatus.RUNNING
         self.running.append(seq)
         return True
 
@@ -153,7 +153,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, lookup):
                 break  # FIFO: no overtaking, so a long prompt is not starved by short ones
             self.waiting.popleft()
-            seq.num_cached = seq.fill_start = self.block_manager.allocate(seq, lookup)
+            seq.num_cached = self.block_manager.allocate(seq, lookup)
             if not seq.num_preemptions:
                 seq.num_prefix_cached = seq.num_cached
             if seq.queue_s is None:

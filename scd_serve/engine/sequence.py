@@ -39,13 +39,14 @@ class Sequence:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix-cache keys of its leading full blocks (block manager)
         self.num_cached = 0
-        self.num_prefix_cached = 0  # prompt tokens whose K/V came from the prefix cache at admission
+        # prompt tokens whose K/V came from the prefix cache at (first) admission; a fill writes
+        # from there (a filling sequence has never been preempted: a preemption recomputes locally)
+        self.num_prefix_cached = 0
         self.status = SequenceStatus.WAITING
         self.needs_fill = needs_fill  # cleared after a preemption: recompute is local
         # Fixed for the sequence's life: what it computes after a cached prefix or a fill attends
         # to that K/V, even after a preemption or a fallback
         self.cache_namespace = cache_namespace(request.method, needs_fill)
-        self.fill_start = 0  # the first position its fill writes (after a cached prefix)
         self.waiting_since = time.monotonic()  # the queue timeout counts from here; reset on preemption
         self.queue_s: float | None = None  # arrival -> first admission (set once; vLLM's queue time)
         self.finish_reason: str | None = None

@@ -81,10 +81,10 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     def served_models() -> list[str]:
         return sorted({m for r in registry.workers(role="decode") for m in r.models})
 
-    def unknown_model(model: object) -> NotFound | None:
+    def unknown_model(model: str | None) -> NotFound | None:
         """A 404 for a `model` that no decode worker serves (None where one does, may, or none is
         known: then the worker says, or the request waits for one to be ready)."""
-        if not isinstance(model, str) or config.decode:
+        if model is None or config.decode:
             return None
         known = served_models()
         if not known or model in known:
@@ -96,13 +96,15 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
     async def proxy(request: Request, method: str, path: str, timed: bool = False) -> Response:
         rid = request.scope.get("state", {}).get("request_id")
         body = await request.body()
-        headers = [(k, v) for k, v in request.scope["headers"] if k.lower() in FORWARD_HEADERS]
+        headers = forwarded(request)
         headers.append((b"x-request-id", rid.encode()))  # the worker takes it: one id in logs, body and header
         msg = peek(body) if method == "POST" else {}
-        if (missing := unknown_model(msg.get("model", None))) is not None:  # counted, answered here
+        asked = msg.get("model", MISSING)
+        model = asked if isinstance(asked, str) else None
+        if (missing := unknown_model(model)) is not None:  # counted, answered here
             metrics.requests.labels("", str(missing.http_status)).inc()
             if timed:
-                clock = metrics.clock(msg.get("model", MISSING))
+                clock = metrics.clock(asked)
                 clock.bind((), missing.http_status)
                 clock.end()
             return error_response(missing, rid)
@@ -111,8 +113,7 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
             headers.append((USAGE_HEADER.encode(), USAGE_TRAILER.encode()))  # token counts for the vLLM series
         watch = ClientWatch(request.receive)  # the body was read: the next message is the disconnect
         try:
-            clock = metrics.clock(msg.get("model", MISSING)) if timed else None
-            model = msg.get("model") if isinstance(msg.get("model"), str) else None
+            clock = metrics.clock(asked) if timed else None
             return await forward(watch, rid, method, path, body, headers, clock, stream, model)
         finally:
             await watch.close()
@@ -184,7 +185,7 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
         """Every model the ready decode workers serve: one worker of each set of names is asked
         for its cards (vLLM's shape), and the lists are merged."""
         rid = request.scope.get("state", {}).get("request_id")
-        headers = [(k, v) for k, v in request.scope["headers"] if k.lower() in FORWARD_HEADERS]
+        headers = forwarded(request)
         by_names = {r.models: r.address for r in registry.workers(role="decode", ready_only=True)}
         addresses = list(dict.fromkeys([*by_names.values(), *config.decode]))
         cards: dict[str, dict] = {}
@@ -226,6 +227,11 @@ def create_gateway_app(config: GatewayConfig, registry: Registry, lifespan_hooks
         return Response(content, media_type=media_type)
 
     return app
+
+
+def forwarded(request: Request) -> list[tuple[bytes, bytes]]:
+    """The client's headers a decode worker is sent, as raw bytes (FORWARD_HEADERS)."""
+    return [(k, v) for k, v in request.scope["headers"] if k.lower() in FORWARD_HEADERS]
 
 
 def peek(body: bytes) -> dict:

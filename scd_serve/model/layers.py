@@ -29,7 +29,6 @@ class PackedWeight:
 
     def __init__(self, w: Tensor):
         self.out_features, self.in_features = w.shape
-        self.dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8)
 
     def __call__(self, x: Tensor, b: Tensor | None) -> Tensor:

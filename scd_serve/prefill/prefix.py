@@ -30,7 +30,11 @@ class PrefixStates:
         self.rt, self.pool = runtime, runtime.new_kv_pool(num_blocks, block_size)  # allocated once, here
         self.blocks = BlockManager(num_blocks, block_size)
         self._lock = threading.Lock()  # the block manager is plain Python; transfers run in threads
-        self.num_hit_tokens = 0  # producer tokens not computed again
+
+    @property
+    def num_hit_tokens(self) -> int:
+        """Producer tokens not computed again (the block manager counts its hits)."""
+        return self.blocks.num_hit_tokens
 
     def layers(self, tokens: list[int], start: int) -> Iterator[tuple[int, LayerState]] | None:
         """The producer's states layer by layer (rows from the cached prefix on, at most `start`),
@@ -40,7 +44,6 @@ class PrefixStates:
             if not self.blocks.can_allocate(seq, cache_lookup=True, limit=start):
                 return None
             cached = self.blocks.allocate(seq, cache_lookup=True, limit=start)
-            self.num_hit_tokens += cached
         return self._run(seq, cached)
 
     def _run(self, seq: Sequence, cached: int) -> Iterator[tuple[int, LayerState]]:
