@@ -7,9 +7,11 @@ served, so `ReplayProbes` keeps one probe per R over the same prompts and scored
 
 Calibration weighs the replays in `CalibrateConfig.replay` against runs of the consumer's upper
 layers (plan.py): both are the consumer computing part of the cache itself, a run for every
-token and some layers, a replay for some tokens and every layer. A replay costs the decode
-worker about R / T of its own prefill of a T-token prompt (less for longer prompts); with a
-run's share it must fit max_rebuild on the probe's prompts.
+token and some layers, a replay for some tokens and every layer. Counted, a replay costs the
+decode worker R / T of its own prefill of a T-token prompt and a run from L (N - L) / N; what
+a rebuild costs on top (the prior's context, the codes' decode) is only known by timing it, so
+an option whose count fits max_rebuild is timed (`cost`, quality/rebuild_cost.py) and must fit
+it measured.
 """
 
 from __future__ import annotations
@@ -94,28 +96,42 @@ def measure_methods(probes: ReplayProbes, producer: Any, consumer: Any, book: An
 
 def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int],
                           max_width: int | None, kl_budget: float, min_top1: float, max_rebuild: float,
-                          replays: tuple[int, ...], log: Callable[[str], None] = print) -> tuple[Plan, int, dict]:
+                          replays: tuple[int, ...], cost: Callable[[Plan, int], float] | None = None,
+                          log: Callable[[str], None] = print) -> tuple[Plan, int, dict]:
     """The consumer's own share of the rebuild, chosen jointly: `plan` or a run from a layer of
-    `run_ranks` (plan.py, on a residual code of that rank; (N - L) / N of a prefill), each with
-    each replay (R / T of the probe's prompts), where the two together fit max_rebuild, measured
-    on the probe at that replay. -> (plan, replay, {"options": every one measured, ...}) by `pick`."""
+    `run_ranks` (plan.py, on a residual code of that rank), each with each replay. An option whose
+    counted share of a prefill ((N - L) / N for the run, R / T of the probe's prompts for the
+    replay) fits max_rebuild is timed, `cost(plan, replay)` -> its rebuild over the consumer's
+    prefill (None: the count stands for it), and measured on the probe at that replay when that
+    fits too. `plan` without a
+    replay is always measured: where nothing fits, it is the cheapest there is.
+    -> (plan, replay, {"options": every one timed, ...}) by `pick` among those that fit."""
     n = len(plan.layers)
     runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
-    options = []
+    options, timed = [], []
     for replay in sorted(set(replays) | {0}):
         share = probes.replay_share(replay) if replay else 0.0
         for layer, candidate in runs:
-            cost = share + ((n - layer) / n if layer is not None else 0.0)
-            if cost > max_rebuild or (max_width is not None and candidate.code_width() > max_width):
+            counted = share + ((n - layer) / n if layer is not None else 0.0)
+            base = not replay and layer is None
+            if not base and (counted > max_rebuild or (max_width is not None and candidate.code_width() > max_width)):
+                continue
+            measured = cost(candidate, replay) if cost is not None else counted
+            timed.append({"replay": replay, "run": layer, "counted": round(counted, 4), "cost": round(measured, 4)})
+            if measured > max_rebuild and not base:
+                log(f"replay {replay}, run from {layer}: rebuild {measured:.2f} of a prefill (counted {counted:.2f}), "
+                    f"over --max-rebuild {max_rebuild}")
                 continue
             m = probes.at(replay).measure_all({i: search.layer_kv(lp) for i, lp in enumerate(candidate.layers)})
-            options.append({"replay": replay, "run": layer, "cost": round(cost, 4), "kl": m.kl, "top1": m.top1,
-                            "plan": candidate})
-            log(f"replay {replay}, run from {layer}: probe KL {m.kl:.4f}, top-1 {m.top1:.3f}, rebuild {cost:.2f}")
-    chosen, meets = pick(options, kl_budget, min_top1)
-    table = [{k: v for k, v in o.items() if k != "plan"} for o in options]
-    return chosen["plan"], chosen["replay"], {"options": table, "meets": meets, "tokens": chosen["replay"],
-                                              "run": chosen["run"], "kl": chosen["kl"], "top1": chosen["top1"]}
+            timed[-1] |= {"kl": m.kl, "top1": m.top1}
+            options.append(timed[-1] | {"plan": candidate})
+            log(f"replay {replay}, run from {layer}: probe KL {m.kl:.4f}, top-1 {m.top1:.3f}, "
+                f"rebuild {measured:.2f} of a prefill (counted {counted:.2f})")
+    within = [o for o in options if o["cost"] <= max_rebuild] or options[:1]  # options[0]: the plan alone
+    chosen, meets = pick(within, kl_budget, min_top1)
+    return chosen["plan"], chosen["replay"], {
+        "options": timed, "meets": meets, "tokens": chosen["replay"], "run": chosen["run"], "kl": chosen["kl"],
+        "top1": chosen["top1"], "rebuild": chosen["cost"], "rebuild_within": chosen["cost"] <= max_rebuild}
 
 
 def pick(options: list[dict], kl_budget: float, min_top1: float) -> tuple[dict, bool]:

@@ -8,6 +8,7 @@ from scd_serve.errors import ConfigError
 
 
 PRIOR_KINDS = ("features", "dense", "none")
+REBUILD_COSTS = ("timed", "counted")  # how calibration weighs a rebuild against --max-rebuild
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,13 @@ class CalibrateConfig:
     # every layer whose run costs at most max_rebuild of a prefill).
     run_layers: tuple[int, ...] | None = None
     # The most a rebuild may cost the decode worker, as a share of its own prefill of the prompt
-    # (a run from L computes (layers - L) / layers of it; 0: no runs).
+    # (a run from L computes (layers - L) / layers of it, a replay of R tokens R / T, and the codes'
+    # decode comes on top; 0: the plan alone, no run, no replay).
+    # "timed" (quality/rebuild_cost.py: each option on num_timing_prompts probe prompts) or "counted"
+    # (the shares above alone: the same choice on every machine, but blind to the codes' decode).
     max_rebuild: float = 0.5
+    rebuild_cost: str = "timed"
+    num_timing_prompts: int = 4
     # Token prior: "features" (codec/features.py, size independent of the vocabulary), "dense"
     # (codec/prior.py: tables of taps * (vocab + 1) rows) or "none"; taps: recent prompt tokens it
     # reads; width, rank: the feature prior's random features and shared basis; ridge: see `ridge`.
@@ -71,7 +77,7 @@ class CalibrateConfig:
         if not 0 < self.min_top1 <= 1:
             raise ConfigError(f"min_top1 must be in (0, 1] (a share of next tokens), got {self.min_top1}")
         for name in ("num_prompts", "num_probe_prompts", "num_report_prompts", "max_rows", "aligner_width", "probe_tail",
-                     "num_profile_prompts"):
+                     "num_profile_prompts", "num_timing_prompts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.prior_taps <= 8:
@@ -95,6 +101,8 @@ class CalibrateConfig:
             raise ConfigError(f"max_payload must be in (0, 1] (a fraction of raw K/V), got {self.max_payload}")
         if not 0 <= self.max_rebuild < 1:
             raise ConfigError(f"max_rebuild must be in [0, 1) (a share of the consumer's prefill), got {self.max_rebuild}")
+        if self.rebuild_cost not in REBUILD_COSTS:
+            raise ConfigError(f"rebuild_cost must be one of {', '.join(REBUILD_COSTS)}, got {self.rebuild_cost!r}")
         if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.replay) or not self.replay:
             raise ConfigError(f"replay must list non-negative token counts, got {self.replay!r}")
         if self.max_patches is not None and self.max_patches < 0:

@@ -29,14 +29,16 @@ from scd_serve.codec.features import FeatureSpec, most_frequent
 from scd_serve.codec.prior import PriorFit
 from scd_serve.calibration.distill import distill_plan
 from scd_serve.calibration.kl_probe import KLProbe, make_examples
-from scd_serve.codec.plan import OWN, LayerPlan
+from scd_serve.codec.plan import OWN, LayerPlan, Plan
 from scd_serve.calibration.search import PlanSearch, SearchPoint
 from scd_serve.codec.codec_spec import spec_of
-from scd_serve.config.codec import CalibrateConfig
+from scd_serve.config.codec import REBUILD_COSTS, CalibrateConfig
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
 from scd_serve.model.loader import DTYPES
 from scd_serve.calibration.probes import ReplayProbes, choose_run_and_replay, measure_codec, measure_methods
+from scd_serve.quality.calibration_report import print_report
+from scd_serve.quality.rebuild_cost import RebuildCost
 from scd_serve.quality.calibration_data import PROBE_SCORED_TOKENS, REPORT_SCORED_TOKENS, builtin_prompts, user_prompts
 
 # layer 0's input is the token alone: the consumer computes it itself in every plan (plan.py's OWN)
@@ -135,10 +137,18 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
                           None if choice_pairs else probe, show_progress)
     # a run's residual code at full rank, or what the fit rows allow (fewer rows than dimensions)
     run_ranks = {layer: min(h_grid[-1], fits[layer].codes["r"].max_rank) for layer in run_layers}
+    timer = RebuildCost(producer, consumer, [p for p, _ in (choice_pairs or probe_pairs)[: cfg.num_timing_prompts]])
+
+    def timed(candidate: Plan, replay: int) -> float:
+        book = build_codebook(fits, {"scd": candidate}, pspec, cspec, extra={"replay_tokens": replay})
+        return timer(registry.build("scd", producer=producer, consumer=consumer, codebook=book))
+
     plan, replay, tail = choose_run_and_replay(search, plan, probes, run_ranks, max_width, cfg.kl_budget,
-                                               cfg.min_top1, cfg.max_rebuild, cfg.replay, log)
+                                               cfg.min_top1, cfg.max_rebuild, cfg.replay,
+                                               timed if cfg.rebuild_cost == "timed" else None, log)
     stats_kl = tail["kl"]
-    run["kl"] = {str(o["run"]): o["kl"] for o in tail["options"] if not o["replay"] and o["run"] is not None}
+    run["kl"] = {str(o["run"]): o["kl"] for o in tail["options"]
+                 if not o["replay"] and o["run"] is not None and "kl" in o}
     # Reuse-only at SCD's payload: the equal-payload ablation of Patch (and of a run)
     reuse = (search.fit_width((), plan.code_width(), curve[0].kl_full_rank)  # curve[0]: no patches
              if plan.patch_layers or plan.run_layer is not None else best)
@@ -255,12 +265,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "It costs the decode worker (layers - L) / layers of a prefill (default: every layer "
                              "whose run fits --max-rebuild)")
     parser.add_argument("--max-rebuild", type=float, default=CalibrateConfig.max_rebuild, metavar="SHARE",
-                        help="the most a rebuild may cost the decode worker as a share of its own prefill: the "
-                             "runs tried by default (0: no runs)")
+                        help="the most a rebuild may cost the decode worker as a share of its own prefill, timed on "
+                             "probe prompts for each run and replay weighed (0: the plan alone, no run or replay)")
+    parser.add_argument("--rebuild-cost", choices=REBUILD_COSTS, default=CalibrateConfig.rebuild_cost,
+                        help="timed: each option's rebuild timed against the consumer's prefill on probe prompts; "
+                             "counted: a run from L as (layers - L) / layers of it and a replay of R tokens as R / T "
+                             "(the same choice on every machine, blind to the codes' decode)")
     parser.add_argument("--replay", type=int, nargs="+", default=list(CalibrateConfig.replay), metavar="R",
                         help="replayed tails tried: the prompt's last R tokens before the handoff's end are computed "
                              "by the consumer over the rebuilt rest instead of rebuilt from codes (about R / T of its "
-                             "prefill, counted against --max-rebuild); the shortest meeting the budget is kept, else "
+                             "prefill, timed against --max-rebuild); the shortest meeting the budget is kept, else "
                              "the one of best top-1 (0 alone: never)")
     parser.add_argument("--distill-steps", type=int, default=CalibrateConfig.distill_steps,
                         help="Adam steps that tune the scd plan's decoders and aligners on the consumer's own "
@@ -310,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
                           max_patches=args.max_patches, max_payload=args.max_payload,
                           aligner_steps=args.aligner_steps,
                           run_layers=None if args.run_layers is None else tuple(args.run_layers),
-                          max_rebuild=args.max_rebuild, replay=tuple(args.replay),
+                          max_rebuild=args.max_rebuild, rebuild_cost=args.rebuild_cost, replay=tuple(args.replay),
                           distill_steps=args.distill_steps, distill_lr=args.distill_lr, seed=args.seed,
                           prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
                           prior_states=args.prior_states, prior_state_layers=args.prior_state_layers,
@@ -348,41 +362,6 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_of(consumer)
     chosen = result.codebook.plan("scd")
     png = plot_tradeoff(result.curve, chosen, 2 * spec.num_layers * spec.kv_width, cfg.kl_budget, out / "tradeoff.png")
-    stats = result.codebook.manifest["calibration"]
-    scd = stats["methods"]["scd"]
-    where = "held-out report prompts" if stats["report"]["held_out"] else "probe prompts"
-    verdict = "meets" if stats["meets_budget"] else (
-        f"does NOT meet: KL {scd['kl'] / cfg.kl_budget:.1f}x the budget, top-1 {cfg.min_top1 - scd['top1']:+.3f} short"
-        if scd["top1"] < cfg.min_top1 else f"does NOT meet: KL {scd['kl'] / cfg.kl_budget:.1f}x the budget")
-    print(f"scd on {stats['report']['prompts']} {where}: KL {scd['kl']:.4f}, top-1 {scd['top1']:.3f} at "
-          f"{scd['payload_ratio']:.3f} of raw: {verdict} (KL <= {cfg.kl_budget}, top-1 >= {cfg.min_top1})")
-    chosen_layers = len(chosen.layers)
-    computed = len(chosen.patch_layers) + (chosen_layers - chosen.run_layer if chosen.run_layer is not None else 0)
-    print(f"rebuild: the consumer computes {computed} of its {chosen_layers} layers' K/V itself from codes (patches "
-          f"and a run; a run from L costs (layers - L) / layers of its own prefill: "
-          f"{(chosen_layers - chosen.run_layer) / chosen_layers if chosen.run_layer is not None else 0:.2f} here); "
-          f"{sum(not lp.streams for lp in chosen.layers)} layers ship nothing", flush=True)
-    print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} the budget, KL "
-          f"{cfg.kl_budget} and top-1 {cfg.min_top1}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {result.codebook.droidspeak_layers}; "
-          f"{stats['seconds']} s")
-    r = stats["replay"]
-    tried = "; ".join(f"replay {o['replay']} run {o['run']}: KL {o['kl']:.4f} top-1 {o['top1']:.3f} rebuild "
-                      f"{o['cost']:.2f}" for o in r["options"])
-    print(f"replay: the consumer computes the prompt's last {r['tokens']} tokens itself ({tried}; on the probe, "
-          "before distillation)")
-    if stats["run"].get("kl"):
-        measured = ", ".join(f"{layer}: {kl:.4f}" for layer, kl in stats["run"]["kl"].items())
-        print(f"runs measured (probe KL by first layer): {measured}; without a run {stats['run']['kl_without']:.4f}")
-    if "distill" in stats:
-        d = stats["distill"]
-        print(f"distilled the scd plan: held-out KL {d['held_out_kl_before']:.4f} -> {d['held_out_kl_after']:.4f} "
-              f"(step {d['step_kept']} of {cfg.distill_steps} kept; {d['seconds']} s)")
-    size = stats["size"]
-    if "fraction_of_consumer" in size:
-        print(f"codebook tensors {size['codebook_tensor_bytes']:,} bytes = {size['fraction_of_consumer']:.1%} of the "
-              f"consumer's weights ({size['consumer_weight_bytes']:,} bytes)")
-    print(f"{'method':<12}{'KL':>10}{'top-1':>8}{'payload/raw':>13}   ({where})")
-    for name, m in result.methods.items():
-        print(f"{name:<12}{m['kl']:>10.4f}{m['top1']:>8.3f}{m['payload_ratio']:>13.3f}")
+    print_report(result, cfg, out)
     print(f"trade-off curve: {png}")
     return 0

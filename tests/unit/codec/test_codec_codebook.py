@@ -23,7 +23,7 @@ def calibrated(tmp_path_factory):
     # full-rank plan agrees on 3 of the probe's 16 positions; the search meets both: calibration/search.py)
     # no token prior, and a budget between the means alone (KL 0.12) and full-rank codes (0.03): the
     # plan ships codes (a run would meet it too, at half a prefill: not taken)
-    cfg = CalibrateConfig(kl_budget=0.07, min_top1=0.15, max_rows=1024, aligner_steps=10, max_patches=1,
+    cfg = CalibrateConfig(rebuild_cost="counted", kl_budget=0.07, min_top1=0.15, max_rows=1024, aligner_steps=10, max_patches=1,
                           probe_tail=1, distill_steps=40, distill_batch=4, prior="none")
     result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
     result.codebook.save(root / "book")
@@ -146,7 +146,7 @@ def test_same_model_calibration_fits_no_token_priors(tmp_path):
     """One model on both sides: codes alone are exact at full rank, so no priors are fitted."""
     producer, _ = make_pair(tmp_path, layers=2)
     pairs = prompts(6, 24)
-    cfg = CalibrateConfig(kl_budget=0.5, max_rows=512, aligner_steps=0, max_patches=0)
+    cfg = CalibrateConfig(rebuild_cost="counted", kl_budget=0.5, max_rows=512, aligner_steps=0, max_patches=0)
     book = calibrate(producer, producer, [p for p, _ in pairs[:4]], pairs[4:], cfg, show_progress=False).codebook
     assert book.prior is None and not any(name.endswith(".prior") for name in book.tensors)
 
@@ -156,7 +156,7 @@ def test_payload_cap_bounds_what_scd_ships(tmp_path):
     what the codec really ships, measured through encode_layer) under the fraction of raw."""
     producer, consumer = make_pair(tmp_path, layers=2)
     pairs = prompts(8, 24)
-    cfg = CalibrateConfig(kl_budget=1e-6, max_rows=512, aligner_steps=0, max_patches=1, distill_steps=0,
+    cfg = CalibrateConfig(rebuild_cost="counted", kl_budget=1e-6, max_rows=512, aligner_steps=0, max_patches=1, distill_steps=0,
                           max_payload=0.25)
     result = calibrate(producer, consumer, [p for p, _ in pairs[:5]], pairs[5:], cfg, show_progress=False)
     stats = result.codebook.manifest["calibration"]
@@ -175,14 +175,50 @@ def test_payload_cap_bounds_what_scd_ships(tmp_path):
     assert all(point["code_width"] <= 0.25 * 2 * 2 * consumer.spec.kv_width for point in stats["curve"])
 
 
+def test_a_timed_rebuild_keeps_only_options_that_fit_measured_and_says_what_it_cost(tmp_path):
+    """The default: each option whose count fits --max-rebuild is timed against the consumer's own
+    prefill; one over it measured is not weighed on the probe, and none over it is chosen but the
+    plan alone (the cheapest there is, said to be over). Which are over depends on the machine:
+    the rules hold whatever the timings."""
+    producer, consumer = make_pair(tmp_path, layers=2)
+    pairs = prompts(10, 32)
+    cfg = CalibrateConfig(kl_budget=0.05, max_rows=1024, aligner_steps=0, max_patches=0, distill_steps=0,
+                          replay=(0, 8), max_rebuild=0.6, num_timing_prompts=2)
+    result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
+    r = result.codebook.manifest["calibration"]["replay"]
+    assert {(o["replay"], o["run"]) for o in r["options"]} == {(0, None), (0, 1), (8, None)}  # counts within 0.6
+    for o in r["options"]:
+        assert o["cost"] > 0 and o["counted"] <= 0.6
+        assert ("kl" in o) == (o["cost"] <= 0.6 or (o["replay"], o["run"]) == (0, None))
+    chosen = next(o for o in r["options"] if (o["replay"], o["run"]) == (r["tokens"], r["run"]))
+    assert r["rebuild"] == chosen["cost"] and r["rebuild_within"] == (chosen["cost"] <= 0.6)
+    assert r["rebuild_within"] or (r["tokens"], r["run"]) == (0, None)
+    with pytest.raises(ConfigError, match="rebuild_cost"):
+        CalibrateConfig(kl_budget=0.05, rebuild_cost="guessed")
+
+
+def test_a_rebuild_is_timed_against_the_consumers_own_prefill_of_the_same_prompts(tmp_path):
+    from scd_serve.quality.rebuild_cost import RebuildCost
+
+    producer, consumer = make_pair(tmp_path, layers=2)
+    timer = RebuildCost(producer, consumer, [p for p, _ in prompts(3, 24)], rounds=1)
+    assert [int(p.numel()) for p in timer.prefixes] == [23, 23, 23]  # the last token is the consumer's own
+    cost = timer(codec.build("identity", producer=producer, consumer=consumer))
+    assert 0 < cost < float("inf")
+    with pytest.raises(ValueError, match="two tokens"):
+        RebuildCost(producer, consumer, [torch.tensor([5])])
+    with pytest.raises(ValueError, match="rounds"):
+        RebuildCost(producer, consumer, [torch.arange(8)], rounds=0)
+
+
 def test_calibration_weighs_replays_against_runs_and_the_served_codecs_use_its_choice(tmp_path):
     producer, consumer = make_pair(tmp_path, layers=2)
     pairs = prompts(10, 32)
     cfg = CalibrateConfig(kl_budget=0.05, min_top1=1.0, max_rows=1024, aligner_steps=0, max_patches=0,
-                          distill_steps=0, replay=(0, 4, 8, 64), max_rebuild=0.6)
+                          distill_steps=0, replay=(0, 4, 8, 64), max_rebuild=0.6, rebuild_cost="counted")
     result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
     r = result.codebook.manifest["calibration"]["replay"]
-    # measured: the plan and a run from layer 1 (half the layers), each with replay 0, 4 and 8 (of a
+    # counted: the plan and a run from layer 1 (half the layers), each with replay 0, 4 and 8 (of a
     # 31-token handoff) where the two together fit 0.6; replay 64 (the whole prompt) never fits. Each
     # replay's probe replaces the last (its examples' token contexts must not be taken for theirs)
     tried = {(o["replay"], o["run"]): o["cost"] for o in r["options"]}

@@ -49,7 +49,7 @@ def closed_form(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
     producer, consumer = make_pair(root, layers=2, noise=0.3)
     pairs = prompts(130, 32)
-    cfg = CalibrateConfig(kl_budget=0.05, max_rows=2048, aligner_steps=0, max_patches=1, probe_tail=1,
+    cfg = CalibrateConfig(rebuild_cost="counted", kl_budget=0.05, max_rows=2048, aligner_steps=0, max_patches=1, probe_tail=1,
                           distill_steps=0)
     book = calibrate(producer, consumer, [p for p, _ in pairs[:30]], pairs[120:], cfg, show_progress=False).codebook
     return producer, consumer, pairs, book

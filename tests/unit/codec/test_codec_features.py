@@ -128,7 +128,7 @@ def test_calibration_at_a_152k_vocabulary_allocates_nothing_vocab_sized(tmp_path
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 151936, (40,), generator=gen) for _ in range(6)]
-        cfg = CalibrateConfig(kl_budget=1.0, num_prompts=4, num_probe_prompts=2, num_profile_prompts=2,
+        cfg = CalibrateConfig(rebuild_cost="counted", kl_budget=1.0, num_prompts=4, num_probe_prompts=2, num_profile_prompts=2,
                               max_rows=128, aligner_steps=0, prior_width=64, prior_rank=8,
                               distill_steps=10)
         out = calibrate(a, b, prompts[:4], [(p[:30], p[30:]) for p in prompts[4:]], cfg, show_progress=False)

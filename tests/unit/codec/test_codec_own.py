@@ -30,7 +30,7 @@ def calibrated(tmp_path_factory):
     root = tmp_path_factory.mktemp("own")
     producer, consumer = make_pair(root, layers=3)
     pairs = prompts(10, 32)
-    cfg = CalibrateConfig(kl_budget=0.5, max_rows=1024, aligner_steps=0, max_patches=1, distill_steps=5,
+    cfg = CalibrateConfig(rebuild_cost="counted", kl_budget=0.5, max_rows=1024, aligner_steps=0, max_patches=1, distill_steps=5,
                           distill_batch=2)
     result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:8], cfg, show_progress=False,
                        report_pairs=pairs[8:])

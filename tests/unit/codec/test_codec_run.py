@@ -100,7 +100,7 @@ def test_calibration_measures_each_run_layer_and_keeps_a_run_only_where_it_measu
     producer, consumer = make_pair(tmp_path, layers=4)
     pairs = prompts(10, 32)
     cfg = CalibrateConfig(kl_budget=0.05, max_rows=1024, aligner_steps=0, max_patches=1, distill_steps=20,
-                          distill_batch=4, run_layers=(2, 3))
+                          distill_batch=4, run_layers=(2, 3), rebuild_cost="counted")
     result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
     stats = result.codebook.manifest["calibration"]
     run = stats["run"]
