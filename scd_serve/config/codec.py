@@ -44,11 +44,12 @@ class CalibrateConfig:
     # The most a rebuild may cost the decode worker, as a share of its own prefill of the prompt
     # (a run from L computes (layers - L) / layers of it, a replay of R tokens R / T, and the codes'
     # decode comes on top; 0: the plan alone, no run, no replay).
-    # "timed" (quality/rebuild_cost.py: each option on num_timing_prompts probe prompts) or "counted"
+    # "timed" (quality/rebuild_cost.py: each option on num_timing_prompts probe prompts spread over
+    # their lengths) or "counted"
     # (the shares above alone: the same choice on every machine, but blind to the codes' decode).
     max_rebuild: float = 0.5
     rebuild_cost: str = "timed"
-    num_timing_prompts: int = 4
+    num_timing_prompts: int = 8
     # Token prior: "features" (codec/features.py, size independent of the vocabulary), "dense"
     # (codec/prior.py: tables of taps * (vocab + 1) rows) or "none"; taps: recent prompt tokens it
     # reads; width, rank: the feature prior's random features and shared basis; ridge: see `ridge`.

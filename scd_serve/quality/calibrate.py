@@ -38,7 +38,7 @@ from scd_serve.extras import tqdm
 from scd_serve.model.loader import DTYPES
 from scd_serve.calibration.probes import ReplayProbes, choose_run_and_replay, measure_codec, measure_methods
 from scd_serve.quality.calibration_report import print_report
-from scd_serve.quality.rebuild_cost import RebuildCost
+from scd_serve.quality.rebuild_cost import RebuildCost, spread
 from scd_serve.quality.calibration_data import PROBE_SCORED_TOKENS, REPORT_SCORED_TOKENS, builtin_prompts, user_prompts
 
 # layer 0's input is the token alone: the consumer computes it itself in every plan (plan.py's OWN)
@@ -137,7 +137,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
                           None if choice_pairs else probe, show_progress)
     # a run's residual code at full rank, or what the fit rows allow (fewer rows than dimensions)
     run_ranks = {layer: min(h_grid[-1], fits[layer].codes["r"].max_rank) for layer in run_layers}
-    timer = RebuildCost(producer, consumer, [p for p, _ in (choice_pairs or probe_pairs)[: cfg.num_timing_prompts]])
+    timer = RebuildCost(producer, consumer, spread([p for p, _ in choice_pairs or probe_pairs], cfg.num_timing_prompts))
 
     def timed(candidate: Plan, replay: int) -> float:
         book = build_codebook(fits, {"scd": candidate}, pspec, cspec, extra={"replay_tokens": replay})

@@ -21,6 +21,15 @@ from scd_serve.quality.transfer import ORACLE, transfer
 TIMED_ROUNDS = 3  # after a warm round, whose figures are dropped
 
 
+def spread(prompts: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """`count` of the prompts at evenly spaced quantiles of their lengths: a rebuild's share of a
+    prefill falls as prompts grow (its fixed costs spread), so the few timed must span them."""
+    ordered = sorted(prompts, key=lambda p: p.numel())
+    if len(ordered) <= count:
+        return ordered
+    return [ordered[round(i * (len(ordered) - 1) / max(1, count - 1))] for i in range(count)]
+
+
 class RebuildCost:
     """`cost(codec)` -> its rebuild of the prompts over the consumer's prefill of them: the
     median over TIMED_ROUNDS of the two sums' ratio, each prompt's prefill timed next to its

@@ -205,6 +205,11 @@ def test_a_rebuild_is_timed_against_the_consumers_own_prefill_of_the_same_prompt
     assert [int(p.numel()) for p in timer.prefixes] == [23, 23, 23]  # the last token is the consumer's own
     cost = timer(codec.build("identity", producer=producer, consumer=consumer))
     assert 0 < cost < float("inf")
+    from scd_serve.quality.rebuild_cost import spread
+
+    lengths = [5, 40, 12, 33, 8, 21, 17]
+    assert [p.numel() for p in spread([torch.arange(n) for n in lengths], 3)] == [5, 17, 40]  # min, median, max
+    assert [p.numel() for p in spread([torch.arange(n) for n in lengths[:2]], 3)] == [5, 40]
     with pytest.raises(ValueError, match="two tokens"):
         RebuildCost(producer, consumer, [torch.tensor([5])])
     with pytest.raises(ValueError, match="rounds"):
