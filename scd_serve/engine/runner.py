@@ -36,12 +36,15 @@ class Runner:
         """Cache the scheduled prefill chunks and run one decode step, in one forward where the
         runtime can (mixed_step: the weights are read once); per decode, a sampled token (or why
         there is none) and its log-probability where asked for."""
-        chunks = [(seq.block_ids, seq.num_cached, seq.token_ids[seq.num_cached:seq.num_cached + n])
-                  for seq, n in batch.prefills]
-        # the last prompt token is a decode step: a chunk's logits serve prompt log-probabilities only
-        wants = ["all" if seq.prompt_logprobs is not None else "none" for seq, _ in batch.prefills]
-        rows = [self._take_ready(seq) for seq in batch.decodes]
-        todo = [i for i, row in enumerate(rows) if row is None]
+        # a sequence's last chunk runs its last prompt token too (the scheduler put it in decodes):
+        # that row's logits are its first decode's, so the first token takes one forward, not two
+        last = {seq.seq_id for seq in batch.decodes if seq.num_to_prefill}
+        chunks = [(seq.block_ids, seq.num_cached,
+                   seq.token_ids[seq.num_cached:seq.num_cached + n + (seq.seq_id in last)]) for seq, n in batch.prefills]
+        wants = ["all" if seq.prompt_logprobs is not None else "last" if seq.seq_id in last else "none"
+                 for seq, _ in batch.prefills]
+        rows = [None if seq.seq_id in last else self._take_ready(seq) for seq in batch.decodes]
+        todo = [i for i, (seq, row) in enumerate(zip(batch.decodes, rows)) if row is None and seq.seq_id not in last]
         steps = [(batch.decodes[i].block_ids, batch.decodes[i].num_cached, batch.decodes[i].last_token) for i in todo]
         logits = None
         if chunks and steps and self.runtime.mixed_step is not None:
@@ -50,9 +53,12 @@ class Runner:
             outs = self.runtime.extend(self.pool, chunks, logits=wants) if chunks else []
             if steps:
                 logits = self.runtime.decode_step(self.pool, steps)  # [len(todo), vocab]
+        at = {seq.seq_id: i for i, seq in enumerate(batch.decodes)}
         for (seq, _), out in zip(batch.prefills, outs, strict=True):
             if seq.prompt_logprobs is not None:
                 self._record_prompt_logprobs(seq, out)
+            if seq.seq_id in last:
+                rows[at[seq.seq_id]] = out[-1]
         if not batch.decodes:
             return Sampled([])
         if len(todo) == len(rows):

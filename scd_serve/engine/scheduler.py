@@ -2,7 +2,8 @@
 
 One engine step is `batch = schedule()` -> `tokens = runner.run(batch)` ->
 `postprocess(batch, tokens)`: one token for every running sequence with its prompt cached,
-and up to `max_prefill_tokens` of chunked local prefill. Running sequences get their next
+and up to `max_prefill_tokens` of chunked local prefill, whose last chunk also yields the
+sequence's first token. Running sequences get their next
 slot before waiting ones are admitted; when the pool runs dry the newest running sequence
 is preempted and later recomputed locally from its tokens.
 """
@@ -21,7 +22,8 @@ from scd_serve.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens to cache now)
-    decodes: list[Sequence] = field(default_factory=list)  # one token each
+    # one token each; a sequence in prefills too decodes its last prompt token in its last chunk
+    decodes: list[Sequence] = field(default_factory=list)
     filling: list[Sequence] = field(default_factory=list)  # just got blocks; their KV fill may start
     preempted: list[Sequence] = field(default_factory=list)
     step_ahead: bool = False  # the one filling sequence's first decode step may run as its K/V lands
@@ -67,6 +69,8 @@ class Scheduler:
                 n = min(seq.num_to_prefill, budget)
                 batch.prefills.append((seq, n))
                 budget -= n
+                if n == seq.num_to_prefill:  # the last chunk carries the last prompt token too: one step
+                    batch.decodes.append(seq)  # to the first output token, as a prefill's last row gives it
         # Only on an otherwise idle engine: there the step hides in the wait for bytes; under load
         # it would take the CPU from the batch, which decodes that step for a fraction of the cost.
         batch.step_ahead = not self.running and len(self.filling) == len(batch.filling) == 1

@@ -38,33 +38,31 @@ def test_scheduler_imports_no_torch():
         assert "import torch" not in open(mod.__file__).read()
 
 
-def test_local_prefill_is_chunked_then_decodes_from_last_prompt_token():
+def test_local_prefill_is_chunked_and_its_last_chunk_decodes_the_last_prompt_token():
     s, bm = make(max_prefill_tokens=4)
     a = seq(10)
     s.add(a)
     b1, _ = step(s)
     assert [(x.seq_id, n) for x, n in b1.prefills] == [(a.seq_id, 4)] and b1.decodes == []
     b2, _ = step(s)
-    assert [n for _, n in b2.prefills] == [4]
-    b3, _ = step(s)  # 1 left of prompt[:-1]
-    assert [n for _, n in b3.prefills] == [1] and b3.decodes == []
-    assert a.num_cached == 9
+    assert [n for _, n in b2.prefills] == [4] and b2.decodes == [] and a.num_cached == 8
+    b3, _ = step(s)  # 1 left of prompt[:-1]: its chunk runs the last prompt token too, whose row is a decode's
+    assert [n for _, n in b3.prefills] == [1] and b3.decodes == [a]
+    assert a.output_token_ids == [7] and a.num_cached == 10
     b4, _ = step(s)
-    assert b4.decodes == [a] and a.output_token_ids == [7] and a.num_cached == 10
+    assert b4.prefills == [] and b4.decodes == [a] and a.output_token_ids == [7, 7] and a.num_cached == 11
 
 
 def test_continuous_batching_admits_while_others_decode_and_finishes_on_length():
     s, bm = make()
     a = seq(2, max_tokens=3, rid="a")
     s.add(a)
-    step(s)  # prefill 1 token
-    step(s)  # a decodes token 1
+    batch, _ = step(s)  # prefill 1 token, and the last prompt token gives token 1
+    assert batch.decodes == [a] and a.num_output_tokens == 1
     b = seq(2, max_tokens=3, rid="b")
     s.add(b)
-    batch, _ = step(s)
-    assert batch.decodes == [a] and [x for x, _ in batch.prefills] == [b]
-    batch, _ = step(s)
-    assert batch.decodes == [a, b]
+    batch, _ = step(s)  # a decodes token 2 beside b's prefill, which gives b's token 1
+    assert batch.decodes == [a, b] and [x for x, _ in batch.prefills] == [b]
     _, finished = step(s)
     assert a in finished or a.is_finished
     assert a.finish_reason == "length" and a.num_output_tokens == 3
@@ -114,8 +112,7 @@ def test_preemption_frees_newest_and_recomputes_it_locally():
     b = seq(3, max_tokens=5, rid="b")  # 2 blocks
     s.add(a)
     s.add(b)
-    step(s)  # both prefill 2 tokens
-    step(s)  # both decode position 2 (in block 1)
+    step(s)  # both prefill 2 tokens and decode position 2 (in block 1)
     step(s)  # both decode position 3 (in block 1)
     assert bm.num_free == 0
     batch, _ = step(s)  # position 4 needs a 3rd block each: b (newest) is preempted
@@ -124,7 +121,7 @@ def test_preemption_frees_newest_and_recomputes_it_locally():
     assert b.output_token_ids == [7, 7]  # keeps what it generated; recomputes K/V of all but the last
     s.finish(a, "abort")
     batch, _ = step(s)
-    assert [(x, n) for x, n in batch.prefills] == [(b, 4)]
+    assert [(x, n) for x, n in batch.prefills] == [(b, 4)] and batch.decodes == [b]
 
 
 def test_remote_fill_holds_blocks_then_decodes_from_t_minus_1():
@@ -146,9 +143,10 @@ def test_a_fill_short_of_the_handoff_prefills_its_replayed_tail_then_decodes():
     step(s)
     s.fill_done(a, 3)  # tokens 0..2 filled; 3 and 4 are the replayed tail, 5 the first decode step's
     batch, _ = step(s)
-    assert [(x, n) for x, n in batch.prefills] == [(a, 2)] and batch.decodes == []
+    assert [(x, n) for x, n in batch.prefills] == [(a, 2)] and batch.decodes == [a]
+    assert a.output_token_ids == [7]  # the tail's chunk ran the last prompt token too
     batch, _ = step(s)
-    assert batch.decodes == [a] and a.output_token_ids == [7]
+    assert batch.prefills == [] and batch.decodes == [a] and a.output_token_ids == [7, 7]
     b = seq(6, fill=True, rid="b")
     s.add(b)
     step(s)
