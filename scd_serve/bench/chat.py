@@ -6,7 +6,9 @@ one with `--enable-prefix-caching`, one without) are joined by a link shaped to 
 chat resends its whole conversation every turn (the shared system prompt, every earlier message
 and answer, the new message), as chat clients do; chats take turns between the two workers, so
 a load swing hits both alike. Per turn index and method: median TTFT, bytes the transfer carried,
-and the share of the prompt the prefix cache held; then turns 2.. with the cache over without.
+the share of the prompt the prefix cache held, and how often the greedy answer with the cache
+equals the one without (and, for a transfer method, local's); then turns 2.. with the cache over
+without.
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ def summarize(rows: list[dict], args, link_info: dict) -> dict:
                               "prompt_tokens": median([r["prompt_tokens"] for r in got]),
                               "served": sorted({r["method"] or "?" for r in got})}
             on, off = row["on"], row["off"]
+            row["same_answer_on_off"] = same_answers(rows, (method, "on", turn), (method, "off", turn))
+            if method != "local" and "local" in args.methods:  # the consumer's own prefill: the oracle
+                row["same_answer_as_local"] = {c: same_answers(rows, (method, c, turn), ("local", c, turn))
+                                               for c in CACHE}
             row["ttft_on_over_off"] = round(on["ttft_ms"] / off["ttft_ms"], 3) if off["ttft_ms"] else None
             row["bytes_on_over_off"] = round(on["payload_bytes"] / off["payload_bytes"], 3) if off["payload_bytes"] else None
             table.append(row)
@@ -103,6 +109,15 @@ def summarize(rows: list[dict], args, link_info: dict) -> dict:
                             for m, rs in later.items() if rs}}
 
 
+def same_answers(rows: list[dict], a: tuple, b: tuple) -> float:
+    """The share of chats whose answer at (method, cache, turn) a equals that at b, token for token
+    (greedy: a rebuilt cache that changes an answer shows here; so would a stale cached block)."""
+    answers = {key: {r["chat"]: r["answer"] for r in rows if (r["method"], r["cache"], r["turn"]) == key}
+               for key in (a, b)}
+    chats = sorted(set(answers[a]) & set(answers[b]))
+    return round(sum(answers[a][c] == answers[b][c] for c in chats) / len(chats), 3) if chats else float("nan")
+
+
 def print_table(doc: dict) -> None:
     print(f"bench chat: {doc['workload']}, link {doc['link'].get('kind', '?')} at {doc['bandwidth']}")
     print(f"{'method':10} {'turn':>4} {'prompt':>7} | {'TTFT on':>9} {'off':>9} {'on/off':>6} | "
@@ -113,6 +128,10 @@ def print_table(doc: dict) -> None:
         print(f"{r['method']:10} {r['turn']:>4} {on['prompt_tokens']:>7.0f} | {on['ttft_ms']:>7.1f}ms "
               f"{off['ttft_ms']:>7.1f}ms {ratio:>6} | {on['payload_bytes']:>10.0f} {off['payload_bytes']:>10.0f} | "
               f"{on['cached_share']:>9.0%}")
+    for r in doc["table"]:
+        local = r.get("same_answer_as_local")
+        print(f"{r['method']} turn {r['turn']}: same answer with the cache as without {r['same_answer_on_off']:.0%}"
+              + (f"; as local's: on {local['on']:.0%}, off {local['off']:.0%}" if local else ""))
     for m, v in doc["later_turns"].items():
         print(f"{m}: turns 2..: TTFT with the cache / without {v['ttft_on_over_off']}, "
               f"bytes {v['bytes_on_over_off']} (medians)")

@@ -154,7 +154,8 @@ async def chat(client: httpx.AsyncClient, url: str, system: list[int], turns: li
                timeout_s: float) -> list[dict]:
     """One conversation: turn k sends the system prompt, every earlier message and answer, and
     message k, as token ids (what a chat client resends each turn). -> per turn: TTFT, prompt
-    tokens, those the prefix cache held, the bytes its transfer carried, the method that served."""
+    tokens, those the prefix cache held, the bytes its transfer carried, the method that served,
+    and the answer's token ids."""
     history, out = list(system), []
     for k, message in enumerate(turns):
         prompt, meta = history + message, {}
@@ -167,7 +168,8 @@ async def chat(client: httpx.AsyncClient, url: str, system: list[int], turns: li
         usage, scd = meta.get("usage") or {}, meta.get("scd") or {}
         out.append({"turn": k, "ttft_s": res.ttft, "prompt_tokens": len(prompt),
                     "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                    "payload_bytes": await transfer_bytes(client, url) - before, "method": scd.get("method")})
+                    "payload_bytes": await transfer_bytes(client, url) - before, "method": scd.get("method"),
+                    "answer": meta.get("token_ids", [])})
         history = prompt + meta.get("token_ids", [])
     return out
 

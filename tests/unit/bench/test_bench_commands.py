@@ -119,3 +119,7 @@ def test_bench_chat_reports_each_turn_with_the_prefix_cache_on_and_off(pair, tmp
     for r in (r for r in later if r["method"] == "raw"):  # the rest only is shipped
         assert 0 < r["on"]["payload_bytes"] < 0.5 * r["off"]["payload_bytes"], r
     assert set(doc["later_turns"]) == {"raw", "local"}
+    assert all(len(r["answer"]) == 4 for r in doc["samples"])  # greedy, ignore_eos: every answer in full
+    for r in doc["table"]:  # the prefix cache never changes what the consumer's own prefill answers
+        assert r["same_answer_on_off"] == 1.0 if r["method"] == "local" else 0 <= r["same_answer_on_off"] <= 1, r
+        assert ("same_answer_as_local" in r) == (r["method"] == "raw"), r
