@@ -29,7 +29,8 @@ class SequenceStatus(Enum):
 class Sequence:
     """Tokens 0..num_cached-1 have K/V in the pool; the next step feeds token num_cached. Every
     sequence gets the K/V of token_ids[:-1] (local prefill, a remote fill, or a recompute after
-    preemption), then decodes from its last token: the first decode step yields the first output."""
+    preemption), then decodes from its last token: the first decode step yields the first output
+    (a local prefill's last chunk is that step too: it runs the last token with the chunk)."""
 
     def __init__(self, request: GenerationRequest, *, needs_fill: bool = False):
         self.seq_id = next(_ids)
