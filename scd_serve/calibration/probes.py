@@ -103,8 +103,7 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
     counted share of a prefill ((N - L) / N for the run, R / T of the probe's prompts for the
     replay) fits max_rebuild is timed, `cost(plan, replay)` -> its rebuild over the consumer's
     prefill (None: the count stands for it), and measured on the probe at that replay when that
-    fits too. `plan` without a
-    replay is always measured: where nothing fits, it is the cheapest there is.
+    fits too. `plan` without a replay is always measured: where nothing fits, it is the cheapest.
     -> (plan, replay, {"options": every one timed, ...}) by `pick` among those that fit."""
     n = len(plan.layers)
     runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
