@@ -276,7 +276,9 @@ class ModelRuntime:
             for name in ("wq", "wkv", "wo", "w_gate_up", "w_down"):
                 if not isinstance(getattr(lw, name), PackedWeight):
                     setattr(lw, name, PackedWeight(getattr(lw, name)))
-        return True  # (the output head stays: packed, it measured no faster, and a tied one would be copied)
+        # (the output head stays: packed, it is 0.7x alone at [151936, 896] on 8 rows, but inside a decode step
+        # of the 0.5B shape it measured no faster, ~29 ms either way; and a tied one would be copied)
+        return True
 
     def logits_of(self, h: Tensor) -> Tensor:
         """h [N, hidden] (last layer's output) -> [N, vocab] float32: the final norm and the head."""
