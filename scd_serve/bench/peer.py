@@ -3,9 +3,9 @@ alone (local prefill) and on the P/D pair (a prefill worker and a decode worker 
 model, raw K/V over loopback), one after the other; ratios from one run.
 
 Per dtype and target: throughput (tokens out per second of wall) with N streams at once, each a
---stream-prompt-tokens prompt and --stream-max-tokens out (greedy, ignore_eos); time per output
-token (p50 over those streams: from the first token to the last over the tokens between, by the
-server's own usage count, since a random-weights token may stream no text); TTFT p50/p90 of
+--stream-prompt-tokens prompt and --stream-max-tokens out (greedy, ignore_eos), their TTFT p50 and
+time per output token (p50 over those streams: from the first token to the last over the tokens
+between, by the server's own usage count); TTFT p50/p90 of
 --ttft-requests prompts at each --ttft-tokens length, one after another. Prompts are seeded
 token ids, sent to 127.0.0.1 only.
 
@@ -65,8 +65,11 @@ def launch(target: str, args, dtype: str, logs: Path) -> tuple[list[subprocess.P
 
 
 def body(vocab: int, tokens: int, seed: int, max_tokens: int) -> dict:
+    # log-probabilities as token ids: one event per token on both servers, text or not (a random-weights
+    # token may have none, and a server that holds such tokens back would stream them in bursts)
     return {"model": "m", "prompt": random_prompt(vocab, tokens, seed), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream_options": {"include_usage": True}, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
 
 
 async def workload(url: str, vocab: int, args) -> dict:
@@ -84,6 +87,7 @@ async def workload(url: str, vocab: int, args) -> dict:
             per_token = [(r.done - r.first_token) / (r.tokens - 1) for r in results if r.tokens > 1]
             out["streams"][str(n)] = {"wall_s": round(wall, 3),
                                       "tokens_per_s": round(sum(r.tokens for r in results) / wall, 2),
+                                      "ttft_p50_s": round(percentile([r.ttft for r in results], 50), 3),
                                       "tpot_p50_ms": round(1e3 * percentile(per_token, 50), 2)}
         for tokens in args.ttft_tokens:
             ttfts = []
@@ -162,8 +166,8 @@ def print_table(doc: dict) -> None:
           f"load average {doc['load_average']}, {doc['workload']}")
     for dtype, by in doc["results"].items():
         for target, r in by.items():
-            streams = ", ".join(f"{n} streams {s['tokens_per_s']:.1f} tok/s (TPOT p50 {s['tpot_p50_ms']:.1f} ms)"
-                                for n, s in r["streams"].items())
+            streams = ", ".join(f"{n} streams {s['tokens_per_s']:.1f} tok/s (TTFT p50 {s['ttft_p50_s']:.2f} s, "
+                                f"TPOT p50 {s['tpot_p50_ms']:.1f} ms)" for n, s in r["streams"].items())
             ttft = ", ".join(f"{t} tokens {s['p50_s']:.3f}/{s['p90_s']:.3f} s" for t, s in r["ttft"].items())
             print(f"{dtype:9} {target:5} {streams}; TTFT p50/p90 {ttft}")
         for name, values in doc["ratios"].get(dtype, {}).items():

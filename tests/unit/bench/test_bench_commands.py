@@ -135,7 +135,8 @@ def test_bench_peer_runs_the_local_and_pd_targets_and_refuses_vllm_without_its_v
     doc = json.loads(out.read_text())
     for target in ("scd", "pd"):
         r = doc["results"]["float32"][target]
-        assert r["streams"]["2"]["tokens_per_s"] > 0 and r["streams"]["2"]["tpot_p50_ms"] > 0
+        s = r["streams"]["2"]
+        assert s["tokens_per_s"] > 0 and s["tpot_p50_ms"] > 0 and s["ttft_p50_s"] > 0
         assert 0 < r["ttft"]["40"]["p50_s"] <= r["ttft"]["40"]["p90_s"]
     assert doc["ratios"]["float32"]["pd_ttft_over_local"]["40"] > 0 and "scd_over_vllm" not in doc["ratios"]["float32"]
     assert (tmp_path / "bench-peer-logs" / "pd-prefill-float32.log").exists()
