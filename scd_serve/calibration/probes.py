@@ -103,20 +103,25 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
     counted share of a prefill ((N - L) / N for the run, R / T of the probe's prompts for the
     replay) fits max_rebuild is timed, `cost(plan, replay)` -> its rebuild over the consumer's
     prefill (None: the count stands for it), and measured on the probe at that replay when that
-    fits too. `plan` without a replay is always measured: where nothing fits, it is the cheapest.
+    fits too; one whose replay and run are both as long as those of one timed over is not timed.
+    `plan` without a replay is always measured: where nothing fits, it is the cheapest.
     -> (plan, replay, {"options": every one timed, ...}) by `pick` among those that fit."""
     n = len(plan.layers)
     runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
-    options, timed = [], []
+    options, timed, over = [], [], []  # over: (replay, run's share) of options measured over max_rebuild
     for replay in sorted(set(replays) | {0}):
         share = probes.replay_share(replay) if replay else 0.0
         for layer, candidate in runs:
-            counted = share + ((n - layer) / n if layer is not None else 0.0)
-            base = not replay and layer is None
+            ran = (n - layer) / n if layer is not None else 0.0
+            counted, base = share + ran, not replay and layer is None
             if not base and (counted > max_rebuild or (max_width is not None and candidate.code_width() > max_width)):
+                continue
+            if any(replay >= r and ran >= f for r, f in over):  # a longer replay or run than one already over
                 continue
             measured = cost(candidate, replay) if cost is not None else counted
             timed.append({"replay": replay, "run": layer, "counted": round(counted, 4), "cost": round(measured, 4)})
+            if measured > max_rebuild:
+                over.append((replay, ran))
             if measured > max_rebuild and not base:
                 log(f"replay {replay}, run from {layer}: rebuild {measured:.2f} of a prefill (counted {counted:.2f}), "
                     f"over --max-rebuild {max_rebuild}")

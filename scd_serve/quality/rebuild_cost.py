@@ -18,7 +18,7 @@ import torch
 
 from scd_serve.quality.transfer import ORACLE, transfer
 
-TIMED_ROUNDS = 3  # after a warm round, whose figures are dropped
+TIMED_ROUNDS = 2  # after a warm round, whose figures are dropped
 
 
 def spread(prompts: list[torch.Tensor], count: int) -> list[torch.Tensor]:

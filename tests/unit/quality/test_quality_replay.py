@@ -63,6 +63,54 @@ def test_the_cheapest_option_meeting_both_targets_else_the_best_top1_worth_its_c
     assert pick([option(0, None, 0.0, 0.09, 0.5), run1 | {"kl": 0.07}], 0.05, 0.95)[0]["run"] == 1
 
 
+class FakeProbes:
+    """A probe whose figures improve with the replay; replay R costs R / 100 counted."""
+
+    def __init__(self):
+        self.measured = []
+
+    def replay_share(self, replay):
+        return replay / 100
+
+    def at(self, replay):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(measure_all=lambda layers: self.measured.append(replay) or
+                               SimpleNamespace(kl=0.01, top1=0.90 + replay / 1000))
+
+
+def test_a_timed_choice_skips_what_is_longer_than_an_option_over_and_falls_back_to_the_plan_alone():
+    from types import SimpleNamespace
+
+    from scd_serve.calibration.probes import choose_run_and_replay
+    from scd_serve.codec.plan import REUSE, LayerPlan, Plan
+
+    plan = Plan(tuple(LayerPlan(REUSE, 4, 4) for _ in range(4)))
+    search = SimpleNamespace(layer_kv=lambda lp: None)
+    measured = {(0, None): 0.2, (0, 2): 0.7, (0, 3): 0.45, (16, None): 0.55}
+    timed = []
+
+    def cost(candidate, replay):
+        timed.append((replay, candidate.run_layer))
+        return measured[(replay, candidate.run_layer)]
+
+    probes = FakeProbes()
+    chosen, replay, info = choose_run_and_replay(search, plan, probes, {2: 8, 3: 8}, None, 0.05, 0.99, 0.5,
+                                                 (0, 16, 32, 48), cost, log=lambda _: None)
+    # by count (replay R: R / 100; a run from L: (4 - L) / 4) all but (16, 2), (32, 2), (32, 3) and (48, 2..3)
+    # fit 0.5; timed, replay 16 alone is over, so no longer replay is timed, nor replay 16 with a run
+    assert timed == [(0, None), (0, 2), (0, 3), (16, None)]
+    assert probes.measured == [0, 0]  # the plan alone and the run from 3: the two that fit, measured
+    assert [o["run"] for o in info["options"] if "kl" in o] == [None, 3]
+    # neither reaches top-1 0.99 and they tie on it: the cheaper, the plan alone
+    assert (replay, chosen.run_layer) == (0, None) and info["rebuild"] == 0.2 and info["rebuild_within"]
+    # nothing within: the plan alone all the same, said to be over
+    probes = FakeProbes()
+    chosen, replay, info = choose_run_and_replay(search, plan, probes, {2: 8, 3: 8}, None, 0.05, 0.99, 0.1,
+                                                 (0, 16), cost, log=lambda _: None)
+    assert (replay, chosen.run_layer) == (0, None) and not info["rebuild_within"] and probes.measured == [0]
+
+
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory):
     return ModelRuntime.load(save_tiny_model(tmp_path_factory.mktemp("m") / "m", "qwen2", seed=3,
