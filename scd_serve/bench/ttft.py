@@ -100,10 +100,10 @@ def allowed_methods(args) -> dict:
     (calibrated top-1 or KL, as decode/chooser.py rules; raw/identity where producer and
     consumer are one model; local always)."""
     from scd_serve.config.decode import ChooserConfig
-    from scd_serve.decode.auto import Calibration
+    from scd_serve.codec.figures import QualityFigures
     from scd_serve.decode.chooser import LOSSLESS, Chooser
 
-    cal = Calibration.load(args.codebook)
+    cal = QualityFigures.load(args.codebook)
     budget = args.quality_budget if args.quality_budget is not None else (cal.budget or 0.0)
     rule = Chooser(ChooserConfig(), budget, 1.0, min_top1=cal.min_top1, strict_kl=args.quality_budget is not None)
     kl, top1 = dict(cal.kl), dict(cal.top1)

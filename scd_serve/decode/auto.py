@@ -7,13 +7,11 @@ methods with their calibrated KL, its load, and our transfers in flight to it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
+from scd_serve.codec.figures import QualityFigures
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.config.methods import LOCAL
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
@@ -23,37 +21,10 @@ from scd_serve.decode.transfer import handoff
 log = logging.getLogger("scd_serve.decode")
 LINK_BOUND_SHARE = 0.5  # a transfer whose reader waited this share of its first-to-last-chunk time was link-bound
 PAYLOAD_RATIO = {"raw": 1.0, "identity": 2.0}  # payload / 16-bit K+V of the codebook-free methods (float32 identity)
-DEFAULT_MIN_TOP1 = 0.95  # the agreement floor of a codebook with top-1 figures but no target of its own
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What the codebook manifest says about each method for the pair it was calibrated on."""
-
-    kl: dict[str, float] = field(default_factory=dict)
-    top1: dict[str, float] = field(default_factory=dict)  # share of next tokens equal to the consumer's own
-    payload_ratio: dict[str, float] = field(default_factory=dict)
-    producer: str = ""  # the producer fingerprint it was calibrated for
-    budget: float | None = None  # the KL budget it was calibrated to meet
-    min_top1: float | None = None  # the agreement target it was calibrated for (codebooks with top-1 figures)
-
-    @classmethod
-    def load(cls, codebook: str | None) -> Calibration:
-        """From DIR/manifest.json; empty without a codebook (lossless methods only)."""
-        if not codebook or not (Path(codebook) / "manifest.json").is_file():
-            return cls()
-        manifest = json.loads((Path(codebook) / "manifest.json").read_text())
-        cal = manifest.get("calibration", {})
-        methods = {m: v for m, v in cal.get("methods", {}).items() if isinstance(v, dict)}
-        top1 = {m: float(v["top1"]) for m, v in methods.items() if "top1" in v}
-        return cls(kl={m: float(v["kl"]) for m, v in methods.items() if "kl" in v}, top1=top1,
-                   payload_ratio={m: float(v["payload_ratio"]) for m, v in methods.items() if "payload_ratio" in v},
-                   producer=manifest.get("producer", {}).get("fingerprint", ""), budget=cal.get("kl_budget"),
-                   min_top1=cal.get("min_top1", DEFAULT_MIN_TOP1) if top1 else None)
 
 
 class AutoMethod:
-    def __init__(self, spec, fingerprint: str, peers, fill, config: DecodeConfig, calibration: Calibration,
+    def __init__(self, spec, fingerprint: str, peers, fill, config: DecodeConfig, calibration: QualityFigures,
                  metrics=None, clock: Callable[[], float] = time.monotonic):
         cfg = config.chooser
         budget = cfg.quality_budget if cfg.quality_budget is not None else (calibration.budget or 0.0)

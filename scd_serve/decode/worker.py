@@ -36,7 +36,8 @@ class DecodeWorker:
     async def connect(self, health_loop: bool = True) -> DecodeWorker:
         """The transfer side alone: codecs, a handshake with the static prefill peers, the
         remote KV fill and `auto`'s chooser. health_loop False: no periodic peer checks."""
-        from scd_serve.decode.auto import AutoMethod, Calibration
+        from scd_serve.codec.figures import QualityFigures
+        from scd_serve.decode.auto import AutoMethod
         from scd_serve.decode.consumer_codecs import ConsumerCodecs
         from scd_serve.decode.kv_fill import RemoteKVFill
         from scd_serve.decode.peers import PeerSet
@@ -56,7 +57,7 @@ class DecodeWorker:
             self.peers.start()
         self.fill = RemoteKVFill(rt, self.peers, codecs, config, self.metrics)
         self.auto = AutoMethod(rt.spec, rt.fingerprint, self.peers, self.fill, config,
-                               Calibration.load(codecs.codebook), self.metrics)
+                               QualityFigures.load(codecs.codebook), self.metrics)
         return self
 
     async def start(self, health_loop: bool = True) -> DecodeWorker:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from scd_serve.calibration.assemble import build_codebook, size_stats
+from scd_serve.codec import figures
 from scd_serve.codec.codebook import Codebook
 from scd_serve.calibration.candidates import Candidates
 from scd_serve.calibration.curve import plot_tradeoff
@@ -191,12 +192,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         for name in ("scd", "reuse"):
             codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
             methods[name]["probe_kl"] = measure_codec(probes.at(codec.replay_tokens), codec, consumer)["kl"]
-    stats["methods"] = methods
-    stats["min_top1"] = cfg.min_top1
-    stats["report"] = {"prompts": len(report.examples), "positions": report.num_positions,
-                       "held_out": report is not probe}
-    scd = methods["scd"]
-    stats["meets_budget"] = scd["kl"] <= cfg.kl_budget and scd["top1"] >= cfg.min_top1
+    figures.record(book.manifest, methods, {"prompts": len(report.examples), "positions": report.num_positions,
+                                            "held_out": report is not probe}, cfg.min_top1)
     stats["size"] = size_stats(book, consumer)
     stats["seconds"] = round(time.time() - started, 1)
     stats["probe_measurements"] = probe.num_measurements

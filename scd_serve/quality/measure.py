@@ -37,6 +37,7 @@ def measure_held_out(producer: Any, consumer: Any, book: Any, pairs: list, tail:
 
 def record(book_dir: Path, methods: dict, report: dict, min_top1: float) -> dict:
     """The figures into DIR/manifest.json's calibration block (the tensors and their checksum stay)."""
+    from scd_serve.codec import figures
     from scd_serve.codec.codebook import MANIFEST
 
     path = book_dir / MANIFEST
@@ -44,10 +45,7 @@ def record(book_dir: Path, methods: dict, report: dict, min_top1: float) -> dict
     cal = manifest.setdefault("calibration", {})
     if "methods" in cal and "measured" not in cal:  # what calibration itself recorded, kept beside
         cal["calibrated_methods"] = cal["methods"]
-    cal["methods"], cal["report"], cal["min_top1"] = methods, report, min_top1
-    budget = cal.get("kl_budget")
-    scd = methods.get("scd", {})
-    cal["meets_budget"] = bool(scd) and (budget is None or scd["kl"] <= budget) and scd["top1"] >= min_top1
+    cal = figures.record(manifest, methods, report, min_top1)
     cal["measured"] = {"source": report["source"], "at": time.strftime("%Y-%m-%d")}
     path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return cal

@@ -195,7 +195,7 @@ def test_the_run_and_replay_choice_reads_the_probe_prompts_scored_as_long_as_the
 
 def test_measure_records_held_out_figures_that_auto_reads(pair, tmp_path, capsys):
     from scd_serve.codec.codebook import TENSORS
-    from scd_serve.decode.auto import Calibration
+    from scd_serve.codec.figures import QualityFigures
 
     a, b, data = pair
     assert main(calibrate_args(a, b, data / "prompt.jsonl", tmp_path / "book")) == 0
@@ -220,7 +220,7 @@ def test_measure_records_held_out_figures_that_auto_reads(pair, tmp_path, capsys
     # the figures printed are the ones recorded, and auto reads them
     printed = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("scd "))
     assert float(printed[1]) == pytest.approx(scd["kl"], abs=1e-4)
-    auto = Calibration.load(str(tmp_path / "book"))
+    auto = QualityFigures.load(str(tmp_path / "book"))
     assert auto.top1["scd"] == scd["top1"] and auto.min_top1 == 0.5
     assert main(measure[:-4] + ["--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err

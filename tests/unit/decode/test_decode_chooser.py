@@ -327,16 +327,16 @@ def test_a_measured_top1_is_the_budget_where_the_codebook_has_one():
 def test_the_manifest_gives_auto_its_top1_figures_and_target(tmp_path):
     import json
 
-    from scd_serve.decode.auto import DEFAULT_MIN_TOP1, Calibration
+    from scd_serve.codec.figures import DEFAULT_MIN_TOP1, QualityFigures
 
     manifest = {"producer": {"fingerprint": "p"},
                 "calibration": {"kl_budget": 0.05, "methods": {"scd": {"kl": 0.2, "top1": 0.96, "payload_ratio": 0.2}}}}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    cal = Calibration.load(str(tmp_path))
+    cal = QualityFigures.load(str(tmp_path))
     assert cal.top1 == {"scd": 0.96} and cal.min_top1 == DEFAULT_MIN_TOP1 and cal.budget == 0.05
     manifest["calibration"]["min_top1"] = 0.9
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    assert Calibration.load(str(tmp_path)).min_top1 == 0.9
+    assert QualityFigures.load(str(tmp_path)).min_top1 == 0.9
     del manifest["calibration"]["methods"]["scd"]["top1"]  # an older codebook: KL only
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    assert Calibration.load(str(tmp_path)).min_top1 is None
+    assert QualityFigures.load(str(tmp_path)).min_top1 is None
