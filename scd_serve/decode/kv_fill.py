@@ -3,7 +3,8 @@
 Per request: pick a prefill worker by load, then run the transfer in a transfer thread
 (job.py, receive.py), every chunk checked BEFORE it is decoded and each layer rebuilt into the
 request's blocks as it arrives; the event loop only waits for the thread. A retryable
-failure tries another worker (up to max_attempts), then the engine may prefill locally.
+failure tries another worker (up to max_attempts), then the engine may prefill locally; a
+worker that answers "full" is waited for, like a busy one, until the request's deadline.
 Cancellation cancels the stream and sends Abort to the prefill worker. A prompt that starts
 with blocks in the engine's prefix cache asks for the codes of the rest only (sink.start).
 """
@@ -31,7 +32,7 @@ from scd_serve.decode.receive import Received
 from scd_serve.decode.shared import SharedTransfers
 from scd_serve.decode.transfer import handoff
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
-from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, ScdError, TransferCorrupt, TransferFailed,
+from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, Overloaded, ScdError, TransferCorrupt, TransferFailed,
                               TransferTimedOut, Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
@@ -57,6 +58,7 @@ class TransferStats:
     num_transfers: int = 0  # completed
     num_failed: int = 0  # attempts that failed
     num_retries: int = 0
+    num_full_waits: int = 0  # "full" answers waited out (a worker's slot freed later than ours)
     num_cache_hits: int = 0  # producer served from its code cache
     payload_bytes: int = 0  # code bytes received
     raw_kv_bytes: int = 0  # what 16-bit K+V of the same tokens would have been
@@ -105,15 +107,17 @@ class RemoteKVFill:
 
     async def _fill(self, req, sink) -> dict:
         tokens = handoff(req.prompt_token_ids)
+        deadline = req.deadline or time.monotonic() + self.config.transport.prefill_timeout_s
         tried: list[str] = []
         errors: list[ScdError] = []
-        for attempt in range(self.config.max_attempts):
-            if attempt:
-                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
-            peer = await self._acquire(req, len(tokens), tried)
+        full_answers = 0
+        while len(errors) < self.config.max_attempts:
+            if errors:
+                await asyncio.sleep(RETRY_BACKOFF_S * len(errors))
+            peer = await self._acquire(req, len(tokens), tried, deadline)
             if peer is None:
                 break
-            self.stats.num_retries += int(attempt > 0)
+            self.stats.num_retries += int(bool(errors))
             tried.append(peer.address)
             peer.breaker.started()
             try:
@@ -129,6 +133,18 @@ class RemoteKVFill:
                 if self.metrics is not None:
                     self.metrics.observe_transfer(req.method, payload_bytes=0, outcome="cold-local")
                 raise
+            except Overloaded as err:
+                # Full right now: its slot was not yet freed when ours was, or other decode workers
+                # share it. Not a failure: wait for a slot (any worker, this one included) until
+                # the request's deadline, as when every worker is busy.
+                tried.remove(peer.address)
+                full_answers += 1
+                self.stats.num_full_waits += 1
+                log.info("request_id=%s: %s; waiting for a slot", req.request_id, err.message)
+                if time.monotonic() + SLOT_POLL_S > deadline:
+                    raise DeadlineExceeded(f"request {req.request_id} waited its deadline for a prefill slot "
+                                           f"({full_answers} full answers)") from err
+                await asyncio.sleep(min(RETRY_BACKOFF_S * full_answers, SLOT_POLL_S))
             except ScdError as err:
                 self.stats.num_failed += 1
                 errors.append(err)
@@ -154,10 +170,9 @@ class RemoteKVFill:
             if peer.breaker.state == OPEN:
                 log.warning("prefill %s: %s", peer.address, peer.breaker.describe())
 
-    async def _acquire(self, req, num_tokens: int, tried: list[str]):
-        """A peer with a free slot, waiting (until the request's deadline) while all are busy;
-        None when no usable peer serves the method at all."""
-        deadline = req.deadline or time.monotonic() + self.config.transport.prefill_timeout_s
+    async def _acquire(self, req, num_tokens: int, tried: list[str], deadline: float):
+        """A peer with a free slot, waiting (until `deadline`) while all are busy; None when no
+        usable peer serves the method at all."""
         first = self._preferred(req, num_tokens, tried)
         if first is not None:
             return first
