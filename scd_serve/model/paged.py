@@ -112,6 +112,15 @@ def attend_gathered(k_layer: Tensor, v_layer: Tensor, tables: Tensor, lengths: T
     keep = j[None, :] < lengths[:, None]
     if window is not None:
         keep &= j[None, :] >= lengths[:, None] - window
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        # SDPA's CPU kernel for one bfloat16 query per sequence measured 7-9x slower than these two
+        # matmuls (8 sequences of ~300 keys, 0.5B shape, AVX512-BF16 without AMX: 2.9 against 0.33 ms
+        # a layer, half a decode step); in float32 the two are even
+        group = q.shape[1] // kv_heads
+        qg = q.view(b, kv_heads, group, hd)
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float().mul_(1 / math.sqrt(hd))  # [B, kv_heads, group, S]
+        probs = torch.softmax(scores.masked_fill_(~keep[:, None, None, :], float("-inf")), dim=-1).to(q.dtype)
+        return torch.matmul(probs, v.transpose(1, 2)).view(b, -1)  # [B, kv_heads, group, hd] -> [B, heads*hd]
     out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=keep[:, None, None, :], enable_gqa=q.shape[1] != kv_heads)
     return out[:, :, 0].flatten(1)

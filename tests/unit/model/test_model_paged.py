@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scd_serve.model.paged import attend_paged, stretches
+from scd_serve.model.paged import attend_gathered, attend_paged, stretches
 
 
 def test_stretches_are_the_maximal_consecutive_runs_covering_the_tokens():
@@ -50,3 +50,30 @@ def test_any_block_layout_equals_dense_attention(seed, dtype):
     want = dense(q.float(), k.float(), v.float(), total - tq, window)
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bfloat16: 8 mantissa bits over sums of <= 60 terms
     assert got.shape == want.shape and (got.float() - want).abs().max() <= tol
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_per_sequence_over_gathered_blocks_equals_dense_attention(seed, dtype):
+    # bfloat16 on the CPU takes two matmuls instead of SDPA: the same attention, padded rows and
+    # windows included
+    rng = random.Random(seed)
+    bs, kv, group, hd, b = rng.choice([1, 4, 16]), 2, rng.choice([1, 3, 7]), 8, rng.randint(1, 5)
+    window = rng.choice([None, rng.randint(1, 20)])
+    lengths = [rng.randint(1, 50) for _ in range(b)]
+    width = -(-max(lengths) // bs)
+    num_blocks = b * width + 2
+    gen = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(num_blocks, bs, kv, hd, generator=gen).to(dtype)
+    v_pool = torch.randn(num_blocks, bs, kv, hd, generator=gen).to(dtype)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = torch.tensor([ids[i * width:(i + 1) * width] for i in range(b)])  # padded with valid ids
+    q = torch.randn(b, kv * group, hd, generator=gen).to(dtype)
+    got = attend_gathered(k_pool, v_pool, tables, torch.tensor(lengths), q, window)
+    for i, n in enumerate(lengths):
+        slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs for p in range(n)])
+        k, v = k_pool.flatten(0, 1)[slots], v_pool.flatten(0, 1)[slots]
+        want = dense(q[i:i + 1].float(), k.float(), v.float(), n - 1, window)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert got.dtype == dtype and (got[i:i + 1].float() - want).abs().max() <= tol
