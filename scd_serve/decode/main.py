@@ -237,7 +237,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     stop = stop_event()
     rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
     if rt.pack_linears():
-        log.info("linear weights packed for oneDNN (bfloat16 on a CPU with native bfloat16)")
+        log.info("linear weights packed for oneDNN (%s)", rt.dtype)
     if codebook_chosen and codebook_arg(config.codebook):
         refuse_other_pair(config.codebook, "--model", consumer=rt)
     method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)

@@ -19,6 +19,8 @@ from scd_serve.model.kv_pool import KVPool
 from scd_serve.model.layers import PackedWeight, attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
 from scd_serve.model.step import DecodeStep, Step
 
+PACK_FLOAT32_FROM_HIDDEN = 512
+
 Tensor = torch.Tensor
 
 
@@ -265,12 +267,15 @@ class ModelRuntime:
         return out
 
     def pack_linears(self) -> bool:
-        """For serving on a CPU with native bfloat16 (bfloat16 weights): every layer's linear
-        weights reordered once into oneDNN's layout (layers.PackedWeight). Not for autograd
-        (calibration differentiates through the layers): the serving roles call it at start.
-        -> whether it packed."""
-        if not (self.device.type == "cpu" and self.dtype == torch.bfloat16 and loader.cpu_has_native_bf16()
-                and torch.backends.mkldnn.is_available()):
+        """For serving on a CPU (float32 weights of a model of hidden size 512 or more, or bfloat16
+        where the CPU has it natively): every layer's linear weights reordered once into oneDNN's
+        layout (layers.PackedWeight). Not for autograd (calibration differentiates through the
+        layers): the serving roles call it at start. -> whether it packed."""
+        # float32 from hidden 512 on: below it oneDNN's ~10 us a call costs more than BLAS's
+        # unpacked matmul takes at decode sizes (layers.PackedWeight)
+        wanted = ((self.dtype == torch.float32 and self.spec.hidden_size >= PACK_FLOAT32_FROM_HIDDEN)
+                  or (self.dtype == torch.bfloat16 and loader.cpu_has_native_bf16()))
+        if not (self.device.type == "cpu" and wanted and torch.backends.mkldnn.is_available()):
             return False
         for lw in self.weights.layers:
             for name in ("wq", "wkv", "wo", "w_gate_up", "w_down"):

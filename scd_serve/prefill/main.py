@@ -88,7 +88,7 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None, cod
     stop = stop_event()
     rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
     if rt.pack_linears():
-        log.info("linear weights packed for oneDNN (bfloat16 on a CPU with native bfloat16)")
+        log.info("linear weights packed for oneDNN (%s)", rt.dtype)
     if codebook_chosen and codebook_arg(config.codebook):
         refuse_other_pair(config.codebook, "--model", producer=rt)
     codecs = build_codecs(rt, config.codebook)

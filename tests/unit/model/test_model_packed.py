@@ -1,5 +1,5 @@
-"""A serving runtime on a CPU with native bfloat16 packs its linear weights for oneDNN once
-(ModelRuntime.pack_linears): the same logits as the plain weights, prefill and decode."""
+"""A serving runtime on a CPU packs its linear weights for oneDNN once (ModelRuntime.pack_linears):
+bfloat16 (native only) gives the plain weights' logits exactly, float32 to its rounding."""
 
 import pytest
 import torch
@@ -28,8 +28,24 @@ def test_packed_weights_give_the_plain_weights_logits(path):
     torch.testing.assert_close(steps[1], steps[0], atol=0, rtol=0)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_packed_float32_weights_give_the_plain_logits_to_float32_rounding(tmp_path):
+    path = save_tiny_model(tmp_path, "llama", seed=2, hidden_size=512, intermediate_size=768, num_attention_heads=8,
+                           num_key_value_heads=2)
+    plain, packed = ModelRuntime.load(path, dtype="float32"), ModelRuntime.load(path, dtype="float32")
+    assert packed.pack_linears() and isinstance(packed.weights.layers[0].w_down, PackedWeight)
+    ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(1))
+    blocks = list(range(4))
+    pools = [rt.new_kv_pool(4, 16) for rt in (plain, packed)]
+    first = [rt.extend(pool, [(blocks, 0, ids)], logits="all")[0] for rt, pool in zip((plain, packed), pools)]
+    torch.testing.assert_close(first[1], first[0], atol=1e-3, rtol=1e-3)  # the same sums in another order
+    steps = [rt.decode_step(pool, [(blocks, 40, 7)] * 3) for rt, pool in zip((plain, packed), pools)]
+    torch.testing.assert_close(steps[1], steps[0], atol=1e-3, rtol=1e-3)
+    assert plain.generate_greedy(ids, 12) == packed.generate_greedy(ids, 12)
+
+
 def test_nothing_is_packed_where_it_would_not_pay(path, monkeypatch):
-    assert not ModelRuntime.load(path, dtype="float32").pack_linears()  # float32: not this path
+    assert not ModelRuntime.load(path, dtype="float32").pack_linears()  # float32 below hidden 512: BLAS is faster
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
     rt = ModelRuntime.load(path, dtype="bfloat16")
     assert not rt.pack_linears() and isinstance(rt.weights.layers[0].wkv, torch.Tensor)
