@@ -14,33 +14,32 @@ def path(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("packed"), "llama", seed=2)
 
 
-@pytest.mark.skipif(not (loader.cpu_has_native_bf16() and torch.backends.mkldnn.is_available()),
-                    reason="this CPU has no native bfloat16 (or torch runs below AVX-512): nothing is packed")
-def test_packed_weights_give_the_plain_weights_logits(path):
-    plain, packed = ModelRuntime.load(path, dtype="bfloat16"), ModelRuntime.load(path, dtype="bfloat16")
+def compare_plain_and_packed(path, dtype: str, tol: float) -> tuple[ModelRuntime, ModelRuntime, torch.Tensor]:
+    """A prefill and a decode step of 3 rows on the plain and the packed weights, their logits
+    within `tol`. -> (plain, packed, prompt ids)"""
+    plain, packed = ModelRuntime.load(path, dtype=dtype), ModelRuntime.load(path, dtype=dtype)
     assert packed.pack_linears() and isinstance(packed.weights.layers[0].wkv, PackedWeight)
     ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(1))
     blocks = list(range(4))
     pools = [rt.new_kv_pool(4, 16) for rt in (plain, packed)]
     first = [rt.extend(pool, [(blocks, 0, ids)], logits="all")[0] for rt, pool in zip((plain, packed), pools)]
-    torch.testing.assert_close(first[1], first[0], atol=0, rtol=0)
+    torch.testing.assert_close(first[1], first[0], atol=tol, rtol=tol)
     steps = [rt.decode_step(pool, [(blocks, 40, 7)] * 3) for rt, pool in zip((plain, packed), pools)]
-    torch.testing.assert_close(steps[1], steps[0], atol=0, rtol=0)
+    torch.testing.assert_close(steps[1], steps[0], atol=tol, rtol=tol)
+    return plain, packed, ids
+
+
+@pytest.mark.skipif(not (loader.cpu_has_native_bf16() and torch.backends.mkldnn.is_available()),
+                    reason="this CPU has no native bfloat16 (or torch runs below AVX-512): nothing is packed")
+def test_packed_weights_give_the_plain_weights_logits(path):
+    compare_plain_and_packed(path, "bfloat16", tol=0)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_packed_float32_weights_give_the_plain_logits_to_float32_rounding(tmp_path):
     path = save_tiny_model(tmp_path, "llama", seed=2, hidden_size=512, intermediate_size=768, num_attention_heads=8,
                            num_key_value_heads=2)
-    plain, packed = ModelRuntime.load(path, dtype="float32"), ModelRuntime.load(path, dtype="float32")
-    assert packed.pack_linears() and isinstance(packed.weights.layers[0].w_down, PackedWeight)
-    ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(1))
-    blocks = list(range(4))
-    pools = [rt.new_kv_pool(4, 16) for rt in (plain, packed)]
-    first = [rt.extend(pool, [(blocks, 0, ids)], logits="all")[0] for rt, pool in zip((plain, packed), pools)]
-    torch.testing.assert_close(first[1], first[0], atol=1e-3, rtol=1e-3)  # the same sums in another order
-    steps = [rt.decode_step(pool, [(blocks, 40, 7)] * 3) for rt, pool in zip((plain, packed), pools)]
-    torch.testing.assert_close(steps[1], steps[0], atol=1e-3, rtol=1e-3)
+    plain, packed, ids = compare_plain_and_packed(path, "float32", tol=1e-3)  # the same sums in another order
     assert plain.generate_greedy(ids, 12) == packed.generate_greedy(ids, 12)
 
 
