@@ -69,8 +69,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return out.transpose(1, 2).flatten(2)
 
 
+# Rows per pass of a layer's output projection and MLP outside autograd: a whole 4,096-token
+# prompt's [T, 2 * intermediate] activations leave the caches; blocks of 512 ran the MLP 1.3-1.9x
+# faster in float32, 1.2-1.3x in bfloat16 (0.5B shape, two threads)
+MLP_ROWS = 512
+
+
 def finish_layer(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> Tensor:
     # h: residual [..., hidden]; attn: attention output [..., heads*hd] -> new residual
+    rows = h.shape[:-1].numel()
+    if torch.is_grad_enabled() or rows <= MLP_ROWS:
+        return _finish_rows(lw, spec, h, attn)
+    h2, attn2 = h.reshape(rows, -1), attn.reshape(rows, -1)  # [rows, hidden], [rows, heads*hd]
+    out = torch.empty_like(h2)
+    for i in range(0, rows, MLP_ROWS):
+        out[i:i + MLP_ROWS] = _finish_rows(lw, spec, h2[i:i + MLP_ROWS], attn2[i:i + MLP_ROWS])
+    return out.view(h.shape)
+
+
+def _finish_rows(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> Tensor:
     h = h + linear(attn, lw.wo, lw.bo)
     x = rms_norm(h, lw.ln2, spec.rms_norm_eps)
     gate, up = linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
