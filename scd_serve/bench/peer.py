@@ -28,6 +28,7 @@ from scd_serve.bench import procs
 from scd_serve.bench.loadgen import random_prompt, stream_completion
 from scd_serve.bench.stats import percentile
 from scd_serve.errors import ConfigError
+from scd_serve.model.loader import cpu_flags
 from scd_serve.planner.shapes import load_shape
 
 TARGETS = ("vllm", "scd", "pd")
@@ -132,9 +133,9 @@ def run_peer(args) -> dict:
                 for proc in reversed(started):
                     procs.stop(proc, grace_s=20)
             print(f"  {dtype} {target}: {results[dtype][target]}", file=sys.stderr, flush=True)
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = cpu_flags()
     return {"model": args.model, "threads": args.threads, "results": results, "ratios": ratios(results),
-            "cpu_flags": [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f" {f}" in cpuinfo],
+            "cpu_flags": [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags],
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "workload": {k: getattr(args, k) for k in ("streams", "stream_prompt_tokens", "stream_max_tokens",
                                                       "ttft_tokens", "ttft_requests")}}

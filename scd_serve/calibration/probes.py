@@ -122,10 +122,10 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
             timed.append({"replay": replay, "run": layer, "counted": round(counted, 4), "cost": round(measured, 4)})
             if measured > max_rebuild:
                 over.append((replay, ran))
-            if measured > max_rebuild and not base:
-                log(f"replay {replay}, run from {layer}: rebuild {measured:.2f} of a prefill (counted {counted:.2f}), "
-                    f"over --max-rebuild {max_rebuild}")
-                continue
+                if not base:  # the plan alone is measured all the same: where nothing fits, it is the cheapest
+                    log(f"replay {replay}, run from {layer}: rebuild {measured:.2f} of a prefill (counted "
+                        f"{counted:.2f}), over --max-rebuild {max_rebuild}")
+                    continue
             m = probes.at(replay).measure_all({i: search.layer_kv(lp) for i, lp in enumerate(candidate.layers)})
             timed[-1] |= {"kl": m.kl, "top1": m.top1}
             options.append(timed[-1] | {"plan": candidate})

@@ -94,12 +94,17 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     (ModelRuntime.pack_linears); without it bfloat16 is emulated, slower."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return False
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags(cpuinfo))
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo's first `flags` line); empty where there is none
+    (not Linux, no /proc: the safe answer)."""
     try:
         with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:  # not Linux, or no /proc: the safe choice
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
 
 
 def check_device(device: str | torch.device, dtype: torch.dtype) -> torch.device:
