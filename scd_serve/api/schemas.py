@@ -13,7 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from scd_serve.config.methods import REQUEST_METHODS
+
 Number = StrictInt | StrictFloat
+Method = Literal[REQUEST_METHODS]  # type: ignore[valid-type]  # the vocabulary: an unknown name is a 400 here
 
 
 class StreamOptions(BaseModel):
@@ -80,7 +83,7 @@ class _Generation(BaseModel):
                           "with stream")
     return_tokens_as_token_ids: StrictBool = Field(
         False, description="extension, as in vLLM: logprob tokens as 'token_id:<id>' instead of text")
-    scd_method: StrictStr | None = Field(
+    scd_method: Method | None = Field(
         None, description="extension: how the prompt's KV cache reaches the decode worker "
                           "('local' = no transfer, 'raw', 'scd', ..., 'auto' = the fastest the server's quality "
                           "budget allows, picked per request); default from the server config. The response "

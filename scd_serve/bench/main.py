@@ -7,11 +7,13 @@ import json
 import sys
 from pathlib import Path
 
+from scd_serve.config.methods import AUTO, TRANSFER_METHODS
 from scd_serve.config.model import DTYPE_NAMES
 from scd_serve.errors import ConfigError
 
 DEMO = "models/demo-pair"
-ALL_METHODS = ("oracle", "raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8", "auto")
+# "oracle": the consumer's own prefill, timed as a method; identity is a test codec, not benched
+ALL_METHODS = ("oracle", *(m for m in TRANSFER_METHODS if m != "identity"), AUTO)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,7 @@ from scd_serve.codec.codebook import Codebook, as_codebook
 from scd_serve.codec.quant import QuantCodec
 from scd_serve.codec.rebuild import Rebuild, begin
 from scd_serve.codec.scd import ScdCodec
+from scd_serve.config import methods
 from scd_serve.errors import ConfigError
 
 _FACTORIES = {
@@ -58,9 +59,11 @@ def _scd(method: str, producer: Any, consumer: Any, codebook: Any) -> ScdCodec:
     replay = book.replay_tokens if plan_name == "scd" else 0
     return ScdCodec(method, book, book.plan(plan_name), int8=method.endswith("int8"), replay_tokens=replay)
 
-# What serving offers; ABLATIONS are built by name for the eval table only.
-ABLATIONS: list[str] = ["prior-only"]
-METHODS: list[str] = [m for m in _FACTORIES if m not in ABLATIONS]
+# What serving offers; ABLATIONS are built by name for the eval table only (config/methods.py).
+ABLATIONS: list[str] = list(methods.ABLATIONS)
+METHODS: list[str] = list(methods.TRANSFER_METHODS)
+if set(_FACTORIES) != {*METHODS, *ABLATIONS}:  # a codec added here must be named in the vocabulary
+    raise ImportError(f"codec registry {sorted(_FACTORIES)} differs from config/methods.py's vocabulary")
 
 
 def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any = None) -> TransferCodec:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from scd_serve.planner.shapes import ModelShape
 
+# what the planner can cost: the consumer's own prefill ("oracle") and the served transfer methods
+# but identity (config/methods.py; the planner stays a leaf, so the names are spelled out)
 METHODS = ("oracle", "raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8")
 HALF = 2  # bytes per 16-bit element
 

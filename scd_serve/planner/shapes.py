@@ -7,34 +7,20 @@ prefill FLOPs and the per-token size of the KV cache.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from scd_serve.errors import ConfigError, ModelLoadError
-from scd_serve.model.spec import spec_from_config
+from scd_serve.model.spec import ModelSpec, spec_from_config
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    name: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
+class ModelShape(ModelSpec):
+    """The runtime's own spec (one shape type), named, with what a projection counts."""
 
-    @property
-    def kv_width(self) -> int:  # d in the method note: kv_heads * head_dim per stream (K or V)
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
+    name: str = ""
 
     @property
     def layer_params(self) -> int:
@@ -83,8 +69,5 @@ def load_shape(name_or_path: str) -> ModelShape:
         spec = spec_from_config(cfg, where=str(path))
     except (ValueError, ModelLoadError) as exc:
         raise ConfigError(f"model config {path}: {exc}", field="model_config") from exc
-    return ModelShape(
-        name=str(cfg.get("name") or cfg.get("_name_or_path") or path.parent.name or path.stem),
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-        vocab_size=spec.vocab_size, tie_word_embeddings=spec.tie_word_embeddings)
+    name = str(cfg.get("name") or cfg.get("_name_or_path") or path.parent.name or path.stem)
+    return ModelShape(name=name, **{f.name: getattr(spec, f.name) for f in fields(spec)})

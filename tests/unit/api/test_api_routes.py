@@ -51,6 +51,25 @@ async def test_completion_prompt_as_token_ids_and_method_extension(client, backe
     assert backend.calls[0].prompt_token_ids == [1, 2, 3] and backend.calls[0].method == "raw"
 
 
+@pytest.mark.parametrize("route,body", [("/v1/completions", {"prompt": "hi"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+async def test_an_unknown_method_is_a_400_naming_the_vocabulary(client, backend, route, body):
+    r = await client.post(route, json=body | {"scd_method": "scd-int4", "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "scd_method" and "'scd-int8'" in err["message"] and "'local'" in err["message"]
+    assert backend.calls == []  # refused before the engine saw it
+
+
+def test_the_method_vocabulary_is_the_codec_registrys():
+    from scd_serve import codec
+    from scd_serve.config import methods
+
+    assert codec.METHODS == list(methods.TRANSFER_METHODS) and codec.ABLATIONS == list(methods.ABLATIONS)
+    for name in (*methods.TRANSFER_METHODS, *methods.ABLATIONS):
+        assert codec._FACTORIES[name]  # each name builds
+
+
 async def test_chat_whole_uses_default_template(client, backend):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     r = await client.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 13})
