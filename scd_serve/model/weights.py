@@ -41,7 +41,7 @@ class ModelWeights:
     embed: Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: Tensor  # [hidden]
-    lm_head: Tensor  # [vocab, hidden] (the embedding itself when tied)
+    lm_head: Tensor  # [vocab, hidden] (the embedding itself when tied; a layers.PackedWeight once packed for serving)
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -19,6 +19,7 @@ def compare_plain_and_packed(path, dtype: str, tol: float) -> tuple[ModelRuntime
     within `tol`. -> (plain, packed, prompt ids)"""
     plain, packed = ModelRuntime.load(path, dtype=dtype), ModelRuntime.load(path, dtype=dtype)
     assert packed.pack_linears() and isinstance(packed.weights.layers[0].wkv, PackedWeight)
+    assert isinstance(packed.weights.lm_head, PackedWeight) and isinstance(packed.weights.embed, torch.Tensor)
     ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(1))
     blocks = list(range(4))
     pools = [rt.new_kv_pool(4, 16) for rt in (plain, packed)]
