@@ -150,14 +150,15 @@ async def timed_requests(client: httpx.AsyncClient, url: str, body: dict, count:
     return out
 
 
-async def chat(client: httpx.AsyncClient, url: str, system: list[int], turns: list[list[int]], body: dict,
+async def chat(client: httpx.AsyncClient, urls: list[str], system: list[int], turns: list[list[int]], body: dict,
                timeout_s: float) -> list[dict]:
     """One conversation: turn k sends the system prompt, every earlier message and answer, and
-    message k, as token ids (what a chat client resends each turn). -> per turn: TTFT, prompt
-    tokens, those the prefix cache held, the bytes its transfer carried, the method that served,
-    and the answer's token ids."""
+    message k, as token ids (what a chat client resends each turn), to urls[k] (one worker for a
+    chat; experts taking turns for an agent chain, each reading the others' answers). -> per turn:
+    TTFT, prompt tokens, those the prefix cache held, the bytes its transfer carried, the method
+    that served, and the answer's token ids."""
     history, out = list(system), []
-    for k, message in enumerate(turns):
+    for k, (url, message) in enumerate(zip(urls, turns, strict=True)):
         prompt, meta = history + message, {}
         before = await transfer_bytes(client, url)
         res = await stream_completion(client, url, {**body, "prompt": prompt, "logprobs": 0,
@@ -194,7 +195,8 @@ async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
     if cmd["cmd"] == "requests":
         return {"samples": await timed_requests(client, url, cmd["body"], int(cmd["count"]), timeout)}
     if cmd["cmd"] == "chat":
-        return {"turns": await chat(client, url, cmd["system"], cmd["turns"], cmd["body"], timeout)}
+        urls = cmd.get("urls") or [url] * len(cmd["turns"])
+        return {"turns": await chat(client, urls, cmd["system"], cmd["turns"], cmd["body"], timeout)}
     if cmd["cmd"] == "rounds":  # one request per body in turn, `rounds` times: a load swing hits them alike
         samples: dict[str, list] = {name: [] for name in cmd["bodies"]}
         for _ in range(int(cmd["rounds"])):

@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--start-timeout", type=float, default=300.0)
     t.add_argument("--point-timeout", type=float, default=1800.0)
 
-    c = sub.add_parser("chat", help="multi-turn chats over a shared system prompt: TTFT, bytes and cached share "
-                                     "per turn, the decode worker's prefix cache on and off")
+    c = sub.add_parser("chat", help="multi-turn chats over a shared system prompt, and agent chains with --expert: "
+                                     "TTFT, bytes and cached share per turn, the decode workers' prefix cache on and off")
     c.add_argument("--json", required=True, help="write the results here")
     c.add_argument("--bandwidth", default="100mbit", help="the link's rate between prefill and decode")
     c.add_argument("--methods", nargs="+", default=["scd", "local"], help="scd_method of the requests")
@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--producer", default=f"{DEMO}/producer")
     c.add_argument("--consumer", default=f"{DEMO}/consumer")
     c.add_argument("--codebook", default=f"{DEMO}/codebook")
+    c.add_argument("--expert", metavar="NAME=DIR[:CODEBOOK]",
+                   help="another consumer of the producer (a model or a LoRA adapter directory, its codebook for "
+                        "codebook methods): agent chains alternate it with --consumer, each reading the other's answers")
     c.add_argument("--resend-chunk-bytes", type=int, default=0, help=argparse.SUPPRESS)
     c.add_argument("--no-netns", action="store_true", help="use the userspace token-bucket proxy")
     c.add_argument("--seed", type=int, default=0)

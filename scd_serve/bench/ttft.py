@@ -132,12 +132,13 @@ def auto_body(args, n: int, method: str = AUTO) -> dict:
             "temperature": 0.0, "ignore_eos": True, "scd_method": method}
 
 
-def start_prefill(args, link, logs: Path) -> tuple[subprocess.Popen, str]:
+def start_prefill(args, link, logs: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """`scd-serve prefill` in the producer's namespace, listening -> (process, the address the
-    consumer side dials). --insecure: the namespace's address is not loopback, and has no token."""
+    consumer side dials). --insecure: the namespace's address is not loopback, and has no token.
+    extra: more of its flags (an expert's codebook)."""
     port = procs.free_port()
     cmd = [*link.exec_prefix("producer"), sys.executable, "-m", "scd_serve.cli", "prefill", "--model", args.producer,
-           "--host", link.producer_bind(), "--port", str(port), "--codebook", args.codebook or "", "--insecure"]
+           "--host", link.producer_bind(), "--port", str(port), "--codebook", args.codebook or "", "--insecure", *extra]
     if args.resend_chunk_bytes > 0:  # else the worker's default
         cmd += ["--chunk-bytes", str(args.resend_chunk_bytes)]
     proc = procs.spawn(cmd, logs / "prefill.log")
@@ -147,14 +148,15 @@ def start_prefill(args, link, logs: Path) -> tuple[subprocess.Popen, str]:
 
 
 def start_worker(args, link, address: str, logs: Path, extra: tuple[str, ...] = ("--no-enable-prefix-caching",),
-                 name: str = "decode") -> tuple[subprocess.Popen, str]:
+                 name: str = "decode", model: str | None = None, codebook: str | None = None) -> tuple[subprocess.Popen, str]:
     """The real `scd-serve decode` beside the probe, listening -> (process, URL); the probe
     then waits for /ready (peers handshaken). Its default method is auto (a codebook) or raw.
     extra: more of its flags (by default no prefix cache: a method's TTFT is timed on a prompt
-    the worker must fill again each time, `warm` meaning the producer's code cache); name: its log's."""
+    the worker must fill again each time, `warm` meaning the producer's code cache); name: its log's;
+    model, codebook: another consumer's (an expert of the same producer) instead of args'."""
     port = procs.free_port()
-    cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.cli", "decode", "--model", args.consumer,
-           "--codebook", args.codebook or "", "--host", "127.0.0.1", "--port", str(port), "--prefill", address,
+    cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.cli", "decode", "--model", model or args.consumer,
+           "--codebook", (args.codebook if model is None else codebook) or "", "--host", "127.0.0.1", "--port", str(port), "--prefill", address,
            "--fallback", "none", *extra]  # a failed transfer is an error here, never a silent local prefill
     if getattr(args, "quality_budget", None) is not None:
         cmd += ["--quality-budget", str(args.quality_budget)]

@@ -125,6 +125,37 @@ def test_bench_chat_reports_each_turn_with_the_prefix_cache_on_and_off(pair, tmp
         assert ("same_answer_as_local" in r) == (r["method"] == "raw"), r
 
 
+def test_bench_chat_runs_agent_chains_where_an_expert_reads_the_consumers_answers(pair, tmp_path):
+    out = tmp_path / "chain.json"
+    rc = main(["bench", "chat", "--json", str(out), "--producer", pair[0], "--consumer", pair[1], "--codebook", "",
+               "--expert", f"base={pair[0]}", "--methods", "raw", "local", "--chats", "2", "--turns", "3",
+               "--system-tokens", "64", "--turn-tokens", "16", "--max-tokens", "4", "--bandwidth", "1gbit"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    chain = [r for r in doc["samples"] if r["workload"] == "chain"]
+    assert len(chain) == len(doc["samples"]) // 2 == 2 * 2 * 2 * 3  # beside as many chat turns
+    assert {r["turn"]: r["expert"] for r in chain} == {0: "consumer", 1: "base", 2: "consumer"}
+    for r in chain:
+        history = 64 + 16 * (r["turn"] + 1) + 4 * r["turn"]  # the system prompt, every message and answer so far
+        assert r["prompt_tokens"] == history and len(r["answer"]) == 4, r
+        if r["cache"] == "off":
+            assert r["cached_tokens"] == 0, r
+    # the expert's second chain finds the system prompt in its own cache (the first chain left it there)
+    second = [r for r in chain if (r["expert"], r["chat"], r["cache"]) == ("base", 1, "on")]
+    assert second and all(64 - 16 <= r["cached_tokens"] < r["prompt_tokens"] for r in second), second
+    rows = [r for r in doc["table"] if r["workload"] == "chain"]
+    assert [r["expert"] for r in rows if r["method"] == "local"] == ["consumer", "base", "consumer"]
+    for r in rows:  # the cache never changes what the consumer's or the expert's own prefill answers
+        assert r["same_answer_on_off"] == 1.0 if r["method"] == "local" else 0 <= r["same_answer_on_off"] <= 1, r
+    assert set(doc["chain_later_turns"]) == {"raw", "local"}
+
+
+def test_bench_chat_refuses_a_codebook_method_for_an_expert_without_a_codebook(pair, tmp_path, capsys):
+    rc = main(["bench", "chat", "--json", str(tmp_path / "x.json"), "--producer", pair[0], "--consumer", pair[1],
+               "--codebook", "", "--expert", f"base={pair[0]}", "--methods", "scd", "local"])
+    assert rc != 0 and "--methods scd need the expert's codebook" in capsys.readouterr().err
+
+
 def test_bench_peer_runs_the_local_and_pd_targets_and_refuses_vllm_without_its_venv(pair, tmp_path, capsys,
                                                                                   monkeypatch):
     out = tmp_path / "peer.json"
