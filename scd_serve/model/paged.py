@@ -118,7 +118,10 @@ def attend_gathered(k_layer: Tensor, v_layer: Tensor, tables: Tensor, lengths: T
         # a layer, half a decode step); in float32 the two are even
         group = q.shape[1] // kv_heads
         qg = q.view(b, kv_heads, group, hd)
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float().mul_(1 / math.sqrt(hd))  # [B, kv_heads, group, S]
+        # keys made [B, kv_heads, S, hd] and read transposed: a copy of k.permute(0, 2, 3, 1) moves single
+        # 2-byte elements (0.17 against 0.014 ms a layer at 8 x 320 keys)
+        keys = k.transpose(1, 2).contiguous()
+        scores = torch.matmul(qg, keys.mT).float().mul_(1 / math.sqrt(hd))  # [B, kv_heads, group, S]
         probs = torch.softmax(scores.masked_fill_(~keep[:, None, None, :], float("-inf")), dim=-1).to(q.dtype)
         return torch.matmul(probs, v.transpose(1, 2)).view(b, -1)  # [B, kv_heads, group, hd] -> [B, heads*hd]
     out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
