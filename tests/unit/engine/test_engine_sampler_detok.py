@@ -6,7 +6,7 @@ from engine_helpers import probabilities
 
 from scd_serve.engine.detokenizer import Detokenizer
 from scd_serve.engine.request import GenerationRequest, SamplingParams
-from scd_serve.engine.sampler import sample
+from scd_serve.engine.sampler import rows_finite, sample
 from scd_serve.engine.sequence import Sequence
 from scd_serve.testing.fake_runtime import byte_tokenizer
 from scd_serve.errors import InvalidRequest, StepFailed
@@ -61,6 +61,13 @@ def test_an_extreme_repetition_penalty_still_samples(penalty, temperature):
     params = SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=7)
     (token,) = sample(logits[None], [Sequence(GenerationRequest("r", seen, params))]).rows
     assert isinstance(token, int) and 0 <= token < 50
+
+
+def test_rows_finite_is_exact_even_where_a_finite_rows_sum_overflows():
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[0.0, 1.0, 2.0], [big, big, 0.0], [float("-inf"), 0.0, 0.0], [float("nan"), 1.0, 1.0],
+                      [float("inf"), float("-inf"), 0.0]])
+    assert rows_finite(x) == [True, True, False, False, False] == torch.isfinite(x).all(dim=-1).tolist()
 
 
 def test_non_finite_row_fails_alone():
