@@ -69,27 +69,21 @@ class Step:
         self.slots = torch.tensor(slots, device=dev)  # [N] where each row's K/V goes
         self.h = rt.weights.embed[torch.tensor(tokens, device=dev)]  # [N, hidden]: every item's rows, in order
         self.cos, self.sin = rt.rotary.tables(torch.tensor(positions, device=dev))
+        # the items of one token (decodes) attend in one batched call: the CUDA kernel reading the
+        # blocks in place, else a gathered copy of their blocks (paged.attend_gathered)
         kernel = rt.paged_kernel and paged_kernel.usable(rt.device, pool.block_size)
-        self.kernel_rows = self._kernel_plan() if kernel else None
-        self.gathered = None if kernel else self._gather_plan(pool)
+        self.attend_one_token = paged_kernel.attend_blocks if kernel else attend_gathered
+        self.one_token_rows = self._one_token_plan(pool, kernel)
         self.layer = 0  # the next layer to run
 
-    def _gather_plan(self, pool: KVPool) -> tuple[Tensor, Tensor] | None:
-        """(block table [B, W], key counts [B]) when every item is one decode token and one layer's
-        table is at most GATHER_BYTES (paged.py); else None: attention reads the pool in place."""
-        if len(self.lengths) < 2 or max(self.lengths) > 1:
-            return None
-        width = max(len(b) for b in self.blocks)
-        if len(self.blocks) * width * pool.bytes_per_block // pool.k.shape[0] > GATHER_BYTES:
-            return None
-        return self._one_token_table(range(len(self.blocks)))
-
-    def _kernel_plan(self) -> tuple[Tensor | None, Tensor, Tensor] | None:
+    def _one_token_plan(self, pool: KVPool, kernel: bool) -> tuple[Tensor | None, Tensor, Tensor] | None:
         """(rows [D] or None when every item is one token, block table [D, W], key counts [D]) of
-        the items with one token, for paged_kernel (CUDA): their attention runs as one call;
-        None when there are none."""
+        the items with one token, whose attention runs as one call; None: every item attends
+        alone, in place. Without the kernel, only for two or more such items whose gathered table
+        of one layer is at most GATHER_BYTES (paged.py)."""
         ones = [i for i, n in enumerate(self.lengths) if n == 1]
-        if not ones:
+        if not ones or not kernel and (len(ones) < 2 or len(ones) * max(len(self.blocks[i]) for i in ones)
+                                       * pool.bytes_per_block // pool.k.shape[0] > GATHER_BYTES):
             return None
         rows = None
         if len(ones) < len(self.lengths):
@@ -133,27 +127,25 @@ class Step:
         q = rope.apply(project_q(lw, spec, x), self.cos, self.sin)  # [N, heads, hd]
         window = spec.window(layer)
         k_layer, v_layer = self.pool.k[layer], self.pool.v[layer]
-        if self.gathered is not None:  # small decode-only step: one batched call
-            out = attend_gathered(k_layer, v_layer, *self.gathered, q, window)
-        else:
-            out = self._attend_in_place(k_layer, v_layer, q, window)
+        out = self._attend(k_layer, v_layer, q, window)
         self.h = finish_layer(lw, spec, self.h, out)
         self.layer += 1
         return h_in, x, k_pre, v
 
-    def _attend_in_place(self, k_layer: Tensor, v_layer: Tensor, q: Tensor, window: int | None) -> Tensor:
-        # q: [N, heads, hd] -> [N, heads*hd]; one-token items through the kernel when it serves
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        if self.kernel_rows is not None:
-            rows, table, lengths = self.kernel_rows
-            one_token = paged_kernel.attend_blocks(k_layer, v_layer, table, lengths, q if rows is None else q[rows],
-                                                   window)
+    def _attend(self, k_layer: Tensor, v_layer: Tensor, q: Tensor, window: int | None) -> Tensor:
+        # q: [N, heads, hd] -> [N, heads*hd]; the one-token items in one call where planned, the
+        # others (prefill chunks) each over its own stretches of the pool
+        if self.one_token_rows is not None:
+            rows, table, lengths = self.one_token_rows
+            one_token = self.attend_one_token(k_layer, v_layer, table, lengths, q if rows is None else q[rows], window)
             if rows is None:  # a decode-only step
                 return one_token
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        if self.one_token_rows is not None:
             out[rows] = one_token
         at = 0
         for runs, cached, n in zip(self.runs, self.cached, self.lengths):
-            if n > 1 or self.kernel_rows is None:
+            if n > 1 or self.one_token_rows is None:
                 out[at:at + n] = attend_paged(k_layer, v_layer, runs, cached + n, q[at:at + n], cached, window)
             at += n
         return out

@@ -111,9 +111,10 @@ def test_a_step_layer_reads_only_its_own_layer_of_the_cache(model, layout, reque
 
 
 @pytest.mark.parametrize("model", ["llama", "rt"])  # rt: one full-attention and one sliding-window layer
-def test_mixed_step_equals_extend_then_decode_step(model, request):
+def test_mixed_step_equals_extend_then_decode_step(model, request, attention_path):
     """Prefill chunks and decode tokens in one forward (one read of the weights) give the same
-    logits and write the same K/V as running them separately."""
+    logits and write the same K/V as running them separately; the decode tokens' attention in
+    one call over their gathered blocks or each in place."""
     m = request.getfixturevalue(model)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (9, 14, 6, 20)]
