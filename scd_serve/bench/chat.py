@@ -25,6 +25,7 @@ from scd_serve.bench import procs
 from scd_serve.bench.loadgen import random_prompt
 from scd_serve.bench.stats import median
 from scd_serve.bench.ttft import open_link, start_client, start_prefill, start_worker
+from scd_serve.config.expert import parse_experts
 from scd_serve.errors import ConfigError
 from scd_serve.planner.shapes import load_shape
 from scd_serve.planner.units import fmt_bandwidth, parse_bandwidth
@@ -51,7 +52,6 @@ def parse_expert(args) -> tuple[str, str, str] | None:
     """--expert NAME=DIR[:CODEBOOK] -> (name, model, codebook or ""), checked; None without one."""
     if not args.expert:
         return None
-    from scd_serve.cluster.up import parse_experts
     from scd_serve.codec import NEEDS_CODEBOOK
 
     name, model, codebook = parse_experts([args.expert], {CONSUMER})[0]

@@ -206,10 +206,10 @@ def test_client_gone_during_a_slow_fill_aborts_it_at_once(stream):
 
     engine = Engine(FakeRuntime(), EngineConfig(num_blocks=64, block_size=4, max_model_len=128, idle_poll_s=0.01))
     engine.start()
-    app = create_app(ApiConfig(max_model_len=128, max_tokens_cap=64), EngineBackend(engine, "toy", {"slow": slow_fill}))
+    app = create_app(ApiConfig(max_model_len=128, max_tokens_cap=64), EngineBackend(engine, "toy", {"raw": slow_fill}))
     try:
         with ServerThread(app) as srv:
-            body = {"prompt": "a long enough prompt", "max_tokens": 4, "scd_method": "slow", "stream": stream}
+            body = {"prompt": "a long enough prompt", "max_tokens": 4, "scd_method": "raw", "stream": stream}  # raw: the slow fill
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)
             # well before the fill's own 30 s end

@@ -51,7 +51,7 @@ def test_up_passes_the_decode_flags_on_and_the_api_key_by_environment():
 
 
 def test_up_checks_each_expert_it_is_given(tmp_path):
-    from scd_serve.cluster.up import parse_experts
+    from scd_serve.config.expert import parse_experts
 
     (tmp_path / "coder").mkdir()
     (tmp_path / "coder" / "adapter_config.json").write_text("{}")
