@@ -63,8 +63,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
         mask = mask or TokenMask()
         failed = _mask_guided(mask, logits, raw, guided, seqs)
         ok = [i for i in ok if i not in failed]
-    chosen = torch.argmax(logits, dim=-1)  # greedy rows are done here
     drawn = [i for i in ok if not seqs[i].request.params.greedy]
+    # greedy rows are done here (a pass over every row's vocabulary: only where there are some)
+    chosen = (torch.argmax(logits, dim=-1) if len(drawn) < len(ok)
+              else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
 
     def draw_rows(rows: list[int]) -> None:
         probs, ids = candidates(logits[rows], [seqs[i].request.params for i in rows])
@@ -143,7 +145,8 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
     cdf = torch.cumsum(probs.double(), dim=-1)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
     # rounding can land past the last token with mass: the best token instead (never a cut one)
-    return torch.where(probs.gather(1, picked[:, None])[:, 0] > 0, picked, probs.argmax(dim=-1))
+    has_mass = probs.gather(1, picked[:, None])[:, 0] > 0
+    return picked if bool(has_mass.all()) else torch.where(has_mass, picked, probs.argmax(dim=-1))
 
 
 def shape_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
@@ -228,9 +231,9 @@ def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torc
         logits, ids = torch.topk(logits, max(ks), dim=-1)  # sorted, descending
         logits = logits.masked_fill(torch.arange(max(ks), device=dev) >= torch.tensor(ks, device=dev)[:, None],
                                     float("-inf"))  # past each row's own k; ties at the k-th are kept by topk's order
-    x = logits.double()
+    x = logits.to(torch.float64, copy=True)  # shifted and scaled in place below
     temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float64)[:, None]
-    probs = torch.softmax((x - x.max(dim=-1, keepdim=True).values) / temps, dim=-1)
+    probs = torch.softmax(x.sub_(x.amax(dim=-1, keepdim=True)).div_(temps), dim=-1)
     top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float64)[:, None]
     if bool((top_p < 1).any()):
         probs = _keep_prefix(probs, None, top_p) if ids is not None else _top_p(probs, top_p)
