@@ -76,17 +76,20 @@ def run_chat(args) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     vocab = load_shape(args.consumer).vocab_size
     system, chats = conversations(vocab, args)
-    _, chains = conversations(vocab, args, first_seed=500)  # other messages, so a chain finds only the system prompt cached
+    # other messages, so a chain finds only the system prompt cached
+    _, chains = conversations(vocab, args, first_seed=500)
     link = open_link(force_fallback=args.no_netns)
     server, workers, client = None, {}, None
     rows = []
     try:
-        server, address = start_prefill(args, link, logs, ("--expert-codebook", expert[2]) if expert and expert[2] else ())
+        expert_flags = ("--expert-codebook", expert[2]) if expert and expert[2] else ()
+        server, address = start_prefill(args, link, logs, expert_flags)
         for cache, flags in CACHE.items():
             workers[CONSUMER, cache] = start_worker(args, link, address, logs, flags, name=f"decode-cache-{cache}")
             if expert:
-                workers[expert[0], cache] = start_worker(args, link, address, logs, flags, name=f"{expert[0]}-cache-{cache}",
-                                                         model=expert[1], codebook=expert[2])
+                workers[expert[0], cache] = start_worker(args, link, address, logs, flags,
+                                                         name=f"{expert[0]}-cache-{cache}", model=expert[1],
+                                                         codebook=expert[2])
         client = start_client(link, logs, args.start_timeout)
         for _, url in workers.values():
             client.ask({"cmd": "ready", "url": url, "timeout_s": args.start_timeout}, args.start_timeout + 10)
@@ -124,9 +127,8 @@ def summarize(rows: list[dict], args, link_info: dict) -> dict:
     for workload in sorted({r["workload"] for r in rows}, key=["chat", "chain"].index):
         for method in args.methods:
             for turn in range(args.turns):
-                key = (workload, method, turn)
-                got = {cache: [r for r in rows if (r["workload"], r["method"], r["turn"], r["cache"]) == (*key, cache)]
-                       for cache in CACHE}
+                got = {cache: [r for r in rows if (r["workload"], r["method"], r["cache"], r["turn"])
+                               == (workload, method, cache, turn)] for cache in CACHE}
                 row = {"workload": workload, "method": method, "turn": turn + 1, "expert": got["on"][0]["expert"]}
                 for cache in CACHE:
                     row[cache] = {"ttft_ms": round(1e3 * median([r["ttft_s"] for r in got[cache]]), 2),
@@ -136,7 +138,8 @@ def summarize(rows: list[dict], args, link_info: dict) -> dict:
                                   "prompt_tokens": median([r["prompt_tokens"] for r in got[cache]]),
                                   "served": sorted({r["method"] or "?" for r in got[cache]})}
                 on, off = row["on"], row["off"]
-                row["same_answer_on_off"] = same_answers(rows, (*key[:2], "on", turn), (*key[:2], "off", turn))
+                row["same_answer_on_off"] = same_answers(rows, (workload, method, "on", turn),
+                                                         (workload, method, "off", turn))
                 if method != "local" and "local" in args.methods:  # the consumer's own prefill: the oracle
                     row["same_answer_as_local"] = {c: same_answers(rows, (workload, method, c, turn),
                                                                    (workload, "local", c, turn)) for c in CACHE}

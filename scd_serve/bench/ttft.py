@@ -148,15 +148,18 @@ def start_prefill(args, link, logs: Path, extra: tuple[str, ...] = ()) -> tuple[
 
 
 def start_worker(args, link, address: str, logs: Path, extra: tuple[str, ...] = ("--no-enable-prefix-caching",),
-                 name: str = "decode", model: str | None = None, codebook: str | None = None) -> tuple[subprocess.Popen, str]:
+                 name: str = "decode", model: str | None = None,
+                 codebook: str | None = None) -> tuple[subprocess.Popen, str]:
     """The real `scd-serve decode` beside the probe, listening -> (process, URL); the probe
     then waits for /ready (peers handshaken). Its default method is auto (a codebook) or raw.
     extra: more of its flags (by default no prefix cache: a method's TTFT is timed on a prompt
     the worker must fill again each time, `warm` meaning the producer's code cache); name: its log's;
     model, codebook: another consumer's (an expert of the same producer) instead of args'."""
     port = procs.free_port()
-    cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.cli", "decode", "--model", model or args.consumer,
-           "--codebook", (args.codebook if model is None else codebook) or "", "--host", "127.0.0.1", "--port", str(port), "--prefill", address,
+    if model is None:
+        model, codebook = args.consumer, args.codebook
+    cmd = [*link.exec_prefix("consumer"), sys.executable, "-m", "scd_serve.cli", "decode", "--model", model,
+           "--codebook", codebook or "", "--host", "127.0.0.1", "--port", str(port), "--prefill", address,
            "--fallback", "none", *extra]  # a failed transfer is an error here, never a silent local prefill
     if getattr(args, "quality_budget", None) is not None:
         cmd += ["--quality-budget", str(args.quality_budget)]

@@ -82,9 +82,12 @@ class Step:
         alone, in place. Without the kernel, only for two or more such items whose gathered table
         of one layer is at most GATHER_BYTES (paged.py)."""
         ones = [i for i, n in enumerate(self.lengths) if n == 1]
-        if not ones or not kernel and (len(ones) < 2 or len(ones) * max(len(self.blocks[i]) for i in ones)
-                                       * pool.bytes_per_block // pool.k.shape[0] > GATHER_BYTES):
+        if not ones:
             return None
+        if not kernel:
+            width = max(len(self.blocks[i]) for i in ones)
+            if len(ones) < 2 or len(ones) * width * pool.bytes_per_block // pool.k.shape[0] > GATHER_BYTES:
+                return None
         rows = None
         if len(ones) < len(self.lengths):
             first_rows = [0, *accumulate(self.lengths)]  # item i's rows start at first_rows[i]

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from scd_serve.planner.shapes import ModelShape
 
-# what the planner can cost: the consumer's own prefill ("oracle") and the served transfer methods
-# but identity (config/methods.py; the planner stays a leaf, so the names are spelled out)
+# the methods method_cost models: the consumer's own prefill ("oracle") and config/methods.py's
+# transfer methods but identity (a test codec); spelled out, so a method added to the vocabulary
+# gets its cost model here before `scd-serve plan` offers it
 METHODS = ("oracle", "raw", "quant4", "quant2", "droidspeak", "reuse", "scd", "scd-int8")
 HALF = 2  # bytes per 16-bit element
 
