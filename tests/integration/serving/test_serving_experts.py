@@ -3,29 +3,18 @@ each with its own codebook, over real gRPC. Each decode side is sent the codes o
 codebook; a prompt both read is prefilled once (the second is served from the code cache)."""
 
 import pytest
-import torch
 
 from scd_serve import codec as codec_registry
-from scd_serve.calibration.assemble import build_codebook
-from scd_serve.calibration.fit import collect_rows, fit_layer
 from scd_serve.codec.codebook import Codebook
-from scd_serve.codec.codec_spec import spec_of
-from scd_serve.codec.plan import REUSE, LayerPlan, Plan
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.config.transport import TransportConfig
 from scd_serve.errors import IncompatiblePeer
 from scd_serve.prefill.worker import PrefillWorker
+from scd_serve.testing.codebooks import quick_codebook
 
 from serving_helpers import engine_for, greedy, make_decode, prompts, settled, tiny_runtime
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def codebook_for(a, b, root):
-    rows = collect_rows(a, b, [torch.tensor(p) for p in prompts(6, seed=11)], max_rows=4096)
-    fits = [fit_layer(r, spec_of(b).kv_width, (8, 32), aligner_width=32) for r in rows]
-    plan = Plan(tuple(LayerPlan(REUSE, 8, 16) for _ in range(spec_of(b).num_layers)))
-    return str(build_codebook(fits, {"scd": plan}, spec_of(a), spec_of(b)).save(root))
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +22,8 @@ def experts(tmp_path_factory):
     root = tmp_path_factory.mktemp("experts")
     base = tiny_runtime(root / "base", seed=0)
     coder, writer = tiny_runtime(root / "coder", seed=1), tiny_runtime(root / "writer", seed=2)
-    return base, {"coder": (coder, codebook_for(base, coder, root / "coder-book")),
-                  "writer": (writer, codebook_for(base, writer, root / "writer-book"))}
+    return base, {"coder": (coder, quick_codebook(base, coder, root / "coder-book")),
+                  "writer": (writer, quick_codebook(base, writer, root / "writer-book"))}
 
 
 async def test_one_prefill_pool_feeds_two_experts_each_its_own_codes(experts):
