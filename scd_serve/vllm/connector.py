@@ -22,7 +22,7 @@ half-filled cache is never decoded from. A request may opt out with
 from __future__ import annotations
 
 import json
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from scd_serve.vllm.source import CodeSource
 
 log = init_logger("vllm.scd_serve")  # under vLLM's logger: its handlers and format
 LOAD_THREADS = 8  # prompts loaded at once; more wait for a thread (within their deadline)
+IDLE_WAIT_S = 0.05  # the longest an empty step waits for a load to finish
 
 
 @dataclass
@@ -137,6 +138,11 @@ class SCDConnector(KVConnectorBase_V1):
         for load in meta.loads:  # asynchronous: get_finished reports each when it is done
             self._loading[load.request_id] = (load, self._threads.submit(self._load, load,
                                                                          forward_context.no_compile_layers))
+        if forward_context.attn_metadata is None and self._loading:
+            # A step with nothing to run while loads are in flight: vLLM's loop would come straight
+            # back, holding the GIL and a core the load threads need. Wait for one to finish instead
+            # (at most IDLE_WAIT_S), which hands both to them.
+            wait([job for _, job in self._loading.values()], IDLE_WAIT_S, FIRST_COMPLETED)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The loads done since the last call, failed ones included: their blocks are reported
