@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from scd_serve.config.address import check_address
+from scd_serve.config.decode import PRIOR_TABLE_MODES
 from scd_serve.config.methods import TRANSFER_METHODS
 from scd_serve.config.transport import TransportConfig
-from scd_serve.errors import ConfigError
+from scd_serve.errors import ConfigError, check_range
 
 TRANSPORT_KEYS = ("worker_token", "rpc_timeout_s", "prefill_timeout_s", "stall_timeout_s", "max_message_bytes",
                   "tls_cert", "tls_key", "tls_ca", "tls_server_name")
@@ -27,6 +28,10 @@ class ConnectorConfig:
     codebook: str = ""  # the codebook directory (methods that need one: reuse, scd, scd-int8)
     # shorter prompts are prefilled by vLLM itself: a transfer's fixed costs outweigh them
     min_prompt_tokens: int = 16
+    # the feature prior's vocabulary table made at start (codec/prior_table.py), as `scd-serve
+    # decode --prior-table`: "on", "auto" (when predicted within prior_table_budget_s) or "off"
+    prior_table: str = "auto"
+    prior_table_budget_s: float = 60.0
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
@@ -48,6 +53,10 @@ class ConnectorConfig:
                 or self.min_prompt_tokens < 2:
             raise ConfigError(f"kv_connector_extra_config.min_prompt_tokens must be an integer >= 2, "
                               f"got {self.min_prompt_tokens!r}", field="min_prompt_tokens")
+        if self.prior_table not in PRIOR_TABLE_MODES:
+            raise ConfigError(f"kv_connector_extra_config.prior_table must be one of {', '.join(PRIOR_TABLE_MODES)}, "
+                              f"got {self.prior_table!r}", field="prior_table")
+        check_range("kv_connector_extra_config.prior_table_budget_s", self.prior_table_budget_s, 0, 86400)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":

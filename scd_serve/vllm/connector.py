@@ -22,6 +22,7 @@ half-filled cache is never decoded from. A request may opt out with
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,11 +83,14 @@ class SCDConnector(KVConnectorBase_V1):
             runtime = ModelRuntime.load(model.model, device=device, dtype=model.dtype)
             self.source = CodeSource(self.config, runtime)
             self.source.codecs.loaded_codebook()  # a codebook of other models is refused now, not per request
+            said = self.source.codecs.fill_prior_table(self.config.prior_table, self.config.prior_table_budget_s)
+            if said:
+                log.info("SCD token prior: %s", said)
             self._caches: dict[str, torch.Tensor] = {}
             self._layer_names: dict[int, str] = {}
             self._threads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="scd-load")
             self._failed_blocks: set[int] = set()
-            self._loading: dict[str, tuple[Load, Future]] = {}  # request -> its load in flight
+            self._loading: dict[str, tuple[Load, Future, threading.Event]] = {}  # request -> its load, its cancel
 
     # ---- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -136,24 +140,29 @@ class SCDConnector(KVConnectorBase_V1):
         if not isinstance(meta, SCDConnectorMetadata):
             return
         for load in meta.loads:  # asynchronous: get_finished reports each when it is done
-            self._loading[load.request_id] = (load, self._threads.submit(self._load, load,
-                                                                         forward_context.no_compile_layers))
+            cancel = threading.Event()
+            job = self._threads.submit(self._load, load, forward_context.no_compile_layers, cancel)
+            self._loading[load.request_id] = (load, job, cancel)
         if forward_context.attn_metadata is None and self._loading:
             # A step with nothing to run while loads are in flight: vLLM's loop would come straight
             # back, holding the GIL and a core the load threads need. Wait for one to finish instead
             # (at most IDLE_WAIT_S), which hands both to them.
-            wait([job for _, job in self._loading.values()], IDLE_WAIT_S, FIRST_COMPLETED)
+            wait([job for _, job, _ in self._loading.values()], IDLE_WAIT_S, FIRST_COMPLETED)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The loads done since the last call, failed ones included: their blocks are reported
         (get_block_ids_with_load_errors, called after this in the same pass) and recomputed."""
         done = set()
-        for rid, (load, job) in list(self._loading.items()):
+        for rid in finished_req_ids & self._loading.keys():  # ended (aborted) while loading: stop it
+            self._loading[rid][2].set()
+        for rid, (load, job, cancel) in list(self._loading.items()):
             if not job.done():
                 continue
             del self._loading[rid]
-            done.add(rid)
+            done.add(rid)  # vLLM frees an ended request's blocks only now
             exc = job.exception()
+            if cancel.is_set():
+                continue
             if exc is None:
                 got = job.result()
                 log.debug("request %s: %d K/V rows from %s (%d code bytes, %.3f s)", rid, got.rows, got.prefill,
@@ -164,7 +173,7 @@ class SCDConnector(KVConnectorBase_V1):
             self._failed_blocks.update(load.block_ids[first:last + 1])
         return None, done or None
 
-    def _load(self, load: Load, layers: dict):
+    def _load(self, load: Load, layers: dict, cancel: threading.Event):
         positions = torch.arange(load.start, len(load.tokens))
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
         slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
@@ -177,7 +186,7 @@ class SCDConnector(KVConnectorBase_V1):
             attn.impl.do_kv_cache_update(attn, k.to(cache.device, self.dtype), v.to(cache.device, self.dtype), cache,
                                          slots.to(cache.device))
 
-        return self.source.fetch(load.request_id, load.tokens, load.start, write)
+        return self.source.fetch(load.request_id, load.tokens, load.start, write, cancel=cancel)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request is scheduled only once get_finished reported it

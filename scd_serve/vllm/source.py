@@ -26,7 +26,8 @@ from scd_serve.config.connector import ConnectorConfig
 from scd_serve.decode.consumer_codecs import ConsumerCodecs
 from scd_serve.decode.peers import compat_problems
 from scd_serve.decode.receive import drain, receive
-from scd_serve.errors import IncompatiblePeer, Overloaded, ScdError, TransferCorrupt, TransferTimedOut, Unavailable
+from scd_serve.errors import (IncompatiblePeer, Overloaded, ScdError, TransferCorrupt, TransferFailed, TransferTimedOut,
+                              Unavailable)
 from scd_serve.transport.channel import make_stream_channel
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.client import REQUEST_ID_KEY
@@ -91,11 +92,12 @@ class CodeSource:
         return worker.problem
 
     def fetch(self, request_id: str, tokens: list[int], start: int, write: WriteLayer,
-              deadline: float | None = None) -> Fetched:
+              deadline: float | None = None, cancel: threading.Event | None = None) -> Fetched:
         """K/V of `tokens`' positions start..len-1 into `write`, every layer; raises ScdError when
         no worker delivers it by `deadline` (time.monotonic(); default: prefill_timeout_s). Each
         worker is tried once; one that is busy (its max_concurrent transfers in flight, or it
-        answers "full": other consumers share it) is waited for until the deadline."""
+        answers "full": other consumers share it) is waited for until the deadline. Setting
+        `cancel` (the request ended) stops the transfer and fails the fetch."""
         if not 0 <= start < len(tokens):
             raise ValueError(f"rows from {start} of a {len(tokens)}-token prompt")
         deadline = deadline or time.monotonic() + self.config.transport.prefill_timeout_s
@@ -104,6 +106,8 @@ class CodeSource:
         errors: list[str] = []
         while untried:
             for worker in list(untried):
+                if cancel is not None and cancel.is_set():
+                    raise TransferFailed(f"request {request_id} ended: its load was cancelled")
                 with self._lock:
                     why = self.handshake(worker) if worker.info is None else ""
                 if why:
@@ -114,7 +118,7 @@ class CodeSource:
                 if not slots.acquire(blocking=False):
                     continue  # busy: try the others, then wait
                 try:
-                    return self._fetch_from(worker, request_id, tokens, start, write, deadline)
+                    return self._fetch_from(worker, request_id, tokens, start, write, deadline, cancel)
                 except Overloaded:
                     continue
                 except ScdError as err:
@@ -132,7 +136,7 @@ class CodeSource:
         raise Unavailable(f"no prefill worker delivered the K/V of request {request_id}: " + "; ".join(errors))
 
     def _fetch_from(self, worker: _Worker, request_id: str, tokens: list[int], start: int,
-                    write: WriteLayer, deadline: float) -> Fetched:
+                    write: WriteLayer, deadline: float, cancel: threading.Event | None) -> Fetched:
         t0 = time.monotonic()
         codec = self.codecs.get(worker.info, self.config.method)
         ship_from = decodes_from(codec, start)  # a run's rows do not decode alone: it is sent them all
@@ -167,13 +171,15 @@ class CodeSource:
                                   check_header=check_header)
         call = worker.stub.Prefill(request, timeout=max(0.001, deadline - t0),
                                    metadata=(*worker.metadata, (REQUEST_ID_KEY, rid)))
-        watch = _StallWatch(call, self.config.transport.stall_timeout_s)
+        watch = _StallWatch(call, self.config.transport.stall_timeout_s, cancel)
         ok = False
         try:
             with torch.inference_mode():
                 got = receive(watch.heard(call), verifier, rebuild.prepare, rebuild_layer)
             ok = True
         except grpc.RpcError as exc:
+            if cancel is not None and cancel.is_set():
+                raise TransferFailed(f"request {request_id} ended: its load was cancelled") from None
             if watch.stalled:
                 raise TransferTimedOut(f"prefill worker {worker.address} sent nothing for "
                                        f"{self.config.transport.stall_timeout_s:g} s (stall_timeout_s)") from None
@@ -200,10 +206,11 @@ class CodeSource:
 
 
 class _StallWatch:
-    """Cancels a stream that has been silent for `stall_s` (the first message included)."""
+    """Cancels a stream that has been silent for `stall_s` (the first message included), or
+    once `cancel` is set."""
 
-    def __init__(self, call, stall_s: float):
-        self.call, self.stall_s = call, stall_s
+    def __init__(self, call, stall_s: float, cancel: threading.Event | None = None):
+        self.call, self.stall_s, self.cancel = call, stall_s, cancel
         self.last = time.monotonic()
         self.stalled = False
         self._done = threading.Event()
@@ -217,6 +224,9 @@ class _StallWatch:
 
     def _run(self) -> None:
         while not self._done.wait(STALL_POLL_S):
+            if self.cancel is not None and self.cancel.is_set():
+                self.call.cancel()
+                return
             if time.monotonic() - self.last >= self.stall_s:
                 self.stalled = True
                 self.call.cancel()

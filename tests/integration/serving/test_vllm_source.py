@@ -4,6 +4,7 @@ workers over real gRPC, without vLLM: what it hands the connector is the consume
 or silent one gives way to the next, and with none left the load fails within its deadline."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from scd_serve import codec as codec_registry
 from scd_serve.config.connector import ConnectorConfig
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.config.transport import TransportConfig
-from scd_serve.errors import Unavailable
+from scd_serve.errors import TransferFailed, Unavailable
 from scd_serve.prefill.worker import PrefillWorker
 from scd_serve.testing.faults import FaultyServicer
 from scd_serve.vllm.source import CodeSource
@@ -123,3 +124,38 @@ async def test_other_models_worker_is_refused_by_the_handshake(tmp_path):
     finally:
         source.close()
         await node.stop()
+
+
+async def test_cancel_stops_the_stream_at_once(tmp_path):
+    """The request ended (vLLM aborted it) while its codes were on their way: the stream is
+    cancelled, the producer sees it, and no other worker is asked."""
+    rt = tiny_runtime(tmp_path / "m")
+    config = PrefillConfig(model="unused", port=0)
+    faulty = {}
+
+    def wrap(sv):
+        faulty["sv"] = FaultyServicer(sv, stall_at_chunk=1, stall_s=30)
+        return faulty["sv"]
+
+    stalled = PrefillWorker(rt, {"identity": codec_registry.build("identity", producer=rt)}, config, servicer_wrap=wrap)
+    await stalled.start()
+    other = await start_prefill(rt, methods=("identity",))
+    source = CodeSource(ConnectorConfig(prefill=(stalled.address, other.address), method="identity"), rt)
+    source._next = iter([0])  # the stalled worker first  # noqa: SLF001
+    cancel = threading.Event()
+    try:
+        asyncio.get_running_loop().call_later(0.5, cancel.set)
+        t0 = time.monotonic()
+        with pytest.raises(TransferFailed, match="cancelled"):
+            await asyncio.to_thread(source.fetch, "r1", prompts(1, seed=6)[0][:30], 0, lambda *_: None, None, cancel)
+        assert time.monotonic() - t0 < 5
+        assert other.servicer.num_served == 0
+        for _ in range(100):  # the producer's handler sees the cancellation
+            if faulty["sv"].cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert faulty["sv"].cancelled
+    finally:
+        source.close()
+        await stalled.stop()
+        await other.stop()

@@ -33,6 +33,8 @@ def test_worker_token_from_the_environment(monkeypatch):
     ({"prefill": ["h:1"], "min_prompt_tokens": True}, "min_prompt_tokens"),
     ({"prefill": ["h:1"], "prefil_timeout_s": 3}, r"unknown key\(s\) prefil_timeout_s \(known: .*prefill_timeout_s"),
     ({"prefill": ["h:1"], "prefill_timeout_s": 0}, r"prefill_timeout_s must be in \(0, 3600\]"),
+    ({"prefill": ["h:1"], "prior_table": "always"}, "prior_table must be one of auto, on, off"),
+    ({"prefill": ["h:1"], "prior_table_budget_s": -1}, r"prior_table_budget_s must be in \[0, 86400\]"),
 ])
 def test_mistakes_are_refused_by_name(extra, match):
     with pytest.raises(ConfigError, match=match):
