@@ -67,12 +67,16 @@ class SCDConnector(KVConnectorBase_V1):
             raise ConfigError(f"SCDConnector serves kv_role 'kv_consumer' (got {tc.kv_role!r}): the producer "
                               f"side is an scd-serve prefill worker (`scd-serve prefill --model PRODUCER`)")
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:  # one block table per group: the writes below know the first only
+            raise ConfigError(f"SCDConnector fills models with one KV cache group; this one has {len(groups)} "
+                              f"(sliding-window or hybrid layers)")
         self.block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.SCHEDULER:
             book = Codebook(json.loads((Path(self.config.codebook) / MANIFEST).read_text()), {}) \
                 if self.config.codebook else None
             self.replay = replayed(self.config.method, book)
-            self._local: dict[str, int] = {}  # request -> vLLM's own computed tokens when it claimed
+            self._local: dict[str, int] = {}  # request -> vLLM's own computed tokens when it last claimed
             self._pending: dict[str, Load] = {}  # claimed and allocated, not yet in a step's metadata
             self._claimed: set[str] = set()  # requests that had their one transfer (until they finish)
         else:
@@ -105,7 +109,6 @@ class SCDConnector(KVConnectorBase_V1):
         if carried <= num_computed_tokens:
             return 0, False
         self._local[request.request_id] = num_computed_tokens
-        self._claimed.add(request.request_id)
         return carried - num_computed_tokens, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -113,6 +116,7 @@ class SCDConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0 or start is None:
             return
         tokens = list(request.prompt_token_ids[:start + num_external_tokens])
+        self._claimed.add(request.request_id)  # committed now (a claim that found no free blocks is asked again)
         self._pending[request.request_id] = Load(request.request_id, tokens, start, list(blocks.get_block_ids()[0]))
 
     def build_connector_meta(self, scheduler_output) -> SCDConnectorMetadata:
