@@ -37,6 +37,9 @@ _FACTORIES = {
 }
 # methods that cannot work without a calibrated codebook
 NEEDS_CODEBOOK = frozenset({"reuse", "scd", "scd-int8", "prior-only"})
+# methods whose decode side computes with the consumer's own weights (token prior, Patch, runs,
+# DroidSpeak's recomputed layers); the others need its shapes and rotary only
+NEEDS_CONSUMER_WEIGHTS = NEEDS_CODEBOOK | {"droidspeak"}
 
 
 def _droidspeak(producer: Any, consumer: Any, codebook: Any) -> DroidSpeakCodec:
@@ -88,5 +91,5 @@ def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any
     return factory(producer, consumer, codebook)
 
 
-__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "build", "replayed", "begin", "Rebuild", "payload_bytes", "transferred", "wants_residuals", "Codebook", "TransferCodec",
+__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "NEEDS_CONSUMER_WEIGHTS", "build", "replayed", "begin", "Rebuild", "payload_bytes", "transferred", "wants_residuals", "Codebook", "TransferCodec",
            "KEYS", "VALUES", "ATTN_INPUT"]

@@ -25,7 +25,7 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # name -> torch d
 class Loaded:
     path: Path
     spec: ModelSpec
-    weights: ModelWeights
+    weights: ModelWeights | None  # None: loaded without them (shapes, rotary and fingerprint only)
     rotary: Rotary
     fingerprint: str
     tokenizer: Any | None
@@ -121,17 +121,18 @@ def check_device(device: str | torch.device, dtype: torch.dtype) -> torch.device
     return dev
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Loaded:
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+         weights: bool = True) -> Loaded:
     dev = check_device(device, dtype)
     root = resolve(path)
     if adapter.is_adapter(root):  # a LoRA adapter: served as its base with the adapter merged in
         root = adapter.merged(root)
     cfg = read_config(root)
     spec = spec_from_config(cfg, where=str(root / "config.json"))
-    found, digest = read_tensors(root, spec)
-    weights = group(found, spec, dev, dtype)
+    found, digest = read_tensors(root, spec)  # memory-mapped: checked and hashed, not yet read in
+    grouped = group(found, spec, dev, dtype) if weights else None
     del found
     inv_freq, scaling = inv_freq_and_scaling(spec, cfg)
     rotary = Rotary(inv_freq, scaling, dev, dtype)
     fingerprint = f"{spec.family}-{digest[:16]}"
-    return Loaded(root, spec, weights, rotary, fingerprint, load_tokenizer(root), cfg)
+    return Loaded(root, spec, grouped, rotary, fingerprint, load_tokenizer(root), cfg)

@@ -85,10 +85,12 @@ class ModelRuntime:
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype = torch.float32) -> ModelRuntime:
-        """dtype: a torch dtype or a --dtype name ("auto" picks by device)."""
+             dtype: str | torch.dtype = torch.float32, weights: bool = True) -> ModelRuntime:
+        """dtype: a torch dtype or a --dtype name ("auto" picks by device). weights=False: the
+        model's shapes, rotary and fingerprint only (what a codec that computes nothing with the
+        consumer's layers needs, e.g. raw K/V rotated for it): no forward runs."""
         dtype = loader.resolve_dtype(dtype, device)
-        loaded = loader.load(path, device, dtype)
+        loaded = loader.load(path, device, dtype, weights)
         return cls(loaded, torch.device(device), dtype)
 
     # ---- prefill -------------------------------------------------------------------------

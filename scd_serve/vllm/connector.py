@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
-from scd_serve.codec import replayed
+from scd_serve.codec import NEEDS_CONSUMER_WEIGHTS, replayed
 from scd_serve.codec.codebook import MANIFEST, Codebook
 from scd_serve.config.connector import ConnectorConfig
 from scd_serve.errors import ConfigError
@@ -83,8 +83,10 @@ class SCDConnector(KVConnectorBase_V1):
             model = vllm_config.model_config
             device = str(vllm_config.device_config.device)
             self.dtype = model.dtype
-            # the consumer's own weights, for what a rebuild computes (token prior, Patch, runs)
-            runtime = ModelRuntime.load(model.model, device=device, dtype=model.dtype)
+            # the consumer's own weights, for what a rebuild computes (token prior, Patch, runs): a
+            # second copy beside vLLM's; a method that computes nothing loads its shapes alone
+            runtime = ModelRuntime.load(model.model, device=device, dtype=model.dtype,
+                                        weights=self.config.method in NEEDS_CONSUMER_WEIGHTS)
             self.source = CodeSource(self.config, runtime)
             self.source.codecs.loaded_codebook()  # a codebook of other models is refused now, not per request
             said = self.source.codecs.fill_prior_table(self.config.prior_table, self.config.prior_table_budget_s)

@@ -159,3 +159,25 @@ async def test_cancel_stops_the_stream_at_once(tmp_path):
         source.close()
         await stalled.stop()
         await other.stop()
+
+
+@pytest.mark.parametrize("method", ["identity", "raw"])
+async def test_a_method_that_computes_nothing_needs_no_consumer_weights(tmp_path, method):
+    """The connector loads a consumer without its weights for such a method (no second copy
+    beside vLLM's): what it hands on is the same as with them."""
+    from scd_serve.model.runtime import ModelRuntime
+
+    rt = tiny_runtime(tmp_path / "m")
+    bare = ModelRuntime.load(tmp_path / "m", weights=False)
+    assert bare.weights is None and bare.fingerprint == rt.fingerprint
+    node = await start_prefill(rt, methods=(method,))
+    sources = [CodeSource(ConnectorConfig(prefill=(node.address,), method=method), r) for r in (rt, bare)]
+    try:
+        tokens = prompts(1, seed=7)[0][:40]
+        (full, _), (light, _) = [await asyncio.to_thread(fetch_all, s, tokens, 3) for s in sources]
+        for layer in full:
+            torch.testing.assert_close(light[layer], full[layer], atol=0, rtol=0)
+    finally:
+        for s in sources:
+            s.close()
+        await node.stop()
