@@ -37,9 +37,11 @@ from vllm.model_executor.models.utils import extract_layer_index
 from scd_serve.codec import NEEDS_CONSUMER_WEIGHTS, replayed
 from scd_serve.codec.codebook import MANIFEST, Codebook
 from scd_serve.config.connector import ConnectorConfig
+from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
 from scd_serve.errors import ConfigError
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.vllm.source import CodeSource
+from scd_serve.vllm.stats import SCDConnectorStats
 
 log = init_logger("vllm.scd_serve")  # under vLLM's logger: its handlers and format
 LOAD_THREADS = 8  # prompts loaded at once; more wait for a thread (within their deadline)
@@ -97,6 +99,9 @@ class SCDConnector(KVConnectorBase_V1):
             self._threads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="scd-load")
             self._failed_blocks: set[int] = set()
             self._loading: dict[str, tuple[Load, Future, threading.Event]] = {}  # request -> its load, its cancel
+            self._stats = SCDConnectorStats()
+            spec = runtime.spec  # what 16-bit raw K/V of one row costs, the codes' yardstick
+            self._raw_row_bytes = bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)
 
     # ---- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -171,9 +176,12 @@ class SCDConnector(KVConnectorBase_V1):
                 continue
             if exc is None:
                 got = job.result()
+                self._stats.record(rows=got.rows, code_bytes=got.payload_bytes, seconds=got.seconds,
+                                   raw_bytes=got.rows * self._raw_row_bytes)
                 log.debug("request %s: %d K/V rows from %s (%d code bytes, %.3f s)", rid, got.rows, got.prefill,
                           got.payload_bytes, got.seconds)
                 continue
+            self._stats.record(failed=True)
             log.warning("request %s: K/V load failed, vLLM recomputes it: %s", rid, getattr(exc, "message", exc))
             first, last = load.start // self.block_size, (len(load.tokens) - 1) // self.block_size
             self._failed_blocks.update(load.block_ids[first:last + 1])
@@ -196,6 +204,17 @@ class SCDConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request is scheduled only once get_finished reported it
+
+    def get_kv_connector_stats(self) -> SCDConnectorStats | None:
+        """This interval's loads (worker side), for vLLM's KV-transfer log line."""
+        if self.role != KVConnectorRole.WORKER or self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, SCDConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SCDConnectorStats:
+        return SCDConnectorStats(data=data) if data else SCDConnectorStats()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -94,3 +94,16 @@ def test_no_load_when_vllm_loads_nothing():
 def test_refused_at_start(kw, match):
     with pytest.raises(ConfigError, match=match):
         connector(**kw)
+
+
+def test_stats_add_up_and_say_the_codes_share_of_raw():
+    from scd_serve.vllm.stats import SCDConnectorStats
+
+    a, b = SCDConnectorStats(), SCDConnectorStats()
+    a.record(rows=100, code_bytes=2_000, raw_bytes=10_000, seconds=0.2)
+    b.record(rows=300, code_bytes=6_000, raw_bytes=30_000, seconds=0.4)
+    b.record(failed=True)
+    assert SCDConnectorStats().is_empty() and not a.is_empty()
+    total = SCDConnector.build_kv_connector_stats(a.aggregate(b).data)
+    assert total.reduce() == {"scd_loads": 3, "scd_failed": 1, "scd_rows": 400, "scd_code_MB": 0.008,
+                              "scd_vs_raw16": 0.2, "scd_mean_load_s": 0.3}
