@@ -38,6 +38,7 @@ from scd_serve.transport.status import from_rpc_error
 ABORT_TIMEOUT_S = 1.0
 STALL_POLL_S = 0.1
 SLOT_POLL_S = 0.05  # a busy worker's slots are checked this often
+HANDSHAKE_RETRY_S = 2.0  # a worker that failed its handshake is asked again after this long
 
 # (layer, k, v): rows start.. of one layer, k after the consumer's RoPE; [rows, kv_heads, head_dim]
 WriteLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -62,6 +63,7 @@ class _Worker:
         self.info = None  # InfoReply once compatible
         self.problem = "not handshaken yet"
         self.slots = threading.BoundedSemaphore(1)  # its max_concurrent, once handshaken
+        self.retry_at = 0.0  # time.monotonic() before which a failed handshake is not retried
 
 
 class CodeSource:
@@ -72,23 +74,22 @@ class CodeSource:
         self._next = itertools.count()  # round-robin start, so prompts spread over the workers
         self._lock = threading.Lock()
 
-    def replay_tokens(self) -> int:
-        """The codebook's replayed tail (prompt tokens vLLM computes itself), 0 without one."""
-        book = self.codecs.loaded_codebook()
-        return book.replay_tokens if book is not None and self.config.method != "identity" else 0
-
     def handshake(self, worker: _Worker) -> str:
         """'' when `worker` serves this consumer the method, else why not (kept on the worker)."""
         t = self.config.transport
+        if time.monotonic() < worker.retry_at:  # failed lately: not asked again (and waited for) per prompt
+            return worker.problem
         try:
             info = worker.stub.Info(pb.InfoRequest(), timeout=t.rpc_timeout_s, metadata=worker.metadata)
         except grpc.RpcError as exc:
-            worker.info, worker.problem = None, f"unreachable ({exc.code().name}: {exc.details()})"
-            return worker.problem
-        problems = compat_problems(info, self.rt.spec, self.config.method, self.codecs)
+            info, problems = None, [f"unreachable ({exc.code().name}: {exc.details()})"]
+        else:
+            problems = compat_problems(info, self.rt.spec, self.config.method, self.codecs)
         worker.info, worker.problem = (None, "; ".join(problems)) if problems else (info, "")
         if worker.info is not None:  # at most as many transfers in flight as it runs at once
             worker.slots = threading.BoundedSemaphore(info.max_concurrent or 1024)
+        else:
+            worker.retry_at = time.monotonic() + HANDSHAKE_RETRY_S
         return worker.problem
 
     def fetch(self, request_id: str, tokens: list[int], start: int, write: WriteLayer,

@@ -181,3 +181,33 @@ async def test_a_method_that_computes_nothing_needs_no_consumer_weights(tmp_path
         for s in sources:
             s.close()
         await node.stop()
+
+
+async def test_a_failed_handshake_is_not_retried_for_every_prompt(tmp_path):
+    """A worker that is down or incompatible is asked again only after HANDSHAKE_RETRY_S: prompts
+    in between do not each wait for it (a black-holed address would cost rpc_timeout_s each)."""
+    consumer = tiny_runtime(tmp_path / "c")
+    other = tiny_runtime(tmp_path / "o", num_hidden_layers=3)
+    wrapped = {}
+
+    def wrap(sv):
+        wrapped["sv"] = FaultyServicer(sv)
+        return wrapped["sv"]
+
+    node = PrefillWorker(other, {"identity": codec_registry.build("identity", producer=other)},
+                         PrefillConfig(model="unused", port=0), servicer_wrap=wrap)
+    await node.start()
+    source = CodeSource(ConnectorConfig(prefill=(node.address,), method="identity"), consumer)
+    infos = lambda: sum(rpc == "Info" for rpc, _ in wrapped["sv"].deadlines)  # noqa: E731
+    try:
+        for _ in range(3):
+            with pytest.raises(Unavailable, match="num_layers"):
+                await asyncio.to_thread(fetch_all, source, list(range(5, 25)), 0)
+        assert infos() == 1
+        source.workers[0].retry_at = time.monotonic() - 1  # as HANDSHAKE_RETRY_S later
+        with pytest.raises(Unavailable, match="num_layers"):
+            await asyncio.to_thread(fetch_all, source, list(range(5, 25)), 0)
+        assert infos() == 2
+    finally:
+        source.close()
+        await node.stop()
