@@ -69,6 +69,11 @@ class SCDConnector(KVConnectorBase_V1):
             raise ConfigError(f"SCDConnector serves kv_role 'kv_consumer' (got {tc.kv_role!r}): the producer "
                               f"side is an scd-serve prefill worker (`scd-serve prefill --model PRODUCER`)")
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        tp, pp = (getattr(parallel, f"{kind}_parallel_size", 1) for kind in ("tensor", "pipeline"))
+        if tp > 1 or pp > 1:  # each worker would hold a slice of the heads or layers the codes rebuild whole
+            raise ConfigError(f"SCDConnector fills a single-worker vLLM engine; this one has tensor_parallel_size "
+                              f"{tp}, pipeline_parallel_size {pp}")
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
         if len(groups) > 1:  # one block table per group: the writes below know the first only
             raise ConfigError(f"SCDConnector fills models with one KV cache group; this one has {len(groups)} "

@@ -21,14 +21,15 @@ from scd_serve.vllm.connector import SCDConnector  # noqa: E402
 BLOCK = 16
 
 
-def connector(extra=None, role="kv_consumer", groups=1, replay=None, tmp_path=None):
+def connector(extra=None, role="kv_consumer", groups=1, replay=None, tmp_path=None, tp=1, pp=1):
     extra = {"prefill": ["127.0.0.1:1"], "method": "identity", **(extra or {})}
     if replay is not None:
         (tmp_path / MANIFEST).write_text(f'{{"replay_tokens": {replay}, "plans": {{"scd": {{}}}}}}')
         extra |= {"method": "scd", "codebook": str(tmp_path)}
     config = SimpleNamespace(kv_transfer_config=KVTransferConfig(kv_connector="SCDConnector", kv_role=role,
                                                                  kv_connector_extra_config=extra),
-                             cache_config=SimpleNamespace(block_size=BLOCK))
+                             cache_config=SimpleNamespace(block_size=BLOCK),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
     return SCDConnector(config, KVConnectorRole.SCHEDULER, SimpleNamespace(kv_cache_groups=[0] * groups))
 
 
@@ -90,6 +91,8 @@ def test_no_load_when_vllm_loads_nothing():
 @pytest.mark.parametrize("kw, match", [({"role": "kv_producer"}, "serves kv_role 'kv_consumer'"),
                                        ({"role": "kv_both"}, "serves kv_role 'kv_consumer'"),
                                        ({"groups": 2}, "one KV cache group; this one has 2"),
+                                       ({"tp": 2}, "tensor_parallel_size 2, pipeline_parallel_size 1"),
+                                       ({"pp": 2}, "single-worker vLLM engine"),
                                        ({"extra": {"method": "nope"}}, "method must be one of")])
 def test_refused_at_start(kw, match):
     with pytest.raises(ConfigError, match=match):
