@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from scd_serve.config.pair import ContextPairConfig
 from scd_serve.pair.bpe import single_token_words, train_bpe
@@ -31,16 +31,8 @@ from scd_serve.pair.context_corpus import load_splits, sample_lines, stdlib_root
 from scd_serve.pair.context_task import STYLES, make_examples
 from scd_serve.pair.context_train import build_model, train_stage
 from scd_serve.pair.grow import grow
+from scd_serve.pair.train import consumer_start, save_model
 from scd_serve.quality.metrics import exact_match
-
-
-def consumer_from(producer: Qwen2ForCausalLM, rope_theta: float) -> Qwen2ForCausalLM:
-    """Same weights, new rotary base: the starting point of the expert's fine-tune."""
-    cfg = Qwen2Config.from_dict(producer.config.to_dict())
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta)}
-    consumer = Qwen2ForCausalLM(cfg)
-    consumer.load_state_dict(producer.state_dict())
-    return consumer
 
 
 def tokenizer_texts(splits, cfg: ContextPairConfig) -> list[str]:
@@ -108,12 +100,6 @@ def probe(model: Qwen2ForCausalLM, tokenizer, path: Path, n: int) -> dict:
             **{f"em_{k}": round(sum(v) / len(v), 3) for k, v in sorted(by_depth.items())}}
 
 
-def _save(model: Qwen2ForCausalLM, tokenizer, directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-
-
 def make_context_pair(cfg: ContextPairConfig, out: Path, probe_n: int = 100,
                       log: Callable[[str], None] = print) -> dict:
     torch.set_num_threads(cfg.threads)
@@ -142,11 +128,11 @@ def make_context_pair(cfg: ContextPairConfig, out: Path, probe_n: int = 100,
     if cfg.long is not None:
         report["long_train"] = train_stage(producer, cfg.long, tokenizer, splits[cfg.long.split], pool,
                                            cfg.seed + 3, log=log)
-    _save(producer, tokenizer, out / "producer")
-    consumer = consumer_from(producer, cfg.consumer_rope_theta)
+    save_model(producer, tokenizer, out / "producer")
+    consumer = consumer_start(producer, cfg.consumer_rope_theta)
     report["consumer_train"] = train_stage(consumer, cfg.consumer, tokenizer, splits[cfg.consumer.split], pool,
                                            cfg.seed + 2, log=log)
-    _save(consumer, tokenizer, out / "consumer")
+    save_model(consumer, tokenizer, out / "consumer")
     report["train_seconds"] = round(time.time() - start, 1)
     if probe_n:
         report["probe_consumer_heldout"] = probe(consumer, tokenizer, out / "eval" / "heldout.jsonl", probe_n)

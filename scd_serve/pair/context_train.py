@@ -21,7 +21,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from scd_serve.config.pair import ContextPairConfig, ContextStageConfig
 from scd_serve.pair.context_corpus import SourceFile
 from scd_serve.pair.context_task import STYLES, answer_token_mask, block_document, build_doc, sample_doc
-from scd_serve.pair.train import lr_at, make_optimizer
+from scd_serve.pair.train import lr_at, make_optimizer, optimizer_step
 
 Tensor = torch.Tensor
 
@@ -161,13 +161,8 @@ def train_stage(model: Qwen2ForCausalLM, stage: ContextStageConfig, tokenizer, f
     hits, counts = [0] * 8, [0] * 8  # answer tokens right / seen per depth, since the last log line
     acc_by_depth: dict[int, float] = {}
     for step, (input_ids, labels, weights, depth) in enumerate(batches(stage, tokenizer, files, pool, rng)):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(stage, step)
         loss, right, depths = sparse_loss(model, input_ids, labels, weights, depth)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, model.parameters(), loss, lr_at(stage.lr, stage.warmup, stage.steps, step))
         running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
         for d, r in zip(depths.tolist(), right.tolist()):
             hits[d] += r

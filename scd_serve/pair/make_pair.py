@@ -21,14 +21,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from scd_serve.config.pair import ContextPairConfig, PairConfig
 from scd_serve.errors import ConfigError
 from scd_serve.pair.grow import grow
 from scd_serve.pair.greedy_probe import probe
 from scd_serve.pair.tokenizer import train_tokenizer
-from scd_serve.pair.train import build_model, train_stage
+from scd_serve.pair.train import build_model, consumer_start, save_model, train_stage
 
 
 RECIPES = {"demo": "models/demo-pair", "context": "models/context-pair", "text": "out/text-pair"}  # -> default --out
@@ -49,21 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shrunk", action="store_true", help="seconds-long tiny config (tests)")
 
 
-def consumer_from(producer: LlamaForCausalLM, rope_theta: float) -> LlamaForCausalLM:
-    """Same weights, new rotary base: the starting point of the expert's fine-tune."""
-    cfg = LlamaConfig.from_dict(producer.config.to_dict())
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta)}
-    consumer = LlamaForCausalLM(cfg)
-    consumer.load_state_dict(producer.state_dict())
-    return consumer
-
-
-def _save(model: LlamaForCausalLM, tokenizer, directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-
-
 def make_pair(cfg: PairConfig, out: Path, probe_n: int = 100, log=print) -> dict:
     torch.set_num_threads(cfg.threads)
     start = time.time()
@@ -78,10 +62,10 @@ def make_pair(cfg: PairConfig, out: Path, probe_n: int = 100, log=print) -> dict
         producer = build_model(cfg, len(tokenizer), tokenizer)
     report["params"] = sum(p.numel() for p in producer.parameters())
     report["producer_train"] = train_stage(producer, cfg.producer, tokenizer, cfg.seed + 1, log=log)
-    _save(producer, tokenizer, out / "producer")
-    consumer = consumer_from(producer, cfg.consumer_rope_theta)
+    save_model(producer, tokenizer, out / "producer")
+    consumer = consumer_start(producer, cfg.consumer_rope_theta)
     report["consumer_train"] = train_stage(consumer, cfg.consumer, tokenizer, cfg.seed + 2, log=log)
-    _save(consumer, tokenizer, out / "consumer")
+    save_model(consumer, tokenizer, out / "consumer")
     report["train_seconds"] = round(time.time() - start, 1)
     if probe_n:
         report["probe_consumer_heldout"] = probe(consumer, tokenizer, "heldout", probe_n, "expert")
@@ -94,36 +78,22 @@ def make_pair(cfg: PairConfig, out: Path, probe_n: int = 100, log=print) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
-    args.out = args.out or RECIPES[args.recipe]
-    if args.recipe in ("context", "text"):
-        return run_context(args)
-    cfg = PairConfig(seed=args.seed)
-    if args.shrunk:
-        cfg = cfg.shrunk()
-    if args.shallow_steps:
-        cfg = replace(cfg, shallow=replace(cfg.shallow, steps=args.shallow_steps))
-    if args.producer_steps:
-        cfg = replace(cfg, producer=replace(cfg.producer, steps=args.producer_steps))
-    if args.consumer_steps:
-        cfg = replace(cfg, consumer=replace(cfg.consumer, steps=args.consumer_steps))
-    report = make_pair(cfg, Path(args.out), probe_n=args.probe,
-                       log=lambda line: print(line, flush=True))
-    print(f"wrote {args.out}/producer and {args.out}/consumer in {report['total_seconds']:.0f}s")
-    return 0
-
-
-def run_context(args: argparse.Namespace) -> int:
     from scd_serve.pair.context_recipe import make_context_pair
 
-    if args.shallow_steps:
+    args.out = args.out or RECIPES[args.recipe]
+    context = args.recipe in ("context", "text")
+    if context and args.shallow_steps:
         raise ConfigError("--shallow-steps belongs to the demo recipe; the context recipe has no shallow stage")
-    cfg = ContextPairConfig.text(args.seed) if args.recipe == "text" else ContextPairConfig(seed=args.seed)
+    cfg = (ContextPairConfig.text(args.seed) if args.recipe == "text" else ContextPairConfig(seed=args.seed)) \
+        if context else PairConfig(seed=args.seed)
     if args.shrunk:
         cfg = cfg.shrunk()
-    if args.producer_steps:
-        cfg = replace(cfg, producer=replace(cfg.producer, steps=args.producer_steps))
-    if args.consumer_steps:
-        cfg = replace(cfg, consumer=replace(cfg.consumer, steps=args.consumer_steps))
-    report = make_context_pair(cfg, Path(args.out), probe_n=args.probe, log=lambda line: print(line, flush=True))
-    print(f"wrote {args.out}/producer, {args.out}/consumer and {args.out}/eval in {report['total_seconds']:.0f}s")
+    for stage in ("shallow", "producer", "consumer"):
+        if steps := getattr(args, f"{stage}_steps"):
+            cfg = replace(cfg, **{stage: replace(getattr(cfg, stage), steps=steps)})
+    make = make_context_pair if context else make_pair
+    report = make(cfg, Path(args.out), probe_n=args.probe, log=lambda line: print(line, flush=True))
+    made = f"{args.out}/producer, {args.out}/consumer and {args.out}/eval" if context else \
+        f"{args.out}/producer and {args.out}/consumer"
+    print(f"wrote {made} in {report['total_seconds']:.0f}s")
     return 0

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import random
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from scd_serve.config.pair import PairConfig, StageConfig
 from scd_serve.corpus.qa import STYLES, make_copy_document, make_document
@@ -89,12 +90,39 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
                              lr=lr, betas=(0.9, 0.98), eps=1e-8)
 
 
-def lr_at(stage, step: int) -> float:
-    """A stage's learning rate at `step` (it has lr, warmup, steps): linear warmup, cosine down to 10%."""
-    if step < stage.warmup:
-        return stage.lr * (step + 1) / stage.warmup
-    t = (step - stage.warmup) / max(1, stage.steps - stage.warmup)
-    return stage.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+def lr_at(lr: float, warmup: int, steps: int, step: int) -> float:
+    """The learning rate at `step`: linear warmup, then cosine down to a tenth."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def optimizer_step(opt: torch.optim.Optimizer, params, loss: torch.Tensor, lr: float) -> None:
+    """One update at `lr`, gradients clipped to norm 1."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
+def consumer_start(producer: PreTrainedModel, rope_theta: float | None) -> PreTrainedModel:
+    """The producer's weights under the consumer's config (a new rotary base where asked): the
+    starting point of the expert's fine-tune."""
+    cfg = type(producer.config).from_dict(producer.config.to_dict())
+    if rope_theta is not None:
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta)}
+    consumer = type(producer)(cfg)
+    consumer.load_state_dict(producer.state_dict())
+    return consumer
+
+
+def save_model(model: PreTrainedModel, tokenizer, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
 
 
 def train_stage(model: LlamaForCausalLM, stage: StageConfig, tokenizer, seed: int,
@@ -107,13 +135,8 @@ def train_stage(model: LlamaForCausalLM, stage: StageConfig, tokenizer, seed: in
     model.train()
     start, running, acc = time.time(), None, None
     for step, (input_ids, weights) in enumerate(batches(stage, tokenizer, rng)):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(stage, step)
         loss, accuracy = weighted_loss(model, input_ids, weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, model.parameters(), loss, lr_at(stage.lr, stage.warmup, stage.steps, step))
         running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
         acc = accuracy if acc is None else 0.9 * acc + 0.1 * accuracy
         if log_every and (step + 1) % log_every == 0:

@@ -31,8 +31,8 @@ from scd_serve.config.zoo import ZooConfig, ZooPairConfig, ZooProducerConfig
 from scd_serve.errors import ConfigError
 from scd_serve.pair import zoo_corpus as corpus
 from scd_serve.pair.bpe import train_bpe
-from scd_serve.pair.zoo_train import (build_producer, consumer_start, instruct_batches, lm_batches, token_stream,
-                                      train, with_lora)
+from scd_serve.pair.train import consumer_start, save_model
+from scd_serve.pair.zoo_train import build_producer, instruct_batches, lm_batches, token_stream, train, with_lora
 
 DONE = "zoo.json"
 
@@ -100,9 +100,7 @@ def eval_records(cfg: ZooConfig, pair: ZooPairConfig, tokenizer, split: str, n: 
 
 
 def _save(model, tokenizer, directory: Path, info: dict) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
+    save_model(model, tokenizer, directory)
     (directory / DONE).write_text(json.dumps(info, indent=1) + "\n")
 
 

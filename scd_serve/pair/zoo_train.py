@@ -9,7 +9,6 @@ bring are made; the adapter itself is saved too.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from typing import Callable, Iterator
@@ -18,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, PreTrainedModel
 
 from scd_serve.config.zoo import ZooConfig, ZooPairConfig, ZooProducerConfig
-from scd_serve.pair.train import make_optimizer
+from scd_serve.pair.train import lr_at, make_optimizer, optimizer_step
 
 Tensor = torch.Tensor
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -33,16 +32,6 @@ def build_producer(p: ZooProducerConfig, zoo: ZooConfig, tokenizer) -> PreTraine
     if p.family == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(rms_norm_eps=1e-6, use_sliding_window=False, **common))
     return LlamaForCausalLM(LlamaConfig(rms_norm_eps=1e-5, **common))
-
-
-def consumer_start(producer: PreTrainedModel, rope_theta: float | None) -> PreTrainedModel:
-    """The producer's weights under the consumer's config (a new rotary base where asked)."""
-    cfg = type(producer.config).from_dict(producer.config.to_dict())
-    if rope_theta is not None:
-        cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta)}
-    consumer = type(producer)(cfg)
-    consumer.load_state_dict(producer.state_dict())
-    return consumer
 
 
 def token_stream(tokenizer, texts: list[str]) -> Tensor:
@@ -98,14 +87,6 @@ def weighted_loss(model: PreTrainedModel, ids: Tensor, weights: Tensor) -> Tenso
     return (nll * w).sum() / w.sum().clamp_min(1.0)
 
 
-def lr_at(lr: float, warmup: int, steps: int, step: int) -> float:
-    """Linear warmup, then cosine down to a tenth."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def train(model: torch.nn.Module, batches: Iterator[tuple[Tensor, Tensor]], steps: int, lr: float, warmup: int,
           name: str, log: Callable[[str], None] = print, log_every: int = 100) -> dict:
     """Trains in place; -> {"steps", "seconds", "final_loss"}."""
@@ -115,13 +96,8 @@ def train(model: torch.nn.Module, batches: Iterator[tuple[Tensor, Tensor]], step
     model.train()
     start, running = time.time(), None
     for step, (ids, weights) in enumerate(batches):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(lr, warmup, steps, step)
         loss = weighted_loss(model, ids, weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, params, loss, lr_at(lr, warmup, steps, step))
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if log_every and ((step + 1) % log_every == 0 or step + 1 == steps):
             log(f"[{name}] step {step + 1}/{steps} loss {running:.3f} {time.time() - start:.0f}s")
