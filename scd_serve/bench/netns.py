@@ -39,6 +39,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=check)
 
 
+def _no_slow_start(ns: str) -> None:
+    """A kept-alive channel must not fall back to slow start between requests."""
+    subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
+                   capture_output=True, timeout=10)
+
+
 class NetnsLink:
     """Producer namespace `<tag>p` (addr .1) <-veth-> consumer namespace `<tag>c` (addr .2)."""
 
@@ -62,30 +68,31 @@ class NetnsLink:
             return "network namespaces need root"
         return None
 
-    def up(self) -> "NetnsLink":
+    def up(self):
         reason = self.available()
         if reason:
             raise Unavailable(f"cannot create network namespaces: {reason}")
         atexit.register(self.down)
         self._up = True
         try:
-            a, b = self._veth
-            _ip("netns", "add", self.producer_ns)
-            _ip("netns", "add", self.consumer_ns)
-            _ip("link", "add", a, "type", "veth", "peer", "name", b)
-            for ns, dev, host in ((self.producer_ns, a, self.producer_host), (self.consumer_ns, b, self.consumer_host)):
-                _ip("link", "set", dev, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{host}/24", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-                # a kept-alive channel must not fall back to slow start between requests
-                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
-                               capture_output=True, timeout=10)
+            self._plumb(*self._veth)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             err = getattr(exc, "stderr", "") or str(exc)
             self.down()
             raise Unavailable(f"cannot create network namespaces: {err.strip()}") from exc
         return self
+
+    def _plumb(self, a: str, b: str) -> None:
+        """Both namespaces, the veth a <-> b between them, addresses, links up."""
+        _ip("netns", "add", self.producer_ns)
+        _ip("netns", "add", self.consumer_ns)
+        _ip("link", "add", a, "type", "veth", "peer", "name", b)
+        for ns, dev, host in ((self.producer_ns, a, self.producer_host), (self.consumer_ns, b, self.consumer_host)):
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{host}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _no_slow_start(ns)
 
     def _ends(self) -> list[tuple[list[str], str]]:
         """(tc command prefix, device) of each end of the veth."""
@@ -158,29 +165,17 @@ class HostLink(NetnsLink):
         self.producer_host, self.consumer_host = f"10.214.{n}.1", f"10.214.{n}.2"
         self._veth = (f"hp{os.getpid()}"[:15], f"hc{os.getpid()}"[:15])
 
-    def up(self) -> "HostLink":
-        reason = self.available()
-        if reason:
-            raise Unavailable(f"cannot create network namespaces: {reason}")
-        atexit.register(self.down)
-        self._up = True
-        a, b = self._veth
-        try:
-            _ip("netns", "add", self.producer_ns)
-            _ip("link", "add", a, "type", "veth", "peer", "name", b)
-            _ip("link", "set", a, "netns", self.producer_ns)
-            _ip("-n", self.producer_ns, "addr", "add", f"{self.producer_host}/24", "dev", a)
-            _ip("-n", self.producer_ns, "link", "set", a, "up")
-            _ip("-n", self.producer_ns, "link", "set", "lo", "up")
-            _ip("addr", "add", f"{self.consumer_host}/24", "dev", b)
-            _ip("link", "set", b, "up")
-            subprocess.run(["ip", "netns", "exec", self.producer_ns, "sysctl", "-qw",
-                            "net.ipv4.tcp_slow_start_after_idle=0"], capture_output=True, timeout=10)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-            err = getattr(exc, "stderr", "") or str(exc)
-            self.down()
-            raise Unavailable(f"cannot create network namespaces: {err.strip()}") from exc
-        return self
+    def _plumb(self, a: str, b: str) -> None:
+        """The producer's namespace, the veth a (there) <-> b (here), addresses, links up."""
+        _ip("netns", "add", self.producer_ns)
+        _ip("link", "add", a, "type", "veth", "peer", "name", b)
+        _ip("link", "set", a, "netns", self.producer_ns)
+        _ip("-n", self.producer_ns, "addr", "add", f"{self.producer_host}/24", "dev", a)
+        _ip("-n", self.producer_ns, "link", "set", a, "up")
+        _ip("-n", self.producer_ns, "link", "set", "lo", "up")
+        _ip("addr", "add", f"{self.consumer_host}/24", "dev", b)
+        _ip("link", "set", b, "up")
+        _no_slow_start(self.producer_ns)
 
     def _ends(self) -> list[tuple[list[str], str]]:
         return [(["tc", "-n", self.producer_ns], self._veth[0]), (["tc"], self._veth[1])]
