@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -315,18 +315,10 @@ def run(args: argparse.Namespace) -> int:
     from scd_serve.model import ModelRuntime
     from scd_serve.corpus.qa import SPLITS
 
-    cfg = CalibrateConfig(kl_budget=args.kl_budget, min_top1=args.min_top1, num_prompts=args.num_prompts,
-                          num_probe_prompts=args.probe_prompts, num_report_prompts=args.report_prompts,
-                          max_rows=args.max_rows,
-                          max_patches=args.max_patches, max_payload=args.max_payload,
-                          aligner_steps=args.aligner_steps,
-                          run_layers=None if args.run_layers is None else tuple(args.run_layers),
-                          max_rebuild=args.max_rebuild, rebuild_cost=args.rebuild_cost, replay=tuple(args.replay),
-                          distill_steps=args.distill_steps, distill_lr=args.distill_lr, seed=args.seed,
-                          prior=args.prior, prior_taps=args.prior_taps, prior_width=args.prior_width,
-                          prior_states=args.prior_states, prior_state_layers=args.prior_state_layers,
-                          prior_frequent=args.prior_frequent,
-                          prior_rank=args.prior_rank, prior_ridge=args.prior_ridge)
+    flags = {f.name: getattr(args, f.name) for f in fields(CalibrateConfig) if hasattr(args, f.name)}
+    cfg = CalibrateConfig(**flags | dict(num_probe_prompts=args.probe_prompts, num_report_prompts=args.report_prompts,
+                                         run_layers=None if args.run_layers is None else tuple(args.run_layers),
+                                         replay=tuple(args.replay)))
     if args.greedy_tokens < 1:
         raise ConfigError(f"--greedy-tokens must be >= 1, got {args.greedy_tokens}", field="greedy_tokens")
     # nothing is loaded before the memory estimate and the data file are checked
