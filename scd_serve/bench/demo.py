@@ -26,7 +26,7 @@ from scd_serve.bench import procs
 from scd_serve.bench.demo_table import render, summarize, write_png
 from scd_serve.bench.loadgen import stream_completion
 from scd_serve.bench.netns import HostLink
-from scd_serve.bench.tbproxy import ProxyLink
+from scd_serve.bench.ttft import open_link
 from scd_serve.config.control import SECRET_ENV
 from scd_serve.errors import ConfigError, DeadlineExceeded, Unavailable
 from scd_serve.planner.units import fmt_bandwidth, parse_bandwidth
@@ -59,17 +59,6 @@ def load_prompts(path: Path, n: int) -> list[dict]:
                 row = json.loads(line)
                 rows.append({"id": row["id"], "prompt": row["prompt"], "answer": row["answer"]})
     return rows
-
-
-def open_link(no_netns: bool):
-    """HostLink where namespaces can be made, else the labelled proxy -> (link, why not netns or None)."""
-    reason = "--no-netns given" if no_netns else HostLink.available()
-    if reason is None:
-        try:
-            return HostLink().up(), None
-        except Unavailable as exc:
-            reason = exc.message
-    return ProxyLink(reason).up(), reason
 
 
 class Cluster:
@@ -174,7 +163,8 @@ def run(args) -> int:
     rate = parse_bandwidth(args.rate)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    link, why_not = open_link(args.no_netns)
+    link = open_link(args.no_netns, HostLink, warn=False)  # only the producer in a namespace
+    why_not = getattr(link, "reason", None)
     cluster = None
     try:
         link.set_rate(rate)

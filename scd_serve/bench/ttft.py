@@ -76,17 +76,18 @@ class ProbeProcess:
         procs.stop(self.proc)
 
 
-def open_link(force_fallback: bool = False):
-    """An entered link (NetnsLink, kernel namespaces, when possible; else the labelled userspace
-    fallback, ProxyLink); the caller must call .down()."""
-    reason = "--no-netns given" if force_fallback else NetnsLink.available()
+def open_link(force_fallback: bool = False, kind=NetnsLink, warn: bool = True):
+    """An entered link (`kind`, kernel namespaces, when possible; else the labelled userspace
+    fallback, ProxyLink, whose .reason says why); the caller must call .down()."""
+    reason = "--no-netns given" if force_fallback else kind.available()
     if reason is None:
         try:
-            return NetnsLink().up()
+            return kind().up()
         except Unavailable as exc:
             reason = exc.message
-    print(f"bench: network namespaces unavailable ({reason}); using the in-process "
-          f"userspace token-bucket proxy instead - results are labelled as such", file=sys.stderr)
+    if warn:
+        print(f"bench: network namespaces unavailable ({reason}); using the in-process "
+              f"userspace token-bucket proxy instead - results are labelled as such", file=sys.stderr)
     return ProxyLink(reason).up()
 
 
