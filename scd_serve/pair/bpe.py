@@ -43,3 +43,15 @@ def single_token_words(tokenizer: PreTrainedTokenizerFast, min_len: int = 3, max
             if min_len <= len(token) - 1 <= max_len:
                 out.append(token[1:])
     return out
+
+
+def spread(texts: list[str], num_chars: int, parts: int) -> list[str]:
+    """About `num_chars` characters for a tokenizer, taken from every len/parts-th text: spread
+    over modules or units, not the first few."""
+    out, size = [], 0
+    for text in texts[:: max(1, len(texts) // parts)]:
+        out.append(text[: num_chars - size])
+        size += len(out[-1])
+        if size >= num_chars:
+            break
+    return out

@@ -87,7 +87,11 @@ def sample_lines(rng: random.Random, files: tuple[SourceFile, ...], num_chars: i
     weights = [len(f.text) for f in files]
     f = rng.choices(files, weights=weights)[0]
     lines = f.text.splitlines()
-    start = rng.randrange(len(lines))
+    return line_run(lines, rng.randrange(len(lines)), num_chars)
+
+
+def line_run(lines: list[str], start: int, num_chars: int) -> list[str]:
+    """Consecutive lines from `start` (right-stripped) until about `num_chars` characters."""
     out, size = [], 0
     for line in lines[start:]:
         out.append(line.rstrip())

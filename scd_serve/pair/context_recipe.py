@@ -26,7 +26,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from scd_serve.config.pair import ContextPairConfig
-from scd_serve.pair.bpe import single_token_words, train_bpe
+from scd_serve.pair.bpe import single_token_words, spread, train_bpe
 from scd_serve.pair.context_corpus import load_splits, sample_lines, stdlib_root, training_text
 from scd_serve.pair.context_task import STYLES, make_examples
 from scd_serve.pair.context_train import build_model, train_stage
@@ -37,15 +37,7 @@ from scd_serve.quality.metrics import exact_match
 
 def tokenizer_texts(splits, cfg: ContextPairConfig) -> list[str]:
     texts = training_text(splits, ("base", "expert"))
-    if not cfg.tokenizer_chars:
-        return texts
-    out, size = [], 0
-    for text in texts[:: max(1, len(texts) // 64)]:  # spread over modules, not the first few
-        out.append(text[: cfg.tokenizer_chars - size])
-        size += len(out[-1])
-        if size >= cfg.tokenizer_chars:
-            break
-    return out
+    return spread(texts, cfg.tokenizer_chars, 64) if cfg.tokenizer_chars else texts
 
 
 def write_eval_files(cfg: ContextPairConfig, splits, tokenizer, pool: list[str], directory: Path) -> dict:

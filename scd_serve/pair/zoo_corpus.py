@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scd_serve.errors import ConfigError
-from scd_serve.pair.context_corpus import _all_files, deal_in_order, stdlib_root
+from scd_serve.pair.context_corpus import _all_files, deal_in_order, line_run, stdlib_root
 
 SHARES = {"train": 0.8, "calibration": 0.1, "heldout": 0.1}
 # installed with scd-serve's own dependencies (the test extra), so every machine with the same
@@ -161,14 +161,7 @@ def excerpt(rng: random.Random, docs: tuple[Document, ...], num_chars: int) -> t
     """About `num_chars` characters of consecutive lines of one document (drawn by its size)."""
     doc = rng.choices(docs, weights=[len(d.text) for d in docs])[0]
     lines = doc.text.splitlines()
-    start = rng.randrange(max(1, len(lines)))
-    out, size = [], 0
-    for line in lines[start:]:
-        out.append(line.rstrip())
-        size += len(line) + 1
-        if size >= num_chars:
-            break
-    return doc, "\n".join(out)
+    return doc, "\n".join(line_run(lines, rng.randrange(max(1, len(lines))), num_chars))
 
 
 INSTRUCTION = "### Instruction:\nWrite the docstring of this function.\n\n```python\n{code}\n```\n\n### Response:\n"

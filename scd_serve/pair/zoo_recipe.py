@@ -30,7 +30,7 @@ import torch
 from scd_serve.config.zoo import ZooConfig, ZooPairConfig, ZooProducerConfig
 from scd_serve.errors import ConfigError
 from scd_serve.pair import zoo_corpus as corpus
-from scd_serve.pair.bpe import train_bpe
+from scd_serve.pair.bpe import spread, train_bpe
 from scd_serve.pair.train import consumer_start, save_model
 from scd_serve.pair.zoo_train import build_producer, instruct_batches, lm_batches, token_stream, train, with_lora
 
@@ -45,12 +45,8 @@ def _tokenizer(cfg: ZooConfig, out: Path, log):
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     texts = []
     for domain in ("stdlib", "code", "docs"):
-        docs, size = corpus.splits(domain, cfg.seed, cfg.package_chars)["train"], 0
-        for d in docs[:: max(1, len(docs) // 256)]:  # spread over units, not the first few
-            texts.append(d.text[: cfg.tokenizer_chars - size])
-            size += len(texts[-1])
-            if size >= cfg.tokenizer_chars:
-                break
+        texts += spread([d.text for d in corpus.splits(domain, cfg.seed, cfg.package_chars)["train"]],
+                        cfg.tokenizer_chars, 256)
     tok = train_bpe(texts, cfg.vocab_size)
     tok.save_pretrained(str(path))
     log(f"tokenizer: {len(tok)} tokens from {sum(map(len, texts)):,} characters")
