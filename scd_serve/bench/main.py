@@ -16,10 +16,20 @@ DEMO = "models/demo-pair"
 ALL_METHODS = ("oracle", *(m for m in TRANSFER_METHODS if m != "identity"), AUTO)
 
 
+def _common(p, *, seed: bool = True, start_timeout: float = 300.0, request_timeout: float | None = 300.0) -> None:
+    """What the benchmarks share: --json, --seed, their start and request deadlines."""
+    p.add_argument("--json", required=True, help="write the results here")
+    if seed:
+        p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=start_timeout)
+    if request_timeout is not None:
+        p.add_argument("--request-timeout", type=float, default=request_timeout)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     t = sub.add_parser("ttft", help="TTFT per method over a shaped link (netns + veth + tc tbf)")
-    t.add_argument("--json", required=True, help="write the results here")
+    _common(t, request_timeout=None)
     t.add_argument("--plot", help="PNG: TTFT vs bandwidth; the Pareto plot goes next to it (*.pareto.png)")
     t.add_argument("--bandwidths", nargs="+", help="link rates, e.g. 100mbit 1gbit (default: chosen from the "
                                                    "oracle's measured TTFT so raw KV goes from negligible to dominant)")
@@ -51,13 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decode worker's --auto-stale-s (default: its own, 30 s)")
     t.add_argument("--no-netns", action="store_true", help="use the userspace token-bucket proxy")
     t.add_argument("--quick", action="store_true", help="tiny setting: one length, one rep, two bandwidths")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--start-timeout", type=float, default=300.0)
     t.add_argument("--point-timeout", type=float, default=1800.0)
 
     c = sub.add_parser("chat", help="multi-turn chats over a shared system prompt, and agent chains with --expert: "
                                      "TTFT, bytes and cached share per turn, the decode workers' prefix cache on and off")
-    c.add_argument("--json", required=True, help="write the results here")
+    _common(c)
     c.add_argument("--bandwidth", default="100mbit", help="the link's rate between prefill and decode")
     c.add_argument("--methods", nargs="+", default=["scd", "local"], help="scd_method of the requests")
     c.add_argument("--chats", type=int, default=3, help="conversations per method and cache setting")
@@ -73,13 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "codebook methods): agent chains alternate it with --consumer, each reading the other's answers")
     c.add_argument("--resend-chunk-bytes", type=int, default=0, help=argparse.SUPPRESS)
     c.add_argument("--no-netns", action="store_true", help="use the userspace token-bucket proxy")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--start-timeout", type=float, default=300.0)
-    c.add_argument("--request-timeout", type=float, default=300.0)
 
     g = sub.add_parser("structured", help="tokens/s with half the streams grammar-constrained (json_schema) "
                                           "vs none, on one decode worker")
-    g.add_argument("--json", required=True)
+    _common(g, request_timeout=600.0)
     g.add_argument("--consumer", default="models/context-pair/consumer",
                    help="a model whose vocabulary can write JSON (the demo pair's word-level one cannot)")
     g.add_argument("--streams", type=int, default=16)
@@ -90,13 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the worker's --json-whitespace (the small pair pads JSON with the most it may)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--start-timeout", type=float, default=300.0)
-    g.add_argument("--request-timeout", type=float, default=600.0)
 
     v = sub.add_parser("peer", help="vLLM, the decode worker alone and the P/D pair on the same model, dtype, cores "
                                     "and requests: throughput, time per token and TTFT, with ratios")
-    v.add_argument("--json", required=True, help="write the results here")
+    _common(v, seed=False, start_timeout=900.0, request_timeout=600.0)
     v.add_argument("--model", default="out/shaped/consumer", help="a model directory both engines load")
     v.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     v.add_argument("--targets", nargs="+", default=["vllm", "scd", "pd"], choices=["vllm", "scd", "pd"],
@@ -110,11 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--ttft-requests", type=int, default=5, help="requests per length, one after another")
     v.add_argument("--scd-arg", dest="scd_args", action="append", default=[],
                    help="another flag for the decode worker (repeatable), e.g. --scd-arg=--max-num-batched-tokens=2048")
-    v.add_argument("--start-timeout", type=float, default=900.0)
-    v.add_argument("--request-timeout", type=float, default=600.0)
 
     s = sub.add_parser("serve", help="open-loop Poisson load: engine (continuous batching) vs sequential generate")
-    s.add_argument("--json", required=True)
+    _common(s)
     s.add_argument("--consumer", default=f"{DEMO}/consumer")
     s.add_argument("--method", default="local", help="scd_method of every request ('local' = no transfer)")
     s.add_argument("--device", default="cpu", help="every target's device: cpu or cuda[:N]")
@@ -139,9 +139,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024], metavar=("LO", "HI"))
     s.add_argument("--output-range", type=int, nargs=2, default=[16, 256], metavar=("LO", "HI"))
     s.add_argument("--quick", action="store_true", help="tiny setting: one rate, few requests, 2 streams")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--start-timeout", type=float, default=300.0)
-    s.add_argument("--request-timeout", type=float, default=300.0)
 
 
 def run(args: argparse.Namespace) -> int:
