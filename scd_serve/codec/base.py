@@ -68,7 +68,11 @@ def wants_residuals(codec: Any, num_layers: int) -> bool:
 def transferred(codec: Any, num_tokens: int) -> int:
     """Of `num_tokens` handed-off prompt tokens (T-1), how many the transfer carries: all but
     the codec's replayed tail, at least one (0 for an empty handoff)."""
-    replay = int(getattr(codec, "replay_tokens", 0) or 0)
+    return carried(num_tokens, int(getattr(codec, "replay_tokens", 0) or 0))
+
+
+def carried(num_tokens: int, replay: int) -> int:
+    """transferred() with the replayed tail given (a vLLM scheduler reads it from the manifest)."""
     return max(1, num_tokens - replay) if num_tokens else 0
 
 

@@ -27,7 +27,7 @@ from scd_serve.codec.base import transferred
 from scd_serve.codec.rebuild import begin, checked_layer, decodes_from
 from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.job import TransferJob
-from scd_serve.decode.receive import Received
+from scd_serve.decode.receive import Received, check_header
 from scd_serve.decode.shared import SharedTransfers
 from scd_serve.decode.transfer import handoff
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
@@ -231,12 +231,12 @@ class RemoteKVFill:
         for hook in self.codec_hooks:
             rebuild = hook(rebuild, rid)
 
-        def check_header(header) -> None:
-            self._check_header(header, peer, codec)
+        def check(header) -> None:
+            check_header(header, peer, codec)
             self._check_cold(header, peer, req.transfer)
 
         verifier = StreamVerifier(rid, req.method, len(tokens) - ship_from, self.rt.spec.num_layers,
-                                  check_header=check_header)
+                                  check_header=check)
         job = TransferJob(peer, request, deadline)
         self._jobs.add(job)
         self.num_inflight += 1
@@ -303,14 +303,6 @@ class RemoteKVFill:
                 if job.reading and time.monotonic() - job.last_message >= stall_s:
                     raise TransferTimedOut(f"prefill worker {job.peer.address} sent nothing for {stall_s:g} s "
                                            f"(stall_timeout_s): given up as hung") from None
-
-    def _check_header(self, header, peer, codec) -> None:
-        if header.producer_fingerprint != peer.info.producer_fingerprint:
-            raise IncompatiblePeer(f"prefill {peer.address} now runs producer {header.producer_fingerprint}, "
-                                   f"handshake said {peer.info.producer_fingerprint}")
-        if header.codec_version != codec.version:
-            raise IncompatiblePeer(f"prefill {peer.address} sent codec_version {header.codec_version}, "
-                                   f"this worker decodes {codec.version}")
 
     def _check_cold(self, header, peer, transfer) -> None:
         """The prefill side says early whether it holds the codes: stop a cold transfer the

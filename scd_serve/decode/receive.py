@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from scd_serve.errors import TransferCorrupt
+from scd_serve.errors import IncompatiblePeer, TransferCorrupt
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.tensors import decode_code
 
@@ -29,6 +29,17 @@ class Received:
     cache_hit: bool = False  # the producer served its code cache
     first_chunk_bytes: int = 0  # code bytes of the first chunk (the rest crossed between first and last)
     wait_s: float = 0.0  # time the reader waited for messages after the first chunk (the link's share)
+
+
+def check_header(header, peer, codec) -> None:
+    """A stream's header against the handshake (peer.info) and the codec decoding it: the worker
+    may have been restarted with another producer or codec since."""
+    if header.producer_fingerprint != peer.info.producer_fingerprint:
+        raise IncompatiblePeer(f"prefill {peer.address} now runs producer {header.producer_fingerprint}, "
+                               f"handshake said {peer.info.producer_fingerprint}")
+    if header.codec_version != codec.version:
+        raise IncompatiblePeer(f"prefill {peer.address} sent codec_version {header.codec_version}, "
+                               f"this side decodes {codec.version}")
 
 
 def rebuild_chunk(chunk, rebuild_layer: Callable[[int, dict], None]) -> None:

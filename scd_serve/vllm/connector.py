@@ -35,6 +35,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
 from scd_serve.codec import NEEDS_CONSUMER_WEIGHTS, replayed
+from scd_serve.codec.base import carried
 from scd_serve.codec.codebook import MANIFEST, Codebook
 from scd_serve.config.connector import ConnectorConfig
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
@@ -116,12 +117,12 @@ class SCDConnector(KVConnectorBase_V1):
             return 0, False
         if request.request_id in self._claimed:  # asked again after a failed load (or a preemption):
             return 0, False  # vLLM computes it itself, no second transfer
-        handoff = len(prompt) - 1  # the last prompt token is always computed: it gives the first logits
-        carried = max(1, handoff - self.replay)  # as codec.base.transferred
-        if carried <= num_computed_tokens:
+        # every prompt token but the last (it gives the first logits), less the replayed tail
+        claim = carried(len(prompt) - 1, self.replay)
+        if claim <= num_computed_tokens:
             return 0, False
         self._local[request.request_id] = num_computed_tokens
-        return carried - num_computed_tokens, True
+        return claim - num_computed_tokens, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         start = self._local.pop(request.request_id, None)

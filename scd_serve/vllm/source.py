@@ -25,7 +25,7 @@ from scd_serve.codec.rebuild import begin, checked_layer, decodes_from
 from scd_serve.config.connector import ConnectorConfig
 from scd_serve.decode.consumer_codecs import ConsumerCodecs
 from scd_serve.decode.peers import compat_problems
-from scd_serve.decode.receive import drain, receive
+from scd_serve.decode.receive import check_header, drain, receive
 from scd_serve.errors import IncompatiblePeer, Overloaded, ScdError, TransferFailed, TransferTimedOut, Unavailable
 from scd_serve.transport.channel import make_stream_channel
 from scd_serve.transport.chunking import StreamVerifier
@@ -152,15 +152,8 @@ class CodeSource:
             k_pre, v = checked_layer(rebuild, layer, code, skip)
             write(layer, self.rt.rotate_keys(k_pre, positions), v)
 
-        def check_header(header) -> None:
-            if header.producer_fingerprint != worker.info.producer_fingerprint:
-                raise IncompatiblePeer(f"prefill {worker.address} now runs producer {header.producer_fingerprint}")
-            if header.codec_version != codec.version:
-                raise IncompatiblePeer(f"prefill {worker.address} sent codec_version {header.codec_version}, "
-                                       f"this consumer decodes {codec.version}")
-
         verifier = StreamVerifier(rid, self.config.method, len(tokens) - ship_from, self.rt.spec.num_layers,
-                                  check_header=check_header)
+                                  check_header=lambda header: check_header(header, worker, codec))
         call = worker.stub.Prefill(request, timeout=max(0.001, deadline - t0),
                                    metadata=(*worker.metadata, (REQUEST_ID_KEY, rid)))
         watch = _StallWatch(call, self.config.transport.stall_timeout_s, cancel)

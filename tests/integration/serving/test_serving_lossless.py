@@ -5,6 +5,8 @@ import dataclasses
 
 import pytest
 
+from scd_serve.decode import kv_fill
+
 from serving_helpers import engine_for, greedy, make_decode, prompts, settled, start_prefill
 
 
@@ -66,13 +68,13 @@ async def test_later_turns_ship_only_what_the_prefix_cache_lacks_and_answer_as_l
 
 
 @pytest.mark.parametrize("chunk_bytes,chunks", [(1, 2), (1 << 20, 1)])
-async def test_cache_hit_resends_codes_in_layer_chunks_or_packed(rt, chunk_bytes, chunks):
+async def test_cache_hit_resends_codes_in_layer_chunks_or_packed(rt, chunk_bytes, chunks, monkeypatch):
     node = await start_prefill(rt, chunk_bytes=chunk_bytes)
     peers, fill = await make_decode(rt, [node.address])
     engine = engine_for(rt, prefix_caching=False)  # the repeated prompt is the producer code cache's to serve
     headers = []
-    real = fill._check_header
-    fill._check_header = lambda h, peer, codec: (headers.append(h), real(h, peer, codec))[1]
+    real = kv_fill.check_header
+    monkeypatch.setattr(kv_fill, "check_header", lambda h, peer, codec: (headers.append(h), real(h, peer, codec))[1])
     try:
         p = prompts(1, seed=21)[0]
         want = await greedy(engine, "l", p)
