@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "plan": ("scd_serve.planner.project", "project payload and TTFT for real model shapes"),
     "make-shaped-pair": ("scd_serve.bench.shaped_pair", "random-weight pair with a real model's shape (cost only)"),
 }
+# --engine NAME: the command served by another engine's module (imported only when chosen)
+ENGINES = {"vllm": "scd_serve.vllm.producer"}
 # the serving roles: each option also from SCD_<OPTION> (scd_serve/config/env.py)
 ENV_CONFIGURED = ("prefill", "decode", "gateway", "up")
 
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except ScdError as exc:  # a bad SCD_* variable
         print(f"scd-serve {chosen}: error: {exc.message}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[args.command][0])
+    module = importlib.import_module(ENGINES.get(getattr(args, "engine", ""), COMMANDS[args.command][0]))
     try:
         return int(module.run(args) or 0)
     except ScdError as exc:  # expected failures: one clear line, no traceback

@@ -6,7 +6,8 @@ out/vllm-venv):
     out/vllm-venv/bin/python scripts/vllm_connector_check.py --producer P --consumer C \\
         --codebook BOOK --method scd --data heldout.jsonl --json out/vllm-connector.json
 
-Starts an scd-serve prefill worker for the producer, then:
+Starts an scd-serve prefill worker for the producer (`--prefill-engine vllm`: its prefill
+computed by vLLM, so vLLM runs on both sides), then:
 - quality (with --data): each record's prompt (a text's first half) through vLLM with the
   connector and through scd-serve's own rebuild (quality/transfer.py) on the same codes; the
   first generated token's distribution of each against the consumer's own prefill: KL (over
@@ -119,14 +120,17 @@ def main() -> int:
     p.add_argument("--ttft-runs", type=int, default=6)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="float32", help="both engines' (quality is compared in float32)")
+    p.add_argument("--prefill-engine", default="scd-serve", choices=("scd-serve", "vllm"),
+                   help="what computes the producer's prefill in the prefill worker (vllm: vLLM on both sides)")
     p.add_argument("--json", default="")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="vllm-check-"))
     port = procs.free_port()
     worker = procs.spawn([sys.executable, "-m", "scd_serve.cli", "prefill", "--model", args.producer, "--codebook",
                           args.codebook, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
-                          "--insecure"], tmp / "prefill.log")
-    out: dict = {"producer": args.producer, "consumer": args.consumer, "method": args.method}
+                          "--insecure", "--engine", args.prefill_engine], tmp / "prefill.log")
+    out: dict = {"producer": args.producer, "consumer": args.consumer, "method": args.method,
+                 "prefill_engine": args.prefill_engine}
     try:
         procs.wait_tcp("127.0.0.1", port, worker, 300, log=tmp / "prefill.log")
         connector = {"prefill": [f"127.0.0.1:{port}"], "method": args.method, "codebook": args.codebook}

@@ -11,6 +11,7 @@ from scd_serve.config.control import ControlConfig, add_control_arguments
 from scd_serve.config.prefill import DEFAULT_CODEBOOK, DEFAULT_PRODUCER, PrefillConfig
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
 from scd_serve.control.lifecycle import add_worker_arguments, advertised, run_role, stop_event
+from scd_serve.errors import ConfigError
 
 log = logging.getLogger("scd_serve.prefill")
 
@@ -34,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "layer alone (1 = one layer per chunk)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus GET /metrics on this HTTP port, behind the worker token (0 = none)")
+    parser.add_argument("--engine", choices=("scd-serve", "vllm"), default="scd-serve",
+                        help="what computes the producer's prefill: scd-serve's own engine, or vLLM's (installed in "
+                             "this Python; one prompt at a time, no producer prefix cache: docs/vllm.md)")
+    parser.add_argument("--vllm-args", default="", metavar="JSON",
+                        help="with --engine vllm: more arguments for vLLM's engine (vllm.LLM), a JSON object, "
+                             "e.g. '{\"gpu_memory_utilization\": 0.5}'")
     add_transport_arguments(parser)
     add_control_arguments(parser)
 
@@ -74,8 +81,10 @@ def build_codecs(rt, codebook: str, methods=None) -> dict:
     return codecs
 
 
-async def serve(config: PrefillConfig, control: ControlConfig | None = None, codebook_chosen: bool = False) -> None:
-    """Serve until SIGINT/SIGTERM; codebook_chosen: --codebook was given, so it must fit the model."""
+async def serve(config: PrefillConfig, control: ControlConfig | None = None, codebook_chosen: bool = False,
+                load=None) -> None:
+    """Serve until SIGINT/SIGTERM; codebook_chosen: --codebook was given, so it must fit the model;
+    load(config) -> the producer runtime (default: scd-serve's own, ModelRuntime)."""
     from scd_serve.codec.codebook import codebook_arg, refuse_other_pair
     from scd_serve.control.fanout import HeartbeatFanout
     from scd_serve.control.preflight import check_model_dir, check_port
@@ -86,8 +95,8 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None, cod
     check_port(config.host, config.metrics_port, "--metrics-port")
     check_model_dir(config.model)
     stop = stop_event()
-    rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
-    if rt.pack_linears():
+    rt = load(config) if load else ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
+    if hasattr(rt, "pack_linears") and rt.pack_linears():
         log.info("linear weights packed for oneDNN (%s)", rt.dtype)
     if codebook_chosen and codebook_arg(config.codebook):
         refuse_other_pair(config.codebook, "--model", producer=rt)
@@ -132,5 +141,7 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None, cod
 
 
 def run(args) -> int:
+    if args.vllm_args:
+        raise ConfigError("--vllm-args is for --engine vllm")
     run_role("prefill", args, config_from_args, check_exposure,
              lambda config, control: serve(config, control, args.codebook is not None))

@@ -68,6 +68,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.cache = CodeCache(config.cache_bytes, config.cache_entries)
         self.transfers: dict[str, Transfer] = {}
         self.max_prompt_tokens = config.max_prompt_tokens or runtime.spec.max_position_embeddings
+        if hasattr(runtime, "max_prompt_tokens"):  # an engine with its own limit (vLLM's)
+            self.max_prompt_tokens = min(self.max_prompt_tokens, runtime.max_prompt_tokens)
         self._pool = ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="producer")
         self.prefix = PrefixStates(runtime, config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.num_served = 0  # completed transfers

@@ -16,7 +16,8 @@ into its blocks, layer by layer as they arrive, through the attention backend's 
 so any backend's cache layout (and an fp8 cache) is written as vLLM writes it. A load that fails
 reports its blocks; vLLM's kv_load_failure_policy "recompute" then prefills them itself: a
 half-filled cache is never decoded from. A request may opt out with
-`kv_transfer_params: {"scd": false}`. The producer role is scd-serve's own prefill worker.
+`kv_transfer_params: {"scd": false}`. The producer role is an scd-serve prefill worker, its
+prefill computed by scd-serve's engine or by vLLM's (`--engine vllm`, producer.py).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class SCDConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         if tc.kv_role != "kv_consumer":
             raise ConfigError(f"SCDConnector serves kv_role 'kv_consumer' (got {tc.kv_role!r}): the producer "
-                              f"side is an scd-serve prefill worker (`scd-serve prefill --model PRODUCER`)")
+                              f"side is an scd-serve prefill worker (`scd-serve prefill --model PRODUCER`, with "
+                              f"`--engine vllm` for vLLM to compute its prefill)")
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         parallel = getattr(vllm_config, "parallel_config", None)
         tp, pp = (getattr(parallel, f"{kind}_parallel_size", 1) for kind in ("tensor", "pipeline"))

@@ -62,3 +62,21 @@ def test_cli_lists_every_command_in_help(capsys):
     out = capsys.readouterr().out
     for name in cli.COMMANDS:
         assert name in out
+
+
+def test_prefill_engine_flags_fail_with_a_line_that_says_what_to_do(monkeypatch, capsys):
+    """--engine vllm where vLLM is not installed (this suite's venv), and --vllm-args without it:
+    exit 2 before anything loads, the message naming what to install or which flag to add."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert cli.main(["prefill", "--engine", "vllm", "--port", "0"]) == 2
+    assert "--engine vllm needs vLLM in this Python" in capsys.readouterr().err
+    assert cli.main(["prefill", "--vllm-args", "{}", "--port", "0"]) == 2
+    assert "--vllm-args is for --engine vllm" in capsys.readouterr().err
+    # with vLLM there (as found), bad engine arguments are refused before it is imported
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    for bad, said in (("[1]", "must be a JSON object"), ("{nope", "is not JSON")):
+        assert cli.main(["prefill", "--engine", "vllm", "--vllm-args", bad, "--port", "0"]) == 2
+        assert said in capsys.readouterr().err

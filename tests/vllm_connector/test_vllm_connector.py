@@ -61,15 +61,17 @@ def prompts():
 
 
 class Prefill:
-    """An scd-serve prefill worker process (or `script`'s stand-in) on 127.0.0.1."""
+    """An scd-serve prefill worker process (or `script`'s stand-in) on 127.0.0.1; engine "vllm":
+    its producer's prefill computed by vLLM (`--engine vllm`)."""
 
-    def __init__(self, tmp: Path, model: Path, codebook: str = "", script: Path | None = None):
+    def __init__(self, tmp: Path, model: Path, codebook: str = "", script: Path | None = None,
+                 engine: str = "scd-serve"):
         self.port, self.metrics_port = procs.free_port(), procs.free_port()
         self.log = tmp / f"prefill-{self.port}.log"
         cmd = ([sys.executable, str(script), str(model), str(self.port)] if script else
                [sys.executable, "-m", "scd_serve.cli", "prefill", "--model", str(model), "--codebook", codebook,
                 "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-                "--insecure"])
+                "--insecure", "--engine", engine])
         self.proc = procs.spawn(cmd, self.log)
         procs.wait_tcp("127.0.0.1", self.port, self.proc, 120, log=self.log)
         self.address = f"127.0.0.1:{self.port}"
@@ -99,11 +101,13 @@ def generate(model: Path, prompts, connector: dict | None, logprobs: int | None 
     return [o.outputs[0] for o in outs]
 
 
-def test_identity_codes_equal_vllms_own_prefill(pair, prompts, tmp_path):
+@pytest.mark.parametrize("engine", ["scd-serve", "vllm"])
+def test_identity_codes_equal_vllms_own_prefill(pair, prompts, tmp_path, engine):
     """Same model on both sides: the connector's K/V is the consumer's own, so vLLM's greedy
-    output equals its own prefill's, token for token, and every prompt was transferred."""
+    output equals its own prefill's, token for token, and every prompt was transferred; with
+    engine "vllm" the prefill worker's K/V is vLLM's too (a cluster of vLLM on both sides)."""
     _, consumer, _ = pair
-    worker = Prefill(tmp_path, consumer)
+    worker = Prefill(tmp_path, consumer, engine=engine)
     try:
         own = generate(consumer, prompts, None)
         got = generate(consumer, prompts, {"prefill": [worker.address], "method": "identity"})
@@ -113,12 +117,14 @@ def test_identity_codes_equal_vllms_own_prefill(pair, prompts, tmp_path):
     assert [o.token_ids for o in got] == [o.token_ids for o in own]
 
 
-def test_scd_codes_match_scd_serves_own_engine(pair, prompts, tmp_path):
+@pytest.mark.parametrize("engine", ["scd-serve", "vllm"])
+def test_scd_codes_match_scd_serves_own_engine(pair, prompts, tmp_path, engine):
     """A cross-model pair: vLLM's first-token log-probabilities after the connector's scd rebuild
     are scd-serve's own rebuild's (same codes, same codebook, replayed tail and Patch layer),
-    its greedy tokens too; both measured against the consumer's own prefill (KL, top-1)."""
+    its greedy tokens too; both measured against the consumer's own prefill (KL, top-1). With
+    engine "vllm" the codes are encoded from vLLM's prefill of the producer."""
     producer, consumer, book = pair
-    worker = Prefill(tmp_path, producer, book)
+    worker = Prefill(tmp_path, producer, book, engine=engine)
     try:
         got = generate(consumer, prompts, {"prefill": [worker.address], "method": "scd", "codebook": book},
                        logprobs=TOP)
@@ -147,7 +153,8 @@ def test_scd_codes_match_scd_serves_own_engine(pair, prompts, tmp_path):
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert abs(mean(vllm_kl) - mean(ours_kl)) <= 0.01 * mean(ours_kl)
     assert abs(mean(vllm_top1) - mean(ours_top1)) <= 0.01
-    print(f"\nscd over {len(prompts)} prompts: KL vLLM {mean(vllm_kl):.5f} / scd-serve {mean(ours_kl):.5f}, "
+    print(f"\nscd ({engine} producer) over {len(prompts)} prompts: KL vLLM {mean(vllm_kl):.5f} / "
+          f"scd-serve {mean(ours_kl):.5f}, "
           f"top-1 {mean(vllm_top1):.3f} / {mean(ours_top1):.3f}, worst log-probability gap {worst:.1e}")
 
 
