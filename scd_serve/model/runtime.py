@@ -68,6 +68,10 @@ class PrefillIterator:
             self.logits = stop.value
             raise
 
+    def close(self) -> None:
+        """Stop early: the source's own clean-up runs now (a vLLM producer's engine is freed)."""
+        self._gen.close()
+
 
 class ModelRuntime:
     def __init__(self, loaded: loader.Loaded, device: torch.device, dtype: torch.dtype):

@@ -53,8 +53,14 @@ class _Capture:
 
     def layer_done(self, layer: int) -> None:
         parts = self.rows[layer]
-        if sum(x.shape[0] for x in parts["x"]) < self.num_tokens:
+        rows = sum(x.shape[0] for x in parts["x"])
+        if rows < self.num_tokens:
             return  # a chunked prefill: the rest of the prompt comes in a later step
+        if rows > self.num_tokens:  # padded or batched with another prompt: rows no longer map to positions
+            # handed to the reader, not raised here: vLLM's forward (and its engine's state) goes on
+            self.emit(RuntimeError(f"vLLM's forward gave layer {layer} {rows} rows for a prompt of "
+                                   f"{self.num_tokens}"))
+            return
         cat = {name: torch.cat(ts) for name, ts in parts.items()}
         del self.rows[layer]
         self.emit((layer, LayerState(keys=cat["k"], values=cat["v"], attn_input=cat["x"],

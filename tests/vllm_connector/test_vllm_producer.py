@@ -61,3 +61,15 @@ def test_refuses_what_it_cannot_serve(producer):
         vllm_producer.iter_prefill([5, 6], compute_logits=True)
     with pytest.raises(ConfigError, match="enforce_eager"):
         VllmProducer.start(PrefillConfig(model=str(path)), {"enforce_eager": False})
+
+
+def test_a_prompt_stopped_early_frees_the_engine(producer):
+    """A transfer cancelled after its first layer (the prefill service closes the states): the
+    engine finishes that prompt's step and takes the next prompt, whose states are whole."""
+    path, vllm_producer = producer
+    layers = ModelRuntime.load(path, weights=False).spec.num_layers
+    first = vllm_producer.iter_prefill(list(range(4, 104)), compute_logits=False)
+    assert next(first)[0] == 0
+    first.close()
+    after = list(vllm_producer.iter_prefill(list(range(4, 54)), compute_logits=False))
+    assert [layer for layer, _ in after] == list(range(layers)) and after[-1][1].keys.shape[0] == 50
