@@ -96,7 +96,7 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None, cod
     check_model_dir(config.model)
     stop = stop_event()
     rt = load(config) if load else ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
-    if hasattr(rt, "pack_linears") and rt.pack_linears():
+    if rt.pack_linears():
         log.info("linear weights packed for oneDNN (%s)", rt.dtype)
     if codebook_chosen and codebook_arg(config.codebook):
         refuse_other_pair(config.codebook, "--model", producer=rt)

@@ -109,6 +109,9 @@ class VllmProducer:
             raise ConfigError(f"vLLM runs on {device} (its build's platform); pass --device {device}")
         return cls(shapes, llm)
 
+    def pack_linears(self) -> bool:
+        return False  # vLLM holds the weights, laid out by its own kernels
+
     def _install(self, model: Any) -> int:
         """Forward hooks on every decoder layer of vLLM's model (run inside its worker: this process)."""
         layers = getattr(getattr(model, "model", None), "layers", None)
