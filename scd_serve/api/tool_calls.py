@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from contextlib import suppress
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -144,9 +145,7 @@ class _ObjectScanner:
             elif ch in "]}":
                 self.depth -= 1
                 if self.depth == 1 and ch == "}":
-                    try:
+                    with suppress(ValueError):
                         done.append(json.loads("".join(self.item)))
-                    except ValueError:
-                        pass
                     self.item = []
         return done

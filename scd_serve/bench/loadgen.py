@@ -13,6 +13,7 @@ import json
 import random
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 
 import httpx
 
@@ -209,11 +210,9 @@ async def _answer(client: httpx.AsyncClient, cmd: dict) -> dict:
 async def wait_ready(client: httpx.AsyncClient, url: str, deadline_s: float) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        try:
+        with suppress(httpx.HTTPError):  # not listening yet
             if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
                 return
-        except httpx.HTTPError:  # not listening yet
-            pass
         await asyncio.sleep(0.3)
     raise RuntimeError(f"decode worker at {url} not ready within {deadline_s:.0f}s")
 

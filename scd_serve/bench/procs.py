@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
@@ -35,11 +36,9 @@ def wait_http(url: str, proc: subprocess.Popen, deadline_s: float, log: Path | N
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise DeadlineExceeded(f"process exited with {proc.returncode} before {url} was ready{log_tail(log)}")
-        try:
+        with suppress(httpx.HTTPError):
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
-        except httpx.HTTPError:
-            pass
         time.sleep(0.3)
     raise DeadlineExceeded(f"{url} not ready after {deadline_s:.0f}s{log_tail(log)}")
 

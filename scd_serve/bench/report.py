@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from contextlib import suppress
 from pathlib import Path
 
 from scd_serve.bench.stats import median
@@ -19,10 +20,8 @@ def machine() -> dict:
     import torch
 
     cpu = ""
-    try:
+    with suppress(OSError, StopIteration):
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(),
             "torch": torch.__version__, "threads_per_worker": 1}
 

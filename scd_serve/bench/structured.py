@@ -18,6 +18,7 @@ import json
 import random
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
@@ -95,12 +96,10 @@ async def check_replies(url: str, args) -> dict:
             b = body(10**6 + i, SCHEMAS[i % len(SCHEMAS)], args, max_tokens=512)
             out = (await client.post(f"{url}/v1/completions", json=b)).json()
             finishes.append(out["choices"][0]["finish_reason"])
-            try:
+            with suppress(ValueError, jsonschema.ValidationError):  # max_tokens ran out mid-JSON (finish_reason length)
                 schema = b["response_format"]["json_schema"]["schema"]
                 jsonschema.validate(json.loads(out["choices"][0]["text"]), schema)
                 valid += 1
-            except (ValueError, jsonschema.ValidationError):
-                pass  # max_tokens ran out mid-JSON (finish_reason length)
     return {"requests": len(finishes), "valid": valid, "finish_reasons": finishes}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from contextlib import suppress
 
 CHUNK = 64 * 1024
 
@@ -90,10 +91,8 @@ class TokenBucketProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self._closed.set()

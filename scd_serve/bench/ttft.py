@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from scd_serve.config.methods import AUTO, LOCAL
@@ -67,12 +68,10 @@ class ProbeProcess:
         raise DeadlineExceeded(f"probe gave no answer within {deadline_s:.0f}s{procs.log_tail(self.log)}")
 
     def close(self) -> None:
-        try:
+        with suppress(OSError, subprocess.TimeoutExpired, ValueError):
             self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
             self.proc.stdin.flush()
             self.proc.wait(5)
-        except (OSError, subprocess.TimeoutExpired, ValueError):
-            pass
         procs.stop(self.proc)
 
 

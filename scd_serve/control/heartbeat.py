@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 
 import zmq
 import zmq.asyncio
@@ -109,8 +110,6 @@ class HeartbeatClient:
 
     async def close(self) -> None:
         await self.runner.stop()
-        try:  # tell the registry at once instead of waiting for the ttl
+        with suppress(zmq.ZMQError):  # tell the registry at once instead of waiting for the ttl
             await self.sock.send(encode({"type": "bye", "id": self.id}), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
         self.sock.close(linger=100)

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
+from contextlib import suppress
 from typing import Any, NoReturn
 
 from scd_serve.config.address import join_host_port
@@ -128,10 +129,8 @@ async def start_http(server) -> tuple[asyncio.Task, int]:
     server.install_signal_handlers = lambda: None
 
     async def serve() -> None:
-        try:
+        with suppress(SystemExit):  # uvicorn's answer to a failed bind (it logged the cause): reported below
             await server.serve()
-        except SystemExit:  # uvicorn's answer to a failed bind (it logged the cause): reported below
-            pass
 
     http = asyncio.create_task(serve())
     while not server.started and not http.done():

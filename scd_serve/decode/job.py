@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import suppress
 
 import torch
 
@@ -69,7 +70,5 @@ def _settle(loop, fut: asyncio.Future, result=None, exc: BaseException | None = 
             fut.set_exception(exc)
         else:
             fut.set_result(result)
-    try:
+    with suppress(RuntimeError):  # the event loop is closed: nobody is waiting
         loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the event loop is closed: nobody is waiting
-        pass

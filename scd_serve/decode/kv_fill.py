@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -184,10 +185,9 @@ class RemoteKVFill:
             if left <= 0:
                 raise DeadlineExceeded(f"request {req.request_id} waited its deadline for a prefill slot")
             self._freed.clear()
-            try:  # woken by a finished transfer; re-checked at least every SLOT_POLL_S for peer changes
+            # woken by a finished transfer; re-checked at least every SLOT_POLL_S for peer changes
+            with suppress(TimeoutError):
                 await asyncio.wait_for(self._freed.wait(), timeout=min(left, SLOT_POLL_S))
-            except TimeoutError:
-                pass
 
     def _preferred(self, req, num_tokens: int, tried: list[str]):
         """The peer the request was routed to (the `auto` choice) when it still serves the
@@ -327,10 +327,8 @@ class RemoteKVFill:
 
     def _abort_remote(self, peer, rid: str) -> None:
         async def abort():
-            try:
+            with suppress(grpc.aio.AioRpcError):  # the peer is gone; its lease frees the transfer
                 await peer.client.abort(rid, "decode side stopped reading", timeout=ABORT_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
-                pass  # the peer is gone; its lease frees the transfer
         detach(abort(), self._aborts)
 
     def close(self) -> None:

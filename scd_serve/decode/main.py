@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from contextlib import suppress
 
 from scd_serve.config.methods import AUTO, LOCAL
 from scd_serve.config.control import ControlConfig, add_control_arguments
@@ -196,13 +197,11 @@ def available_ram() -> int:
     """Bytes of RAM this process may still use: Linux MemAvailable, lowered to what the cgroup's
     memory limit leaves (a container sees the host's /proc/meminfo, not its own limit)."""
     free = None
-    try:
+    with suppress(OSError, ValueError):
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     free = int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
     if free is None:
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for limit, usage in CGROUP_MEMORY:

@@ -16,6 +16,7 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import suppress
 from typing import Any
 
 from scd_serve.config.engine import EngineConfig
@@ -368,10 +369,8 @@ class Engine:
             by_loop.setdefault(h.loop, []).append((h.queue, item))
         self._outbox = []
         for loop, items in by_loop.items():
-            try:
+            with suppress(RuntimeError):  # that event loop is closed; its requests are gone
                 loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that event loop is closed; its requests are gone
-                pass
 
     def _die(self, exc: BaseException) -> None:
         self._dead = exc

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from contextlib import suppress
 from functools import partial
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -172,10 +173,8 @@ class RequestClock:
 
     def trailer(self, text: bytes) -> None:
         """A stream's usage trailer (the comment's JSON)."""
-        try:
+        with suppress(ValueError):
             self.usage = json.loads(text)
-        except ValueError:
-            pass
 
     def _body_usage(self) -> dict | None:
         try:

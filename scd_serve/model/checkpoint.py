@@ -18,6 +18,7 @@ import math
 import mmap
 import os
 import struct
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -152,7 +153,7 @@ def _cache_get(key: str) -> str | None:
 def _cache_put(key: str, value: str) -> None:
     """Best effort: a read-only home (a locked-down container) only costs the next start a rehash."""
     path = _cache_file()
-    try:
+    with suppress(OSError, TypeError, ValueError):
         try:
             table = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -162,5 +163,3 @@ def _cache_put(key: str, value: str) -> None:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table))
         os.replace(tmp, path)
-    except (OSError, TypeError, ValueError):
-        pass

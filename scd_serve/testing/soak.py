@@ -17,6 +17,7 @@ import random
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Callable
 
@@ -161,13 +162,11 @@ async def _one(http: httpx.AsyncClient, kind: str, rng: random.Random, method: s
             return r.status_code if "[DONE]" in text and '"error"' not in text else "stream_error"
     # cancelled: the client walks away mid-stream; timed_out: its read timeout fires first
     timeout = httpx.Timeout(30.0, read=0.002) if kind == "timed_out" else None
-    try:
+    with suppress(httpx.TimeoutException):
         async with http.stream("POST", "/v1/completions", json=body, **({"timeout": timeout} if timeout else {})) as r:
             async for _ in r.aiter_lines():
                 if kind == "cancelled":
                     break
-    except httpx.TimeoutException:
-        pass
     return kind
 
 
