@@ -47,8 +47,7 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
         "plans": {name: plan.to_json() for name, plan in plans.items()},
         "code_dtypes": {"reuse": "float16", "scd": "float16", "scd-int8": "int8+float16 scales"},
     } | ({"prior": prior} if prior else {}) | (extra or {})
-    book = Codebook(manifest, tensors)
-    return book
+    return Codebook(manifest, tensors)
 
 
 def size_stats(book: Codebook, consumer: Any) -> dict[str, Any]:

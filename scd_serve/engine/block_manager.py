@@ -148,9 +148,6 @@ class BlockManager:
     def _append_need(self, seq: Sequence) -> int:
         return max(0, self.blocks_for(seq.num_cached + 1) - len(seq.block_ids))
 
-    def _uncache(self, block: int) -> None:
-        del self._by_hash[self._hash_of.pop(block)]
-
     def _take(self, seq: Sequence, need: int, misuse: str) -> None:
         if need > self.num_free:
             raise RuntimeError(f"{misuse}: need {need}, free {self.num_free}")
@@ -164,6 +161,6 @@ class BlockManager:
                 self._free.remove(block)
             else:  # evict the least recently freed cached block
                 block, _ = self._evictable.popitem(last=False)
-                self._uncache(block)
+                del self._by_hash[self._hash_of.pop(block)]
             self._holders[block] = {seq.seq_id}
             seq.block_ids.append(block)

@@ -311,13 +311,9 @@ class Engine:
 
     def _expire(self, now: float) -> None:
         for seq, why in self.scheduler.expired(now):
-            h = self._live[seq.seq_id]
-            if why == "queue_timeout":
-                err = DeadlineExceeded(f"request waited more than {self.config.queue_timeout_s:g} s "
-                                       f"for capacity (queue_timeout_s)")
-            else:
-                err = DeadlineExceeded(f"request {seq.request.request_id} exceeded its deadline")
-            self._end(h, why, err)
+            message = (f"request waited more than {self.config.queue_timeout_s:g} s for capacity (queue_timeout_s)"
+                       if why == "queue_timeout" else f"request {seq.request.request_id} exceeded its deadline")
+            self._end(self._live[seq.seq_id], why, DeadlineExceeded(message))
 
     def _end(self, h: _Handle, reason: str, error: ScdError | None) -> None:
         """Finish a sequence early (abort, deadline, shutdown) and free its blocks."""

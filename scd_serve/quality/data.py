@@ -185,10 +185,7 @@ def tokenize(records: list[Record], tokenizer: Any, max_tokens: int, path: str =
             half = max(2, len(ids) // 2)
             ids, ref = ids[:half], ids[half:] or None
         else:
-            if r.kind == "prompt":
-                ids = _encode(tokenizer, r.text, True)
-            else:
-                ids = _chat(tokenizer, r)
+            ids = _encode(tokenizer, r.text, True) if r.kind == "prompt" else _chat(tokenizer, r)
             ref = _encode(tokenizer, r.answer, False) if r.answer else None
             answer = r.answer
             cut = bool(ref) and len(ref) > max_tokens // 2
