@@ -55,8 +55,7 @@ def parse_expert(args) -> tuple[str, str, str] | None:
     from scd_serve.codec import NEEDS_CODEBOOK
 
     name, model, codebook = parse_experts([args.expert], {CONSUMER})[0]
-    lacking = [m for m in args.methods if m in NEEDS_CODEBOOK and not codebook]
-    if lacking:
+    if lacking := [m for m in args.methods if m in NEEDS_CODEBOOK and not codebook]:
         raise ConfigError(f"--methods {' '.join(lacking)} need the expert's codebook: --expert {name}={model}:CODEBOOK "
                           f"(from `scd-serve calibrate --consumer {model}`), or codebook-free methods (raw, local)",
                           field="expert")

@@ -81,8 +81,7 @@ def render(doc: dict, png: Path | None) -> str:
         if m in summary:
             why = "; ".join(f"{k} x{v}" for k, v in summary[m]["reasons"].items())
             notes.append(f"auto picked {_served(m, summary[m])} ({why})")
-    hits = {m: s["cache_hits"] for m, s in summary.items() if s["cache_hits"]}
-    if hits:
+    if hits := {m: s["cache_hits"] for m, s in summary.items() if s["cache_hits"]}:
         notes.append("codes served from the prefill worker's cache (no producer prefill): "
                      + ", ".join(f"{m} {n}/{summary[m]['of']}" for m, n in hits.items()))
     notes.append(f"wall time {doc['wall_s']:.0f} s (cluster start {doc['start_s']:.0f} s); "

@@ -69,8 +69,7 @@ class NetnsLink:
         return None
 
     def up(self):
-        reason = self.available()
-        if reason:
+        if reason := self.available():
             raise Unavailable(f"cannot create network namespaces: {reason}")
         atexit.register(self.down)
         self._up = True

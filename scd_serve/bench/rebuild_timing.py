@@ -76,8 +76,7 @@ def _with_table(directory: str, consumer):
     from scd_serve.codec.codebook import Codebook
 
     book = Codebook.load(directory, consumer=consumer)
-    said = prior_table.fill_codebook(book, consumer, "on")
-    if said:
+    if said := prior_table.fill_codebook(book, consumer, "on"):
         print(said)
     return book
 

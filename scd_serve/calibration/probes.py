@@ -146,8 +146,7 @@ def pick(options: list[dict], kl_budget: float, min_top1: float) -> tuple[dict, 
     def cheapest(among: list[dict]) -> dict:
         return min(among, key=lambda o: (o["cost"], o["plan"].code_width()))
 
-    meets = [o for o in options if o["kl"] <= kl_budget and o["top1"] >= min_top1]
-    if meets:
+    if meets := [o for o in options if o["kl"] <= kl_budget and o["top1"] >= min_top1]:
         return cheapest(meets), True
     within = [o for o in options if o["kl"] <= kl_budget]
     if not within:

@@ -167,8 +167,7 @@ def wait_ready(base: str, num_decode: int, children: list[Child], deadline: floa
         status, body = _get_json(f"{base}/ready")
         if status == 200 and body.get("decode_workers", 0) >= num_decode:
             return
-        dead = [c for c in children if c.proc.poll() is not None]
-        if dead:
+        if dead := [c for c in children if c.proc.poll() is not None]:
             raise dead[0].exited()
         _check_stop()
         time.sleep(0.2)

@@ -29,8 +29,7 @@ class DroidSpeakCodec:
         self.raw = RawCodec(producer, dtype=dtype)
         num_layers = self.raw.producer_spec.num_layers
         self.layers = frozenset(default_layers(num_layers) if layers is None else layers)
-        bad = sorted(i for i in self.layers if not 0 <= i < num_layers)
-        if bad:
+        if bad := sorted(i for i in self.layers if not 0 <= i < num_layers):
             raise ValueError(f"droidspeak layers {bad} are outside 0..{num_layers - 1}")
         self.dtype = dtype
 

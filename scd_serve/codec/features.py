@@ -115,8 +115,7 @@ def cached_rows(cache: dict[int, Tensor], keys: list[int], compute: Callable[[li
     """The rows of token ids `keys`, stacked [K, ...]: from `cache`, the missing ones computed
     at once and kept. Bounded: past max_bytes the cache starts over rather than grow."""
     rows = {i: r for i in keys if (r := cache.get(i)) is not None}  # safe beside a clear()
-    missing = [i for i in keys if i not in rows]
-    if missing:
+    if missing := [i for i in keys if i not in rows]:
         fresh = dict(zip(missing, compute(missing)))
         rows.update(fresh)
         if (len(cache) + len(fresh)) * fresh[missing[0]].numel() * 4 > max_bytes:

@@ -134,8 +134,7 @@ class Chooser:
         known = sorted((o for o in options if o.predicted is not None), key=lambda o: o.predicted)
         best = known[0] if known else None
         due = lambda o: now - self._probed.get(o.label, float("-inf")) >= self.config.stale_s  # noqa: E731
-        unknown = [o for o in options if o.predicted is None and due(o)]
-        if unknown:
+        if unknown := [o for o in options if o.predicted is None and due(o)]:
             return self._probe(unknown[0], now, "explore", f"no estimate of its {unknown[0].missing} yet", known)
         for o in known:  # cheapest first
             measured_anyway = o is best or (o.peer and o.peer == best.peer)  # the pick refreshes that link

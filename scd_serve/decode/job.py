@@ -46,8 +46,7 @@ class TransferJob:
             _settle(loop, done, exc=exc)
             return
         _settle(loop, done, result=got)
-        why = drain(self._call)
-        if why:
+        if why := drain(self._call):
             log.debug("request_id=%s: after its last chunk: %s", self.request.request_id, why)
 
     def _heard(self, call):

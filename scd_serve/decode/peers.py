@@ -49,8 +49,7 @@ def method_problems(info, method: str, codecs) -> list[str]:
     offered = [c for c in info.codecs if c.codec_id == method]
     if not offered:
         return [f"codecs: method {method!r} not offered (offers {sorted({c.codec_id for c in info.codecs})})"]
-    why = codecs.can_build(info, method)
-    if why:
+    if why := codecs.can_build(info, method):
         return [f"codecs: cannot build consumer half of {method!r}: {why}"]
     ours = codecs.get(info, method)
     # a producer that feeds several experts offers a method once per codebook: ours, if it has it

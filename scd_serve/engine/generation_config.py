@@ -53,8 +53,7 @@ class GenerationDefaults:
         """The eos ids the tokenizer holds as special or added tokens (others logged, unused)."""
         known = set(getattr(tokenizer, "all_special_ids", None) or ())
         known |= set(getattr(tokenizer, "added_tokens_decoder", None) or {})
-        dropped = sorted(self.eos_token_ids - known)
-        if dropped:
+        if dropped := sorted(self.eos_token_ids - known):
             log.warning("generation_config.json eos_token_id %s: not special tokens of this tokenizer; "
                         "not used to stop", dropped)
         return frozenset(self.eos_token_ids & known)

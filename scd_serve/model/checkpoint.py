@@ -40,8 +40,7 @@ def weight_files(path: Path) -> list[Path]:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ModelLoadError(f"{index}: unreadable index ({exc})") from None
-        missing = [n for n in names if not (path / n).is_file()]
-        if missing:
+        if missing := [n for n in names if not (path / n).is_file()]:
             raise ModelLoadError(f"{index} names {', '.join(missing[:3])}, not in {path}")
         return [path / n for n in names]
     if (path / "model.safetensors").is_file():
@@ -88,8 +87,7 @@ class Checkpoint:
         """hex sha256 of the spec and the named tensors (cached per file identity)."""
         stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files]
         key = hashlib.sha256(json.dumps([spec_json, sorted(names), stats]).encode()).hexdigest()
-        cached = _cache_get(key)
-        if cached:
+        if cached := _cache_get(key):
             return cached
         digest = hashlib.sha256(spec_json.encode())
         for name in sorted(names):

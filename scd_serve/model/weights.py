@@ -83,8 +83,7 @@ def read_tensors(path: Path, spec: ModelSpec) -> tuple[dict[str, Tensor], str]:
         skipped = (spec.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
         if name not in expected and not skipped:  # a tied lm_head copy is ignored, as HF does
             raise ModelLoadError(f"{ckpt.files[i].name}: unexpected tensor {name!r} for a {spec.family} model")
-    missing = [n for n in expected if n not in ckpt.entries]
-    if missing:
+    if missing := [n for n in expected if n not in ckpt.entries]:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelLoadError(f"{path}: weights missing {', '.join(missing[:3])}{more}")
     for name, shape in expected.items():

@@ -41,8 +41,7 @@ def probe(model, tokenizer, split: str = "heldout", n: int = 60, style: str = "e
     result = {"n": len(rows), "f1": sum(r[1] for r in rows) / len(rows), "em": sum(r[2] for r in rows) / len(rows)}
     lo = 0
     for hi in buckets:
-        sel = [r for r in rows if lo <= r[0] < hi]
-        if sel:
+        if sel := [r for r in rows if lo <= r[0] < hi]:
             result[f"f1_{lo}-{hi}"] = round(sum(r[1] for r in sel) / len(sel), 3)
         lo = hi
     return result
