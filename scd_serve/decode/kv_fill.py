@@ -212,7 +212,9 @@ class RemoteKVFill:
         codec = self.codecs.get(peer.info, req.method)
         rid = req.request_id
         start = time.monotonic()
-        deadline = min(start + self.config.transport.prefill_timeout_s, req.deadline or float("inf"))
+        deadline = start + self.config.transport.prefill_timeout_s
+        if req.deadline is not None:
+            deadline = min(deadline, req.deadline)
         if deadline <= start:
             raise DeadlineExceeded(f"request {rid} has no time left for a transfer")
         # Rows sink.start.. are missing here (those before were in the prefix cache): raw K/V
