@@ -10,6 +10,7 @@ query on the CPU, SDPA with grouped heads measured 1.6-2.3x slower than two matm
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -48,6 +49,8 @@ def attend_paged(k_layer: Tensor, v_layer: Tensor, runs: Sequence[tuple[int, int
                            v_layer.flatten(0, 1)[base + start:base + end], start))
         pos += count * bs
     q_pos = torch.arange(first_q, first_q + tq, device=q.device) if tq > 1 else None
+    if tq > 1 and bf16_blocks(q):
+        return attend_blocks(q, q_pos, pieces, window)
     if len(pieces) == 1 and tq > 1:
         k, v, start = pieces[0]
         # a chunk from the prompt's start over its own keys alone is plain causal: SDPA's fused
@@ -58,6 +61,34 @@ def attend_paged(k_layer: Tensor, v_layer: Tensor, runs: Sequence[tuple[int, int
                                              is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
         return out[0].transpose(0, 1).flatten(1)
     return _attend_pieces(q, q_pos, pieces, window)
+
+
+def bf16_blocks(q: Tensor) -> bool:
+    """Whether a prefill's attention takes query blocks of two bfloat16 matmuls (attend_blocks)
+    instead of SDPA: bfloat16 queries on a CPU that multiplies bfloat16 natively, outside autograd."""
+    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled() and native_bf16()
+
+
+@functools.cache
+def native_bf16() -> bool:
+    from scd_serve.model.loader import cpu_has_native_bf16
+
+    return cpu_has_native_bf16()
+
+
+def attend_blocks(q: Tensor, q_pos: Tensor, pieces: list[tuple[Tensor, Tensor, int]], window: int | None) -> Tensor:
+    """Causal attention of queries q [Tq, heads, hd] at positions q_pos over pieces' keys, a block
+    of PREFILL_QUERY_BLOCK queries at a time over the keys it can see (each block as
+    _attend_pieces does a decode step: bfloat16 matmuls, a float32 softmax). -> [Tq, heads*hd]"""
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for a in range(0, q.shape[0], PREFILL_QUERY_BLOCK):
+        b = min(a + PREFILL_QUERY_BLOCK, q.shape[0])
+        # the keys the block's queries see: none newer than its last, none older than its first's window
+        lo, hi = (0 if window is None else int(q_pos[a]) - window + 1), int(q_pos[b - 1]) + 1
+        seen = [(k[i - start:j - start], v[i - start:j - start], i) for k, v, start in pieces
+                for i, j in [(max(start, lo), min(start + k.shape[0], hi))] if i < j]
+        out[a:b] = _attend_pieces(q[a:b], q_pos[a:b], seen, window)
+    return out
 
 
 def _mask(q_pos: Tensor, start: int, n: int, window: int | None) -> Tensor:
@@ -91,6 +122,11 @@ def _attend_pieces(q: Tensor, q_pos: Tensor | None, pieces: list[tuple[Tensor, T
         at += s.shape[-1]
     return out.view(kv_heads, group, tq, hd).permute(2, 0, 1, 3).reshape(tq, heads * hd)
 
+
+# Queries per block of a bfloat16 prefill's attention on the CPU (attend_blocks): one thread,
+# the 0.5B shape, 1,024 tokens, 11-16 ms a layer in blocks of 64 against SDPA's 29 ms (its CPU
+# kernel computes in float32); blocks of 32 and 128 were slower (scripts/prefill_forward.py attention)
+PREFILL_QUERY_BLOCK = 64
 
 # A decode step whose whole block table of one layer is at most this many bytes gathers it
 # (one copy, one batched SDPA): below it, one attention call per sequence costs more in Python

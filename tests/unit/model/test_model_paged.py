@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scd_serve.model.paged import attend_gathered, attend_paged, stretches
+from scd_serve.model import paged
+from scd_serve.model.paged import attend_blocks, attend_gathered, attend_paged, stretches
 
 
 def test_stretches_are_the_maximal_consecutive_runs_covering_the_tokens():
@@ -31,10 +32,27 @@ def dense(q, k, v, first_q, window):
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_any_block_layout_equals_dense_attention(seed, dtype):
-    rng = random.Random(seed)
+    check_random_layout(random.Random(seed), seed, dtype)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_bfloat16_prefill_in_query_blocks_equals_dense_attention(seed, monkeypatch):
+    """bfloat16 on a CPU that multiplies it natively: a prefill's queries in blocks, each over the
+    keys it sees (a prefix before the chunk, windows, several stretches), blocks of 7 here."""
+    monkeypatch.setattr(paged, "native_bf16", lambda: True)
+    monkeypatch.setattr(paged, "PREFILL_QUERY_BLOCK", 7)
+    called = []
+    monkeypatch.setattr(paged, "attend_blocks", lambda *a: called.append(1) or attend_blocks(*a))
+    rng = random.Random(100 + seed)
+    with torch.no_grad():  # as the engine runs (calibration differentiates through SDPA)
+        check_random_layout(rng, seed, torch.bfloat16, tq=rng.randint(2, 60))
+    assert called
+
+
+def check_random_layout(rng, seed, dtype, tq: int | None = None):
     bs, kv, group, hd = rng.choice([1, 3, 4, 16]), 2, rng.choice([1, 3]), 8
-    total = rng.randint(1, 60)
-    tq = rng.choice([1, rng.randint(1, total)])
+    total = rng.randint(tq or 1, 60)
+    tq = tq or rng.choice([1, rng.randint(1, total)])
     window = rng.choice([None, rng.randint(1, 20)])
     need = -(-total // bs)
     ids = list(range(need + 4))
