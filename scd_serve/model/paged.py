@@ -5,7 +5,9 @@ out neighbours when it can). Each stretch is a view of the pool, so a decode ste
 every cached key once instead of copying a padded block table (~8.6 GB per step at
 Llama-3-8B, 32 sequences of 2k tokens): scores per stretch, one softmax across them, values
 summed per stretch. A prefill chunk over one stretch takes the fused SDPA instead (for one
-query on the CPU, SDPA with grouped heads measured 1.6-2.3x slower than two matmuls).
+query on the CPU, SDPA with grouped heads measured 1.6-2.3x slower than two matmuls), except in
+bfloat16 on a CPU that multiplies it natively, where blocks of queries take the two matmuls too
+(attend_blocks: SDPA's CPU kernel computes in float32 there, 2.6x slower).
 """
 
 from __future__ import annotations
