@@ -32,10 +32,12 @@ def spread(prompts: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 
 class RebuildCost:
     """`cost(codec)` -> its rebuild of the prompts over the consumer's prefill of them: the
-    median over TIMED_ROUNDS of the two sums' ratio, each prompt's prefill timed next to its
-    rebuild so that a change in the machine's load falls on both. The warm round leaves the
-    token prior's rows of the prompts' tokens known, as the decode worker's vocabulary table
-    does (codec/prior_table.py)."""
+    median over TIMED_ROUNDS of the two sums' ratio. The prefill is the same for every option,
+    so it is timed once, at the first call (a warm round, then the rounds): timing it again next
+    to each of the ~40 options a calibration weighs had doubled their cost, 39 of the 63 minutes
+    of a calibration at the 0.5B shape (docs/benchmarks.md). The warm round leaves the token
+    prior's rows of the prompts' tokens known, as the decode worker's vocabulary table does
+    (codec/prior_table.py)."""
 
     def __init__(self, producer: Any, consumer: Any, prompts: list[torch.Tensor], rounds: int = TIMED_ROUNDS):
         # the handoff: every prompt token but the last, which the consumer decodes itself
@@ -45,14 +47,14 @@ class RebuildCost:
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
         self.producer, self.consumer, self.rounds = producer, consumer, rounds
+        self.prefill_s: list[float] = []  # the consumer's prefill of all the prompts, per timed round
 
     def __call__(self, codec: Any) -> float:
-        ratios = []
-        for round_ in range(self.rounds + 1):
-            rebuild = prefill = 0.0
-            for prefix in self.prefixes:
-                prefill += transfer(ORACLE, None, None, self.consumer, prefix, 1).rebuild_s
-                rebuild += transfer("scd", codec, self.producer, self.consumer, prefix, 1).rebuild_s
-            if round_:
-                ratios.append(rebuild / prefill)
-        return statistics.median(ratios)
+        if not self.prefill_s:
+            self.prefill_s = self._rounds(lambda prefix: transfer(ORACLE, None, None, self.consumer, prefix, 1))
+        rebuild_s = self._rounds(lambda prefix: transfer("scd", codec, self.producer, self.consumer, prefix, 1))
+        return statistics.median(r / p for r, p in zip(rebuild_s, self.prefill_s))
+
+    def _rounds(self, run) -> list[float]:
+        """Seconds of run(prefix) over all the prompts, per round after a warm one."""
+        return [sum(run(prefix).rebuild_s for prefix in self.prefixes) for _ in range(self.rounds + 1)][1:]

@@ -214,6 +214,9 @@ def test_a_rebuild_is_timed_against_the_consumers_own_prefill_of_the_same_prompt
     assert [int(p.numel()) for p in timer.prefixes] == [23, 23, 23]  # the last token is the consumer's own
     cost = timer(codec.build("identity", producer=producer, consumer=consumer))
     assert 0 < cost < float("inf")
+    prefill_s = list(timer.prefill_s)  # the consumer's prefill: timed at the first option, kept for the next
+    assert len(prefill_s) == 1 and 0 < timer(codec.build("raw", producer=producer, consumer=consumer))
+    assert timer.prefill_s == prefill_s
     from scd_serve.quality.rebuild_cost import spread
 
     lengths = [5, 40, 12, 33, 8, 21, 17]
