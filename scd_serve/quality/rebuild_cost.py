@@ -34,8 +34,8 @@ class RebuildCost:
     """`cost(codec)` -> its rebuild of the prompts over the consumer's prefill of them: the
     median over TIMED_ROUNDS of the two sums' ratio. The prefill is the same for every option,
     so it is timed once, at the first call (a warm round, then the rounds): timing it again next
-    to each of the ~40 options a calibration weighs had doubled their cost, 39 of the 63 minutes
-    of a calibration at the 0.5B shape (docs/benchmarks.md). The warm round leaves the token
+    to each of the ~45 options a calibration weighs cost 15 of a 63-minute calibration at the
+    0.5B shape (docs/benchmarks.md). The warm round leaves the token
     prior's rows of the prompts' tokens known, as the decode worker's vocabulary table does
     (codec/prior_table.py)."""
 
