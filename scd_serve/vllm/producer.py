@@ -72,7 +72,7 @@ class VllmProducer:
     path, tokenizer, iter_prefill), its forward run by vLLM."""
 
     def __init__(self, shapes: ModelRuntime, llm: Any):
-        self.shapes, self.llm = shapes, llm
+        self.llm = llm
         self.spec, self.fingerprint, self.tokenizer = shapes.spec, shapes.fingerprint, shapes.tokenizer
         self.dtype, self.device, self.path = shapes.dtype, shapes.device, shapes.path
         # the longest prompt: vLLM samples one token after it, within its max_model_len
