@@ -56,10 +56,11 @@ class ReplayProbes:
         return sum(r for _, r in splits) / max(1, sum(p + r for p, r in splits))
 
 
-def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
-    """KL and top-1 agreement on the probe's scored positions, and payload relative to raw
-    16-bit K/V of the whole handoff (replayed tokens included: raw would ship them), through
-    the real encode/decode."""
+def codec_sums(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
+    """Through the real encode/decode, on the probe's scored positions: the KL summed, the
+    positions whose top-1 is the oracle's, the positions, the payload's bytes and raw 16-bit
+    K/V's of the whole handoff (replayed tokens included: raw would ship them). Sums, so that
+    prompts measured apart add up."""
     nbytes, prompt = {"n": 0}, {"ex": None, "rebuild": None}  # the probe runs each example's layers in turn
 
     def rebuild(ex, layer):
@@ -73,25 +74,43 @@ def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]
     measured = probe.measure_all({i: rebuild for i in range(spec.num_layers)})
     raw = sum(e.prefix + e.scored_from for e in probe.examples) * bytes_per_token(
         spec.num_layers, spec.num_kv_heads, spec.head_dim, RAW_DTYPE_BYTES)
-    return {"kl": measured.kl, "top1": measured.top1, "payload_ratio": nbytes["n"] / raw}
+    return {"kl": measured.kl * measured.positions, "agree": measured.top1 * measured.positions,
+            "positions": measured.positions, "bytes": nbytes["n"], "raw": raw}
 
 
-def measure_methods(probes: ReplayProbes, producer: Any, consumer: Any, book: Any,
-                    show_progress: bool = True) -> dict[str, dict[str, float]]:
-    """Every method a codebook serves (and prior-only, its zero-payload control) measured on the
-    probe prompts at its own replay: the manifest's `calibration.methods` (calibrate's report,
-    `scd-serve measure`)."""
+def figures_of(sums: dict[str, float]) -> dict[str, float]:
+    n = max(sums["positions"], 1)
+    return {"kl": sums["kl"] / n, "top1": sums["agree"] / n, "payload_ratio": sums["bytes"] / sums["raw"]}
+
+
+def measure_codec(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
+    """KL and top-1 agreement on the probe's scored positions, and payload relative to raw."""
+    return figures_of(codec_sums(probe, codec, consumer))
+
+
+def measure_methods(producer: Any, consumer: Any, book: Any, pairs: list, tail: int = 1, residual_layers=(),
+                    show_progress: bool = True) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+    """Every method a codebook serves (and prior-only, its zero-payload control) measured on
+    `pairs` (prompt ids [T], scored ids [n]) at its own replay: the manifest's
+    `calibration.methods` (calibrate's report, `scd-serve measure`). One prompt at a time, every
+    method on it, then the next: a prompt's probe holds a pool and both models' states (0.14 GB
+    at the 0.5B shape), so holding all of them was calibration's memory peak.
+    -> ({method: kl, top1, payload_ratio, replay_tokens}, {prompts, positions})"""
     from scd_serve import codec as registry
 
     names = [m for m in registry.METHODS if m != "identity"] + ["prior-only"]
     codecs = {name: registry.build(name, producer=producer, consumer=consumer, codebook=book) for name in names}
-    out = {}
-    # by replay, so that each probe is built once
-    for name in tqdm(sorted(names, key=lambda n: getattr(codecs[n], "replay_tokens", 0)),
-                     desc="measure methods", disable=not show_progress):
-        replay = int(getattr(codecs[name], "replay_tokens", 0))
-        out[name] = measure_codec(probes.at(replay), codecs[name], consumer) | {"replay_tokens": replay}
-    return {name: out[name] for name in names}
+    replays = {name: int(getattr(codecs[name], "replay_tokens", 0)) for name in names}
+    sums = {name: dict.fromkeys(("kl", "agree", "positions", "bytes", "raw"), 0.0) for name in names}
+    for pair in tqdm(pairs, desc="measure methods", disable=not show_progress):
+        for replay in sorted(set(replays.values())):
+            probe = KLProbe(consumer, make_examples(producer, consumer, [pair], tail=tail,
+                                                    residual_layers=residual_layers, replay=replay))
+            for name in (n for n in names if replays[n] == replay):
+                for key, value in codec_sums(probe, codecs[name], consumer).items():
+                    sums[name][key] += value
+    methods = {name: figures_of(sums[name]) | {"replay_tokens": replays[name]} for name in names}
+    return methods, {"prompts": len(pairs), "positions": int(sums[names[-1]]["positions"])}
 
 
 def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int],

@@ -180,20 +180,17 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         stats["distill"] = distill_plan(book, producer, consumer, cfg, show_progress, distill_pairs or
                                         [(p, torch.zeros(0, dtype=torch.long)) for p in fit_prompts],
                                         held_out_pairs=probe_pairs if report_pairs else None)
-    if report_pairs:
-        with tqdm(total=len(report_pairs), desc="report prompts", disable=not show_progress) as bar:
-            report = KLProbe(consumer, make_examples(producer, consumer, report_pairs, tail=cfg.probe_tail,
-                                                     progress=bar.update, residual_layers=run_layers))
-        reports = ReplayProbes(producer, consumer, report_pairs, cfg.probe_tail, run_layers, report, show_progress)
-    else:
-        report, reports = probe, probes
-    methods = measure_methods(reports, producer, consumer, book, show_progress)
-    if report is not probe:
-        for name in ("scd", "reuse"):
-            codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
-            methods[name]["probe_kl"] = measure_codec(probes.at(codec.replay_tokens), codec, consumer)["kl"]
-    figures.record(book.manifest, methods, {"prompts": len(report.examples), "positions": report.num_positions,
-                                            "held_out": report is not probe}, cfg.min_top1)
+    probe_kl = {}  # on held-out reports, also the probe's figure: how far they fall from what the plan was chosen on
+    for name in ("scd", "reuse") if report_pairs else ():
+        codec = registry.build(name, producer=producer, consumer=consumer, codebook=book)
+        probe_kl[name] = measure_codec(probes.at(codec.replay_tokens), codec, consumer)["kl"]
+    del probes  # its prompts' states, before the report's are built
+    methods, report = measure_methods(producer, consumer, book, report_pairs or choice_pairs or probe_pairs,
+                                      cfg.probe_tail, () if plan.run_layer is None else (plan.run_layer,),
+                                      show_progress)
+    for name, kl in probe_kl.items():
+        methods[name]["probe_kl"] = kl
+    figures.record(book.manifest, methods, report | {"held_out": bool(report_pairs)}, cfg.min_top1)
     stats["size"] = size_stats(book, consumer)
     stats["seconds"] = round(time.time() - started, 1)
     stats["probe_measurements"] = probe.num_measurements

@@ -26,14 +26,12 @@ from scd_serve.errors import ConfigError
 def measure_held_out(producer: Any, consumer: Any, book: Any, pairs: list, tail: int = 1,
                      show_progress: bool = True) -> tuple[dict[str, dict[str, float]], dict]:
     """pairs: (prompt ids [T], scored ids [n]) -> ({method: kl, top1, payload_ratio}, report facts)."""
-    from scd_serve.calibration.probes import ReplayProbes, measure_methods
+    from scd_serve.calibration.probes import measure_methods
 
     run = book.plan("scd").run_layer
-    probes = ReplayProbes(producer, consumer, pairs, tail, () if run is None else (run,), show_progress=show_progress)
-    methods = measure_methods(probes, producer, consumer, book, show_progress)
-    probe = probes.at(0)
-    return methods, {"prompts": len(probe.examples), "positions": probe.num_positions, "held_out": True}
-
+    methods, report = measure_methods(producer, consumer, book, pairs, tail, () if run is None else (run,),
+                                      show_progress)
+    return methods, report | {"held_out": True}
 
 def record(book_dir: Path, methods: dict, report: dict, min_top1: float) -> dict:
     """The figures into DIR/manifest.json's calibration block (the tensors and their checksum stay)."""
