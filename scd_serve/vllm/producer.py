@@ -69,12 +69,14 @@ class _Capture:
 
 class VllmProducer:
     """What the prefill service reads of a producer runtime (spec, fingerprint, dtype, device,
-    path, tokenizer, iter_prefill), its forward run by vLLM."""
+    path, tokenizer, rotate_keys, iter_prefill), its forward run by vLLM."""
 
     def __init__(self, shapes: ModelRuntime, llm: Any):
         self.llm = llm
         self.spec, self.fingerprint, self.tokenizer = shapes.spec, shapes.fingerprint, shapes.tokenizer
         self.dtype, self.device, self.path = shapes.dtype, shapes.device, shapes.path
+        # the codecs' rotary (raw's post-RoPE keys): the model's own, its rope scaling included
+        self.rotate_keys, self.unrotate_keys = shapes.rotate_keys, shapes.unrotate_keys
         # the longest prompt: vLLM samples one token after it, within its max_model_len
         self.max_prompt_tokens = llm.llm_engine.vllm_config.model_config.max_model_len - 1
         self._lock = threading.Lock()  # one prompt in the engine at a time

@@ -105,6 +105,24 @@ def test_unrotate_inverts_rotate_and_theta_matters(rt, tmp_path):
     assert (far.rotate_keys(k, pos) - rotated).abs().max() > 1e-2
 
 
+def test_rotations_keep_a_few_requests_tables_bit_for_bit():
+    from scd_serve.model.rope import KEPT_TABLES, Rotary, apply
+
+    rot = Rotary(1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16), 1.0, "cpu", torch.float32)
+    k, pos = torch.randn(40, 2, 16), torch.arange(7, 47)
+    first = rot.kept_tables(pos)
+    # each layer's rotation of one request reads the tables computed once, as tables() computes them
+    assert rot.kept_tables(pos.clone()) is first
+    assert torch.equal(rot.rotate(k, pos), apply(k, *rot.tables(pos)))
+    # the same key (shape, first and last position) but other positions between: computed anew
+    other = pos.clone()
+    other[5] = 3
+    assert rot.kept_tables(other) is not first and torch.equal(rot.kept_tables(other)[0], rot.tables(other)[0])
+    for start in range(KEPT_TABLES):  # more requests than are kept: the oldest goes
+        rot.kept_tables(torch.arange(100 + start, 140 + start))
+    assert rot.kept_tables(pos) is not first and len(rot._kept) == KEPT_TABLES
+
+
 def test_fingerprint_is_stable_across_loads_and_dtypes(rt):
     again = ModelRuntime.load(rt.path, dtype=torch.bfloat16)
     assert again.fingerprint == rt.fingerprint and len(rt.fingerprint.split("-")[1]) == 16
