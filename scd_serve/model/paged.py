@@ -81,7 +81,7 @@ def native_bf16() -> bool:
 def attend_blocks(q: Tensor, q_pos: Tensor, pieces: list[tuple[Tensor, Tensor, int]], window: int | None) -> Tensor:
     """Causal attention of queries q [Tq, heads, hd] at positions q_pos over pieces' keys, a block
     of PREFILL_QUERY_BLOCK queries at a time over the keys it can see (each block as
-    _attend_pieces does a decode step: bfloat16 matmuls, a float32 softmax). -> [Tq, heads*hd]"""
+    _attend_pieces does a decode step: bfloat16 matmuls and softmax, float32 inside it). -> [Tq, heads*hd]"""
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for a in range(0, q.shape[0], PREFILL_QUERY_BLOCK):
         b = min(a + PREFILL_QUERY_BLOCK, q.shape[0])
@@ -110,13 +110,24 @@ def _attend_pieces(q: Tensor, q_pos: Tensor | None, pieces: list[tuple[Tensor, T
     # would make matmul expand, i.e. copy, the keys)
     qg = q.view(tq, kv_heads, group, hd).permute(1, 2, 0, 3).reshape(kv_heads, group * tq, hd)
     scores = []
+    # keys every query sees need no mask: those from the window's start for the latest query up
+    # to the earliest query (a prefill block masks its last ~Tq keys, not all it reads)
+    lo, hi = ((int(q_pos.max()) - window + 1 if window is not None else None, int(q_pos.min()) + 1)
+              if tq > 1 else (None, None))
     for k, _, start in pieces:  # k: [S, kv_heads, hd] -> scores [kv_heads, group*Tq, S]
-        s = torch.matmul(qg, k.permute(1, 2, 0)).float() / math.sqrt(hd)
+        # bfloat16 scores stay bfloat16 (the matmul rounded them already): torch's softmax
+        # computes in float32 inside and writes bfloat16, two passes over [.., S] float32 fewer
+        s = torch.matmul(qg, k.permute(1, 2, 0)).div_(math.sqrt(hd))
         if tq > 1:  # one query sees every key left after the window clip: nothing to mask
-            keep = _mask(q_pos, start, k.shape[0], window)  # [Tq, S]
-            s = s.view(kv_heads, group, tq, -1).masked_fill(~keep, float("-inf")).view(kv_heads, group * tq, -1)
+            n = k.shape[0]
+            a = 0 if lo is None else min(max(lo - start, 0), n)
+            b = max(min(hi - start, n), a)
+            grid = s.view(kv_heads, group, tq, n)
+            for i, j in ((0, a), (b, n)):  # the stretches some query may not see
+                if i < j:
+                    grid[..., i:j].masked_fill_(~_mask(q_pos, start + i, j - i, window), float("-inf"))
         scores.append(s)
-    probs = torch.softmax(torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0], dim=-1).to(q.dtype)
+    probs = torch.softmax(torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0], dim=-1)
     out, at = None, 0
     for (_, v, _), s in zip(pieces, scores):  # v: [S, kv_heads, hd]
         part = torch.matmul(probs[..., at:at + s.shape[-1]], v.permute(1, 0, 2))  # [kv_heads, group*Tq, hd]
