@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from scd_serve.quality.transfer import ORACLE, transfer
+from scd_serve.quality.transfer import ORACLE, rebuild_rounds, transfer
 
 TIMED_ROUNDS = 2  # after a warm round, whose figures are dropped
 
@@ -35,9 +35,10 @@ class RebuildCost:
     median over TIMED_ROUNDS of the two sums' ratio. The prefill is the same for every option,
     so it is timed once, at the first call (a warm round, then the rounds): timing it again next
     to each of the ~45 options a calibration weighs cost 15 of a 63-minute calibration at the
-    0.5B shape (docs/benchmarks.md). The warm round leaves the token
-    prior's rows of the prompts' tokens known, as the decode worker's vocabulary table does
-    (codec/prior_table.py)."""
+    0.5B shape (docs/benchmarks.md). An option's rounds rebuild each prompt from one encoding
+    of it (the producer's prefill is not rebuild time: run per round, it was most of a timing).
+    The warm round leaves the token prior's rows of the prompts' tokens known, as the decode
+    worker's vocabulary table does (codec/prior_table.py)."""
 
     def __init__(self, producer: Any, consumer: Any, prompts: list[torch.Tensor], rounds: int = TIMED_ROUNDS):
         # the handoff: every prompt token but the last, which the consumer decodes itself
@@ -51,10 +52,13 @@ class RebuildCost:
 
     def __call__(self, codec: Any) -> float:
         if not self.prefill_s:
-            self.prefill_s = self._rounds(lambda prefix: transfer(ORACLE, None, None, self.consumer, prefix, 1))
-        rebuild_s = self._rounds(lambda prefix: transfer("scd", codec, self.producer, self.consumer, prefix, 1))
+            self.prefill_s = self._rounds(lambda prefix: [transfer(ORACLE, None, None, self.consumer, prefix, 1).rebuild_s
+                                                          for _ in range(self.rounds + 1)])
+        rebuild_s = self._rounds(lambda prefix: rebuild_rounds(codec, self.producer, self.consumer, prefix,
+                                                               self.rounds + 1))
         return statistics.median(r / p for r, p in zip(rebuild_s, self.prefill_s))
 
     def _rounds(self, run) -> list[float]:
-        """Seconds of run(prefix) over all the prompts, per round after a warm one."""
-        return [sum(run(prefix).rebuild_s for prefix in self.prefixes) for _ in range(self.rounds + 1)][1:]
+        """run(prefix) -> its seconds in each round, a warm one first -> the prompts' sums per timed round."""
+        per_prompt = [run(prefix) for prefix in self.prefixes]
+        return [sum(seconds[r] for seconds in per_prompt) for r in range(1, self.rounds + 1)]

@@ -53,23 +53,51 @@ def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens:
             rt_b.write_kv(pool, blocks, layer, state.keys, state.values)
         rebuild = time.perf_counter() - start
     else:
-        residuals = wants_residuals(codec, rt_a.spec.num_layers)
         cut = transferred(codec, prefix.shape[0])
-        shipped = prefix[:cut]
-        source = shipped if donor is None else donor[:cut]
-        prompt = begin(codec, shipped, rt_b)
-        for layer, state in rt_a.iter_prefill(source, compute_logits=False, residuals=residuals):
-            code = codec.encode_layer(layer, state)  # producer side, not timed as rebuild
-            nbytes += payload_bytes(code)
-            start = time.perf_counter()
-            k_pre, v = prompt.decode_layer(layer, code)  # k_pre, v: [cut, kv_heads, head_dim]
-            rt_b.write_kv(pool, blocks, layer, k_pre, v)
-            rebuild += time.perf_counter() - start
-        if cut < prefix.shape[0]:  # the replayed tail, computed by the consumer over the rebuilt rest
-            start = time.perf_counter()
-            rt_b.extend(pool, [(blocks, cut, prefix[cut:])], logits="none")
-            rebuild += time.perf_counter() - start
+        source = prefix[:cut] if donor is None else donor[:cut]
+        sizes = []  # each layer's code is rebuilt as the producer hands it over, as in serving
+
+        def counted():
+            for layer, code in encoded(codec, rt_a, source):
+                sizes.append(payload_bytes(code))
+                yield layer, code
+
+        rebuild, nbytes = rebuild_from(codec, rt_b, pool, blocks, prefix, cut, counted()), sum(sizes)
     return Handoff(pool, blocks, prefix.shape[0], nbytes, rebuild)
+
+
+def encoded(codec, rt_a, tokens: torch.Tensor):
+    """The producer's side: (layer, code) of each layer of its prefill of tokens [n], in turn."""
+    for layer, state in rt_a.iter_prefill(tokens, compute_logits=False,
+                                          residuals=wants_residuals(codec, rt_a.spec.num_layers)):
+        yield layer, codec.encode_layer(layer, state)
+
+
+def rebuild_from(codec, rt_b, pool, blocks: list[int], prefix: torch.Tensor, cut: int, codes) -> float:
+    """The consumer's side, timed: each (layer, code) of prefix[:cut] decoded and written into
+    the pool, then the replayed tail prefix[cut:] computed over them. -> seconds."""
+    prompt = begin(codec, prefix[:cut], rt_b)
+    rebuild = 0.0
+    for layer, code in codes:
+        start = time.perf_counter()
+        k_pre, v = prompt.decode_layer(layer, code)  # k_pre, v: [cut, kv_heads, head_dim]
+        rt_b.write_kv(pool, blocks, layer, k_pre, v)
+        rebuild += time.perf_counter() - start
+    if cut < prefix.shape[0]:  # the replayed tail, computed by the consumer over the rebuilt rest
+        start = time.perf_counter()
+        rt_b.extend(pool, [(blocks, cut, prefix[cut:])], logits="none")
+        rebuild += time.perf_counter() - start
+    return rebuild
+
+
+def rebuild_rounds(codec, rt_a, rt_b, prefix: torch.Tensor, rounds: int) -> list[float]:
+    """`rounds` rebuilds of prefix [T] from one encoding of it: the producer's prefill and the
+    encode are not rebuild time, so they run once. -> seconds of each."""
+    cut = transferred(codec, prefix.shape[0])
+    codes = list(encoded(codec, rt_a, prefix[:cut]))
+    num_blocks = -(-prefix.shape[0] // BLOCK)
+    return [rebuild_from(codec, rt_b, rt_b.new_kv_pool(num_blocks, BLOCK), list(range(num_blocks)), prefix, cut, codes)
+            for _ in range(rounds)]
 
 
 def teacher_forced(rt_b, h: Handoff, tokens: torch.Tensor) -> torch.Tensor:

@@ -228,6 +228,18 @@ def test_a_rebuild_is_timed_against_the_consumers_own_prefill_of_the_same_prompt
         RebuildCost(producer, consumer, [torch.arange(8)], rounds=0)
 
 
+def test_an_options_timed_rounds_rebuild_from_one_encoding(tmp_path):
+    from scd_serve.quality.transfer import rebuild_rounds
+
+    producer, consumer = make_pair(tmp_path, layers=2)
+    prefills, real = [], producer.iter_prefill
+    producer.iter_prefill = lambda *a, **kw: (prefills.append(a[0].numel()), real(*a, **kw))[1]
+    prefix = prompts(1, 24)[0][0][:-1]
+    seconds = rebuild_rounds(codec.build("raw", producer=producer, consumer=consumer), producer, consumer, prefix, 3)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert prefills == [prefix.numel()]  # the producer's prefill is not rebuild time: once for all rounds
+
+
 def test_calibration_weighs_replays_against_runs_and_the_served_codecs_use_its_choice(tmp_path):
     producer, consumer = make_pair(tmp_path, layers=2)
     pairs = prompts(10, 32)
