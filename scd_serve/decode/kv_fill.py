@@ -32,6 +32,7 @@ from scd_serve.decode.receive import Received, check_header
 from scd_serve.decode.shared import SharedTransfers
 from scd_serve.decode.transfer import handoff
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
+from scd_serve.model.threads import one_thread
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, Overloaded, ScdError, TransferCorrupt, TransferFailed,
                               TransferTimedOut, Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
@@ -78,7 +79,9 @@ class RemoteKVFill:
         self.num_inflight = 0  # transfers running now
         self._aborts: set[asyncio.Task] = set()
         self._freed = asyncio.Event()  # set whenever a transfer ends and frees a peer slot
-        self._threads = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="scd-transfer")
+        # a transfer writes one layer at a time beside the engine's forward: on one thread, so
+        # that its team does not make libgomp put the engine's to sleep between ops (model/threads.py)
+        self._threads = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="scd-transfer", initializer=one_thread)
         self._jobs: set[TransferJob] = set()
         self.num_cold_switches = 0  # transfers stopped at their header for a local prefill (ColdAtPeer)
         self.on_cold: Callable[[str, object], None] | None = None  # told (prefill address, request) of each

@@ -229,14 +229,12 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
     from scd_serve.control.fanout import HeartbeatFanout
     from scd_serve.control.preflight import check_model_dir, check_port
     from scd_serve.decode.worker import DecodeWorker
-    from scd_serve.model.runtime import ModelRuntime
+    from scd_serve.model.threads import load_for_serving
 
     check_port(config.host, config.port)
     check_model_dir(config.model)
     stop = stop_event()
-    rt = ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
-    if rt.pack_linears():
-        log.info("linear weights packed for oneDNN (%s)", rt.dtype)
+    rt = load_for_serving(config.model, config.device, config.dtype)
     if codebook_chosen and codebook_arg(config.codebook):
         refuse_other_pair(config.codebook, "--model", consumer=rt)
     method = resolve_method(rt, codebook_arg(config.codebook), config.method, explicit_method)

@@ -41,12 +41,14 @@ class DecodeWorker:
         from scd_serve.decode.consumer_codecs import ConsumerCodecs
         from scd_serve.decode.kv_fill import RemoteKVFill
         from scd_serve.decode.peers import PeerSet
+        from scd_serve.model.threads import in_passing_thread
 
         rt, config = self.rt, self.config
         codecs = ConsumerCodecs(rt, config.codebook)
         if codecs.codebook is not None:
             try:
-                said = await asyncio.to_thread(codecs.fill_prior_table, config.prior_table, config.prior_table_budget_s)
+                said = await asyncio.to_thread(in_passing_thread, codecs.fill_prior_table, config.prior_table,
+                                              config.prior_table_budget_s)
             except ScdError as exc:  # a codebook that does not load: each method says so when built
                 said = f"no feature prior table: {exc.message}"
             if said:

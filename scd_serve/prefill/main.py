@@ -88,16 +88,15 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None, cod
     from scd_serve.codec.codebook import codebook_arg, refuse_other_pair
     from scd_serve.control.fanout import HeartbeatFanout
     from scd_serve.control.preflight import check_model_dir, check_port
-    from scd_serve.model.runtime import ModelRuntime
+    from scd_serve.model.threads import load_for_serving
     from scd_serve.prefill.worker import PrefillWorker
 
     check_port(config.host, config.port)
     check_port(config.host, config.metrics_port, "--metrics-port")
     check_model_dir(config.model)
     stop = stop_event()
-    rt = load(config) if load else ModelRuntime.load(config.model, device=config.device, dtype=config.dtype)
-    if rt.pack_linears():
-        log.info("linear weights packed for oneDNN (%s)", rt.dtype)
+    # vLLM's engine starts from here, its threads its own; ours is loaded off this thread (threads.py)
+    rt = load(config) if load else load_for_serving(config.model, config.device, config.dtype)
     if codebook_chosen and codebook_arg(config.codebook):
         refuse_other_pair(config.codebook, "--model", producer=rt)
     codecs = build_codecs(rt, config.codebook)
