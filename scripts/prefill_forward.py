@@ -9,6 +9,10 @@ prefill lead comes from). Each engine in its own python, pinned the same way:
         --model out/shaped/consumer
 
 Prints the median of --runs after a warm-up, then (--profile) the profiler's top ops of one more.
+`--layout second|passing-load` (scd) runs the forward in a second thread, the model loaded on the
+main thread or in a thread that exited (model/threads.py: two OpenMP teams, or one):
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/prefill_forward.py scd --model out/shaped/consumer --layout second
 `attention` times one layer's causal prefill attention at the shape's heads (the kernels tried
 in place of SDPA's), its error against float32 SDPA:
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM's forward in this process
@@ -53,6 +58,7 @@ def attention_kernels(model: str, tokens: int, runs: int) -> None:
 
     import torch.nn.functional as F
 
+    from scd_serve.model.paged import attend_blocks
     from scd_serve.model.runtime import ModelRuntime
 
     spec = ModelRuntime.load(model, weights=False).spec
@@ -87,7 +93,11 @@ def attention_kernels(model: str, tokens: int, runs: int) -> None:
                                                                       is_causal=True, enable_gqa=True),
                "sdpa, query blocks of 256": sdpa_blocks,
                "flex_attention (inductor)": lambda: flex(q, k, v, block_mask=mask, enable_gqa=True),
-               **{f"bf16 bmm, query blocks of {b}": (lambda b=b: bmm_blocks(b)) for b in (32, 64, 128)}}
+               **{f"bf16 bmm, query blocks of {b}": (lambda b=b: bmm_blocks(b)) for b in (32, 64, 128)},
+               # what the engine runs (model/paged.py), on [T, heads, hd] rows
+               "model/paged.attend_blocks": lambda: attend_blocks(
+                   q[0].transpose(0, 1), torch.arange(t), [(k[0].transpose(0, 1), v[0].transpose(0, 1), 0)],
+                   None).view(t, h, d).transpose(0, 1)[None]}
     for name, kernel in kernels.items():
         kernel()
         start = time.perf_counter()
@@ -105,24 +115,42 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--layout", choices=("main", "second", "passing-load"), default="main",
+                   help="scd: the model loaded and the forward run on the main thread; loaded there and run in a "
+                        "second thread (two OpenMP teams); or loaded in a thread that exits, run in a second (served)")
     args = p.parse_args()
     if args.engine == "attention":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         return attention_kernels(args.model, args.tokens, args.runs)
     if args.engine == "scd":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        run = scd_prefill(args.model, args.dtype)
+        if args.layout == "passing-load":  # as a worker serves (model/threads.py)
+            from scd_serve.model.threads import in_passing_thread, one_thread
+
+            one_thread()
+            run = in_passing_thread(scd_prefill, args.model, args.dtype)
+        else:
+            run = scd_prefill(args.model, args.dtype)
     else:
         run = vllm_prefill(args.model, args.dtype, eager=args.engine == "vllm-eager")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 30000, (args.tokens,), generator=g).tolist() for _ in range(args.runs + 2)]
-    run(prompts[0])  # warm-up
     times = []
-    for ids in prompts[1:-1]:
-        start = time.perf_counter()
-        run(ids)
-        times.append(time.perf_counter() - start)
-    print(f"{args.engine}: {args.tokens} tokens, {args.dtype}, median {statistics.median(times):.3f} s "
+
+    def timed() -> None:
+        run(prompts[0])  # warm-up
+        for ids in prompts[1:-1]:
+            start = time.perf_counter()
+            run(ids)
+            times.append(time.perf_counter() - start)
+
+    if args.layout == "main":
+        timed()
+    else:  # the forward in a thread of its own, as the decode worker's engine loop runs it
+        thread = threading.Thread(target=timed)
+        thread.start()
+        thread.join()
+    print(f"{args.engine} ({args.layout}): {args.tokens} tokens, {args.dtype}, median {statistics.median(times):.3f} s "
           f"of {[round(t, 3) for t in times]}", flush=True)
     if args.profile:
         from torch.profiler import profile
