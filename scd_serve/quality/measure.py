@@ -33,6 +33,7 @@ def measure_held_out(producer: Any, consumer: Any, book: Any, pairs: list, tail:
                                       show_progress)
     return methods, report | {"held_out": True}
 
+
 def record(book_dir: Path, methods: dict, report: dict, min_top1: float) -> dict:
     """The figures into DIR/manifest.json's calibration block (the tensors and their checksum stay)."""
     from scd_serve.codec import figures
