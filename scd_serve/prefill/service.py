@@ -12,7 +12,6 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +69,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.max_prompt_tokens = config.max_prompt_tokens or runtime.spec.max_position_embeddings
         if hasattr(runtime, "max_prompt_tokens"):  # an engine with its own limit (vLLM's)
             self.max_prompt_tokens = min(self.max_prompt_tokens, runtime.max_prompt_tokens)
-        self._pool = ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="producer")
         self.prefix = PrefixStates(runtime, config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.num_served = 0  # completed transfers
         self.num_prefills = 0  # producer runs (cache misses that started)
@@ -225,9 +223,17 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """Stream codecs[0]'s codes as the producer makes them; -> every codec's layers."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        emit = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+        def emit(item) -> None:
+            if not loop.is_closed():  # the server stopped while this prefill ran
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
         self.num_prefills += 1
-        loop.run_in_executor(self._pool, _produce, self.rt, codecs, tokens, start, t.stop, emit, self.prefix)
+        # a thread per prefill (admission bounds them), gone when it is: a pool's idle threads would
+        # each keep an OpenMP team, and with more teams than CPUs libgomp sleeps every team's workers
+        # between ops (model/threads.py): after a burst of streams, a 1k prompt's P/D TTFT 1.38 s
+        # against 1.16 s this way (docs/benchmarks.md, with what it costs concurrent streams)
+        threading.Thread(target=_produce, args=(self.rt, codecs, tokens, start, t.stop, emit, self.prefix),
+                         name="producer", daemon=True).start()
         made: list[list[list]] = [[] for _ in codecs]
         while True:
             item = await queue.get()
@@ -252,7 +258,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def close(self) -> None:
         for t in list(self.transfers.values()):
             t.stop.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _produce(rt, codecs: list, tokens: list[int], first: int, stop: threading.Event, emit,
