@@ -223,6 +223,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """Stream codecs[0]'s codes as the producer makes them; -> every codec's layers."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+
         def emit(item) -> None:
             if not loop.is_closed():  # the server stopped while this prefill ran
                 loop.call_soon_threadsafe(queue.put_nowait, item)

@@ -55,14 +55,8 @@ def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens:
     else:
         cut = transferred(codec, prefix.shape[0])
         source = prefix[:cut] if donor is None else donor[:cut]
-        sizes = []  # each layer's code is rebuilt as the producer hands it over, as in serving
-
-        def counted():
-            for layer, code in encoded(codec, rt_a, source):
-                sizes.append(payload_bytes(code))
-                yield layer, code
-
-        rebuild, nbytes = rebuild_from(codec, rt_b, pool, blocks, prefix, cut, counted()), sum(sizes)
+        # each layer's code is rebuilt as the producer hands it over, as in serving
+        rebuild, nbytes = rebuild_from(codec, rt_b, pool, blocks, prefix, cut, encoded(codec, rt_a, source))
     return Handoff(pool, blocks, prefix.shape[0], nbytes, rebuild)
 
 
@@ -73,12 +67,13 @@ def encoded(codec, rt_a, tokens: torch.Tensor):
         yield layer, codec.encode_layer(layer, state)
 
 
-def rebuild_from(codec, rt_b, pool, blocks: list[int], prefix: torch.Tensor, cut: int, codes) -> float:
+def rebuild_from(codec, rt_b, pool, blocks: list[int], prefix: torch.Tensor, cut: int, codes) -> tuple[float, int]:
     """The consumer's side, timed: each (layer, code) of prefix[:cut] decoded and written into
-    the pool, then the replayed tail prefix[cut:] computed over them. -> seconds."""
+    the pool, then the replayed tail prefix[cut:] computed over them. -> (seconds, code bytes)."""
     prompt = begin(codec, prefix[:cut], rt_b)
-    rebuild = 0.0
+    rebuild, nbytes = 0.0, 0
     for layer, code in codes:
+        nbytes += payload_bytes(code)
         start = time.perf_counter()
         k_pre, v = prompt.decode_layer(layer, code)  # k_pre, v: [cut, kv_heads, head_dim]
         rt_b.write_kv(pool, blocks, layer, k_pre, v)
@@ -87,7 +82,7 @@ def rebuild_from(codec, rt_b, pool, blocks: list[int], prefix: torch.Tensor, cut
         start = time.perf_counter()
         rt_b.extend(pool, [(blocks, cut, prefix[cut:])], logits="none")
         rebuild += time.perf_counter() - start
-    return rebuild
+    return rebuild, nbytes
 
 
 def rebuild_rounds(codec, rt_a, rt_b, prefix: torch.Tensor, rounds: int) -> list[float]:
@@ -96,8 +91,8 @@ def rebuild_rounds(codec, rt_a, rt_b, prefix: torch.Tensor, rounds: int) -> list
     cut = transferred(codec, prefix.shape[0])
     codes = list(encoded(codec, rt_a, prefix[:cut]))
     num_blocks = -(-prefix.shape[0] // BLOCK)
-    return [rebuild_from(codec, rt_b, rt_b.new_kv_pool(num_blocks, BLOCK), list(range(num_blocks)), prefix, cut, codes)
-            for _ in range(rounds)]
+    return [rebuild_from(codec, rt_b, rt_b.new_kv_pool(num_blocks, BLOCK), list(range(num_blocks)), prefix, cut,
+                         codes)[0] for _ in range(rounds)]
 
 
 def teacher_forced(rt_b, h: Handoff, tokens: torch.Tensor) -> torch.Tensor:
