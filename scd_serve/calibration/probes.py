@@ -22,11 +22,11 @@ from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codec_spec import spec_of
 from scd_serve.codec.rebuild import begin
 from scd_serve.calibration.kl_probe import KLProbe, make_examples, split_prompt
+from scd_serve.calibration.search import MIN_TOP1_GAIN
 from scd_serve.codec.plan import Plan
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
 from scd_serve.extras import tqdm
 
-MIN_TOP1_GAIN = 0.005  # less than this over no replay is noise on a probe of a few thousand positions
 
 
 class ReplayProbes:

@@ -2,7 +2,9 @@
 
 0. Within budget: measured KL <= the budget and, where a floor is given (calibrate's
    min_top1), measured top-1 agreement with the oracle's next token at or above it. A floor
-   that no plan reaches leaves the fewest numbers within the KL budget, flagged infeasible.
+   that no plan reaches leaves, within the KL budget, the plan as close to it as the widest
+   plan gets (within MIN_TOP1_GAIN, the probe's noise) that ships the fewest numbers, flagged
+   infeasible: codes that buy agreement are kept even where they cannot buy all of it.
 1. Profile: for every layer and stream, the KL when only that stream is rebuilt at each
    grid rank (everything else oracle). Raising the KL of the whole plan is predicted as the
    measured KL of the start plan plus these per-stream increments.
@@ -27,6 +29,8 @@ from typing import Callable, Iterable
 
 from scd_serve.codec.plan import OWN, PATCH, REUSE, LayerPlan, Plan
 from scd_serve.calibration.kl_probe import KLProbe, LayerKV
+
+MIN_TOP1_GAIN = 0.005  # top-1 differences below this are noise on a probe of a few thousand positions
 
 
 @dataclass
@@ -127,10 +131,13 @@ class PlanSearch:
         kl_start = self.measure(start) if kl_start is None else kl_start
         if kl_start > budget:
             return SearchPoint(len(patches), start, kl_start, kl_start, False)
-        # a top-1 floor the full-rank plan misses is out of reach with this patch set: the KL
-        # budget alone then steers (the fewest numbers within it), and the point is not feasible
+        # a top-1 floor the full-rank plan misses is out of reach with this patch set: the point is
+        # not feasible, and it keeps what agreement the widest plan buys (the fewest numbers within
+        # the probe's noise of it), not the fewest numbers within the KL budget alone
         floor = self.meets(start, kl_start, budget)
-        fits = lambda plan, kl: self.meets(plan, kl, budget) if floor else kl <= budget
+        near = self.top1.get(start, 0.0) - MIN_TOP1_GAIN
+        fits = (lambda plan, kl: self.meets(plan, kl, budget)) if floor else \
+            (lambda plan, kl: kl <= budget and self.top1.get(plan, 0.0) >= near)
         seq = self._descend(start, lambda plan, pred, delta: kl_start + pred + delta <= budget)
         lo, hi, kl_lo = 0, len(seq) - 1, kl_start  # seq[lo] is known to fit
         kl_hi = self.measure(seq[hi]) if hi > 0 else kl_start
@@ -176,7 +183,10 @@ class PlanSearch:
         allowed = [p for p in curve if max_width is None or p.plan.code_width() <= max_width] or curve
         feasible = [p for p in allowed if p.feasible]
         within_kl = [p for p in allowed if p.kl <= budget]
-        if feasible or within_kl:  # (within the KL budget only: the top-1 floor is out of reach, flagged)
+        if not feasible and within_kl:  # the top-1 floor is out of reach: as close to it as any point gets
+            top = max(self.top1.get(p.plan, 0.0) for p in within_kl)
+            within_kl = [p for p in within_kl if self.top1.get(p.plan, 0.0) >= top - MIN_TOP1_GAIN]
+        if feasible or within_kl:
             best = min(feasible or within_kl, key=lambda p: (p.plan.code_width(), p.num_patches))
         else:  # nothing meets the budget: the most faithful plan, flagged infeasible
             best = min(allowed, key=lambda p: p.kl)
