@@ -11,7 +11,6 @@ tail, against the consumer's own layer-wise prefill of the same prompt) and keep
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import torch
@@ -32,8 +31,8 @@ def spread(prompts: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 
 class RebuildCost:
     """`cost(codec)` -> its rebuild of the prompts over the consumer's prefill of them: the
-    median over TIMED_ROUNDS of the two sums' ratio. The prefill is the same for every option,
-    so it is timed once, at the first call (a warm round, then the rounds): timing it again next
+    fastest of TIMED_ROUNDS rounds of each sum, one over the other. The prefill is the same for
+    every option, so it is timed once, at the first call (a warm round, then the rounds): timing it again next
     to each of the ~45 options a calibration weighs cost 15 of a 63-minute calibration at the
     0.5B shape (docs/benchmarks.md). An option's rounds rebuild each prompt from one encoding
     of it (the producer's prefill is not rebuild time: run per round, it was most of a timing).
@@ -56,7 +55,9 @@ class RebuildCost:
                                                           for _ in range(self.rounds + 1)])
         rebuild_s = self._rounds(lambda prefix: rebuild_rounds(codec, self.producer, self.consumer, prefix,
                                                                self.rounds + 1))
-        return statistics.median(r / p for r, p in zip(rebuild_s, self.prefill_s))
+        # the fastest round of each: other work on the machine only ever adds time, so the least is
+        # the figure least moved by it (a busy spell during one option's rounds made it "over")
+        return min(rebuild_s) / min(self.prefill_s)
 
     def _rounds(self, run) -> list[float]:
         """run(prefix) -> its seconds in each round, a warm one first -> the prompts' sums per timed round."""
