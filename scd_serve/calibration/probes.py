@@ -116,7 +116,7 @@ def measure_methods(producer: Any, consumer: Any, book: Any, pairs: list, tail: 
 def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int],
                           max_width: int | None, kl_budget: float, min_top1: float, max_rebuild: float,
                           replays: tuple[int, ...], cost: Callable[[Plan, int], float] | None = None,
-                          log: Callable[[str], None] = print) -> tuple[Plan, int, dict]:
+                          log: Callable[[str], None] = print, closest: Plan | None = None) -> tuple[Plan, int, dict]:
     """The consumer's own share of the rebuild, chosen jointly: `plan` or a run from a layer of
     `run_ranks` (plan.py, on a residual code of that rank), each with each replay. An option whose
     counted share of a prefill ((N - L) / N for the run, R / T of the probe's prompts for the
@@ -124,10 +124,31 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
     prefill (None: the count stands for it), and measured on the probe at that replay when that
     fits too; one whose replay and run are both as long as those of one timed over is not timed.
     `plan` without a replay is always measured: where nothing fits, it is the cheapest.
+    closest (search.py: the plan nearest a top-1 floor the search found out of reach): weighed the
+    same way only when no option of `plan` meets both targets, and chosen only by `pick` over all.
     -> (plan, replay, {"options": every one timed, ...}) by `pick` among those that fit."""
+    timed: list[dict] = []
+    within = _weigh(search, plan, probes, run_ranks, max_width, max_rebuild, replays, cost, log, timed)
+    chosen, meets = pick(within, kl_budget, min_top1)
+    if not meets and closest is not None:
+        log("no option meets both targets: the closest plan's options too")
+        within += _weigh(search, closest, probes, run_ranks, max_width, max_rebuild, replays, cost, log, timed,
+                         tag=" (closest plan)")
+        chosen, meets = pick(within, kl_budget, min_top1)
+    return chosen["plan"], chosen["replay"], {
+        "options": timed, "meets": meets, "tokens": chosen["replay"], "run": chosen["run"], "kl": chosen["kl"],
+        "top1": chosen["top1"], "rebuild": chosen["cost"], "rebuild_within": chosen["cost"] <= max_rebuild,
+        "closest": bool(chosen.get("closest"))}
+
+
+def _weigh(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int], max_width: int | None,
+           max_rebuild: float, replays: tuple[int, ...], cost: Callable[[Plan, int], float] | None,
+           log: Callable[[str], None], timed: list[dict], tag: str = "") -> list[dict]:
+    """choose_run_and_replay's options of one plan, each timed one appended to `timed`. -> those
+    within max_rebuild (else the plan alone)."""
     n = len(plan.layers)
     runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
-    options, timed, over = [], [], []  # over: (replay, run's share) of options measured over max_rebuild
+    options, over = [], []  # over: (replay, run's share) of options measured over max_rebuild
     for replay in sorted(set(replays) | {0}):
         share = probes.replay_share(replay) if replay else 0.0
         for layer, candidate in runs:
@@ -138,23 +159,20 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
             if any(replay >= r and ran >= f for r, f in over):  # a longer replay or run than one already over
                 continue
             measured = cost(candidate, replay) if cost is not None else counted
-            timed.append({"replay": replay, "run": layer, "counted": round(counted, 4), "cost": round(measured, 4)})
+            timed.append({"replay": replay, "run": layer, "counted": round(counted, 4), "cost": round(measured, 4)}
+                         | ({"closest": True} if tag else {}))
             if measured > max_rebuild:
                 over.append((replay, ran))
                 if not base:  # the plan alone is measured all the same: where nothing fits, it is the cheapest
-                    log(f"replay {replay}, run from {layer}: rebuild {measured:.2f} of a prefill (counted "
+                    log(f"replay {replay}, run from {layer}{tag}: rebuild {measured:.2f} of a prefill (counted "
                         f"{counted:.2f}), over --max-rebuild {max_rebuild}")
                     continue
             m = probes.at(replay).measure_all({i: search.layer_kv(lp) for i, lp in enumerate(candidate.layers)})
             timed[-1] |= {"kl": m.kl, "top1": m.top1}
             options.append(timed[-1] | {"plan": candidate})
-            log(f"replay {replay}, run from {layer}: probe KL {m.kl:.4f}, top-1 {m.top1:.3f}, "
+            log(f"replay {replay}, run from {layer}{tag}: probe KL {m.kl:.4f}, top-1 {m.top1:.3f}, "
                 f"rebuild {measured:.2f} of a prefill (counted {counted:.2f})")
-    within = [o for o in options if o["cost"] <= max_rebuild] or options[:1]  # options[0]: the plan alone
-    chosen, meets = pick(within, kl_budget, min_top1)
-    return chosen["plan"], chosen["replay"], {
-        "options": timed, "meets": meets, "tokens": chosen["replay"], "run": chosen["run"], "kl": chosen["kl"],
-        "top1": chosen["top1"], "rebuild": chosen["cost"], "rebuild_within": chosen["cost"] <= max_rebuild}
+    return [o for o in options if o["cost"] <= max_rebuild] or options[:1]  # options[0]: the plan alone
 
 
 def pick(options: list[dict], kl_budget: float, min_top1: float) -> tuple[dict, bool]:

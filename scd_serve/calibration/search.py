@@ -2,9 +2,11 @@
 
 0. Within budget: measured KL <= the budget and, where a floor is given (calibrate's
    min_top1), measured top-1 agreement with the oracle's next token at or above it. A floor
-   that no plan reaches leaves, within the KL budget, the plan as close to it as the widest
-   plan gets (within MIN_TOP1_GAIN, the probe's noise) that ships the fewest numbers, flagged
-   infeasible: codes that buy agreement are kept even where they cannot buy all of it.
+   that no plan reaches leaves the fewest numbers within the KL budget, flagged infeasible,
+   and beside it the closest plan: within the KL budget, the fewest numbers whose top-1 is
+   within MIN_TOP1_GAIN (the probe's noise) of the best any plan reaches. Which of the two
+   serves is the run and replay choice's (probes.py): a replayed tail may reach the floor
+   from the cheap plan, and where nothing does, the codes that buy agreement are kept.
 1. Profile: for every layer and stream, the KL when only that stream is rebuilt at each
    grid rank (everything else oracle). Raising the KL of the whole plan is predicted as the
    measured KL of the start plan plus these per-stream increments.
@@ -60,6 +62,7 @@ class PlanSearch:
         self.progress = progress or (lambda _msg: None)
         self.profile: dict[tuple[str, int, int], float] = {}  # (stream, layer, rank) -> KL
         self.budget: float | None = None
+        self.closest: SearchPoint | None = None  # run(): where the top-1 floor is out of reach
 
     def measure(self, plan: Plan) -> float:
         """The plan's KL on the probe (and its top-1 agreement, kept, where a floor is set)."""
@@ -124,20 +127,22 @@ class PlanSearch:
             seq.append(plan)
 
     def fit_budget(self, patches: tuple[int, ...], budget: float,
-                   kl_start: float | None = None) -> SearchPoint:
+                   kl_start: float | None = None, closest: bool = False) -> SearchPoint:
         """Fewest numbers per token with this patch set and measured KL <= budget (kl_start as in
-        fit_width)."""
+        fit_width). closest: where the full-rank plan misses the top-1 floor, the fewest whose
+        top-1 is within MIN_TOP1_GAIN of the full-rank plan's instead."""
         start = self.full_rank(patches)
         kl_start = self.measure(start) if kl_start is None else kl_start
         if kl_start > budget:
             return SearchPoint(len(patches), start, kl_start, kl_start, False)
-        # a top-1 floor the full-rank plan misses is out of reach with this patch set: the point is
-        # not feasible, and it keeps what agreement the widest plan buys (the fewest numbers within
-        # the probe's noise of it), not the fewest numbers within the KL budget alone
+        # a top-1 floor the full-rank plan misses is out of reach with this patch set: the KL
+        # budget alone then steers (the fewest numbers within it), and the point is not feasible
         floor = self.meets(start, kl_start, budget)
         near = self.top1.get(start, 0.0) - MIN_TOP1_GAIN
-        fits = (lambda plan, kl: self.meets(plan, kl, budget)) if floor else \
-            (lambda plan, kl: kl <= budget and self.top1.get(plan, 0.0) >= near)
+        if floor or not closest:
+            fits = lambda plan, kl: self.meets(plan, kl, budget) if floor else kl <= budget
+        else:
+            fits = lambda plan, kl: kl <= budget and self.top1.get(plan, 0.0) >= near
         seq = self._descend(start, lambda plan, pred, delta: kl_start + pred + delta <= budget)
         lo, hi, kl_lo = 0, len(seq) - 1, kl_start  # seq[lo] is known to fit
         kl_hi = self.measure(seq[hi]) if hi > 0 else kl_start
@@ -167,27 +172,41 @@ class PlanSearch:
     def run(self, budget: float, max_patches: int,
             max_width: int | None = None) -> tuple[SearchPoint, list[SearchPoint], dict[int, float]]:
         """max_width: most code numbers per token (None: no cap).
-        -> (chosen point, one point per patch count 0..k_max, benefit per layer)."""
+        -> (chosen point, one point per patch count 0..k_max, benefit per layer); self.closest
+        where the top-1 floor is out of reach and the closest plan is another."""
         self.budget = budget
         if not self.profile:
             self.run_profile()
         order, benefit, full_kl = self.patch_order()
-        curve = []
-        for k in range(min(max_patches, len(order)) + 1):
-            patches = tuple(sorted(order[:k]))
-            point = self.fit_budget(patches, budget, full_kl.get(patches))
-            if max_width is not None and point.plan.code_width() > max_width:
-                point = self.fit_width(patches, max_width, point.kl_full_rank)
-            curve.append(point)
-            self.progress(f"{k} patches: {curve[-1].plan.code_width()} numbers/token, KL {curve[-1].kl:.4f}")
+        sets = [tuple(sorted(order[:k])) for k in range(min(max_patches, len(order)) + 1)]
+        curve = self._points(sets, budget, full_kl, max_width, closest=False)
         allowed = [p for p in curve if max_width is None or p.plan.code_width() <= max_width] or curve
         feasible = [p for p in allowed if p.feasible]
         within_kl = [p for p in allowed if p.kl <= budget]
-        if not feasible and within_kl:  # the top-1 floor is out of reach: as close to it as any point gets
-            top = max(self.top1.get(p.plan, 0.0) for p in within_kl)
-            within_kl = [p for p in within_kl if self.top1.get(p.plan, 0.0) >= top - MIN_TOP1_GAIN]
-        if feasible or within_kl:
+        if feasible or within_kl:  # (within the KL budget only: the top-1 floor is out of reach, flagged)
             best = min(feasible or within_kl, key=lambda p: (p.plan.code_width(), p.num_patches))
         else:  # nothing meets the budget: the most faithful plan, flagged infeasible
             best = min(allowed, key=lambda p: p.kl)
+        self.closest = None
+        if within_kl and not feasible and self.min_top1 is not None:
+            near = [p for p in self._points(sets, budget, full_kl, max_width, closest=True)
+                    if p.kl <= budget and (max_width is None or p.plan.code_width() <= max_width)]
+            top = max(self.top1.get(p.plan, 0.0) for p in near) if near else 0.0
+            near = [p for p in near if self.top1.get(p.plan, 0.0) >= top - MIN_TOP1_GAIN]
+            closest = min(near, key=lambda p: (p.plan.code_width(), p.num_patches)) if near else None
+            if closest is not None and closest.plan != best.plan:
+                self.closest = closest
         return best, curve, benefit
+
+    def _points(self, sets: list[tuple[int, ...]], budget: float, full_kl: dict, max_width: int | None,
+                closest: bool) -> list[SearchPoint]:
+        """One point per patch set (fit_budget, or fit_width where it is over the cap)."""
+        points = []
+        for patches in sets:
+            point = self.fit_budget(patches, budget, full_kl.get(patches), closest)
+            if max_width is not None and point.plan.code_width() > max_width:
+                point = self.fit_width(patches, max_width, point.kl_full_rank)
+            points.append(point)
+            self.progress(f"{len(patches)} patches{' (closest)' if closest else ''}: "
+                          f"{point.plan.code_width()} numbers/token, KL {point.kl:.4f}")
+        return points

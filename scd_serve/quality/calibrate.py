@@ -146,7 +146,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
 
     plan, replay, tail = choose_run_and_replay(search, plan, probes, run_ranks, max_width, cfg.kl_budget,
                                                cfg.min_top1, cfg.max_rebuild, cfg.replay,
-                                               timed if cfg.rebuild_cost == "timed" else None, log)
+                                               timed if cfg.rebuild_cost == "timed" else None, log,
+                                               search.closest.plan if search.closest else None)
     stats_kl = tail["kl"]
     run["kl"] = {str(o["run"]): o["kl"] for o in tail["options"]
                  if not o["replay"] and o["run"] is not None and "kl" in o}

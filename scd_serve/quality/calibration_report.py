@@ -32,7 +32,7 @@ def print_report(result: Any, cfg: CalibrateConfig, out: Path) -> None:
     print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} the budget, KL "
           f"{cfg.kl_budget} and top-1 {cfg.min_top1}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {book.droidspeak_layers}; "
           f"{stats['seconds']} s")
-    tried = "; ".join(f"replay {o['replay']} run {o['run']}: " + (
+    tried = "; ".join(f"replay {o['replay']} run {o['run']}{' (closest plan)' if o.get('closest') else ''}: " + (
         f"KL {o['kl']:.4f} top-1 {o['top1']:.3f} rebuild {o['cost']:.2f}" if "kl" in o else
         f"rebuild {o['cost']:.2f}, over") for o in r["options"])
     print(f"replay: the consumer computes the prompt's last {r['tokens']} tokens itself ({tried}; on the probe, "

@@ -111,6 +111,38 @@ def test_a_timed_choice_skips_what_is_longer_than_an_option_over_and_falls_back_
     assert (replay, chosen.run_layer) == (0, None) and not info["rebuild_within"] and probes.measured == [0]
 
 
+def test_the_closest_plan_is_weighed_only_where_the_cheap_one_misses_the_targets():
+    from types import SimpleNamespace
+
+    from scd_serve.calibration.probes import choose_run_and_replay
+    from scd_serve.codec.plan import REUSE, LayerPlan, Plan
+
+    cheap = Plan(tuple(LayerPlan(REUSE, 0, 0) for _ in range(4)))
+    wide = Plan(tuple(LayerPlan(REUSE, 8, 8) for _ in range(4)))
+
+    class Probes(FakeProbes):  # the wide plan agrees 0.02 more at every replay
+        def at(self, replay):
+            def measure_all(layers):
+                self.measured.append((replay, layers[0]))
+                return SimpleNamespace(kl=0.01, top1=0.90 + replay / 1000 + (0.02 if layers[0] == 8 else 0.0))
+            return SimpleNamespace(measure_all=measure_all)
+
+    search = SimpleNamespace(layer_kv=lambda lp: lp.r_k)
+    args = ({}, None, 0.05)
+    # no option reaches top-1 0.99: the closest plan's options are weighed, and its agreement wins
+    probes = Probes()
+    chosen, replay, info = choose_run_and_replay(search, cheap, probes, *args, 0.99, 0.5, (0, 16), None,
+                                                 lambda _: None, wide)
+    assert chosen is wide and replay == 16 and info["closest"] and info["top1"] == pytest.approx(0.936)
+    assert probes.measured == [(0, 0), (16, 0), (0, 8), (16, 8)]
+    # the cheap plan reaches 0.91 with a replay of 16: the closest plan is never measured
+    probes = Probes()
+    chosen, replay, info = choose_run_and_replay(search, cheap, probes, *args, 0.91, 0.5, (0, 16), None,
+                                                 lambda _: None, wide)
+    assert chosen is cheap and replay == 16 and info["meets"] and not info["closest"]
+    assert probes.measured == [(0, 0), (16, 0)]
+
+
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory):
     return ModelRuntime.load(save_tiny_model(tmp_path_factory.mktemp("m") / "m", "qwen2", seed=3,
