@@ -28,7 +28,6 @@ from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
 from scd_serve.extras import tqdm
 
 
-
 class ReplayProbes:
     """The probe prompts at each replay: `at(0)` is `base` (or built), others are built on demand
     and only the latest is held (each holds a pool and both models' states per prompt)."""
