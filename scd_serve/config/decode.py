@@ -98,10 +98,7 @@ class DecodeConfig:
     prior_table: str = "auto"
     prior_table_budget_s: float = 60.0
     max_num_seqs: int = 32  # sequences decoding at once (the batch bound; vLLM's --max-num-seqs)
-    # prompt tokens prefilled per engine step (vLLM's name, and its CPU API server's default: one
-    # chunk of 2,048 prefilled 8 streams' 256-token prompts 5% faster than four of 512, and a
-    # 1,024-token prompt 2-5%; scripts/engine_streams.py, scripts/engine_ttft.py)
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512  # prompt tokens prefilled per engine step (vLLM's name)
     chat_template: str = ""  # a Jinja chat template file, or the template itself ("" = the tokenizer's)
     seed: int | None = None  # seeds the engine's stream of seeds for requests without one (vLLM's --seed)
     json_whitespace: int = 16  # structured outputs: most blanks between two JSON elements (0: compact JSON)
