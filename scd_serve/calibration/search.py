@@ -136,12 +136,13 @@ class PlanSearch:
         if kl_start > budget:
             return SearchPoint(len(patches), start, kl_start, kl_start, False)
         # a top-1 floor the full-rank plan misses is out of reach with this patch set: the KL
-        # budget alone then steers (the fewest numbers within it), and the point is not feasible
+        # budget alone then steers (the fewest numbers within it), or with `closest` the full-rank
+        # plan's agreement less the probe's noise too; the point is not feasible
         floor = self.meets(start, kl_start, budget)
-        near = self.top1.get(start, 0.0) - MIN_TOP1_GAIN
         if floor or not closest:
             fits = lambda plan, kl: self.meets(plan, kl, budget) if floor else kl <= budget
         else:
+            near = self.top1.get(start, 0.0) - MIN_TOP1_GAIN
             fits = lambda plan, kl: kl <= budget and self.top1.get(plan, 0.0) >= near
         seq = self._descend(start, lambda plan, pred, delta: kl_start + pred + delta <= budget)
         lo, hi, kl_lo = 0, len(seq) - 1, kl_start  # seq[lo] is known to fit

@@ -32,9 +32,9 @@ def spread(prompts: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 class RebuildCost:
     """`cost(codec)` -> its rebuild of the prompts over the consumer's prefill of them: the
     fastest of TIMED_ROUNDS rounds of each sum, one over the other. The prefill is the same for
-    every option, so it is timed once, at the first call (a warm round, then the rounds): timing it again next
-    to each of the ~45 options a calibration weighs cost 15 of a 63-minute calibration at the
-    0.5B shape (docs/benchmarks.md). An option's rounds rebuild each prompt from one encoding
+    every option, so it is timed once, at the first call (a warm round, then the rounds): timing
+    it again next to each of the ~45 options a calibration weighs cost 15 of a 63-minute
+    calibration at the 0.5B shape (docs/benchmarks.md). An option's rounds rebuild each prompt from one encoding
     of it (the producer's prefill is not rebuild time: run per round, it was most of a timing).
     The warm round leaves the token prior's rows of the prompts' tokens known, as the decode
     worker's vocabulary table does (codec/prior_table.py)."""
