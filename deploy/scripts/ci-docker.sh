@@ -142,7 +142,8 @@ build_image() {
     log "docker build $IMAGE (base $BASE_IMAGE)"
     quiet docker-build docker build -f deploy/docker/Dockerfile --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" .
     log "built $IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
-    # each rebuild leaves the previous image untagged: a CI machine would fill its disk with them
+    # each rebuild leaves the previous image and its own build stage untagged (2-2.5 GB each): a
+    # CI machine would fill its disk with them
     docker image prune -f --filter label=org.opencontainers.image.title=scd-serve >/dev/null
 }
 
