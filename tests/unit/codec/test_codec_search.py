@@ -169,6 +169,17 @@ def test_a_top1_floor_is_met_as_well_as_the_kl_budget():
     assert all(p.code_width() >= closest.plan.code_width() for p, t in out_of_reach.top1.items()
                if t >= top - MIN_TOP1_GAIN)
     assert floor.closest is None  # a floor some plan reaches needs no closest plan
+
+
+def test_the_closest_plans_pass_measures_each_plan_once():
+    layer_kv = lambda lp: (lambda ex, i: ("reuse", lp.r_k, lp.r_v) if lp.mode == REUSE else ("patch", lp.r_h))
+    stream_kv = lambda s, r: (lambda ex, i: ("patch", r) if s == "h" else (s, r))
+    probe = TopProbe()
+    search = PlanSearch(probe, 4, GRID, GRID, layer_kv, stream_kv, min_top1=0.99)
+    search.run_profile()
+    probe.measured.clear()
+    search.run(0.5, 2)
+    assert search.closest is not None and len(set(probe.measured)) == len(probe.measured)
     # a KL budget no plan meets: the most faithful plan
     worst, curve, _ = PlanSearch(TopProbe(), 4, GRID, GRID, layer_kv, stream_kv, min_top1=0.4).run(0.01, 2)
     assert not worst.feasible and worst.kl == min(p.kl for p in curve)
