@@ -132,7 +132,7 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
     if not meets and closest is not None:
         log("no option meets both targets: the closest plan's options too")
         within += _weigh(search, closest, probes, run_ranks, max_width, max_rebuild, replays, cost, log, timed,
-                         tag=" (closest plan)")
+                         closest=True)
         chosen, meets = pick(within, kl_budget, min_top1)
     return chosen["plan"], chosen["replay"], {
         "options": timed, "meets": meets, "tokens": chosen["replay"], "run": chosen["run"], "kl": chosen["kl"],
@@ -142,9 +142,10 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
 
 def _weigh(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int], max_width: int | None,
            max_rebuild: float, replays: tuple[int, ...], cost: Callable[[Plan, int], float] | None,
-           log: Callable[[str], None], timed: list[dict], tag: str = "") -> list[dict]:
+           log: Callable[[str], None], timed: list[dict], closest: bool = False) -> list[dict]:
     """choose_run_and_replay's options of one plan, each timed one appended to `timed`. -> those
-    within max_rebuild (else the plan alone)."""
+    within max_rebuild (else the plan alone). closest: the options are the closest plan's (marked so)."""
+    tag = " (closest plan)" if closest else ""
     n = len(plan.layers)
     runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
     options, over = [], []  # over: (replay, run's share) of options measured over max_rebuild
@@ -159,7 +160,7 @@ def _weigh(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, i
                 continue
             measured = cost(candidate, replay) if cost is not None else counted
             timed.append({"replay": replay, "run": layer, "counted": round(counted, 4), "cost": round(measured, 4)}
-                         | ({"closest": True} if tag else {}))
+                         | ({"closest": True} if closest else {}))
             if measured > max_rebuild:
                 over.append((replay, ran))
                 if not base:  # the plan alone is measured all the same: where nothing fits, it is the cheapest

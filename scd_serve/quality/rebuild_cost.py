@@ -34,10 +34,10 @@ class RebuildCost:
     fastest of TIMED_ROUNDS rounds of each sum, one over the other. The prefill is the same for
     every option, so it is timed once, at the first call (a warm round, then the rounds): timing
     it again next to each of the ~45 options a calibration weighs cost 15 of a 63-minute
-    calibration at the 0.5B shape (docs/benchmarks.md). An option's rounds rebuild each prompt from one encoding
-    of it (the producer's prefill is not rebuild time: run per round, it was most of a timing).
-    The warm round leaves the token prior's rows of the prompts' tokens known, as the decode
-    worker's vocabulary table does (codec/prior_table.py)."""
+    calibration at the 0.5B shape (docs/benchmarks.md). An option's rounds rebuild each prompt
+    from one encoding of it (the producer's prefill is not rebuild time: run per round, it was
+    most of a timing). The warm round leaves the token prior's rows of the prompts' tokens known,
+    as the decode worker's vocabulary table does (codec/prior_table.py)."""
 
     def __init__(self, producer: Any, consumer: Any, prompts: list[torch.Tensor], rounds: int = TIMED_ROUNDS):
         # the handoff: every prompt token but the last, which the consumer decodes itself
