@@ -42,6 +42,8 @@ async def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prompt tokens per engine step")
     args = p.parse_args()
+    if args.max_tokens < 2:
+        p.error("--max-tokens must be at least 2: time per output token needs two tokens")
     rt = load_for_serving(args.model, "cpu", args.dtype)
     engine = Engine(rt, EngineConfig(max_model_len=args.prompt_tokens + args.max_tokens + 16, num_blocks=4096,
                                      max_num_seqs=max(32, args.streams), max_prefill_tokens=args.max_num_batched_tokens,
