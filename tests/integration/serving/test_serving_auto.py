@@ -29,25 +29,27 @@ PROMPT = list(range(3, 43))  # 40 tokens
 
 
 class SlowPrefill:
-    """The consumer runtime with a slow local prefill (2 ms per prompt token), so that a
+    """The consumer runtime with a slow local prefill (`per_token_s` a prompt token), so that a
     transfer is the fastest option on loopback; everything else passes through."""
 
-    def __init__(self, rt):
+    def __init__(self, rt, per_token_s=0.002):
         self._rt = rt
+        self._per_token_s = per_token_s
 
     def __getattr__(self, name):
         return getattr(self._rt, name)
 
     def extend(self, pool, items, **kw):
-        time.sleep(0.002 * sum(len(tokens) for _, _, tokens in items))
+        time.sleep(self._per_token_s * sum(len(tokens) for _, _, tokens in items))
         return self._rt.extend(pool, items, **kw)
 
 
 @contextlib.asynccontextmanager
 async def auto_worker(consumer, producer, methods, codebook="", budget=None, fallback="none", nodes=None,
-                      servicer_cls=PrefillServicer):
+                      servicer_cls=PrefillServicer, local_per_token_s=0.002):
     """A prefill worker offering `methods` and a decode worker whose default is auto; yields
-    (HTTP client, the decode backend); `nodes`, a list, receives the prefill node."""
+    (HTTP client, the decode backend); `nodes`, a list, receives the prefill node; the local
+    prefill takes `local_per_token_s` a prompt token."""
     book = None
     if codebook:
         from scd_serve.codec.codebook import Codebook
@@ -62,7 +64,7 @@ async def auto_worker(consumer, producer, methods, codebook="", budget=None, fal
     # prefill would then find cached (test_decode_chooser covers that choice)
     worker = DecodeWorker(consumer, config, engine_config(fallback_to_local=fallback == "local", prefix_caching=False),
                           ApiConfig(model_name="tiny", max_model_len=256, max_tokens_cap=64, default_method="auto"),
-                          runtime_wrap=SlowPrefill)
+                          runtime_wrap=lambda rt: SlowPrefill(rt, local_per_token_s))
     try:
         await worker.start(health_loop=False)
         assert worker.peers.ready(), worker.peers.why_not_ready()
@@ -144,7 +146,9 @@ async def test_auto_keeps_to_the_codebooks_quality_budget(cross_pair):
     assert resolve_method(b, book, "auto", explicit=False) == "auto"  # the default when a codebook loads
     assert resolve_method(b, None, "auto", explicit=False) == "raw"  # none: raw, as before
     assert resolve_method(b, None, "auto", explicit=True) == "auto"  # asked for: lossless methods and local
-    async with auto_worker(b, a, ("scd", "reuse", "raw"), codebook=book) as (client, backend):
+    # 10 ms a token (0.4 s for the prompt): one loopback transfer slowed by a busy machine must
+    # not make the local prefill the faster choice, which would fail the last assertion
+    async with auto_worker(b, a, ("scd", "reuse", "raw"), codebook=book, local_per_token_s=0.01) as (client, backend):
         assert backend.auto.chooser.budget == 0.05  # the manifest's own
         methods = [(await complete(client)).json()["scd"]["method"] for _ in range(5)]
         assert set(methods) <= {"scd", "local"} and methods[0] == "scd", methods  # reuse (0.09), raw (5.0) never
