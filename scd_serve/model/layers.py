@@ -18,8 +18,11 @@ Tensor = torch.Tensor
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     dtype = x.dtype
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    scale = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if torch.is_grad_enabled() or x32 is x:  # autograd keeps x32 for pow's backward; x's own buffer
+        return weight * (x32 * scale).to(dtype)
+    # outside autograd in x32's and the cast's own buffers: the same products, two passes fewer
+    return x32.mul_(scale).to(dtype).mul_(weight)
 
 
 class PackedWeight:
@@ -88,13 +91,15 @@ def finish_layer(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> 
 
 
 def _finish_rows(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> Tensor:
-    h = h + linear(attn, lw.wo, lw.bo)
-    x = rms_norm(h, lw.ln2, spec.rms_norm_eps)
-    gate, up = linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
     if torch.is_grad_enabled():  # calibration differentiates through the layers
+        h = h + linear(attn, lw.wo, lw.bo)
+        gate, up = linear(rms_norm(h, lw.ln2, spec.rms_norm_eps), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, lw.w_down, lw.b_down)
-    # in place, in the projection's own fresh buffer: two passes over [T, intermediate] fewer
-    return h + linear(F.silu(gate, inplace=True).mul_(up), lw.w_down, lw.b_down)
+    # the sums in the projections' own fresh buffers (a + b == b + a, bit for bit); SiLU in place
+    # and its product written contiguous, which the down projection reads without a copy
+    h = linear(attn, lw.wo, lw.bo).add_(h)
+    gate, up = linear(rms_norm(h, lw.ln2, spec.rms_norm_eps), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
+    return linear(torch.mul(F.silu(gate, inplace=True), up), lw.w_down, lw.b_down).add_(h)
 
 
 def causal_mask(q_pos: Tensor, lengths: Tensor, s: int, window: int | None) -> Tensor:

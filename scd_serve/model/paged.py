@@ -83,14 +83,24 @@ def attend_blocks(q: Tensor, q_pos: Tensor, pieces: list[tuple[Tensor, Tensor, i
     of PREFILL_QUERY_BLOCK queries at a time over the keys it can see (each block as
     _attend_pieces does a decode step: bfloat16 matmuls and softmax, float32 inside it). -> [Tq, heads*hd]"""
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    scale = _power_of_two_scale(q.shape[-1])
+    if scale is not None:  # the queries scaled once instead of every block's scores: the same bits
+        q = q * scale
     for a in range(0, q.shape[0], PREFILL_QUERY_BLOCK):
         b = min(a + PREFILL_QUERY_BLOCK, q.shape[0])
         # the keys the block's queries see: none newer than its last, none older than its first's window
         lo, hi = (0 if window is None else int(q_pos[a]) - window + 1), int(q_pos[b - 1]) + 1
         seen = [(k[i - start:j - start], v[i - start:j - start], i) for k, v, start in pieces
                 for i, j in [(max(start, lo), min(start + k.shape[0], hi))] if i < j]
-        out[a:b] = _attend_pieces(q[a:b], q_pos[a:b], seen, window)
+        out[a:b] = _attend_pieces(q[a:b], q_pos[a:b], seen, window, scaled=scale is not None)
     return out
+
+
+def _power_of_two_scale(head_dim: int) -> float | None:
+    """1 / sqrt(head_dim) where it is a power of two (head_dim 16, 64, 256): multiplying by it
+    only shifts exponents, so scaling the queries gives the scores scaling them would, bit for bit."""
+    root = math.isqrt(head_dim)
+    return 1.0 / root if root * root == head_dim and root & (root - 1) == 0 else None
 
 
 def _mask(q_pos: Tensor, start: int, n: int, window: int | None) -> Tensor:
@@ -102,7 +112,9 @@ def _mask(q_pos: Tensor, start: int, n: int, window: int | None) -> Tensor:
     return ok
 
 
-def _attend_pieces(q: Tensor, q_pos: Tensor | None, pieces: list[tuple[Tensor, Tensor, int]], window: int | None) -> Tensor:
+def _attend_pieces(q: Tensor, q_pos: Tensor | None, pieces: list[tuple[Tensor, Tensor, int]], window: int | None,
+                   scaled: bool = False) -> Tensor:
+    # scaled: q comes multiplied by 1 / sqrt(hd) already
     tq, heads, hd = q.shape
     kv_heads = pieces[0][0].shape[1]
     group = heads // kv_heads
@@ -117,7 +129,9 @@ def _attend_pieces(q: Tensor, q_pos: Tensor | None, pieces: list[tuple[Tensor, T
     for k, _, start in pieces:  # k: [S, kv_heads, hd] -> scores [kv_heads, group*Tq, S]
         # bfloat16 scores stay bfloat16 (the matmul rounded them already): torch's softmax
         # computes in float32 inside and writes bfloat16, two passes over [.., S] float32 fewer
-        s = torch.matmul(qg, k.permute(1, 2, 0)).div_(math.sqrt(hd))
+        s = torch.matmul(qg, k.permute(1, 2, 0))
+        if not scaled:
+            s.div_(math.sqrt(hd))
         if tq > 1:  # one query sees every key left after the window clip: nothing to mask
             n = k.shape[0]
             a = 0 if lo is None else min(max(lo - start, 0), n)
