@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from scd_serve.codec.base import OWN_INPUTS
 from scd_serve.codec.codebook import Codebook
 from scd_serve.calibration.fit import LayerFit
 from scd_serve.codec.plan import Plan
@@ -47,6 +48,8 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
         "plans": {name: plan.to_json() for name, plan in plans.items()},
         "code_dtypes": {"reuse": "float16", "scd": "float16", "scd-int8": "int8+float16 scales"},
     } | ({"prior": prior} if prior else {}) | (extra or {})
+    if fits and fits[0].inputs != OWN_INPUTS:  # absent: each stream's own (every codebook before them)
+        manifest["code_inputs"] = dict(fits[0].inputs)
     return Codebook(manifest, tensors)
 
 

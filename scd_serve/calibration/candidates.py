@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from scd_serve.codec.base import positions_for
+from scd_serve.codec.base import STREAM_STATES, positions_for
 from scd_serve.calibration.fit import LayerFit, code_rows
 from scd_serve.codec.plan import OWN, PATCH, REUSE, LayerPlan
 from scd_serve.calibration.kl_probe import Example, LayerKV
@@ -52,7 +52,7 @@ class Candidates:
         """Consumer-side pre-RoPE keys (s='k') or values (s='v') rebuilt from a rank-r code (rank 0:
         the mean and token prior alone)."""
         jc = self.fits[layer].codes[s]
-        a = getattr(ex.producer[layer], "keys" if s == "k" else "values")
+        a = getattr(ex.producer[layer], STREAM_STATES[self.fits[layer].inputs[s]])
         b = jc.mu_b.float() + self.prior(ex, layer, s)
         if rank:
             z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from scd_serve.codec.base import STREAM_STATES
+from scd_serve.codec.base import OWN_INPUTS, STREAM_STATES
 from scd_serve.codec.lowrank import Aligner, JointCode, fit_aligner, fit_joint
 
 Tensor = torch.Tensor
@@ -28,6 +28,7 @@ class LayerFit:
     # stream -> token prior (head [rows, dB], bias [dB]) of `prior`; codes carry B - prior
     priors: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     prior: Any = None  # DensePrior (codec/prior.py) or FeaturePrior (codec/features.py)
+    inputs: dict[str, str] = field(default_factory=lambda: dict(OWN_INPUTS))  # stream -> its code's A stream
 
     def aligner(self, s: str, rank: int) -> Aligner:
         return self.aligners[rank] if s == "h" else self.run_aligner
@@ -35,9 +36,11 @@ class LayerFit:
 
 def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_rows: int,
                  seed: int = 0, progress: Callable[[], None] | None = None,
-                 prior: Any = None, run_layers: Iterable[int] = ()) -> list[dict[str, Any]]:
+                 prior: Any = None, run_layers: Iterable[int] = (),
+                 inputs: dict[str, str] = OWN_INPUTS) -> list[dict[str, Any]]:
     """-> per layer {stream: (A rows [N, dA], B rows [N, dB])}, at most max_rows rows, float32;
-    stream r (the residuals) only at run_layers.
+    stream r (the residuals) only at run_layers. A: the producer's state of stream inputs[s]
+    (streams with the same input share one tensor).
 
     With `prior` (a PriorFit or FeatureFit), every position (not only the sampled rows) is
     counted into its normal equations for targets (layer, stream), and each layer's dict also
@@ -46,7 +49,7 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
     run_layers = set(run_layers)
     per_prompt = max(1, max_rows // max(len(prompts), 1))
     gen = torch.Generator().manual_seed(seed)
-    parts: list[dict[str, tuple[list, list]]] = []
+    parts: list[tuple[dict[str, list], dict[str, list]]] = []  # per layer: (A by input stream, B by stream)
     ctx_parts: list[Tensor] = []
     for ids in prompts:
         t = ids.shape[0]
@@ -59,16 +62,22 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
         for (layer, sa), (_, sb) in states:
             streams = STREAMS + ("r",) * (layer in run_layers)
             if len(parts) <= layer:
-                parts.append({s: ([], []) for s in streams})
+                parts.append(({inputs[s]: [] for s in streams}, {s: [] for s in streams}))
+            a_rows, b_rows = parts[layer]
+            for s in a_rows:
+                a = getattr(sa, STREAM_STATES[s])
+                a_rows[s].append(a.reshape(t, -1)[idx.to(a.device)].float().cpu())
             for s in streams:
-                a, b = getattr(sa, STREAM_STATES[s]), getattr(sb, STREAM_STATES[s])
-                parts[layer][s][0].append(a.reshape(t, -1)[idx.to(a.device)].float().cpu())
-                parts[layer][s][1].append(b.reshape(t, -1)[idx.to(b.device)].float().cpu())
+                b = getattr(sb, STREAM_STATES[s])
+                b_rows[s].append(b.reshape(t, -1)[idx.to(b.device)].float().cpu())
                 if prior is not None and s != "r":
                     prior.add_target((layer, s), ctx, b.reshape(t, -1))
         if progress:
             progress()
-    rows = [{s: (torch.cat(a), torch.cat(b)) for s, (a, b) in layer.items()} for layer in parts]
+    rows = []
+    for a_rows, b_rows in parts:
+        a = {s: torch.cat(v) for s, v in a_rows.items()}
+        rows.append({s: (a[inputs[s]], torch.cat(v)) for s, v in b_rows.items()})
     if prior is not None:
         ctx_rows = torch.cat(ctx_parts)
         for layer in rows:
@@ -94,13 +103,13 @@ def code_rows(jc: JointCode, a: Tensor, rank: int) -> Tensor:
 
 
 def fit_layer(rows: dict[str, tuple[Tensor, Tensor]], kv_rank: int, h_ranks: Iterable[int],
-              aligner_width: int) -> LayerFit:
-    """Joint codes for k, v (up to kv_rank) and h, and linear aligners for every r_h; where the
-    rows hold residuals (r), their full-rank code and linear map."""
+              aligner_width: int, inputs: dict[str, str] = OWN_INPUTS) -> LayerFit:
+    """Codes for k, v (up to kv_rank) and h, and linear aligners for every r_h; where the rows
+    hold residuals (r), their full-rank code and linear map. inputs: what collect_rows read as A."""
     h_ranks = sorted(set(h_ranks))
-    codes = {s: fit_joint(*rows[s], max_rank=kv_rank if s in "kv" else max(h_ranks)) for s in STREAMS + ("r",)
-             if s in rows}
-    fit = LayerFit(codes)
+    codes = {s: fit_joint(*rows[s], max_rank=kv_rank if s in "kv" else max(h_ranks), regression=s in "kv")
+             for s in STREAMS + ("r",) if s in rows}
+    fit = LayerFit(codes, inputs=dict(inputs))
     for r in h_ranks:
         train_aligner(fit, rows["h"], r, aligner_width, steps=0)
     if "r" in rows:

@@ -27,8 +27,15 @@ from scd_serve.errors import CodebookError
 CODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.uint8)
 # Names of the producer states a method may need per layer (LayerState attributes).
 KEYS, VALUES, ATTN_INPUT, RESIDUAL = "keys", "values", "attn_input", "residual"
-# SCD's code streams (plan.py) -> the producer state each encodes
+# SCD's code streams (plan.py) -> the state each rebuilds on the consumer
 STREAM_STATES = {"k": KEYS, "v": VALUES, "h": ATTN_INPUT, "r": RESIDUAL}
+# stream -> the stream whose producer state its code is computed from. OWN: each its own (for one
+# model the codes are then exact at full rank, whatever the layers compute between). ATTN: keys
+# and values from the layer's attention input, which holds everything they are made of: two
+# models apart, it predicts the consumer's keys and values better than the producer's own keys and
+# values do (docs/results.md). A codebook's manifest names its choice ("code_inputs").
+OWN_INPUTS = {"k": "k", "v": "v", "h": "h", "r": "r"}
+ATTN_INPUTS = {"k": "h", "v": "h", "h": "h", "r": "r"}
 
 
 @runtime_checkable

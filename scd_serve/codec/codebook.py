@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from scd_serve.codec.base import ATTN_INPUTS, OWN_INPUTS
 from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.plan import Plan
 from scd_serve.codec.codec_spec import CodecSpec, spec_of
@@ -132,6 +133,7 @@ class Codebook:
         a, b = self.side_spec("producer"), self.side_spec("consumer")
         hidden = (a.hidden_size, b.hidden_size)
         width = {"k": (a.kv_width, b.kv_width), "v": (a.kv_width, b.kv_width), "h": hidden, "r": hidden}
+        inputs = self.code_inputs()
         shapes: dict[str, tuple[int, ...]] = {}
         for name in self.manifest.get("plans", {}):
             plan = self.plan(name)
@@ -139,7 +141,7 @@ class Codebook:
                 raise CodebookError(f"plan '{name}' has {len(plan.layers)} layers, the models have {a.num_layers}")
             for i, lp in enumerate(plan.layers):
                 for s, r in lp.decoded:
-                    da, db = width[s]
+                    da, db = width[inputs[s]][0], width[s][1]
                     p = f"layers.{i}.{s}"
                     if r:
                         shapes[f"{p}.mu_a"] = (da,)
@@ -153,6 +155,15 @@ class Codebook:
                         rows = self.context_prior().rows()
                         shapes[f"{p}.prior"], shapes[f"{p}.prior_bias"] = (rows, db), (db,)
         return shapes
+
+    def code_inputs(self) -> dict[str, str]:
+        """stream -> the stream whose producer state its code is computed from (the manifest's
+        "code_inputs"; absent: each its own, as in every codebook before them; codec/base.py)."""
+        inputs = self.manifest.get("code_inputs", OWN_INPUTS)
+        if inputs not in (OWN_INPUTS, ATTN_INPUTS):
+            raise CodebookError(f"codebook manifest 'code_inputs' is {inputs!r}; this version reads {OWN_INPUTS} "
+                                f"or {ATTN_INPUTS}: calibrate the codebook again with this version")
+        return dict(inputs)
 
     def validate(self) -> None:
         for name, shape in self.expected_shapes().items():

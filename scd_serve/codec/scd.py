@@ -56,9 +56,10 @@ class ScdCodec:
         self._aligners: dict[int, Aligner] = {}
         self._priors: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._context_prior = codebook.context_prior()
+        self.inputs = codebook.code_inputs()  # stream -> the stream whose producer state its code reads
 
     def states_needed(self, layer: int) -> frozenset[str]:
-        return frozenset(STREAM_STATES[s] for s, _ in self.plan.layers[layer].streams)
+        return frozenset(STREAM_STATES[self.inputs[s]] for s, _ in self.plan.layers[layer].streams)
 
     # ---- producer ------------------------------------------------------------------------
     def _encoder(self, layer: int, s: str, rank: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +83,7 @@ class ScdCodec:
             return {}
         code: dict[str, torch.Tensor] = {}
         for s, rank in lp.streams:
-            x = state_field(state, STREAM_STATES[s]).float()
+            x = state_field(state, STREAM_STATES[self.inputs[s]]).float()
             x = x.reshape(x.shape[0], -1)  # [T, d]
             mu, enc = self._encoder(layer, s, rank, x)
             code.update(self._pack(f"z{s}", (x - mu) @ enc))  # z: [T, r]

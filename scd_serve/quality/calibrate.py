@@ -20,6 +20,7 @@ import torch
 
 from scd_serve.calibration.assemble import build_codebook, size_stats
 from scd_serve.codec import figures
+from scd_serve.codec.base import ATTN_INPUTS, OWN_INPUTS
 from scd_serve.codec.codebook import Codebook
 from scd_serve.calibration.candidates import Candidates
 from scd_serve.calibration.curve import plot_tradeoff
@@ -85,9 +86,10 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     # codes alone are exact at full rank (same-model mode stays lossless), so none are fitted.
     same_model = bool(pspec.fingerprint and pspec.fingerprint == cspec.fingerprint)
     prior_fit = prior_fitter(cfg, consumer, fit_prompts) if cfg.uses_prior and not same_model else None
+    inputs = OWN_INPUTS if same_model else ATTN_INPUTS  # codec/base.py says why
     with tqdm(total=len(fit_prompts), desc="collect states", disable=not show_progress) as bar:
         rows = collect_rows(producer, consumer, fit_prompts, cfg.max_rows, cfg.seed, bar.update, prior=prior_fit,
-                            run_layers=run_layers)
+                            run_layers=run_layers, inputs=inputs)
     prior, priors = None, {}
     if prior_fit is not None:  # one dense solve: minutes at real shapes, and the fit's memory peak
         with tqdm(total=1, desc=f"solve token prior ({cfg.prior})", disable=not show_progress) as bar:
@@ -101,7 +103,7 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     for layer, r in enumerate(tqdm(rows, desc="fit layers", disable=not show_progress)):
         mine = {s: priors[(layer, s)] for s in "kvh" if (layer, s) in priors}
         rows[layer] = r = subtract_priors(r, prior, mine) if mine else r
-        fits.append(fit_layer(r, cspec.kv_width, h_grid, cfg.aligner_width))
+        fits.append(fit_layer(r, cspec.kv_width, h_grid, cfg.aligner_width, inputs))
         fits[-1].priors, fits[-1].prior = mine, prior
     h_rows = [r["h"] for r in rows]
     del rows

@@ -134,18 +134,23 @@ async def test_decode_with_another_codebook_is_refused(setup):
 
 
 async def test_cross_model_pair_scd_default_handshake_and_transfer(tmp_path):
-    """Producer != consumer (the demo pair's shape): scd stays the default, handshake passes."""
+    """Producer != consumer (the demo pair's shape): scd stays the default, handshake passes; the
+    codes read the producer's attention input, as calibrate fits two models' (codec/base.py), so
+    the prefill worker captures it for every layer."""
     import torch
 
+    from scd_serve.codec.base import ATTN_INPUTS
     from scd_serve.decode.main import resolve_method
 
     a = tiny_runtime(tmp_path / "producer", seed=0)
     b = tiny_runtime(tmp_path / "consumer", seed=1)
-    rows = collect_rows(a, b, [torch.tensor(p) for p in prompts(6, seed=11)], max_rows=4096)
+    rows = collect_rows(a, b, [torch.tensor(p) for p in prompts(6, seed=11)], max_rows=4096, inputs=ATTN_INPUTS)
     d = spec_of(b).kv_width
-    fits = [fit_layer(r, d, (8, 32), aligner_width=32) for r in rows]
+    fits = [fit_layer(r, d, (8, 32), aligner_width=32, inputs=ATTN_INPUTS) for r in rows]
     plan = Plan(tuple(LayerPlan(REUSE, 8, 16) for _ in range(spec_of(b).num_layers)))
-    book = str(build_codebook(fits, {"scd": plan, "reuse": plan}, spec_of(a), spec_of(b)).save(tmp_path / "book"))
+    built = build_codebook(fits, {"scd": plan, "reuse": plan}, spec_of(a), spec_of(b))
+    assert built.manifest["code_inputs"] == ATTN_INPUTS
+    book = str(built.save(tmp_path / "book"))
     assert resolve_method(b, book, "scd", explicit=False) == "scd"
     assert resolve_method(b, None, "scd", explicit=False) == "raw"  # no codebook: raw, with a warning
     with pytest.raises(Exception, match="cannot be used"):

@@ -7,6 +7,7 @@ import torch
 
 from scd_serve import codec
 from scd_serve.quality.calibrate import calibrate
+from scd_serve.codec.base import ATTN_INPUT, ATTN_INPUTS, OWN_INPUTS, RESIDUAL
 from scd_serve.codec.codebook import MANIFEST, TENSORS, Codebook
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.errors import CodebookError, ConfigError
@@ -89,6 +90,27 @@ def test_refuses_wrong_shapes(calibrated, tmp_path):
         Codebook.load(tmp_path / "bad")
 
 
+def test_codes_of_two_models_read_the_attention_input_and_the_manifest_says_so(calibrated, tmp_path):
+    """Two models: every stream's code reads the layer's attention input (codec/base.py), the
+    manifest records it and the encoders have its width; a manifest this version cannot read is
+    refused by name, and one without the key (every codebook before it) reads each stream's own."""
+    producer, consumer, result, path = calibrated
+    book = Codebook.load(path, producer=producer, consumer=consumer)
+    assert book.manifest["code_inputs"] == ATTN_INPUTS == book.code_inputs()
+    encoders = [name for name in book.tensors if name.endswith((".k.enc", ".v.enc"))]
+    assert encoders and all(book.tensors[name].shape[0] == producer.spec.hidden_size for name in encoders)
+    c = codec.build("scd", producer=producer, consumer=consumer, codebook=path)
+    assert all(c.states_needed(i) <= {ATTN_INPUT, RESIDUAL} for i in range(producer.spec.num_layers))
+    bad = dict(book.manifest, code_inputs={"k": "v", "v": "v", "h": "h", "r": "r"})
+    Codebook(bad, dict(book.tensors)).save(tmp_path / "bad")
+    with pytest.raises(CodebookError, match="code_inputs"):
+        Codebook.load(tmp_path / "bad")
+    old = {k: v for k, v in book.manifest.items() if k != "code_inputs"}
+    assert Codebook(old, dict(book.tensors)).code_inputs() == OWN_INPUTS
+    with pytest.raises(CodebookError, match=r"\.enc' has shape|\.mu_a' has shape"):  # hidden-wide encoders
+        Codebook(old, dict(book.tensors)).validate()
+
+
 def test_refuses_truncated_and_corrupt_files(calibrated, tmp_path):
     _, _, result, _ = calibrated
     out = result.codebook.save(tmp_path / "b")
@@ -149,6 +171,7 @@ def test_same_model_calibration_fits_no_token_priors(tmp_path):
     cfg = CalibrateConfig(rebuild_cost="counted", kl_budget=0.5, max_rows=512, aligner_steps=0, max_patches=0)
     book = calibrate(producer, producer, [p for p, _ in pairs[:4]], pairs[4:], cfg, show_progress=False).codebook
     assert book.prior is None and not any(name.endswith(".prior") for name in book.tensors)
+    assert "code_inputs" not in book.manifest  # each stream's own: exact at full rank for one model
 
 
 def test_payload_cap_bounds_what_scd_ships(tmp_path):

@@ -84,7 +84,8 @@ def test_a_rank_zero_stream_is_its_prior_and_ships_nothing(calibrated):
     ids = prompts(1, 20, seed=9)[0][0]
     state = [s for _, s in producer.iter_prefill(ids, compute_logits=False)][reuse]
     code = c.encode_layer(reuse, state)
-    assert set(code) == {"zv"} and c.states_needed(reuse) == frozenset({"values"})
+    # two models: the value code reads the layer's attention input (codec/base.py ATTN_INPUTS)
+    assert set(code) == {"zv"} and c.states_needed(reuse) == frozenset({"attn_input"})
     k, v = c.decode_layer(reuse, code, consumer, tokens=ids)
     k0, v0 = prior_only.decode_layer(reuse, {}, consumer, tokens=ids)
     assert torch.equal(k, k0) and not torch.equal(v, v0)

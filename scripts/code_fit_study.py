@@ -1,0 +1,86 @@
+"""How well each way of fitting the codes predicts a pair's consumer K/V on documents it was not
+fitted on (issue 40; docs/results.md "Codes fitted to predict"): per layer and stream, the
+relative squared error left of what the consumer's token prior leaves, at a quarter of the
+stream's width and at full width, for
+  joint own   the joint SVD of the producer's own stream and the consumer's (the codes before),
+  rrr own     reduced-rank regression on the producer's own stream,
+  rrr h       reduced-rank regression on the producer's attention input of the layer (the codes now),
+  rrr h3      the same on the attention inputs of layers l-2..l (not built).
+
+    .venv/bin/python scripts/code_fit_study.py PAIR_DIR
+
+PAIR_DIR holds producer/, consumer/ and eval/calibration.jsonl (a zoo pair); the first 80% of
+its documents fit (up to 120 prompts), the rest (up to 40 prompts) score.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from scd_serve.calibration.fit import collect_rows
+from scd_serve.codec.features import FeaturePrior
+from scd_serve.codec.lowrank import fit_joint
+from scd_serve.config.codec import CalibrateConfig
+from scd_serve.model.runtime import ModelRuntime
+from scd_serve.quality.calibrate import prior_fitter
+from scd_serve.quality.data import read_prompts
+
+
+def rel_error(pred: torch.Tensor, b: torch.Tensor) -> float:
+    return float((pred - b).pow(2).sum() / (b - b.mean(0)).pow(2).sum())
+
+
+def joint(a, b, av, bv, rank: int) -> float:
+    jc = fit_joint(a, b, max_rank=rank, regression=False)
+    return rel_error((av.double() - jc.mu_a) @ jc.enc[:, :rank] @ jc.decoder(rank) + jc.mu_b, bv.double())
+
+
+def rrr(a, b, av, bv, rank: int) -> float:
+    jc = fit_joint(a, b, max_rank=rank, regression=True)
+    return rel_error((av.double() - jc.mu_a) @ jc.enc[:, :rank] @ jc.decoder(rank) + jc.mu_b, bv.double())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("pair")
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    producer = ModelRuntime.load(f"{args.pair}/producer", dtype="float32")
+    consumer = ModelRuntime.load(f"{args.pair}/consumer", dtype="float32")
+    tok = AutoTokenizer.from_pretrained(f"{args.pair}/consumer")
+    items = read_prompts(f"{args.pair}/eval/calibration.jsonl", tok, 512).items
+    docs = sorted({x.document for x in items})
+    fitted = set(docs[: int(0.8 * len(docs))])
+    fit_ids = [x.ids for x in items if x.document in fitted][:120]
+    score_ids = [x.ids for x in items if x.document not in fitted][:40]
+    cfg = CalibrateConfig(kl_budget=0.05)
+    fit_prior = prior_fitter(cfg, consumer, fit_ids)
+    rows = collect_rows(producer, consumer, fit_ids, 30000, prior=fit_prior)
+    prior, heads = fit_prior.solve(cfg.ridge)
+    # the same features (spec, frequent tokens) for the scored prompts' contexts; nothing fitted on them
+    scored = collect_rows(producer, consumer, score_ids, 10000, prior=prior_fitter(cfg, consumer, fit_ids))
+    ctx = {"fit": prior.reduce(rows[0]["ctx"]), "score": prior.reduce(scored[0]["ctx"])}
+
+    def left(rs, which, layer, s):  # the consumer's rows less the token prior: what codes carry
+        return rs[layer][s][1] - FeaturePrior.apply(*heads[(layer, s)], ctx[which])
+
+    def h(rs, layers):
+        return torch.cat([rs[j]["h"][0] for j in layers], 1)
+
+    print("stream layer rank: joint own / rrr own / rrr h / rrr h3")
+    for s in ("k", "v"):
+        for layer in range(1, len(rows)):
+            b, bv = left(rows, "fit", layer, s), left(scored, "score", layer, s)
+            below = range(max(0, layer - 2), layer + 1)
+            for rank in (b.shape[1] // 4, b.shape[1]):
+                print(f"{s} {layer} {rank}: {joint(rows[layer][s][0], b, scored[layer][s][0], bv, rank):.3f} / "
+                      f"{rrr(rows[layer][s][0], b, scored[layer][s][0], bv, rank):.3f} / "
+                      f"{rrr(rows[layer]['h'][0], b, scored[layer]['h'][0], bv, rank):.3f} / "
+                      f"{rrr(h(rows, below), b, h(scored, below), bv, rank):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
