@@ -21,7 +21,7 @@ import torch
 
 from scd_serve.calibration.fit import collect_rows
 from scd_serve.codec.features import FeaturePrior
-from scd_serve.codec.lowrank import fit_joint
+from scd_serve.codec.lowrank import fit_code
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.quality.calibrate import prior_fitter
@@ -33,12 +33,12 @@ def rel_error(pred: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def joint(a, b, av, bv, rank: int) -> float:
-    jc = fit_joint(a, b, max_rank=rank, regression=False)
+    jc = fit_code(a, b, max_rank=rank, regression=False)
     return rel_error((av.double() - jc.mu_a) @ jc.enc[:, :rank] @ jc.decoder(rank) + jc.mu_b, bv.double())
 
 
 def rrr(a, b, av, bv, rank: int) -> float:
-    jc = fit_joint(a, b, max_rank=rank, regression=True)
+    jc = fit_code(a, b, max_rank=rank, regression=True)
     return rel_error((av.double() - jc.mu_a) @ jc.enc[:, :rank] @ jc.decoder(rank) + jc.mu_b, bv.double())
 
 

@@ -60,7 +60,7 @@ def _unit_rms(x: Tensor) -> Tensor:
     return x / float(x.pow(2).mean().sqrt().clamp_min(1e-12))
 
 
-def fit_joint(a: Tensor, b: Tensor, max_rank: int, ridge: float = 1e-6, regression: bool = True) -> JointCode:
+def fit_code(a: Tensor, b: Tensor, max_rank: int, ridge: float = 1e-6, regression: bool = True) -> JointCode:
     """a: [N, dA] producer rows, b: [N, dB] consumer rows (same tokens) -> JointCode up to max_rank;
     regression: reduced-rank regression, else the joint SVD (the module's docstring)."""
     a, b = a.to(torch.float64), b.to(torch.float64)

@@ -4,7 +4,7 @@ of the producer's; and the joint SVD the aligners read, exact for one model at f
 
 import torch
 
-from scd_serve.codec.lowrank import fit_joint
+from scd_serve.codec.lowrank import fit_code
 
 
 def rows(n=400, da=12, seed=0):
@@ -16,7 +16,7 @@ def test_a_consumer_block_of_rank_two_is_exact_from_a_rank_two_code():
     a, g = rows()
     w = torch.randn(12, 2, generator=g, dtype=torch.float64) @ torch.randn(2, 6, generator=g, dtype=torch.float64)
     b = a @ w + 3.0  # [N, 6]: every column a mix of two directions of A, plus a mean
-    jc = fit_joint(a, b, max_rank=6)
+    jc = fit_code(a, b, max_rank=6)
     assert jc.max_rank == 6  # at most the consumer block's width
     assert jc.rel_error(2) < 1e-9 and jc.rel_error(1) > 1e-3
     z = (a - jc.mu_a) @ jc.enc[:, :2]
@@ -26,7 +26,7 @@ def test_a_consumer_block_of_rank_two_is_exact_from_a_rank_two_code():
 def test_ranks_nest_and_each_channel_lowers_the_error():
     a, g = rows(da=10)
     b = torch.tanh(a[:, :8] @ torch.randn(8, 8, generator=g, dtype=torch.float64))  # not linear in A
-    jc = fit_joint(a, b, max_rank=8)
+    jc = fit_code(a, b, max_rank=8)
     errors = [jc.rel_error(r) for r in range(0, 9)]
     assert all(x > y for x, y in zip(errors, errors[1:])), errors
     # the first channel is the direction that predicts the most of B: at rank 1 no single
@@ -39,4 +39,4 @@ def test_ranks_nest_and_each_channel_lowers_the_error():
 def test_one_model_on_both_sides_is_exact_at_full_rank_either_way():
     a, _ = rows(da=6)
     for regression in (True, False):
-        assert fit_joint(a, a.clone(), max_rank=6, regression=regression).rel_error(6) < 1e-9
+        assert fit_code(a, a.clone(), max_rank=6, regression=regression).rel_error(6) < 1e-9
