@@ -32,13 +32,9 @@ def rel_error(pred: torch.Tensor, b: torch.Tensor) -> float:
     return float((pred - b).pow(2).sum() / (b - b.mean(0)).pow(2).sum())
 
 
-def joint(a, b, av, bv, rank: int) -> float:
-    jc = fit_code(a, b, max_rank=rank, regression=False)
-    return rel_error((av.double() - jc.mu_a) @ jc.enc[:, :rank] @ jc.decoder(rank) + jc.mu_b, bv.double())
-
-
-def rrr(a, b, av, bv, rank: int) -> float:
-    jc = fit_code(a, b, max_rank=rank, regression=True)
+def scored_error(a, b, av, bv, rank: int, regression: bool = True) -> float:
+    """A rank-r code fitted on (a, b), its error on the scored rows (av, bv)."""
+    jc = fit_code(a, b, max_rank=rank, regression=regression)
     return rel_error((av.double() - jc.mu_a) @ jc.enc[:, :rank] @ jc.decoder(rank) + jc.mu_b, bv.double())
 
 
@@ -76,10 +72,10 @@ def main() -> None:
             b, bv = left(rows, "fit", layer, s), left(scored, "score", layer, s)
             below = range(max(0, layer - 2), layer + 1)
             for rank in (b.shape[1] // 4, b.shape[1]):
-                print(f"{s} {layer} {rank}: {joint(rows[layer][s][0], b, scored[layer][s][0], bv, rank):.3f} / "
-                      f"{rrr(rows[layer][s][0], b, scored[layer][s][0], bv, rank):.3f} / "
-                      f"{rrr(rows[layer]['h'][0], b, scored[layer]['h'][0], bv, rank):.3f} / "
-                      f"{rrr(h(rows, below), b, h(scored, below), bv, rank):.3f}", flush=True)
+                own = (rows[layer][s][0], b, scored[layer][s][0], bv, rank)
+                print(f"{s} {layer} {rank}: {scored_error(*own, regression=False):.3f} / {scored_error(*own):.3f} / "
+                      f"{scored_error(rows[layer]['h'][0], b, scored[layer]['h'][0], bv, rank):.3f} / "
+                      f"{scored_error(h(rows, below), b, h(scored, below), bv, rank):.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from scd_serve.codec.base import OWN_INPUTS, STREAM_STATES
-from scd_serve.codec.lowrank import Aligner, JointCode, fit_aligner, fit_code
+from scd_serve.codec.lowrank import Aligner, JointCode, ProducerRows, fit_aligner, fit_code, producer_rows
 
 Tensor = torch.Tensor
 STREAMS = ("k", "v", "h")  # fitted at every layer; "r" at the layers a run may start from
@@ -107,8 +107,14 @@ def fit_layer(rows: dict[str, tuple[Tensor, Tensor]], kv_rank: int, h_ranks: Ite
     """Codes for k, v (up to kv_rank) and h, and linear aligners for every r_h; where the rows
     hold residuals (r), their full-rank code and linear map. inputs: what collect_rows read as A."""
     h_ranks = sorted(set(h_ranks))
-    codes = {s: fit_code(*rows[s], max_rank=kv_rank if s in "kv" else max(h_ranks), regression=s in "kv")
-             for s in STREAMS + ("r",) if s in rows}
+    prepared: dict[int, ProducerRows] = {}  # id(A) -> its centred rows and ridge system: once per input
+    codes = {}
+    for s in (s for s in STREAMS + ("r",) if s in rows):
+        a, b = rows[s]
+        if id(a) not in prepared:
+            prepared[id(a)] = producer_rows(a)
+        codes[s] = fit_code(prepared[id(a)], b, max_rank=kv_rank if s in "kv" else max(h_ranks), regression=s in "kv")
+    del prepared
     fit = LayerFit(codes, inputs=dict(inputs))
     for r in h_ranks:
         train_aligner(fit, rows["h"], r, aligner_width, steps=0)

@@ -28,7 +28,7 @@ Tensor = torch.Tensor
 @dataclass
 class JointCode:
     mu_a: Tensor  # [dA] producer mean
-    enc: Tensor  # [dA, R] ridge encoder, columns ordered by joint singular value
+    enc: Tensor  # [dA, R] encoder, columns ordered by singular value (of the predictions, or joint)
     mu_b: Tensor  # [dB] consumer mean
     gram: Tensor  # [R, R] Z_hat^T Z_hat on calibration rows (for the per-rank decoder)
     cross: Tensor  # [R, dB] Z_hat^T (B - mu_b)
@@ -60,28 +60,46 @@ def _unit_rms(x: Tensor) -> Tensor:
     return x / float(x.pow(2).mean().sqrt().clamp_min(1e-12))
 
 
-def fit_code(a: Tensor, b: Tensor, max_rank: int, ridge: float = 1e-6, regression: bool = True) -> JointCode:
-    """a: [N, dA] producer rows, b: [N, dB] consumer rows (same tokens) -> JointCode up to max_rank;
-    regression: reduced-rank regression, else the joint SVD (the module's docstring)."""
-    a, b = a.to(torch.float64), b.to(torch.float64)
-    mu_a, mu_b = a.mean(0), b.mean(0)
-    ac, bc = a - mu_a, b - mu_b
-    gram_a = ac.T @ ac
-    solve = gram_a + ridge * float(torch.trace(gram_a)) / ac.shape[1] * torch.eye(ac.shape[1], dtype=a.dtype)
+@dataclass
+class ProducerRows:
+    """Producer rows centred, with the ridge system every code fitted on them solves: streams
+    whose codes read one state (codec/base.py ATTN_INPUTS) share it instead of each building it."""
+    mu: Tensor  # [dA]
+    centred: Tensor  # [N, dA] float64
+    system: Tensor  # [dA, dA] A^T A + ridge
+
+
+def producer_rows(a: Tensor, ridge: float = 1e-6) -> ProducerRows:
+    a = a.to(torch.float64)
+    mu = a.mean(0)
+    ac = a - mu
+    gram = ac.T @ ac
+    lam = ridge * float(torch.trace(gram)) / ac.shape[1]
+    return ProducerRows(mu, ac, gram + lam * torch.eye(ac.shape[1], dtype=a.dtype))
+
+
+def fit_code(a: Tensor | ProducerRows, b: Tensor, max_rank: int, regression: bool = True) -> JointCode:
+    """a: [N, dA] producer rows (or producer_rows of them), b: [N, dB] consumer rows (same
+    tokens) -> JointCode up to max_rank; regression: reduced-rank regression, else the joint SVD
+    (the module's docstring)."""
+    pa = a if isinstance(a, ProducerRows) else producer_rows(a)
+    ac, b = pa.centred, b.to(torch.float64)
+    mu_b = b.mean(0)
+    bc = b - mu_b
     if regression:
-        w = torch.linalg.solve(solve, ac.T @ bc)  # [dA, dB]
+        w = torch.linalg.solve(pa.system, ac.T @ bc)  # [dA, dB]
         fitted = ac @ w  # [N, dB]: B as A predicts it
         evals, evecs = torch.linalg.eigh(fitted.T @ fitted)  # ascending
-        rank = min(max_rank, b.shape[1], a.shape[1], a.shape[0])
+        rank = min(max_rank, b.shape[1], ac.shape[1], ac.shape[0])
         enc = w @ evecs[:, torch.argsort(evals, descending=True)[:rank]]  # [dA, R]
     else:
         m = torch.cat([_unit_rms(ac), _unit_rms(bc)], dim=1)  # [N, dA+dB]
         evals, evecs = torch.linalg.eigh(m.T @ m)  # ascending
         rank = min(max_rank, m.shape[1], m.shape[0])
         z = m @ evecs[:, torch.argsort(evals, descending=True)[:rank]]  # [N, R] joint code (U S)
-        enc = torch.linalg.solve(solve, ac.T @ z)  # [dA, R]
+        enc = torch.linalg.solve(pa.system, ac.T @ z)  # [dA, R]
     zh = ac @ enc
-    return JointCode(mu_a, enc, mu_b, zh.T @ zh, zh.T @ bc, float(bc.pow(2).sum()))
+    return JointCode(pa.mu, enc, mu_b, zh.T @ zh, zh.T @ bc, float(bc.pow(2).sum()))
 
 
 class Aligner(torch.nn.Module):

@@ -91,14 +91,15 @@ def finish_layer(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> 
 
 
 def _finish_rows(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> Tensor:
-    if torch.is_grad_enabled():  # calibration differentiates through the layers
-        h = h + linear(attn, lw.wo, lw.bo)
-        gate, up = linear(rms_norm(h, lw.ln2, spec.rms_norm_eps), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, lw.w_down, lw.b_down)
-    # the sums in the projections' own fresh buffers (a + b == b + a, bit for bit); SiLU in place
-    # and its product written contiguous, which the down projection reads without a copy
-    h = linear(attn, lw.wo, lw.bo).add_(h)
+    # outside autograd (calibration differentiates through the layers) the sums land in the
+    # projections' own fresh buffers (a + b == b + a, bit for bit), SiLU runs in place and its
+    # product is written contiguous, which the down projection reads without a copy
+    grad = torch.is_grad_enabled()
+    out = linear(attn, lw.wo, lw.bo)
+    h = h + out if grad else out.add_(h)
     gate, up = linear(rms_norm(h, lw.ln2, spec.rms_norm_eps), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
+    if grad:
+        return h + linear(F.silu(gate) * up, lw.w_down, lw.b_down)
     return linear(torch.mul(F.silu(gate, inplace=True), up), lw.w_down, lw.b_down).add_(h)
 
 
