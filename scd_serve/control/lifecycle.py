@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -139,6 +140,15 @@ async def start_http(server) -> tuple[asyncio.Task, int]:
         raise ConfigError(f"HTTP listener on {server.config.host}:{server.config.port} did not start "
                           f"(port in use or shutting down)")
     return http, server.servers[0].sockets[0].getsockname()[1]
+
+
+def freeze_heap() -> None:
+    """After start-up: the objects made so far (a model's modules, imports, the warm-up's) are
+    kept out of every later garbage collection. A serving process holds ~265k of them, and a
+    full collection over them paused a decode worker for 0.15 s, inside a request's time to first
+    token, about once in ten 1k-token transfers (vLLM freezes its start-up objects likewise)."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_role(role: str, args, config_from_args, check_exposure, serve) -> NoReturn:

@@ -14,7 +14,8 @@ from scd_serve.config.control import ControlConfig, add_control_arguments
 from scd_serve.config.decode import (DEFAULT_CODEBOOK, DEFAULT_CONSUMER, FALLBACKS, PRIOR_TABLE_MODES,
                                      ChooserConfig, DecodeConfig, split_peers)
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import add_worker_arguments, advertised, run_role, start_http, stop_event
+from scd_serve.control.lifecycle import (add_worker_arguments, advertised, freeze_heap, run_role, start_http,
+                                         stop_event)
 from scd_serve.errors import ConfigError, ScdError
 
 log = logging.getLogger("scd_serve.decode")
@@ -256,6 +257,7 @@ async def serve(config: DecodeConfig, explicit_method: bool, control: ControlCon
                         request_timeout_s=config.request_timeout_s, chat_template=template)
     worker = await DecodeWorker(rt, config, engine_cfg, api_cfg).start()
     app, engine, backend, peers, auto = worker.app, worker.engine, worker.backend, worker.peers, worker.auto
+    freeze_heap()
     server = uvicorn.Server(http_config(app, config.host, config.port, header_timeout_s=api_cfg.header_timeout_s,
                                         timeout_keep_alive=api_cfg.timeout_keep_alive_s,
                                         timeout_graceful_shutdown=int(config.shutdown_grace_s)))

@@ -10,7 +10,7 @@ import logging
 from scd_serve.config.control import ControlConfig, add_control_arguments
 from scd_serve.config.prefill import DEFAULT_CODEBOOK, DEFAULT_PRODUCER, PrefillConfig
 from scd_serve.config.transport import add_transport_arguments, transport_config_from_args
-from scd_serve.control.lifecycle import add_worker_arguments, advertised, run_role, stop_event
+from scd_serve.control.lifecycle import add_worker_arguments, advertised, freeze_heap, run_role, stop_event
 from scd_serve.errors import ConfigError
 
 log = logging.getLogger("scd_serve.prefill")
@@ -107,6 +107,7 @@ async def serve(config: PrefillConfig, control: ControlConfig | None = None, cod
         refuse_other_pair(book, "--model", producer=rt)
         experts.append(build_codecs(rt, book, sorted(NEEDS_CODEBOOK)))
     worker = PrefillWorker(rt, codecs, config, experts=experts)
+    freeze_heap()
     await worker.start()
     servicer, port = worker.servicer, worker.port
     address = advertised(config.advertise, config.host, port)
