@@ -5,7 +5,10 @@ stream's width and at full width, for
   joint own   the joint SVD of the producer's own stream and the consumer's (the codes before),
   rrr own     reduced-rank regression on the producer's own stream,
   rrr h       reduced-rank regression on the producer's attention input of the layer (the codes now),
-  rrr h3      the same on the attention inputs of layers l-2..l (not built).
+  rrr h3      the same on the attention inputs of layers l-2..l (not built),
+  refined     rrr h and its refiner (codec/refiner.py: an MLP over the code and the prompt's token
+              features, one for every rank, as calibration trains it), and that refiner at rank 0
+              (no code: what the token features alone give beyond the linear prior).
 
     .venv/bin/python scripts/code_fit_study.py PAIR_DIR
 
@@ -22,6 +25,7 @@ import torch
 from scd_serve.calibration.fit import collect_rows
 from scd_serve.codec.features import FeaturePrior
 from scd_serve.codec.lowrank import fit_code
+from scd_serve.codec.refiner import fit_refiner
 from scd_serve.config.codec import CalibrateConfig
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.quality.calibrate import prior_fitter
@@ -36,6 +40,18 @@ def scored_error(a, b, av, bv, rank: int, regression: bool = True) -> float:
     """A rank-r code fitted on (a, b), its error on the scored rows (av, bv)."""
     jc = fit_code(a, b, max_rank=rank, regression=regression)
     return rel_error((av.double() - jc.mu_a) @ jc.enc[:, :rank] @ jc.decoder(rank) + jc.mu_b, bv.double())
+
+
+def refined_errors(a, b, av, bv, ctx, ctx_v, ranks: list[int], width: int = 512, epochs: int = 40) -> dict[int, float]:
+    """The refiner calibration would train on (a, b), scored at each rank on the scored rows."""
+    jc = fit_code(a, b, max_rank=ranks[-1], regression=True)
+    code = lambda x: ((x.double() - jc.mu_a) @ jc.enc[:, :ranks[-1]]).to(torch.float16).float()  # as it ships
+    z, zv = code(a), code(av)
+    dec = {r: jc.decoder(r).float() for r in ranks if r}
+    linear = lambda zz, r: jc.mu_b.float() + (zz[:, :r] @ dec[r] if r else 0.0)
+    ref, _ = fit_refiner(z, ctx, lambda idx, r: b[idx].float() - linear(z[idx], r), ranks, width, epochs)
+    with torch.no_grad():
+        return {r: rel_error(linear(zv, r) + ref(zv[:, :r], ctx_v), bv.float()) for r in ranks}
 
 
 def main() -> None:
@@ -66,16 +82,19 @@ def main() -> None:
     def h(rs, layers):
         return torch.cat([rs[j]["h"][0] for j in layers], 1)
 
-    print("stream layer rank: joint own / rrr own / rrr h / rrr h3")
+    print("stream layer rank: joint own / rrr own / rrr h / rrr h3 / refined (rank 0: refiner alone)")
     for s in ("k", "v"):
         for layer in range(1, len(rows)):
             b, bv = left(rows, "fit", layer, s), left(scored, "score", layer, s)
             below = range(max(0, layer - 2), layer + 1)
+            refined = refined_errors(rows[layer]["h"][0], b, scored[layer]["h"][0], bv, ctx["fit"].float(),
+                                     ctx["score"].float(), [0, b.shape[1] // 4, b.shape[1]])
+            print(f"{s} {layer} 0: refiner alone {refined[0]:.3f}", flush=True)
             for rank in (b.shape[1] // 4, b.shape[1]):
                 own = (rows[layer][s][0], b, scored[layer][s][0], bv, rank)
                 print(f"{s} {layer} {rank}: {scored_error(*own, regression=False):.3f} / {scored_error(*own):.3f} / "
                       f"{scored_error(rows[layer]['h'][0], b, scored[layer]['h'][0], bv, rank):.3f} / "
-                      f"{scored_error(h(rows, below), b, h(scored, below), bv, rank):.3f}", flush=True)
+                      f"{scored_error(h(rows, below), b, h(scored, below), bv, rank):.3f} / {refined[rank]:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from scd_serve.codec.codec_spec import CodecSpec
 def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: CodecSpec, consumer: CodecSpec,
                    extra: dict[str, Any] | None = None) -> Codebook:
     """Encoders are stored at the widest rank any plan uses (their columns nest); decoders and
-    aligners per rank used; token priors (fp16 heads) for the streams any plan uses, and the
+    aligners per rank used; a Reuse stream's refiner (one for every rank); token priors (fp16 heads) for the streams any plan uses, and the
     prior's shared tensors (a feature prior's basis)."""
     tensors: dict[str, torch.Tensor] = {}
     prior: dict[str, Any] | None = None
@@ -42,6 +42,9 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
                     tensors[f"{p}.mu_b"] = jc.mu_b.float()
                     if r:
                         tensors[f"{p}.dec.r{r}"] = jc.decoder(r).float().contiguous()
+                    if s in fits[i].refiners:  # every rank's correction, so the widest code's width
+                        for name, t in fits[i].refiners[s].tensors().items():
+                            tensors[f"{p}.ref.{name}"] = t
     manifest = {
         "producer": producer.to_dict(),
         "consumer": consumer.to_dict(),

@@ -37,26 +37,34 @@ class Candidates:
             self._decoders[key] = self.fits[layer].codes[s].decoder(rank).float()
         return self._decoders[key]
 
+    def context(self, ex: Example, layer: int) -> Tensor:
+        """The prior's context of this example's prefix (features F [P, rank] for a feature prior)."""
+        held = self._ctx.get(id(ex.tokens))
+        if held is None or held[0] is not ex.tokens:
+            prior = self.fits[layer].prior
+            held = self._ctx[id(ex.tokens)] = (ex.tokens, prior.context(ex.tokens.cpu(), self.consumer, device="cpu"))
+        return held[1]
+
     def prior(self, ex: Example, layer: int, s: str) -> Tensor | float:
         """The token prior of stream s on this example's prefix: [P, dB], or 0 without one."""
         if s not in self.fits[layer].priors:
             return 0.0
         head, bias = self.fits[layer].priors[s]
-        prior = self.fits[layer].prior
-        held = self._ctx.get(id(ex.tokens))
-        if held is None or held[0] is not ex.tokens:
-            held = self._ctx[id(ex.tokens)] = (ex.tokens, prior.context(ex.tokens.cpu(), self.consumer, device="cpu"))
-        return prior.apply(head, bias, held[1]).float()
+        return self.fits[layer].prior.apply(head, bias, self.context(ex, layer)).float()
 
     def reuse_stream(self, ex: Example, layer: int, s: str, rank: int) -> Tensor:
         """Consumer-side pre-RoPE keys (s='k') or values (s='v') rebuilt from a rank-r code (rank 0:
-        the mean and token prior alone)."""
-        jc = self.fits[layer].codes[s]
-        a = getattr(ex.producer[layer], STREAM_STATES[self.fits[layer].inputs[s]])
+        the mean and token prior alone), and the stream's refiner where it has one."""
+        fit = self.fits[layer]
+        jc = fit.codes[s]
+        a = getattr(ex.producer[layer], STREAM_STATES[fit.inputs[s]])
         b = jc.mu_b.float() + self.prior(ex, layer, s)
+        z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
         if rank:
-            z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
             b = b + z @ self.decoder(layer, s, rank)
+        if s in fit.refiners:
+            with torch.no_grad():
+                b = b + fit.refiners[s](z, self.context(ex, layer))
         return self._shape(b.expand(a.shape[0], -1)).to(a.device)
 
     def patch(self, ex: Example, layer: int, rank: int) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,7 @@ import torch
 
 from scd_serve.codec.base import OWN_INPUTS, STREAM_STATES
 from scd_serve.codec.lowrank import Aligner, JointCode, ProducerRows, fit_aligner, fit_code, producer_rows
+from scd_serve.codec.refiner import Refiner, fit_refiner
 
 Tensor = torch.Tensor
 STREAMS = ("k", "v", "h")  # fitted at every layer; "r" at the layers a run may start from
@@ -29,6 +30,8 @@ class LayerFit:
     priors: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     prior: Any = None  # DensePrior (codec/prior.py) or FeaturePrior (codec/features.py)
     inputs: dict[str, str] = field(default_factory=lambda: dict(OWN_INPUTS))  # stream -> its code's A stream
+    refiners: dict[str, Refiner] = field(default_factory=dict)  # k, v -> its Reuse decode's correction
+    refiner_err: dict[str, dict[int, float]] = field(default_factory=dict)  # held-out error left, per rank
 
     def aligner(self, s: str, rank: int) -> Aligner:
         return self.aligners[rank] if s == "h" else self.run_aligner
@@ -130,3 +133,19 @@ def train_aligner(fit: LayerFit, h_rows: tuple[Tensor, Tensor], rank: int, width
     z = code_rows(fit.codes["h"], a, rank)
     g, err = fit_aligner(z, b, width, steps=steps)
     fit.aligners[rank], fit.aligner_err[rank] = g, err
+
+
+def train_refiners(fit: LayerFit, rows: dict[str, Any], ranks: Iterable[int], width: int, epochs: int) -> None:
+    """Refiners for the layer's k and v (codec/refiner.py), from rows whose consumer blocks are
+    already less the token prior and whose "ctx" is the prior's reduced features."""
+    for s in "kv":
+        jc, (a, b) = fit.codes[s], rows[s]
+        usable = sorted({r for r in ranks if r <= jc.max_rank})
+        z = code_rows(jc, a, usable[-1])  # [N, R] as it ships
+        decoders = {r: jc.decoder(r).float() for r in usable if r}
+        mu = jc.mu_b.float()
+
+        def left(idx: Tensor, r: int) -> Tensor:  # what the linear decode at rank r leaves of rows idx
+            return b[idx] - mu - (z[idx, :r] @ decoders[r] if r else 0.0)
+
+        fit.refiners[s], fit.refiner_err[s] = fit_refiner(z, rows["ctx"], left, usable, width, epochs)

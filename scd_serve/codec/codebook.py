@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from scd_serve.codec.base import ATTN_INPUTS, OWN_INPUTS
 from scd_serve.codec.lowrank import Aligner
+from scd_serve.codec.refiner import Refiner
 from scd_serve.codec.plan import Plan
 from scd_serve.codec.codec_spec import CodecSpec, spec_of
 from scd_serve.errors import CodebookError, ConfigError
@@ -108,6 +109,17 @@ class Codebook:
             raise CodebookError(f"codebook tensor '{name}' is missing")
         return self.tensors[name]
 
+    def refiner(self, layer: int, s: str) -> Refiner | None:
+        """Reuse stream s's refiner (codec/refiner.py), or None where the codebook has none."""
+        prefix = f"layers.{layer}.{s}.ref."
+        found = {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+        if not found:
+            return None
+        prior = self.context_prior()
+        if getattr(prior, "kind", None) != "features":
+            raise CodebookError(f"codebook tensor {prefix}* needs a feature prior, and the manifest has none")
+        return Refiner.from_tensors(found, found["up.weight"].shape[1] - prior.rows())
+
     def aligner(self, layer: int, s: str, rank: int) -> Aligner:
         """The consumer's map g of stream s (h: H_in, r: a run's residual) at `rank`."""
         prefix = f"layers.{layer}.{s}.g.r{rank}."
@@ -151,6 +163,8 @@ class Codebook:
                         shapes[f"{p}.mu_b"] = (db,)
                         if r:  # rank 0: the mean and prior alone
                             shapes[f"{p}.dec.r{r}"] = (r, db)
+                        if f"{p}.ref.down.weight" in self.tensors:
+                            shapes[f"{p}.ref.down.weight"] = (db, self.tensors[f"{p}.ref.down.weight"].shape[1])
                     if self.prior and f"{p}.prior" in self.tensors:
                         rows = self.context_prior().rows()
                         shapes[f"{p}.prior"], shapes[f"{p}.prior_bias"] = (rows, db), (db,)

@@ -22,8 +22,8 @@ from scd_serve.codec.codebook import Codebook
 from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.plan import OWN, REUSE, RUN, LayerPlan, Plan
 from scd_serve.codec.rebuild import Rebuild
+from scd_serve.codec.refiner import Refiner
 from scd_serve.errors import CodebookError
-
 
 
 def quantize_int8(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +54,7 @@ class ScdCodec:
         self._enc: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._dec: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._aligners: dict[int, Aligner] = {}
+        self._refiners: dict[tuple[int, str], Refiner | None] = {}
         self._priors: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._context_prior = codebook.context_prior()
         self.inputs = codebook.code_inputs()  # stream -> the stream whose producer state its code reads
@@ -105,6 +106,13 @@ class ScdCodec:
                               self.codebook.tensor(f"{p}.mu_b").to(device, torch.float32))
         return self._dec[key]
 
+    def _refiner(self, layer: int, s: str, device) -> Refiner | None:
+        key = (layer, s)
+        if key not in self._refiners:
+            found = self.codebook.refiner(layer, s)
+            self._refiners[key] = found and found.to(device)
+        return self._refiners[key]
+
     def _aligner(self, layer: int, s: str, rank: int, device) -> Aligner:
         if layer not in self._aligners:
             self._aligners[layer] = self.codebook.aligner(layer, s, rank).to(device)
@@ -145,8 +153,9 @@ class ScdCodec:
     def decoder_inputs(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild",
                        lp: LayerPlan | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What a layer's decode combines with its decoder or aligner (distill.py tunes those):
-        -> ({stream: code [T, r] as received}, {stream decoded: token prior [T, dB], or 0.0}); a
-        rank-0 stream has a prior and no code. lp: the layer's plan (default: the codec's)."""
+        -> ({stream: code [T, r] as received}, {stream decoded: what is added to its decoder's or
+        aligner's output: token prior and a Reuse stream's refiner [T, dB], or 0.0}); a rank-0
+        stream has no code. lp: the layer's plan (default: the codec's)."""
         lp = lp or self.plan.layers[layer]
         codes = {s: self._unpack(code, f"z{s}", rebuild.consumer) for s, _ in lp.streams}
         for z in codes.values():
@@ -154,7 +163,14 @@ class ScdCodec:
         like = next(iter(codes.values()), None)
         if like is None and lp.decoded:
             like = to_consumer(torch.empty(rebuild.num_tokens(layer), 0), rebuild.consumer)  # [T, 0]
-        return codes, {s: self._prior(layer, s, rebuild, codes.get(s, like)) for s, _ in lp.decoded}
+        added = {s: self._prior(layer, s, rebuild, codes.get(s, like)) for s, _ in lp.decoded}
+        for s, _ in lp.decoded if lp.mode == REUSE else ():
+            refiner = self._refiner(layer, s, like.device)
+            if refiner is not None:  # z: the code as received, [T, 0] for a rank-0 stream
+                z = codes[s] if s in codes else like[:, :0]
+                with torch.no_grad():
+                    added[s] = added[s] + refiner(z, rebuild.context(z))
+        return codes, added
 
     def _decode(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild"
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,10 @@ class CalibrateConfig:
     # Adam steps and hidden width of each patch aligner MLP (0 steps: linear aligner only).
     aligner_steps: int = 300
     aligner_width: int = 128
+    # Two models with a feature prior: each Reuse stream's refiner (codec/refiner.py), an MLP over its
+    # code and the prompt's token features, trained this many epochs over the fit rows (0: none)
+    refiner_epochs: int = 40
+    refiner_width: int = 256
     # Layers a run of the consumer's own upper layers may start from (plan.py; empty: none; None:
     # every layer whose run costs at most max_rebuild of a prefill).
     run_layers: tuple[int, ...] | None = None
@@ -78,7 +82,7 @@ class CalibrateConfig:
         if not 0 < self.min_top1 <= 1:
             raise ConfigError(f"min_top1 must be in (0, 1] (a share of next tokens), got {self.min_top1}")
         for name in ("num_prompts", "num_probe_prompts", "num_report_prompts", "max_rows", "aligner_width", "probe_tail",
-                     "num_profile_prompts", "num_timing_prompts"):
+                     "num_profile_prompts", "num_timing_prompts", "refiner_width"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.prior_taps <= 8:
@@ -95,6 +99,8 @@ class CalibrateConfig:
         if self.aligner_steps < 0 or self.distill_steps < 0:
             raise ConfigError(f"aligner_steps and distill_steps must be >= 0, got {self.aligner_steps} and "
                               f"{self.distill_steps}")
+        if self.refiner_epochs < 0:
+            raise ConfigError(f"refiner_epochs must be >= 0 (0: no refiners), got {self.refiner_epochs}")
         if not 0 < self.distill_lr < 1 or self.distill_batch < 1:
             raise ConfigError(f"distill_lr must be in (0, 1) and distill_batch >= 1, got {self.distill_lr} and "
                               f"{self.distill_batch}")
