@@ -39,6 +39,7 @@ class Refiner(torch.nn.Module):
         self.down = torch.nn.Linear(width, out)
         torch.nn.init.zeros_(self.down.weight)  # starts as no correction: the linear decode
         torch.nn.init.zeros_(self.down.bias)
+        self._kept: dict[tuple, tuple[Tensor, Tensor]] = {}  # _folded's, made after training (eval())
 
     def inputs(self, z: Tensor, ctx: Tensor) -> Tensor:
         """z [T, r <= max_rank] (a code as shipped), ctx [T, c] -> x [T, max_rank + c], normalized,
@@ -48,13 +49,35 @@ class Refiner(torch.nn.Module):
         return x
 
     def forward(self, z: Tensor, ctx: Tensor) -> Tensor:
-        x = self.inputs(z.float(), ctx.float())
-        return self.down(torch.nn.functional.gelu(self.up(x)))  # [T, out]
+        if self.training or torch.is_grad_enabled():  # training: the padded inputs, as fit_refiner has them
+            hidden = self.up(self.inputs(z.float(), ctx.float()))
+        else:  # serving: the channels a rank-r code lacks are zero, so their weights are skipped
+            weight, bias = self._folded(z.shape[1])
+            hidden = torch.cat([z.float(), ctx.float()], 1) @ weight.T + bias
+        return self.down(torch.nn.functional.gelu(hidden))  # [T, out]
+
+    def _folded(self, rank: int) -> tuple[Tensor, Tensor]:
+        """The up projection of a rank-`rank` code's channels and the features', the normalization
+        folded in: (weight [width, rank + ctx], bias [width]), kept per rank."""
+        key = (rank, self.up.weight.device)
+        if key not in self._kept:
+            used = torch.cat([torch.arange(rank), torch.arange(self.max_rank, self.mean.shape[0])]).to(key[1])
+            weight = self.up.weight[:, used] / self.scale[used]
+            self._kept[key] = (weight.contiguous(), self.up.bias - weight @ self.mean[used])
+        return self._kept[key]
 
     def tensors(self) -> dict[str, Tensor]:
         """The weights in fp16 (what a codebook stores), the rest float32."""
         return {k: v.detach().to(torch.float16 if k.endswith("weight") else torch.float32).contiguous()
                 for k, v in self.state_dict().items()}
+
+    def train(self, mode: bool = True) -> "Refiner":
+        self._kept.clear()  # weights about to change (or just changed): fold them again
+        return super().train(mode)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._kept.clear()  # moved or cast: fold them again on the new device
+        return super()._apply(fn, *args, **kwargs)
 
     @classmethod
     def from_tensors(cls, t: dict[str, Tensor], max_rank: int) -> "Refiner":

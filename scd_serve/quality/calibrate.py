@@ -257,6 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the cap meets the budget, the least KL under it (default: no cap)")
     parser.add_argument("--max-rows", type=int, default=8192, help="token rows per layer for the fits")
     parser.add_argument("--aligner-steps", type=int, default=300)
+    parser.add_argument("--refiner-epochs", type=int, default=CalibrateConfig.refiner_epochs,
+                        help="two models with a feature prior: epochs training each reused stream's refiner, an MLP "
+                             "over its code and the prompt's token features added to the linear decode (0: none)")
     parser.add_argument("--run-layers", type=int, nargs="+", default=None, metavar="L",
                         help="layers from which the consumer may run its own upper layers over the prompt (from "
                              "a full-rank code of the producer's residual; those above ship nothing): the one of "
