@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from scd_serve.codec.base import OWN_INPUTS, STREAM_STATES
+from scd_serve.codec.codec_spec import spec_of
 from scd_serve.codec.lowrank import Aligner, JointCode, ProducerRows, fit_aligner, fit_code, producer_rows
 from scd_serve.codec.refiner import Refiner, fit_refiner
 
@@ -133,6 +134,24 @@ def train_aligner(fit: LayerFit, h_rows: tuple[Tensor, Tensor], rank: int, width
     z = code_rows(fit.codes["h"], a, rank)
     g, err = fit_aligner(z, b, width, steps=steps)
     fit.aligners[rank], fit.aligner_err[rank] = g, err
+
+
+REFINER_SHARE = 0.1  # of the consumer's own per-token layer work that all refiners together may take
+
+
+def refiner_width(consumer: Any, num_streams: int, ctx: int, cap: int) -> int:
+    """Each refiner's hidden width: at most `cap`, and small enough that the refiners of
+    num_streams streams (a code of half the stream's width and ctx features in, the stream out)
+    cost at most REFINER_SHARE of the consumer's per-token layer multiply-adds. At width 256 they
+    added ~0.4 of the prefill to a hidden-128 consumer's rebuild (8 layers; 0.2-0.6 against 0.1-0.2
+    without them, bench.rebuild_timing); at the Qwen2.5-0.5B shape the share allows far more than the cap."""
+    spec = getattr(consumer, "spec", None)
+    c = spec_of(consumer)
+    hidden, kv = c.hidden_size, c.kv_width
+    layer_macs = c.num_layers * (2 * hidden * hidden + 2 * hidden * kv
+                                 + 3 * hidden * getattr(spec, "intermediate_size", 4 * hidden))
+    per_width = max(1, num_streams) * (kv // 2 + ctx + kv)
+    return max(16, min(cap, int(REFINER_SHARE * layer_macs / per_width)))
 
 
 def train_refiners(fit: LayerFit, rows: dict[str, Any], ranks: Iterable[int], width: int, epochs: int) -> None:

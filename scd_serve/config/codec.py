@@ -39,7 +39,8 @@ class CalibrateConfig:
     aligner_steps: int = 300
     aligner_width: int = 128
     # Two models with a feature prior: each Reuse stream's refiner (codec/refiner.py), an MLP over its
-    # code and the prompt's token features, trained this many epochs over the fit rows (0: none)
+    # code and the prompt's token features, trained this many epochs over the fit rows (0: none); its
+    # width at most refiner_width, less on a small consumer (calibration/fit.py refiner_width)
     refiner_epochs: int = 40
     refiner_width: int = 256
     # Layers a run of the consumer's own upper layers may start from (plan.py; empty: none; None:

@@ -24,7 +24,8 @@ from scd_serve.codec.base import ATTN_INPUTS, OWN_INPUTS
 from scd_serve.codec.codebook import Codebook
 from scd_serve.calibration.candidates import Candidates
 from scd_serve.calibration.curve import plot_tradeoff
-from scd_serve.calibration.fit import collect_rows, fit_layer, subtract_priors, train_aligner, train_refiners
+from scd_serve.calibration.fit import (collect_rows, fit_layer, refiner_width, subtract_priors, train_aligner,
+                                       train_refiners)
 from scd_serve.calibration.memory import check_fits, estimate
 from scd_serve.calibration.feature_fit import FeatureFit
 from scd_serve.codec.features import FeaturePrior, FeatureSpec, most_frequent
@@ -100,13 +101,14 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
         for r in rows:
             r["ctx"] = ctx
     fits = []
+    width = refiner_width(consumer, 2 * (num_layers - len(OWN_LAYERS)), prior.rows() if prior else 0, cfg.refiner_width)
     for layer, r in enumerate(tqdm(rows, desc="fit layers", disable=not show_progress)):
         mine = {s: priors[(layer, s)] for s in "kvh" if (layer, s) in priors}
         rows[layer] = r = subtract_priors(r, prior, mine) if mine else r
         fits.append(fit_layer(r, cspec.kv_width, h_grid, cfg.aligner_width, inputs))
         fits[-1].priors, fits[-1].prior = mine, prior
         if cfg.refiner_epochs and isinstance(prior, FeaturePrior) and layer not in OWN_LAYERS:
-            train_refiners(fits[-1], r, kv_grid, cfg.refiner_width, cfg.refiner_epochs)
+            train_refiners(fits[-1], r, kv_grid, width, cfg.refiner_epochs)
     h_rows = [r["h"] for r in rows]
     del rows
     with tqdm(total=len(probe_pairs), desc="probe prompts", disable=not show_progress) as bar:

@@ -124,3 +124,21 @@ def test_calibration_probe_rebuilds_what_the_codec_decodes(refined):
     state = dict(producer.iter_prefill(ex.tokens, compute_logits=False))[1]
     k, _ = scd.decode_layer(1, scd.encode_layer(1, state), consumer, tokens=ex.tokens)
     torch.testing.assert_close(k_cand, k, atol=2e-3, rtol=2e-3)
+
+
+def test_the_width_keeps_the_refiners_a_small_share_of_a_small_consumers_work():
+    from types import SimpleNamespace
+
+    from scd_serve.calibration.fit import REFINER_SHARE, refiner_width
+    from scd_serve.codec.codec_spec import CodecSpec
+
+    def consumer(hidden, layers, kv_heads, intermediate):
+        spec = CodecSpec(num_layers=layers, hidden_size=hidden, num_kv_heads=kv_heads, head_dim=64, rope_theta=1e4)
+        return SimpleNamespace(spec=SimpleNamespace(intermediate_size=intermediate, **spec.to_dict()))
+
+    small = consumer(128, 8, 2, 512)  # a hidden-128 consumer (the zoo's Llama pairs)
+    width = refiner_width(small, 14, 64, 256)
+    per_token_layers = 8 * (2 * 128 * 128 + 2 * 128 * 128 + 3 * 128 * 512)
+    assert 16 <= width < 256 and 14 * width * (64 + 64 + 128) <= REFINER_SHARE * per_token_layers
+    assert refiner_width(consumer(896, 24, 2, 4864), 46, 64, 256) == 256  # the 0.5B shape: the cap
+    assert refiner_width(consumer(64, 1, 1, 64), 2, 64, 256) == 16  # never below 16
