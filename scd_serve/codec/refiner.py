@@ -101,7 +101,9 @@ def fit_refiner(z: Tensor, ctx: Tensor, target: Callable[[Tensor, int], Tensor],
     n_val = max(1, int(holdout * z.shape[0]))
     val, train = torch.arange(z.shape[0] - n_val, z.shape[0]), torch.arange(z.shape[0] - n_val)
     probe = target(val[:1], 0)
-    ref = Refiner(z.shape[1], ctx.shape[1], probe.shape[1], width)
+    with torch.random.fork_rng(devices=[]):  # its initial weights from the seed, not the caller's RNG state
+        torch.manual_seed(seed)
+        ref = Refiner(z.shape[1], ctx.shape[1], probe.shape[1], width)
     x = torch.cat([z, ctx], 1)
     ref.mean.copy_(x[train].mean(0))
     ref.scale.copy_(x[train].std(0).clamp_min(1e-6))

@@ -44,7 +44,8 @@ def test_one_refiner_learns_what_the_linear_decode_misses_at_every_rank():
     ref, err = fit_refiner(z, c, lambda idx, r: y[idx], ranks=[0, 1, 3], width=64, epochs=60)
     # held-out error left, 1.0 = the linear decode's: the features alone recover their part, the
     # full code the product too
-    assert err[0] < 0.9 and err[3] < 0.3 and err[3] < err[1] - 0.1 and err[1] < err[0]  # rank 0: ~0.82 at best
+    # (rank 0: ~0.82 at best; seeds 0-3 gave 0.86-0.87, rank 1 0.63-0.64, rank 3 0.16-0.24)
+    assert err[0] < 0.95 and err[3] < 0.35 and err[3] < err[1] - 0.1 and err[1] < err[0] - 0.1
     zv, cv, yv = synthetic(1000, 2)  # rows it never saw
     left = (ref(zv, cv) - yv).pow(2).sum() / yv.pow(2).sum()
     assert left < 0.35
