@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from scd_serve.calibration.fit import collect_rows
+from scd_serve.calibration.fit import collect_rows, refiner_width
 from scd_serve.codec.features import FeaturePrior
 from scd_serve.codec.lowrank import fit_code
 from scd_serve.codec.refiner import fit_refiner
@@ -42,7 +42,7 @@ def scored_error(a, b, av, bv, rank: int, regression: bool = True) -> float:
     return rel_error((av.double() - jc.mu_a) @ jc.enc[:, :rank] @ jc.decoder(rank) + jc.mu_b, bv.double())
 
 
-def refined_errors(a, b, av, bv, ctx, ctx_v, ranks: list[int], width: int = 512, epochs: int = 40) -> dict[int, float]:
+def refined_errors(a, b, av, bv, ctx, ctx_v, ranks: list[int], width: int, epochs: int = 40) -> dict[int, float]:
     """The refiner calibration would train on (a, b), scored at each rank on the scored rows."""
     jc = fit_code(a, b, max_rank=ranks[-1], regression=True)
     code = lambda x: ((x.double() - jc.mu_a) @ jc.enc[:, :ranks[-1]]).to(torch.float16).float()  # as it ships
@@ -82,13 +82,14 @@ def main() -> None:
     def h(rs, layers):
         return torch.cat([rs[j]["h"][0] for j in layers], 1)
 
-    print("stream layer rank: joint own / rrr own / rrr h / rrr h3 / refined (rank 0: refiner alone)")
+    width = refiner_width(consumer, 2 * (len(rows) - 1), prior.rows(), CalibrateConfig.refiner_width)
+    print(f"stream layer rank: joint own / rrr own / rrr h / rrr h3 / refined (width {width}; rank 0: refiner alone)")
     for s in ("k", "v"):
         for layer in range(1, len(rows)):
             b, bv = left(rows, "fit", layer, s), left(scored, "score", layer, s)
             below = range(max(0, layer - 2), layer + 1)
             refined = refined_errors(rows[layer]["h"][0], b, scored[layer]["h"][0], bv, ctx["fit"].float(),
-                                     ctx["score"].float(), [0, b.shape[1] // 4, b.shape[1]])
+                                     ctx["score"].float(), [0, b.shape[1] // 4, b.shape[1]], width)
             print(f"{s} {layer} 0: refiner alone {refined[0]:.3f}", flush=True)
             for rank in (b.shape[1] // 4, b.shape[1]):
                 own = (rows[layer][s][0], b, scored[layer][s][0], bv, rank)
