@@ -96,7 +96,7 @@ def fit_refiner(z: Tensor, ctx: Tensor, target: Callable[[Tensor, int], Tensor],
     relative squared error per rank, 1.0 being the linear decode's). The held-out rows are the
     last `holdout` of them, so other prompts than the trained ones (calibration rows come prompt
     by prompt): rows of the same prompts share their contexts and would flatter a refiner that
-    learned those contexts by heart (on a zoo pair, prior-only's KL on other documents rose 22%)."""
+    learned those contexts by heart."""
     z, ctx = z.float(), ctx.float()
     gen = torch.Generator().manual_seed(seed)
     n_val = max(1, int(holdout * z.shape[0]))
