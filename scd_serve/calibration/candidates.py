@@ -62,7 +62,7 @@ class Candidates:
         z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
         if rank:
             b = b + z @ self.decoder(layer, s, rank)
-        if s in fit.refiners:
+        if rank and s in fit.refiners:  # rank 0 ships nothing: the linear prior alone
             with torch.no_grad():
                 b = b + fit.refiners[s](z, self.context(ex, layer))
         return self._shape(b.expand(a.shape[0], -1)).to(a.device)

@@ -159,12 +159,14 @@ def train_refiners(fit: LayerFit, rows: dict[str, Any], ranks: Iterable[int], wi
     already less the token prior and whose "ctx" is the prior's reduced features."""
     for s in "kv":
         jc, (a, b) = fit.codes[s], rows[s]
-        usable = sorted({r for r in ranks if r <= jc.max_rank})
+        usable = sorted({r for r in ranks if 0 < r <= jc.max_rank})  # rank 0 ships nothing: no refiner
+        if not usable:
+            continue
         z = code_rows(jc, a, usable[-1])  # [N, R] as it ships
-        decoders = {r: jc.decoder(r).float() for r in usable if r}
+        decoders = {r: jc.decoder(r).float() for r in usable}
         mu = jc.mu_b.float()
 
         def left(idx: Tensor, r: int) -> Tensor:  # what the linear decode at rank r leaves of rows idx
-            return b[idx] - mu - (z[idx, :r] @ decoders[r] if r else 0.0)
+            return b[idx] - mu - z[idx, :r] @ decoders[r]
 
         fit.refiners[s], fit.refiner_err[s] = fit_refiner(z, rows["ctx"], left, usable, width, epochs)

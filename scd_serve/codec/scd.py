@@ -164,12 +164,11 @@ class ScdCodec:
         if like is None and lp.decoded:
             like = to_consumer(torch.empty(rebuild.num_tokens(layer), 0), rebuild.consumer)  # [T, 0]
         added = {s: self._prior(layer, s, rebuild, codes.get(s, like)) for s, _ in lp.decoded}
-        for s, _ in lp.decoded if lp.mode == REUSE else ():
-            refiner = self._refiner(layer, s, like.device)
-            if refiner is not None:  # z: the code as received, [T, 0] for a rank-0 stream
-                z = codes[s] if s in codes else like[:, :0]
+        for s, rank in lp.decoded if lp.mode == REUSE else ():
+            refiner = self._refiner(layer, s, like.device) if rank else None  # rank 0: the linear prior alone
+            if refiner is not None:
                 with torch.no_grad():
-                    added[s] = added[s] + refiner(z, rebuild.context(z))
+                    added[s] = added[s] + refiner(codes[s], rebuild.context(codes[s]))
         return codes, added
 
     def _decode(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild"
