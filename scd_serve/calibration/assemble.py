@@ -42,7 +42,7 @@ def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: Codec
                     tensors[f"{p}.mu_b"] = jc.mu_b.float()
                     if r:
                         tensors[f"{p}.dec.r{r}"] = jc.decoder(r).float().contiguous()
-                    if s in fits[i].refiners:  # every rank's correction, so the widest code's width
+                    if r and s in fits[i].refiners:  # every rank's correction; a rank-0 stream reads none
                         for name, t in fits[i].refiners[s].tensors().items():
                             tensors[f"{p}.ref.{name}"] = t
     manifest = {
