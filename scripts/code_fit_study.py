@@ -7,8 +7,9 @@ stream's width and at full width, for
   rrr h       reduced-rank regression on the producer's attention input of the layer (the codes now),
   rrr h3      the same on the attention inputs of layers l-2..l (not built),
   refined     rrr h and its refiner (codec/refiner.py: an MLP over the code and the prompt's token
-              features, one for every rank, as calibration trains it), and that refiner at rank 0
-              (no code: what the token features alone give beyond the linear prior).
+              features, one for every rank), and that refiner at rank 0 (no code: what the token
+              features alone give beyond the linear prior; trained with rank 0 in its grid, which
+              calibration leaves out: on other documents it lost, docs/results.md).
 
     .venv/bin/python scripts/code_fit_study.py PAIR_DIR
 

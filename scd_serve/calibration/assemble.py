@@ -16,8 +16,9 @@ from scd_serve.codec.codec_spec import CodecSpec
 def build_codebook(fits: list[LayerFit], plans: dict[str, Plan], producer: CodecSpec, consumer: CodecSpec,
                    extra: dict[str, Any] | None = None) -> Codebook:
     """Encoders are stored at the widest rank any plan uses (their columns nest); decoders and
-    aligners per rank used; a Reuse stream's refiner (one for every rank); token priors (fp16 heads) for the streams any plan uses, and the
-    prior's shared tensors (a feature prior's basis)."""
+    aligners per rank used; a Reuse stream's refiner where a plan ships it at a nonzero rank (one
+    serves every rank); token priors (fp16 heads) for the streams any plan uses, and the prior's
+    shared tensors (a feature prior's basis)."""
     tensors: dict[str, torch.Tensor] = {}
     prior: dict[str, Any] | None = None
     for plan in plans.values():

@@ -59,12 +59,12 @@ class Candidates:
         jc = fit.codes[s]
         a = getattr(ex.producer[layer], STREAM_STATES[fit.inputs[s]])
         b = jc.mu_b.float() + self.prior(ex, layer, s)
-        z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
-        if rank:
+        if rank:  # (rank 0 ships nothing: the mean and the linear prior alone, no refiner)
+            z = code_rows(jc, a.reshape(a.shape[0], -1).double(), rank)  # [P, r] fp16-rounded
             b = b + z @ self.decoder(layer, s, rank)
-        if rank and s in fit.refiners:  # rank 0 ships nothing: the linear prior alone
-            with torch.no_grad():
-                b = b + fit.refiners[s](z, self.context(ex, layer))
+            if s in fit.refiners:
+                with torch.no_grad():
+                    b = b + fit.refiners[s](z, self.context(ex, layer))
         return self._shape(b.expand(a.shape[0], -1)).to(a.device)
 
     def patch(self, ex: Example, layer: int, rank: int) -> tuple[Tensor, Tensor]:

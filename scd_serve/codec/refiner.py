@@ -6,7 +6,7 @@ can be had linearly, and little: on `qwen-code-long` (docs/results.md) the linea
 rank-16 key code of layer 1 left 0.75 of what the token prior leaves on documents it was not
 fitted on; with a small MLP over [code, the prior's reduced token features F] on top of it, 0.57
 (0.52 at rank 64, against 0.69), and over F alone, with no code at all, 0.70-0.84 across layers
-(`python scripts/code_fit_study.py /work/zoo/qwen-code-long`, the refiner as calibration trains it).
+(`python scripts/code_fit_study.py /work/zoo/qwen-code-long`, its refined columns).
 So the consumer adds
 
     refine(z, F) = W_d gelu(W_u x),   x = [z padded to the widest rank, F], normalized,
@@ -18,9 +18,9 @@ keeps the linear prior. A refiner over the features alone (a nonlinear prior) di
 held-out rows of the calibration prompts, but worse on other documents: on `llama-lora-rope-docs`,
 which ships nothing, the held-out KL rose 0.0058 -> 0.0083 and the manifest fell outside 25%
 (0.71x; docs/results.md). A code carries the prompt's own facts; the features alone learn the
-calibration documents' tokens. Its
-output layers start at zero (the linear decode exactly) and the epoch kept is the one with the
-lowest error on held-out rows among those no worse than the linear decode there at any rank.
+calibration documents' tokens. Its output layers start at zero (the linear decode exactly) and
+the epoch kept is the one with the lowest error on held-out rows among those no worse than the
+linear decode there at any rank.
 No linear term: what is linear in z and F the decoder and the prior hold already (least squares).
 Calibration stores the two weights in fp16: at the Qwen2.5-0.5B shape 46 refiners of width 256
 are ~7.5 MB, 0.8% of the consumer's bfloat16 weights.
@@ -106,14 +106,13 @@ def fit_refiner(z: Tensor, ctx: Tensor, target: Callable[[Tensor, int], Tensor],
     gen = torch.Generator().manual_seed(seed)
     n_val = max(1, int(holdout * z.shape[0]))
     val, train = torch.arange(z.shape[0] - n_val, z.shape[0]), torch.arange(z.shape[0] - n_val)
-    probe = target(val[:1], ranks[0])
+    val_targets = {r: target(val, r) for r in ranks}
     with torch.random.fork_rng(devices=[]):  # its initial weights from the seed, not the caller's RNG state
         torch.manual_seed(seed)
-        ref = Refiner(z.shape[1], ctx.shape[1], probe.shape[1], width)
+        ref = Refiner(z.shape[1], ctx.shape[1], val_targets[ranks[0]].shape[1], width)
     x = torch.cat([z, ctx], 1)
     ref.mean.copy_(x[train].mean(0))
     ref.scale.copy_(x[train].std(0).clamp_min(1e-6))
-    val_targets = {r: target(val, r) for r in ranks}
     base = {r: float(t.pow(2).sum().clamp_min(1e-30)) for r, t in val_targets.items()}
 
     def held_out() -> dict[int, float]:
