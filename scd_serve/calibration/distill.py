@@ -10,6 +10,9 @@ KL(oracle || method) on those tokens. The encoders (the producer's side, the pay
 fitted, so codes and payload do not change. Held-out prompts pick the step to keep, and the
 closed form is kept where tuning does not beat it on them. A run (plan.py) tunes the map of
 its residual code: the consumer's own layers from the mapped residual are part of the graph.
+A Reuse stream's refiner (codec/refiner.py), fitted in L2 over every rank, is tuned too, for the
+plan's rank: the codebook keeps it beside the stream's (`ref_r{rank}`), so other plans' ranks
+keep the L2 fit.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from scd_serve.codec.base import wants_residuals
 from scd_serve.codec.scd import own_kv
 from scd_serve.codec.plan import OWN, REUSE, RUN
+from scd_serve.codec.refiner import Refiner
 from scd_serve.extras import tqdm
 from scd_serve.model import rope
 from scd_serve.model.layers import attend, causal_mask, finish_layer, project_kv, project_q, rms_norm
@@ -36,6 +40,8 @@ Tensor = torch.Tensor
 ORACLE_TOP = 128
 # a prompt given without the tokens that follow it is scored on this many of its own last tokens
 BARE_TAIL = 16
+# the refiners' step size over the decoders' (their weights are an MLP's, not a least-squares map)
+REFINER_LR_SCALE = 1.0
 
 
 @dataclass
@@ -47,6 +53,7 @@ class DistillExample:
     oracle_ids: Tensor  # [m, ORACLE_TOP] their token ids
     own: tuple[Tensor, Tensor] | None = None  # an own layer's K/V (plan.py), computed once
     prefix: int = 0  # P, the prompt tokens rebuilt (a layer that ships no code has no rows to count)
+    context: Tensor | None = None  # [P, c] fp16 the prompt's token features the refiners read
 
 
 def suffix_logits(rt: Any, keys: list[Tensor], values: list[Tensor], feed: Tensor) -> Tensor:
@@ -75,19 +82,22 @@ def suffix_logits(rt: Any, keys: list[Tensor], values: list[Tensor], feed: Tenso
 class Decoders(torch.nn.Module):
     """The trainable consumer side of one plan: Dec_B per Reuse stream, g per Patch layer and
     for a run's residual. Another plan of the codebook that uses the same (layer, stream, rank)
-    shares the tuned tensor."""
+    shares the tuned tensor; a refiner is tuned for the plan's rank alone."""
 
     def __init__(self, codec: Any, device: torch.device):
         super().__init__()
         self.plan, book = codec.plan, codec.codebook
         self.dec, self.mu = torch.nn.ParameterDict(), {}
-        self.aligners = torch.nn.ModuleDict()
+        self.aligners, self.refiners = torch.nn.ModuleDict(), torch.nn.ModuleDict()
         for i, lp in enumerate(self.plan.layers):
             for s, r in lp.decoded:
                 if s in "kv":
                     if r:  # a rank-0 stream (the prior alone) has nothing to tune
                         dec = book.tensor(f"layers.{i}.{s}.dec.r{r}").to(device, torch.float32, copy=True)
                         self.dec[f"{i}_{s}"] = torch.nn.Parameter(dec)
+                    ref = codec.refiner(i, s, r, device) if r and lp.mode == REUSE else None
+                    if ref is not None:  # a copy: the codec's own serves on, untouched
+                        self.refiners[f"{i}_{s}"] = Refiner.from_tensors(ref.tensors(), ref.max_rank).to(device).train()
                     self.mu[f"{i}_{s}"] = book.tensor(f"layers.{i}.{s}.mu_b").to(device, torch.float32)
                 else:  # h of a Patch, r of a run's first layer
                     self.aligners[str(i)] = book.aligner(i, s, r).to(device).train()
@@ -107,6 +117,8 @@ class Decoders(torch.nn.Module):
                 k, v = state.keys, state.values
             elif lp.mode == REUSE:
                 k, v = ((code[s] @ self.dec[f"{i}_{s}"] if r else 0.0) + self.mu[f"{i}_{s}"] + prior[s]
+                        + (self.refiners[f"{i}_{s}"](code[s], ex.context.float()) if f"{i}_{s}" in self.refiners
+                           else 0.0)
                         for s, r in lp.decoded)
                 k = k.expand(ex.prefix, -1).reshape(ex.prefix, spec.num_kv_heads, spec.head_dim)
                 v = v.expand(ex.prefix, -1).reshape(ex.prefix, spec.num_kv_heads, spec.head_dim)
@@ -128,6 +140,9 @@ class Decoders(torch.nn.Module):
             for s, r in lp.streams:  # shipped streams: a rank-0 one has no decoder
                 if s in "kv":
                     book.tensors[f"layers.{i}.{s}.dec.r{r}"] = self.dec[f"{i}_{s}"].detach().cpu().contiguous()
+                    if f"{i}_{s}" in self.refiners:
+                        for name, t in self.refiners[f"{i}_{s}"].tensors().items():
+                            book.tensors[f"layers.{i}.{s}.ref_r{r}.{name}"] = t.cpu()
                 else:
                     for name, t in self.aligners[str(i)].tensors().items():
                         book.tensors[f"layers.{i}.{s}.g.r{r}.{name}"] = t.cpu()
@@ -152,22 +167,26 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
     prompt's last min(tail, T // 2) tokens and the scored ones but the last (kl_probe's layout);
     a prompt with nothing scored feeds its last min(BARE_TAIL, T // 2)."""
     out, residuals = [], wants_residuals(codec, len(codec.plan.layers))
+    refined = any(r and lp.mode == REUSE and codec.refiner(i, s, r, consumer.device) is not None
+                  for i, lp in enumerate(codec.plan.layers) for s, r in lp.decoded)
     with torch.no_grad():
         for prompt, scored in pairs:
             prompt, scored = torch.as_tensor(prompt).long(), torch.as_tensor(scored).long()
             fed = tail if scored.numel() else BARE_TAIL
             p = prompt.shape[0] - max(1, min(fed, prompt.shape[0] // 2))
             prefix, feed = prompt[:p], torch.cat([prompt, scored])[p:-1] if scored.numel() else prompt[p:]
-            codes, priors, rebuild = [], [], codec.begin(prefix, consumer)
+            codes, priors, rebuild, context = [], [], codec.begin(prefix, consumer), None
             for layer, state in producer.iter_prefill(prefix, compute_logits=False, residuals=residuals):
-                code, prior = codec.decoder_inputs(layer, codec.encode_layer(layer, state), rebuild)
+                code, prior = codec.decoder_inputs(layer, codec.encode_layer(layer, state), rebuild, refine=False)
                 codes.append({s: z.half() for s, z in code.items()})
                 priors.append({s: x if isinstance(x, float) else x.half() for s, x in prior.items()})
+                if context is None and refined and code:  # one context serves every layer's refiners
+                    context = rebuild.context(next(iter(code.values()))).half()
             oracle = [s for _, s in consumer.iter_prefill(prefix, compute_logits=False)]
             logits = suffix_logits(consumer, [s.keys for s in oracle], [s.values for s in oracle], feed)
             top = torch.log_softmax(logits.float(), -1).topk(min(ORACLE_TOP, logits.shape[-1]), dim=-1)
             own = own_kv(consumer, 0, prefix) if codec.plan.layers[0].mode == OWN else None
-            out.append(DistillExample(feed, codes, priors, top.values, top.indices, own, p))
+            out.append(DistillExample(feed, codes, priors, top.values, top.indices, own, p, context))
             if progress:
                 progress()
     return out
@@ -197,7 +216,9 @@ def distill(codec: Any, consumer: Any, examples: list[DistillExample], steps: in
     best_step, best_state = 0, {k: v.clone() for k, v in decoders.state_dict().items()}
     if not list(decoders.parameters()):  # the plan ships nothing to tune (priors alone, own layers)
         steps = 0
-    opt = torch.optim.Adam(decoders.parameters(), lr=lr) if steps else None
+    groups = [{"params": [p for n, p in decoders.named_parameters() if not n.startswith("refiners.")]},
+              {"params": list(decoders.refiners.parameters()), "lr": lr * REFINER_LR_SCALE}]
+    opt = torch.optim.Adam([g for g in groups if g["params"]], lr=lr) if steps else None
     every = max(1, min(25, steps // 8))
     with torch.enable_grad():
         for step in range(1, steps + 1):

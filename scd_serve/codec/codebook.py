@@ -109,11 +109,14 @@ class Codebook:
             raise CodebookError(f"codebook tensor '{name}' is missing")
         return self.tensors[name]
 
-    def refiner(self, layer: int, s: str) -> Refiner | None:
-        """Reuse stream s's refiner (codec/refiner.py), or None where the codebook has none."""
-        prefix = f"layers.{layer}.{s}.ref."
-        found = {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
-        if not found:
+    def refiner(self, layer: int, s: str, rank: int = 0) -> Refiner | None:
+        """Reuse stream s's refiner (codec/refiner.py): the one distillation tuned for a rank-`rank`
+        code (`ref_r{rank}.*`) where there is one, else the stream's, or None where it has neither."""
+        for prefix in ([f"layers.{layer}.{s}.ref_r{rank}."] if rank else []) + [f"layers.{layer}.{s}.ref."]:
+            found = {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+            if found:
+                break
+        else:
             return None
         prior = self.context_prior()
         if getattr(prior, "kind", None) != "features":
@@ -163,8 +166,9 @@ class Codebook:
                         shapes[f"{p}.mu_b"] = (db,)
                         if r:  # rank 0: the mean and prior alone
                             shapes[f"{p}.dec.r{r}"] = (r, db)
-                        if f"{p}.ref.down.weight" in self.tensors:
-                            shapes[f"{p}.ref.down.weight"] = (db, self.tensors[f"{p}.ref.down.weight"].shape[1])
+                        for ref in (f"{p}.ref", f"{p}.ref_r{r}"):
+                            if f"{ref}.down.weight" in self.tensors:
+                                shapes[f"{ref}.down.weight"] = (db, self.tensors[f"{ref}.down.weight"].shape[1])
                     if self.prior and f"{p}.prior" in self.tensors:
                         rows = self.context_prior().rows()
                         shapes[f"{p}.prior"], shapes[f"{p}.prior_bias"] = (rows, db), (db,)

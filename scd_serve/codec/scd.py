@@ -54,7 +54,7 @@ class ScdCodec:
         self._enc: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._dec: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._aligners: dict[int, Aligner] = {}
-        self._refiners: dict[tuple[int, str], Refiner | None] = {}
+        self._refiners: dict[tuple[int, str, int], Refiner | None] = {}
         self._priors: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._context_prior = codebook.context_prior()
         self.inputs = codebook.code_inputs()  # stream -> the stream whose producer state its code reads
@@ -106,10 +106,11 @@ class ScdCodec:
                               self.codebook.tensor(f"{p}.mu_b").to(device, torch.float32))
         return self._dec[key]
 
-    def _refiner(self, layer: int, s: str, device) -> Refiner | None:
-        key = (layer, s)
+    def refiner(self, layer: int, s: str, rank: int, device: torch.device) -> Refiner | None:
+        """The refiner a rank-`rank` code of Reuse stream s is decoded with, or None."""
+        key = (layer, s, rank)
         if key not in self._refiners:
-            found = self.codebook.refiner(layer, s)
+            found = self.codebook.refiner(layer, s, rank)
             self._refiners[key] = found and found.to(device)
         return self._refiners[key]
 
@@ -151,11 +152,13 @@ class ScdCodec:
         return self.begin(tokens, consumer).decode_layer(layer, code)
 
     def decoder_inputs(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild",
-                       lp: LayerPlan | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                       lp: LayerPlan | None = None, refine: bool = True
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What a layer's decode combines with its decoder or aligner (distill.py tunes those):
         -> ({stream: code [T, r] as received}, {stream decoded: what is added to its decoder's or
         aligner's output: token prior and a Reuse stream's refiner [T, dB], or 0.0}); a rank-0
-        stream has no code. lp: the layer's plan (default: the codec's)."""
+        stream has no code. lp: the layer's plan (default: the codec's). refine=False leaves the
+        refiners out (distillation tunes them too)."""
         lp = lp or self.plan.layers[layer]
         codes = {s: self._unpack(code, f"z{s}", rebuild.consumer) for s, _ in lp.streams}
         for z in codes.values():
@@ -164,8 +167,8 @@ class ScdCodec:
         if like is None and lp.decoded:
             like = to_consumer(torch.empty(rebuild.num_tokens(layer), 0), rebuild.consumer)  # [T, 0]
         added = {s: self._prior(layer, s, rebuild, codes.get(s, like)) for s, _ in lp.decoded}
-        for s, rank in lp.decoded if lp.mode == REUSE else ():
-            refiner = self._refiner(layer, s, like.device) if rank else None  # rank 0: the linear prior alone
+        for s, rank in lp.decoded if lp.mode == REUSE and refine else ():
+            refiner = self.refiner(layer, s, rank, like.device) if rank else None  # rank 0: the linear prior alone
             if refiner is not None:
                 with torch.no_grad():
                     added[s] = added[s] + refiner(codes[s], rebuild.context(codes[s]))

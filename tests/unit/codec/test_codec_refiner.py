@@ -144,3 +144,29 @@ def test_the_width_keeps_the_refiners_a_small_share_of_a_small_consumers_work():
     assert 16 <= width < 256 and 14 * width * (64 + 64 + 128) <= REFINER_SHARE * per_token_layers
     assert refiner_width(consumer(896, 24, 2, 4864), 46, 64, 256) == 256  # the 0.5B shape: the cap
     assert refiner_width(consumer(64, 1, 1, 64), 2, 64, 256) == 16  # never below 16
+
+
+def test_distillation_tunes_the_refiner_for_the_plans_rank_and_leaves_the_others_fit(refined):
+    """calibration/distill.py trains a Reuse stream's refiner on the consumer's KL with its
+    decoder; the tuned copy is stored for the scd plan's rank (ref_r4) beside the L2 fit, which
+    the other ranks keep reading."""
+    from scd_serve.calibration.distill import distill, make_examples as distill_examples
+
+    producer, consumer, _, book = refined
+    book = Codebook(dict(book.manifest), {k: v * 0 if ".dec.r" in k else v.clone() for k, v in book.tensors.items()})
+    scd = codec.build("scd", producer=producer, consumer=consumer, codebook=book)
+    examples = distill_examples(scd, producer, consumer, prompts(48, 40, seed=5), tail=4)
+    assert examples[0].context is not None and examples[0].context.shape[0] == examples[0].prefix
+    fit_ref = {k: v.clone() for k, v in book.tensors.items() if ".ref." in k}
+    out = distill(scd, consumer, examples, steps=30, lr=3e-3, batch=8)
+    assert out["step_kept"] > 0 and out["held_out_kl_after"] < out["held_out_kl_before"]
+    tuned = book.tensors["layers.1.k.ref_r4.down.weight"]
+    assert not torch.equal(tuned, fit_ref["layers.1.k.ref.down.weight"])
+    assert all(torch.equal(book.tensors[k], v) for k, v in fit_ref.items())  # the L2 fit is kept as it was
+    book.validate()
+    assert torch.equal(book.refiner(1, "k", 4).down.weight, tuned.float())
+    assert torch.equal(book.refiner(1, "k", 8).down.weight, fit_ref["layers.1.k.ref.down.weight"].float())
+    # the served codec decodes with the tuned refiner: its held-out KL is what distillation kept
+    served = codec.build("scd", producer=producer, consumer=consumer, codebook=book)
+    again = distill(served, consumer, examples, steps=0, lr=3e-3, batch=8)
+    assert again["held_out_kl_before"] == pytest.approx(out["held_out_kl_after"], rel=1e-2)
