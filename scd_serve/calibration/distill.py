@@ -146,6 +146,18 @@ class Decoders(torch.nn.Module):
                 else:
                     for name, t in self.aligners[str(i)].tensors().items():
                         book.tensors[f"layers.{i}.{s}.g.r{r}.{name}"] = t.cpu()
+        drop_unread_refiners(book)
+
+
+def drop_unread_refiners(book: Any) -> None:
+    """Remove a stream's L2-fit refiner where every plan of the codebook that ships the stream
+    reads a tuned one (`ref_r{rank}`) instead: the codebook does not carry it twice."""
+    read = {(i, s, r) for name in book.manifest.get("plans", {}) for i, lp in enumerate(book.plan(name).layers)
+            if lp.mode == REUSE for s, r in lp.decoded if r}
+    for i, s in {(i, s) for i, s, _ in read}:
+        if all(f"layers.{i}.{s}.ref_r{r}.up.weight" in book.tensors for j, t, r in read if (j, t) == (i, s)):
+            for name in [k for k in book.tensors if k.startswith(f"layers.{i}.{s}.ref.")]:
+                del book.tensors[name]
 
 
 def top_kl(oracle_logp: Tensor, oracle_ids: Tensor, logq: Tensor) -> Tensor:

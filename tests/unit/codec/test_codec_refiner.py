@@ -149,11 +149,14 @@ def test_the_width_keeps_the_refiners_a_small_share_of_a_small_consumers_work():
 def test_distillation_tunes_the_refiner_for_the_plans_rank_and_leaves_the_others_fit(refined):
     """calibration/distill.py trains a Reuse stream's refiner on the consumer's KL with its
     decoder; the tuned copy is stored for the scd plan's rank (ref_r4) beside the L2 fit, which
-    the other ranks keep reading."""
+    a plan at another rank keeps reading, and which goes where no plan reads it."""
     from scd_serve.calibration.distill import distill, make_examples as distill_examples
 
-    producer, consumer, _, book = refined
-    book = Codebook(dict(book.manifest), {k: v * 0 if ".dec.r" in k else v.clone() for k, v in book.tensors.items()})
+    producer, consumer, fits, _ = refined
+    plans = {"scd": Plan(tuple(LayerPlan(REUSE, 4, 4) for _ in range(2))),
+             "reuse": Plan(tuple(LayerPlan(REUSE, 8, 8) for _ in range(2)))}
+    book = build_codebook(fits, plans, spec_of(producer), spec_of(consumer))
+    book.tensors = {k: v * 0 if ".dec.r4" in k else v for k, v in book.tensors.items()}
     scd = codec.build("scd", producer=producer, consumer=consumer, codebook=book)
     examples = distill_examples(scd, producer, consumer, prompts(48, 40, seed=5), tail=4)
     assert examples[0].context is not None and examples[0].context.shape[0] == examples[0].prefix
@@ -162,7 +165,7 @@ def test_distillation_tunes_the_refiner_for_the_plans_rank_and_leaves_the_others
     assert out["step_kept"] > 0 and out["held_out_kl_after"] < out["held_out_kl_before"]
     tuned = book.tensors["layers.1.k.ref_r4.down.weight"]
     assert not torch.equal(tuned, fit_ref["layers.1.k.ref.down.weight"])
-    assert all(torch.equal(book.tensors[k], v) for k, v in fit_ref.items())  # the L2 fit is kept as it was
+    assert all(torch.equal(book.tensors[k], v) for k, v in fit_ref.items())  # the L2 fit, kept for rank 8
     book.validate()
     assert torch.equal(book.refiner(1, "k", 4).down.weight, tuned.float())
     assert torch.equal(book.refiner(1, "k", 8).down.weight, fit_ref["layers.1.k.ref.down.weight"].float())
@@ -170,3 +173,8 @@ def test_distillation_tunes_the_refiner_for_the_plans_rank_and_leaves_the_others
     served = codec.build("scd", producer=producer, consumer=consumer, codebook=book)
     again = distill(served, consumer, examples, steps=0, lr=3e-3, batch=8)
     assert again["held_out_kl_before"] == pytest.approx(out["held_out_kl_after"], rel=1e-2)
+    # with the other plan shipping nothing (rank 0), no plan reads the L2 fit once tuned: it goes
+    book.manifest["plans"]["reuse"] = Plan(tuple(LayerPlan(REUSE, 0, 0) for _ in range(2))).to_json()
+    distill(served, consumer, examples, steps=2, lr=3e-3, batch=8)
+    assert not any(".ref." in k for k in book.tensors) and "layers.1.k.ref_r4.up.weight" in book.tensors
+    book.validate()
