@@ -40,8 +40,6 @@ Tensor = torch.Tensor
 ORACLE_TOP = 128
 # a prompt given without the tokens that follow it is scored on this many of its own last tokens
 BARE_TAIL = 16
-# the refiners' step size over the decoders' (their weights are an MLP's, not a least-squares map)
-REFINER_LR_SCALE = 1.0
 
 
 @dataclass
@@ -228,9 +226,7 @@ def distill(codec: Any, consumer: Any, examples: list[DistillExample], steps: in
     best_step, best_state = 0, {k: v.clone() for k, v in decoders.state_dict().items()}
     if not list(decoders.parameters()):  # the plan ships nothing to tune (priors alone, own layers)
         steps = 0
-    groups = [{"params": [p for n, p in decoders.named_parameters() if not n.startswith("refiners.")]},
-              {"params": list(decoders.refiners.parameters()), "lr": lr * REFINER_LR_SCALE}]
-    opt = torch.optim.Adam([g for g in groups if g["params"]], lr=lr) if steps else None
+    opt = torch.optim.Adam(decoders.parameters(), lr=lr) if steps else None
     every = max(1, min(25, steps // 8))
     with torch.enable_grad():
         for step in range(1, steps + 1):
