@@ -93,12 +93,11 @@ class Decoders(torch.nn.Module):
                     if r:  # a rank-0 stream (the prior alone) has nothing to tune
                         dec = book.tensor(f"layers.{i}.{s}.dec.r{r}").to(device, torch.float32, copy=True)
                         self.dec[f"{i}_{s}"] = torch.nn.Parameter(dec)
-                    ref = codec.refiner(i, s, r, device) if r and lp.mode == REUSE else None
-                    if ref is not None:  # a copy: the codec's own serves on, untouched
-                        self.refiners[f"{i}_{s}"] = Refiner.from_tensors(ref.tensors(), ref.max_rank).to(device).train()
                     self.mu[f"{i}_{s}"] = book.tensor(f"layers.{i}.{s}.mu_b").to(device, torch.float32)
                 else:  # h of a Patch, r of a run's first layer
                     self.aligners[str(i)] = book.aligner(i, s, r).to(device).train()
+        for (i, s, _), ref in codec.plan_refiners(device).items():  # a copy: the codec's own serves on, untouched
+            self.refiners[f"{i}_{s}"] = Refiner.from_tensors(ref.tensors(), ref.max_rank).to(device).train()
 
     def rebuild(self, rt: Any, ex: DistillExample) -> tuple[list[Tensor], list[Tensor]]:
         """-> per layer pre-RoPE keys and values [P, kv_heads, head_dim]."""
@@ -177,8 +176,7 @@ def make_examples(codec: Any, producer: Any, consumer: Any, pairs: list[tuple[Te
     prompt's last min(tail, T // 2) tokens and the scored ones but the last (kl_probe's layout);
     a prompt with nothing scored feeds its last min(BARE_TAIL, T // 2)."""
     out, residuals = [], wants_residuals(codec, len(codec.plan.layers))
-    refined = any(r and lp.mode == REUSE and codec.refiner(i, s, r, consumer.device) is not None
-                  for i, lp in enumerate(codec.plan.layers) for s, r in lp.decoded)
+    refined = bool(codec.plan_refiners(consumer.device))
     with torch.no_grad():
         for prompt, scored in pairs:
             prompt, scored = torch.as_tensor(prompt).long(), torch.as_tensor(scored).long()

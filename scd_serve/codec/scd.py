@@ -114,6 +114,11 @@ class ScdCodec:
             self._refiners[key] = found and found.to(device)
         return self._refiners[key]
 
+    def plan_refiners(self, device: torch.device) -> dict[tuple[int, str, int], Refiner]:
+        """(layer, stream, rank) -> the refiner each Reuse stream the plan ships is decoded with."""
+        return {(i, s, r): ref for i, lp in enumerate(self.plan.layers) if lp.mode == REUSE for s, r in lp.decoded
+                if r and (ref := self.refiner(i, s, r, device)) is not None}
+
     def _aligner(self, layer: int, s: str, rank: int, device) -> Aligner:
         if layer not in self._aligners:
             self._aligners[layer] = self.codebook.aligner(layer, s, rank).to(device)
