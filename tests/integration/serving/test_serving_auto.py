@@ -32,7 +32,7 @@ class SlowPrefill:
     """The consumer runtime with a slow local prefill (`per_token_s` a prompt token), so that a
     transfer is the fastest option on loopback; everything else passes through."""
 
-    def __init__(self, rt, per_token_s=0.002):
+    def __init__(self, rt, per_token_s=0.01):
         self._rt = rt
         self._per_token_s = per_token_s
 
@@ -46,7 +46,7 @@ class SlowPrefill:
 
 @contextlib.asynccontextmanager
 async def auto_worker(consumer, producer, methods, codebook="", budget=None, fallback="none", nodes=None,
-                      servicer_cls=PrefillServicer, local_per_token_s=0.002):
+                      servicer_cls=PrefillServicer, local_per_token_s=0.01):
     """A prefill worker offering `methods` and a decode worker whose default is auto; yields
     (HTTP client, the decode backend); `nodes`, a list, receives the prefill node; the local
     prefill takes `local_per_token_s` a prompt token."""
@@ -148,7 +148,7 @@ async def test_auto_keeps_to_the_codebooks_quality_budget(cross_pair):
     assert resolve_method(b, None, "auto", explicit=True) == "auto"  # asked for: lossless methods and local
     # 10 ms a token (0.4 s for the prompt): one loopback transfer slowed by a busy machine must
     # not make the local prefill the faster choice, which would fail the last assertion
-    async with auto_worker(b, a, ("scd", "reuse", "raw"), codebook=book, local_per_token_s=0.01) as (client, backend):
+    async with auto_worker(b, a, ("scd", "reuse", "raw"), codebook=book, ) as (client, backend):
         assert backend.auto.chooser.budget == 0.05  # the manifest's own
         methods = [(await complete(client)).json()["scd"]["method"] for _ in range(5)]
         assert set(methods) <= {"scd", "local"} and methods[0] == "scd", methods  # reuse (0.09), raw (5.0) never
