@@ -114,3 +114,31 @@ def test_int8_codes_halve_payload(pair):
     k8, v8 = c8.decode_layer(0, code8, consumer)
     assert float((k8 - k16).norm() / k16.norm()) < 0.02
     assert float((v8 - v16).norm() / v16.norm()) < 0.02
+
+
+def test_rows_are_kept_in_bfloat16_and_codes_fitted_on_them_predict_as_float32_rows_do(pair, monkeypatch):
+    """Calibration holds its rows through the token prior's solve, its memory peak, so they are
+    kept in bfloat16 (half of float32); the codes fitted on them leave the same share of the
+    consumer's rows unexplained on prompts not fitted on as codes fitted on float32 rows."""
+    from scd_serve.calibration import fit as fit_module
+    from scd_serve.codec.lowrank import fit_code
+
+    producer, consumer = pair
+    fit_prompts = [p for p, _ in prompts(6, 40)]
+    rows = collect_rows(producer, consumer, fit_prompts, max_rows=4096)
+    monkeypatch.setattr(fit_module, "ROW_DTYPE", torch.float32)
+    exact = collect_rows(producer, consumer, fit_prompts, max_rows=4096)
+    held = collect_rows(producer, consumer, [p for p, _ in prompts(4, 40, seed=5)], max_rows=4096)  # scored exactly
+    assert all(t.dtype == torch.bfloat16 for layer in rows for a, b in layer.values() for t in (a, b))
+    assert all(t.dtype == torch.float32 for layer in exact for a, b in layer.values() for t in (a, b))
+
+    def held_error(fit_rows, layer, s, rank):
+        jc = fit_code(*fit_rows[layer][s], max_rank=rank)
+        a, b = (t.double() for t in held[layer][s])
+        pred = (a - jc.mu_a) @ jc.enc @ jc.decoder(rank) + jc.mu_b
+        return float((pred - b).pow(2).sum() / (b - b.mean(0)).pow(2).sum())
+
+    rank = spec_of(consumer).kv_width // 2
+    for layer in range(len(rows)):
+        for s in "kv":
+            assert held_error(rows, layer, s, rank) == pytest.approx(held_error(exact, layer, s, rank), rel=0.02)
