@@ -65,7 +65,7 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
         idx = torch.randperm(t, generator=gen)[: min(per_prompt, t)].sort().values
         if prior is not None:
             ctx = prior.add_tokens(ids, consumer)
-            ctx_parts.append(ctx[idx] if not ctx.is_floating_point() else ctx[idx].to(ROW_DTYPE))
+            ctx_parts.append(ctx[idx].to(ROW_DTYPE) if ctx.is_floating_point() else ctx[idx])  # token ids stay long
         states = zip(producer.iter_prefill(ids, compute_logits=False, residuals=bool(run_layers)),
                      consumer.iter_prefill(ids, compute_logits=False, residuals=bool(run_layers)))
         for (layer, sa), (_, sb) in states:

@@ -32,7 +32,7 @@ class SlowPrefill:
     """The consumer runtime with a slow local prefill (`per_token_s` a prompt token), so that a
     transfer is the fastest option on loopback; everything else passes through."""
 
-    def __init__(self, rt, per_token_s=0.01):
+    def __init__(self, rt, per_token_s):
         self._rt = rt
         self._per_token_s = per_token_s
 
@@ -146,9 +146,9 @@ async def test_auto_keeps_to_the_codebooks_quality_budget(cross_pair):
     assert resolve_method(b, book, "auto", explicit=False) == "auto"  # the default when a codebook loads
     assert resolve_method(b, None, "auto", explicit=False) == "raw"  # none: raw, as before
     assert resolve_method(b, None, "auto", explicit=True) == "auto"  # asked for: lossless methods and local
-    # 10 ms a token (0.4 s for the prompt): one loopback transfer slowed by a busy machine must
-    # not make the local prefill the faster choice, which would fail the last assertion
-    async with auto_worker(b, a, ("scd", "reuse", "raw"), codebook=book, ) as (client, backend):
+    # auto_worker's 10 ms a token (0.4 s for the prompt): one loopback transfer slowed by a busy
+    # machine must not make the local prefill the faster choice, which would fail the last assertion
+    async with auto_worker(b, a, ("scd", "reuse", "raw"), codebook=book) as (client, backend):
         assert backend.auto.chooser.budget == 0.05  # the manifest's own
         methods = [(await complete(client)).json()["scd"]["method"] for _ in range(5)]
         assert set(methods) <= {"scd", "local"} and methods[0] == "scd", methods  # reuse (0.09), raw (5.0) never
