@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from scd_serve.config.env import apply_env_defaults
+from scd_serve.control.allocator import reexec_with_allocator
 from scd_serve.errors import ScdError
 
 COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
@@ -48,9 +49,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    from_command_line, argv = argv is None, sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if a in COMMANDS), None)
     try:
+        if from_command_line and "-h" not in argv and "--help" not in argv:
+            reexec_with_allocator(chosen or "")  # before anything starts a thread
         args = build_parser(chosen).parse_args(argv)
     except ScdError as exc:  # a bad SCD_* variable
         print(f"scd-serve {chosen}: error: {exc.message}", file=sys.stderr)

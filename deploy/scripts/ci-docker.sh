@@ -151,7 +151,7 @@ start=$SECONDS
 install_packages
 start_dockerd
 install_compose
-debootstrap_image "$BASE_IMAGE" python3,python3-venv,ca-certificates "about a minute"
+debootstrap_image "$BASE_IMAGE" python3,python3-venv,ca-certificates,libtcmalloc-minimal4 "about a minute"
 build_wheelhouse
 build_image
 # Debian's prometheus package (2.42): /bin/prometheus and /bin/sh, as the compose service's command

@@ -27,6 +27,7 @@ import httpx
 from scd_serve.bench import procs
 from scd_serve.bench.loadgen import random_prompt, stream_completion
 from scd_serve.bench.stats import percentile
+from scd_serve.control import allocator
 from scd_serve.errors import ConfigError
 from scd_serve.model.loader import cpu_flags
 from scd_serve.planner.shapes import load_shape
@@ -41,6 +42,8 @@ def launch(target: str, args, dtype: str, logs: Path) -> tuple[list[subprocess.P
     procs_started = []
     if target == "vllm":
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+        if library := allocator.wanted(env):  # the allocator our workers preload (vLLM's CPU docs preload it too)
+            env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", dtype,
                "--port", str(port), "--max-model-len", max_len, "--served-model-name", "m"]
         ready = f"http://127.0.0.1:{port}/v1/models"
@@ -136,6 +139,7 @@ def run_peer(args) -> dict:
     return {"model": args.model, "threads": args.threads, "results": results, "ratios": ratios(results),
             "cpu_flags": [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags],
             "load_average": [round(x, 2) for x in os.getloadavg()],
+            "allocator": allocator.wanted(os.environ) or "system",  # every target's (SCD_ALLOCATOR)
             "workload": {k: getattr(args, k) for k in ("streams", "stream_prompt_tokens", "stream_max_tokens",
                                                       "ttft_tokens", "ttft_requests")}}
 
@@ -163,7 +167,7 @@ def ratios(results: dict) -> dict:
 
 def print_table(doc: dict) -> None:
     print(f"bench peer: {doc['model']}, {doc['threads']} threads, CPU flags {doc['cpu_flags']}, "
-          f"load average {doc['load_average']}, {doc['workload']}")
+          f"load average {doc['load_average']}, allocator {doc['allocator']}, {doc['workload']}")
     for dtype, by in doc["results"].items():
         for target, r in by.items():
             streams = ", ".join(f"{n} streams {s['tokens_per_s']:.1f} tok/s (TTFT p50 {s['ttft_p50_s']:.2f} s, "

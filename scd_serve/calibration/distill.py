@@ -230,8 +230,8 @@ def distill(codec: Any, consumer: Any, examples: list[DistillExample], steps: in
         for step in range(1, steps + 1):
             idx = torch.randint(0, len(train), (min(batch, len(train)),), generator=gen)
             opt.zero_grad()
-            loss = sum(decoders.loss(consumer, train[int(j)]) for j in idx) / len(idx)
-            loss.backward()
+            for j in idx:  # one example's graph at a time (a run's layers hold [P, intermediate] each)
+                (decoders.loss(consumer, train[int(j)]) / len(idx)).backward()
             opt.step()
             kl = held_out_kl() if step % every == 0 or step == steps else None
             if kl is not None and kl < best:

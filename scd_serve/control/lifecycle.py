@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from scd_serve.config.address import join_host_port
 from scd_serve.config.control import control_config_from_args
 from scd_serve.config.model import DTYPE_CHOICES
+from scd_serve.control.allocator import log_allocator
 
 
 def setup_logging(role: str) -> None:
@@ -155,6 +156,7 @@ def run_role(role: str, args, config_from_args, check_exposure, serve) -> NoRetu
     """A serving role's `run`: logging, its settings and the control plane's from the flags, the
     exposure check, then serve(config, control) until stopped; exit 1 if it returned True (died)."""
     setup_logging(role)
+    log_allocator(role)
     config, control = config_from_args(args), control_config_from_args(args)
     check_exposure(config, control, args.insecure)
     exit_now(1 if asyncio.run(serve(config, control)) else 0)
