@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = next((a for a in argv if a in COMMANDS), None)
     try:
         if from_command_line and "-h" not in argv and "--help" not in argv:
-            reexec_with_allocator(chosen or "")  # before anything starts a thread
+            reexec_with_allocator(chosen or "", argv)  # before anything starts a thread
         args = build_parser(chosen).parse_args(argv)
     except ScdError as exc:  # a bad SCD_* variable
         print(f"scd-serve {chosen}: error: {exc.message}", file=sys.stderr)

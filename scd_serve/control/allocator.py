@@ -5,7 +5,8 @@ MLP activations) every step; glibc's malloc hands blocks that large back to the 
 page-faults them in again, in every thread's arena. tcmalloc keeps them: in process, 16 streams
 at the 0.5B shape ran 8-10% more tokens a second (docs/benchmarks.md, "The allocator"). vLLM's
 CPU build preloads it too. An allocator can only be chosen before the process starts, so the
-worker commands (`prefill`, `decode`) re-execute themselves once, with it in LD_PRELOAD.
+worker commands (`prefill`, `decode`) on the CPU re-execute themselves once, with it in
+LD_PRELOAD (a GPU worker's tensors are not the host allocator's: it runs as it is).
 
 SCD_ALLOCATOR: `auto` (default: tcmalloc where found, else the system's), `system`, or a path
 to an allocator's shared library.
@@ -51,11 +52,23 @@ def wanted(environ) -> str:
     return choice
 
 
-def reexec_with_allocator(command: str, environ=os.environ) -> None:
-    """For a worker command run from the command line: re-execute this process (same pid, argv
-    and interpreter options) with the chosen allocator preloaded; returns where there is
-    nothing to do (another command, the choice made already, the system's allocator)."""
-    if command not in WORKER_COMMANDS or environ.get(DONE) or not sys.platform.startswith("linux"):
+def device_of(argv: list[str], environ) -> str:
+    """The --device a worker's command line (or SCD_DEVICE) names; workers default to the CPU."""
+    for i, arg in enumerate(argv):
+        if arg == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--device="):
+            return arg.split("=", 1)[1]
+    return environ.get("SCD_DEVICE", "cpu")
+
+
+def reexec_with_allocator(command: str, argv: list[str], environ=os.environ) -> None:
+    """For a worker command run from the command line (argv: its arguments): re-execute this
+    process (same pid, argv and interpreter options) with the chosen allocator preloaded; returns
+    where there is nothing to do (another command, a GPU worker, whose tensors the allocator does
+    not hold, the choice made already, the system's allocator)."""
+    if (command not in WORKER_COMMANDS or environ.get(DONE) or not sys.platform.startswith("linux")
+            or not device_of(argv, environ).startswith("cpu")):
         return
     library = wanted(environ)
     preload = environ.get("LD_PRELOAD", "")

@@ -16,16 +16,16 @@ from scd_serve.errors import ConfigError
 # a shared library every install has, harmless to preload (vLLM's CPU build preloads it too)
 LIBGOMP = next((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"), None)
 SHOW = ("import json, os, sys; from scd_serve.control.allocator import loaded, reexec_with_allocator; "
-        "reexec_with_allocator(sys.argv[1]); "
+        "reexec_with_allocator(sys.argv[1], sys.argv[1:]); "
         "print(json.dumps({'pid': os.getpid(), 'argv': sys.argv[1:], 'preload': os.environ.get('LD_PRELOAD', ''), "
         "'mapped': open('/proc/self/maps').read().count(sys.argv[2]) > 0, 'loaded': loaded()}))")
 
 
-def run_show(command: str, env: dict) -> list[dict]:
+def run_show(command: str, env: dict, *args: str) -> list[dict]:
     """-> one JSON line per process that got to print (the re-executed one prints once)"""
     lib = LIBGOMP.name if LIBGOMP else "none"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SCD_ALLOCATOR", "LD_PRELOAD"))} | env
-    proc = subprocess.Popen([sys.executable, "-c", SHOW, command, lib], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", SHOW, command, lib, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
@@ -46,17 +46,18 @@ def test_the_choice_system_none_or_a_library_and_a_missing_file_is_refused_by_na
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or LIBGOMP is None, reason="LD_PRELOAD: Linux")
 def test_a_worker_command_runs_again_once_with_the_library_preloaded_same_pid_and_arguments():
-    [shown] = run_show("decode", {"SCD_ALLOCATOR": str(LIBGOMP)})
+    [shown] = run_show("decode", {"SCD_ALLOCATOR": str(LIBGOMP)}, "--device", "cpu")
     assert shown["preload"].split(":")[0] == str(LIBGOMP) and shown["mapped"]
-    assert shown["argv"] == ["decode", LIBGOMP.name]
+    assert shown["argv"] == ["decode", LIBGOMP.name, "--device", "cpu"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or LIBGOMP is None, reason="LD_PRELOAD: Linux")
-@pytest.mark.parametrize("command, env", [("gateway", {}), ("decode", {"SCD_ALLOCATOR": "system"}),
-                                          ("decode", {"SCD_ALLOCATOR_CHOSEN": "system"})])
-def test_other_commands_the_system_choice_and_a_choice_made_already_run_as_they_are(command, env):
+@pytest.mark.parametrize("command, env, args", [
+    ("gateway", {}, ()), ("decode", {"SCD_ALLOCATOR": "system"}, ()), ("decode", {"SCD_ALLOCATOR_CHOSEN": "system"}, ()),
+    ("decode", {}, ("--device", "cuda")), ("prefill", {}, ("--device=cuda:1",)), ("decode", {"SCD_DEVICE": "cuda"}, ())])
+def test_other_commands_gpu_workers_the_system_choice_and_a_choice_made_already_run_as_they_are(command, env, args):
     env.setdefault("SCD_ALLOCATOR", str(LIBGOMP))
-    [shown] = run_show(command, env)
+    [shown] = run_show(command, env, *args)
     assert shown["preload"] == "" and not shown["mapped"]
 
 
