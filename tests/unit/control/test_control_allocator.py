@@ -24,7 +24,7 @@ SHOW = ("import json, os, sys; from scd_serve.control.allocator import loaded, r
 def run_show(command: str, env: dict, *args: str) -> list[dict]:
     """-> one JSON line per process that got to print (the re-executed one prints once)"""
     lib = LIBGOMP.name if LIBGOMP else "none"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCD_ALLOCATOR", "LD_PRELOAD"))} | env
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCD_ALLOCATOR", "SCD_DEVICE", "LD_PRELOAD"))} | env
     proc = subprocess.Popen([sys.executable, "-c", SHOW, command, lib, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=60)
