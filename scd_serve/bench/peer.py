@@ -43,7 +43,7 @@ def launch(target: str, args, dtype: str, logs: Path) -> tuple[list[subprocess.P
     if target == "vllm":
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
         if library := allocator.wanted(env):  # the allocator our workers preload (vLLM's CPU docs preload it too)
-            env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
+            env["LD_PRELOAD"] = allocator.preload_with(library, env.get("LD_PRELOAD", ""))
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", dtype,
                "--port", str(port), "--max-model-len", max_len, "--served-model-name", "m"]
         ready = f"http://127.0.0.1:{port}/v1/models"

@@ -52,6 +52,13 @@ def wanted(environ) -> str:
     return choice
 
 
+def preload_with(library: str, preload: str) -> str:
+    """LD_PRELOAD's value with `library` first; as it is where a library of that name is in it."""
+    if os.path.basename(library).split(".")[0] in preload:
+        return preload
+    return f"{library}:{preload}" if preload else library
+
+
 def device_of(argv: list[str], environ) -> str:
     """The --device a worker's command line (or SCD_DEVICE) names; workers default to the CPU."""
     for i, arg in enumerate(argv):
@@ -73,9 +80,10 @@ def reexec_with_allocator(command: str, argv: list[str], environ=os.environ) -> 
     library = wanted(environ)
     preload = environ.get("LD_PRELOAD", "")
     environ[DONE] = library or "system"
-    if not library or os.path.basename(library).split(".")[0] in preload:
+    updated = preload_with(library, preload) if library else preload
+    if updated == preload:
         return
-    environ["LD_PRELOAD"] = f"{library}:{preload}" if preload else library
+    environ["LD_PRELOAD"] = updated
     for name, value in QUIET.items():
         environ.setdefault(name, value)
     sys.stdout.flush()
