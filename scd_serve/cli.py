@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "bench": ("scd_serve.bench.main", "benchmarks: ttft over a shaped link, serving load"),
     "plan": ("scd_serve.planner.project", "project payload and TTFT for real model shapes"),
     "make-shaped-pair": ("scd_serve.bench.shaped_pair", "random-weight pair with a real model's shape (cost only)"),
+    "build-kernels": ("scd_serve.model.cpu_kernel", "build the CPU's C++ decode attention here (workers build it at first start)"),
 }
 # --engine NAME: the command served by another engine's module (imported only when chosen)
 ENGINES = {"vllm": "scd_serve.vllm.producer"}

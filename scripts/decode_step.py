@@ -3,6 +3,9 @@ B sequences of L cached random tokens, the model loaded and packed as a worker l
 how much of a step the linears take, and what the rest is):
 
     .venv/bin/python scripts/decode_step.py --model out/shaped/consumer --batch 8 --cached 300 --threads 2
+
+--attention both: rounds of the step with the CPU's C++ decode attention (model/cpu_kernel.py)
+and with the torch path, alternated in one process (a ratio measured side by side).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 
 import torch
 
+from scd_serve.model import cpu_kernel
 from scd_serve.model.runtime import ModelRuntime
 
 
@@ -25,12 +29,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=23, help="steps in all: 3 warm-up, 5 profiled (--profile), the rest timed")
     p.add_argument("--profile", action="store_true", help="then 5 steps under torch.profiler, by op")
+    p.add_argument("--attention", choices=["kernel", "torch", "both"], default="kernel",
+                   help="kernel: the CPU's C++ decode attention (built here if need be); both: alternated rounds")
     args = p.parse_args()
+    if args.attention != "torch":
+        cpu_kernel.load()
     torch.set_num_threads(args.threads)
     rt = ModelRuntime.load(args.model, device="cpu", dtype=getattr(torch, args.dtype))
     rt.pack_linears()
     block_size, gen = 16, torch.Generator().manual_seed(0)
-    per_seq = -(-(args.cached + args.steps + 16) // block_size)
+    per_seq = -(-(args.cached + 3 * args.steps + 16) // block_size)  # room for --attention both's rounds
     pool = rt.new_kv_pool(per_seq * args.batch, block_size)
     items = []
     with torch.no_grad():
@@ -47,13 +55,21 @@ def main() -> None:
 
         for _ in range(3):
             step()
-        times = []
-        for _ in range(args.steps - 3 - (5 if args.profile else 0)):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        print(f"batch {args.batch}, {args.cached}+ cached, {args.threads} threads, {args.dtype}: step median "
-              f"{1e3 * statistics.median(times):.1f} ms (min {1e3 * min(times):.1f}, {len(times)} steps)")
+        paths = {"kernel": [True], "torch": [False], "both": [True, False] * 3}[args.attention]
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for kernel in paths:
+            rt.paged_kernel = kernel
+            step()  # the first step of a round on its path: not timed
+            for _ in range((args.steps - 4 - (5 if args.profile else 0)) // (len(paths) // 2 or 1)):
+                start = time.perf_counter()
+                step()
+                times[kernel].append(time.perf_counter() - start)
+        for kernel, ts in times.items():
+            if ts:
+                print(f"batch {args.batch}, {args.cached}+ cached, {args.threads} threads, {args.dtype}, "
+                      f"{'C++ kernel' if kernel else 'torch'} attention: step median {1e3 * statistics.median(ts):.1f} ms "
+                      f"(min {1e3 * min(ts):.1f}, {len(ts)} steps)")
+        rt.paged_kernel = paths[0]
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 

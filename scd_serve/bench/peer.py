@@ -29,6 +29,7 @@ from scd_serve.bench.loadgen import random_prompt, stream_completion
 from scd_serve.bench.stats import percentile
 from scd_serve.control import allocator
 from scd_serve.errors import ConfigError
+from scd_serve.model import cpu_kernel
 from scd_serve.model.loader import cpu_flags
 from scd_serve.planner.shapes import load_shape
 
@@ -120,11 +121,24 @@ def check(args) -> None:
                               f"`bash {INSTALL}` makes one), got {args.vllm_python!r}", field="vllm_python")
 
 
+def prebuild_kernels() -> str:
+    """Build this machine's CPU kernels now (model/cpu_kernel.py), so that our workers load them
+    at start instead of serving on the torch path while they build. -> what our workers use."""
+    if reason := cpu_kernel.unavailable_reason():
+        return f"not used ({reason})"
+    try:
+        cpu_kernel.load()
+    except RuntimeError as exc:
+        return f"not used ({exc})"
+    return "decode attention"
+
+
 def run_peer(args) -> dict:
     check(args)
     logs = Path(args.json).resolve().parent / "bench-peer-logs"
     logs.mkdir(parents=True, exist_ok=True)
     vocab = load_shape(args.model).vocab_size
+    kernels = prebuild_kernels() if set(args.targets) & {"scd", "pd"} else "not used"
     results: dict = {}
     for dtype in args.dtypes:
         for target in args.targets:
@@ -140,6 +154,7 @@ def run_peer(args) -> dict:
             "cpu_flags": [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags],
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "allocator": allocator.wanted(os.environ) or "system",  # every target's (SCD_ALLOCATOR)
+            "cpu_kernels": kernels,
             "workload": {k: getattr(args, k) for k in ("streams", "stream_prompt_tokens", "stream_max_tokens",
                                                       "ttft_tokens", "ttft_requests")}}
 
@@ -167,7 +182,8 @@ def ratios(results: dict) -> dict:
 
 def print_table(doc: dict) -> None:
     print(f"bench peer: {doc['model']}, {doc['threads']} threads, CPU flags {doc['cpu_flags']}, "
-          f"load average {doc['load_average']}, allocator {doc['allocator']}, {doc['workload']}")
+          f"load average {doc['load_average']}, allocator {doc['allocator']}, CPU kernels {doc['cpu_kernels']}, "
+          f"{doc['workload']}")
     for dtype, by in doc["results"].items():
         for target, r in by.items():
             streams = ", ".join(f"{n} streams {s['tokens_per_s']:.1f} tok/s (TTFT p50 {s['ttft_p50_s']:.2f} s, "

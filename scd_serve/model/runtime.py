@@ -83,8 +83,9 @@ class ModelRuntime:
         self.dtype = dtype
         self.weights = loaded.weights
         self.rotary = loaded.rotary
-        # decode attention through model/paged_kernel.py where it serves (CUDA with Triton);
-        # False keeps paged.py's torch path everywhere (benchmarks compare the two)
+        # decode attention through a kernel where one serves (model/paged_kernel.py: CUDA with
+        # Triton; model/cpu_kernel.py: the CPU, once a serving role built it); False keeps
+        # paged.py's torch path everywhere (benchmarks compare the two)
         self.paged_kernel = True
 
     @classmethod

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from scd_serve.errors import InvalidRequest, PromptTooLong
-from scd_serve.model import paged_kernel, rope
+from scd_serve.model import cpu_kernel, paged_kernel, rope
 from scd_serve.model.kv_pool import KVPool
 from scd_serve.model.layers import finish_layer, project_kv, project_q, rms_norm
 from scd_serve.model.paged import GATHER_BYTES, attend_gathered, attend_paged, stretches
@@ -69,11 +69,16 @@ class Step:
         self.slots = torch.tensor(slots, device=dev)  # [N] where each row's K/V goes
         self.h = rt.weights.embed[torch.tensor(tokens, device=dev)]  # [N, hidden]: every item's rows, in order
         self.cos, self.sin = rt.rotary.tables(torch.tensor(positions, device=dev))
-        # the items of one token (decodes) attend in one batched call: the CUDA kernel reading the
-        # blocks in place, else a gathered copy of their blocks (paged.attend_gathered)
-        kernel = rt.paged_kernel and paged_kernel.usable(rt.device, pool.block_size)
-        self.attend_one_token = paged_kernel.attend_blocks if kernel else attend_gathered
-        self.one_token_rows = self._one_token_plan(pool, kernel)
+        # the items of one token (decodes) attend in one batched call: a kernel reading the blocks
+        # in place (CUDA's Triton one, the CPU's C++ one once built), else a gathered copy of their
+        # blocks (paged.attend_gathered)
+        kernel = None
+        if rt.paged_kernel and paged_kernel.usable(rt.device, pool.block_size):
+            kernel = paged_kernel.attend_blocks
+        elif rt.paged_kernel and pool.k.dtype == rt.dtype and cpu_kernel.serves(rt.device, rt.dtype):
+            kernel = cpu_kernel.attend_blocks
+        self.attend_one_token = kernel or attend_gathered
+        self.one_token_rows = self._one_token_plan(pool, kernel is not None)
         self.layer = 0  # the next layer to run
 
     def _one_token_plan(self, pool: KVPool, kernel: bool) -> tuple[Tensor | None, Tensor, Tensor] | None:

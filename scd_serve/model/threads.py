@@ -71,12 +71,15 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
 def load_for_serving(model: str, device: Any, dtype: Any) -> Any:
     """A serving role's ModelRuntime, its linears packed, loaded in a passing thread; the calling
     (main) thread runs torch ops on one thread from then on."""
+    from scd_serve.model import cpu_kernel
     from scd_serve.model.runtime import ModelRuntime
 
     def load() -> ModelRuntime:
         rt = ModelRuntime.load(model, device=device, dtype=dtype)
         if rt.pack_linears():
             log.info("linear weights packed for oneDNN (%s)", rt.dtype)
+        if rt.device.type == "cpu":
+            cpu_kernel.start()  # built in the background; the torch path serves until then
         return rt
 
     one_thread()

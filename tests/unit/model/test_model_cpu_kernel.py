@@ -1,0 +1,118 @@
+"""The CPU's C++ decode attention (model/cpu_kernel.py) equals the torch path it replaces.
+
+Built here once per machine with the test's compiler (~30 s the first time; later runs load the
+build); skipped where the machine has no C++ compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from scd_serve.errors import ConfigError
+from scd_serve.model import cpu_kernel
+from scd_serve.model.paged import attend_gathered
+from scd_serve.model.runtime import ModelRuntime
+from scd_serve.model.tiny import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_kernel.ENV, "auto")
+        reason = cpu_kernel.unavailable_reason()
+        if reason:
+            pytest.skip(f"CPU kernels cannot be built here: {reason}")
+        return cpu_kernel.load()
+
+
+def case(seed, heads, kv_heads, hd, block, window, dtype):
+    """Random pools, a table over shuffled blocks per sequence, one query each: (args, lengths)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    lengths = [1, block - 1, block, block + 1, rng.randint(2, 6 * block)]
+    width = -(-max(lengths) // block)
+    ids = list(range(len(lengths) * width + 3))
+    rng.shuffle(ids)
+    table = torch.tensor(ids[:len(lengths) * width]).view(len(lengths), width)
+    k = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
+    v = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
+    q = torch.randn(len(lengths), heads, hd, generator=gen).to(dtype)
+    return k, v, table, torch.tensor(lengths), q
+
+
+# (heads, kv_heads, head_dim, block, window): grouped and plain heads, a head_dim that is not a
+# power of two, larger blocks, sliding windows that start inside a block
+SHAPES = [(4, 2, 32, 16, None), (8, 1, 24, 16, None), (2, 2, 64, 32, 20), (14, 2, 64, 16, None), (6, 3, 16, 16, 7),
+          (8, 8, 128, 16, None), (4, 1, 64, 2, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_equals_attention_over_a_gathered_copy(kernels, dtype):
+    for seed, (heads, kv_heads, hd, block, window) in enumerate(SHAPES):
+        k, v, table, lengths, q = case(seed, heads, kv_heads, hd, block, window, dtype)
+        got = cpu_kernel.attend_blocks(k, v, table, lengths, q, window)
+        assert got.shape == (5, heads * hd) and got.dtype == dtype
+        want = attend_gathered(k.float(), v.float(), table, lengths, q.float(), window)
+        # float32: the same sums in another order; bfloat16: the output rounded to 8 mantissa bits
+        assert (got.float() - want).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2), (seed, window)
+
+
+def test_the_kernel_refuses_tables_outside_the_pool(kernels):
+    k, v, table, lengths, q = case(0, 4, 2, 32, 16, None, torch.float32)
+    with pytest.raises(RuntimeError, match="block ids outside the pool"):
+        cpu_kernel.attend_blocks(k, v, table + k.shape[0], lengths, q, None)
+    with pytest.raises(RuntimeError, match="lengths must lie in"):
+        cpu_kernel.attend_blocks(k, v, table, lengths + table.shape[1] * 16, q, None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernel.attend_blocks(k, v, table, lengths, q.double(), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_and_mixed_steps_through_the_kernel_equal_the_torch_path(kernels, tmp_path, dtype):
+    """A model's steps (decode-only and a prefill chunk beside decode tokens, on scattered blocks,
+    with a sliding-window layer) give the same logits with the kernel as without."""
+    path = save_tiny_model(tmp_path, "qwen2", tokenizer=False, num_hidden_layers=3, hidden_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                           use_sliding_window=True, sliding_window=20, max_window_layers=1)
+    rt = ModelRuntime.load(path, dtype=dtype)
+    tables = [[9, 3, 14, 0], [5, 6, 7, 8], [12, 1, 10, 2]]
+    prompts = [list(range(5, 45)), list(range(50, 67)), list(range(100, 133))]
+
+    def run(kernel):
+        rt.paged_kernel = kernel
+        pool = rt.new_kv_pool(16, 16)
+        rt.extend(pool, [(t, 0, torch.tensor(p[:-1])) for t, p in zip(tables[:2], prompts[:2])], "none")
+        mixed = rt.extend(pool, [(tables[0], len(prompts[0]) - 1, torch.tensor(prompts[0][-1:])),
+                                 (tables[2], 0, torch.tensor(prompts[2])),
+                                 (tables[1], len(prompts[1]) - 1, torch.tensor(prompts[1][-1:]))], "last")
+        decode = rt.decode_step(pool, [(t, len(p), 7) for t, p in zip(tables, prompts)])
+        return torch.cat(mixed), decode
+
+    (m0, d0), (m1, d1) = run(False), run(True)
+    tol = 1e-4 if dtype == torch.float32 else 0.1 * m0.abs().max().item()
+    assert m0.abs().max() > 0.1
+    assert (m0 - m1).abs().max() <= tol and (d0 - d1).abs().max() <= tol
+    assert torch.equal(d0.argmax(-1), d1.argmax(-1))
+
+
+def test_start_says_why_the_kernels_are_not_used(monkeypatch, caplog):
+    monkeypatch.setenv(cpu_kernel.ENV, "off")
+    with caplog.at_level(logging.INFO, logger="scd_serve.model"):
+        assert cpu_kernel.start() is False
+    assert "CPU kernels: not used (SCD_CPU_KERNELS=off)" in caplog.text
+    monkeypatch.setenv(cpu_kernel.ENV, "auto")
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert cpu_kernel.unavailable_reason() == "no C++ compiler (install g++, or set CXX)"
+    monkeypatch.setenv(cpu_kernel.ENV, "yes")
+    with pytest.raises(ConfigError, match="SCD_CPU_KERNELS='yes': use auto"):
+        cpu_kernel.start()
+
+
+def test_the_build_is_named_for_this_cpu_and_these_sources(monkeypatch):
+    name = cpu_kernel.build_name()
+    assert name.startswith("scd_cpu_ops_") and name == cpu_kernel.build_name()
+    monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda: "flags : sse2 avx2")
+    assert cpu_kernel.build_name() != name
