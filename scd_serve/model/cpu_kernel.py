@@ -10,8 +10,8 @@ Built with torch's cpp_extension (a C++ compiler and ninja; `-march=native`, so 
 name carries this CPU's flags and a machine of another CPU builds its own) into
 $SCD_KERNEL_CACHE (~/.cache/scd-serve/kernels). A serving role loads this machine's build at
 start; where there is none yet it builds it in a background thread and serves on the torch path
-meanwhile (~25-35 s on two cores). `scd-serve build-kernels` builds it ahead (the
-image and `bench peer` do). SCD_CPU_KERNELS=off keeps the torch path.
+meanwhile (~25-35 s on two cores). `scd-serve build-kernels` builds it ahead (`bench peer`
+does). SCD_CPU_KERNELS=off keeps the torch path.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: the so
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _thread: threading.Thread | None = None
-_why_not: str | None = None
 
 
 def unavailable_reason() -> str | None:
@@ -53,9 +52,22 @@ def unavailable_reason() -> str | None:
         return "no C++ compiler (install g++, or set CXX)"
     from torch.utils import cpp_extension
 
+    _ninja_on_path()
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (pip install ninja)"
     return None
+
+
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH: the ninja package's binary sits in the venv's bin, which a
+    worker started by its full path (`.venv/bin/scd-serve`) may not have on PATH."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
 def build_name() -> str:
@@ -104,31 +116,30 @@ def start() -> bool:
     """A serving role's start: load this machine's build of the kernels now, or where there is
     none yet build it in a background thread (the torch path serves meanwhile). -> whether they
     are or may come (False: the torch path throughout; the reason is logged)."""
-    global _thread, _why_not
-    _why_not = unavailable_reason()
-    if _why_not:
-        log.info("CPU kernels: not used (%s)", _why_not)
+    global _thread
+    reason = unavailable_reason()
+    if reason:
+        log.info("CPU kernels: not used (%s)", reason)
         return False
     if (_build_dir() / f"{build_name()}.so").exists():
-        _build_in_background()  # built before: loading takes a moment
+        _load_and_say()  # built before: loading it takes a moment
         return _module is not None
     with _lock:
         if _thread is None and _module is None:
             log.info("CPU kernels: building in the background (once per machine; the torch path serves until then)")
-            _thread = threading.Thread(target=_build_in_background, name="scd-kernels", daemon=True)
+            _thread = threading.Thread(target=_load_and_say, name="scd-kernels", daemon=True)
             _thread.start()
     return True
 
 
-def _build_in_background() -> None:
-    global _why_not
+def _load_and_say() -> None:
     began = time.monotonic()
     try:
         load()
         log.info("CPU kernels loaded (%.1f s): decode attention reads the pool in place", time.monotonic() - began)
     except Exception as exc:  # noqa: BLE001 - the torch path serves on; say why once
-        _why_not = f"the build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
-        log.warning("CPU kernels: not used (%s)", _why_not)
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        log.warning("CPU kernels: not used (the build failed: %s)", last)
 
 
 def attend_blocks(k_layer: Tensor, v_layer: Tensor, tables: Tensor, lengths: Tensor, q: Tensor,
