@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,28 +74,12 @@ def test_decode_and_mixed_steps_through_the_kernel_equal_the_torch_path(tmp_path
     """A model's steps (decode-only and a prefill chunk beside decode tokens, on scattered
     blocks, with a sliding-window layer) give the same logits with the kernel as without."""
     out = interpreted(f"""
-        import torch
-        from scd_serve.model.runtime import ModelRuntime
-        from scd_serve.model.tiny import save_tiny_model
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from step_case import mixed_and_decode, windowed_model
 
-        path = save_tiny_model({str(tmp_path)!r}, "qwen2", tokenizer=False, num_hidden_layers=3, hidden_size=64,
-                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
-                               use_sliding_window=True, sliding_window=20, max_window_layers=1)
-        rt = ModelRuntime.load(path)
-        tables = [[9, 3, 14, 0], [5, 6, 7, 8], [12, 1, 10, 2]]
-        prompts = [list(range(5, 45)), list(range(50, 67)), list(range(100, 133))]
-
-        def run(kernel):
-            rt.paged_kernel = kernel
-            pool = rt.new_kv_pool(16, 16)
-            rt.extend(pool, [(t, 0, torch.tensor(p[:-1])) for t, p in zip(tables[:2], prompts[:2])], "none")
-            mixed = rt.extend(pool, [(tables[0], len(prompts[0]) - 1, torch.tensor(prompts[0][-1:])),
-                                     (tables[2], 0, torch.tensor(prompts[2])),
-                                     (tables[1], len(prompts[1]) - 1, torch.tensor(prompts[1][-1:]))], "last")
-            items = [(t, len(p), 7) for t, p in zip(tables, prompts)]
-            return torch.cat(mixed), rt.decode_step(pool, items)
-
-        (m0, d0), (m1, d1) = run(False), run(True)
+        rt = windowed_model({str(tmp_path)!r})
+        (m0, d0), (m1, d1) = mixed_and_decode(rt, False), mixed_and_decode(rt, True)
         print((m0 - m1).abs().max().item(), (d0 - d1).abs().max().item(), m0.abs().max().item())
         """)
     mixed, decode, scale = map(float, out.split())
