@@ -33,7 +33,7 @@ def main() -> None:
                    help="kernel: the CPU's C++ decode attention (built here if need be); both: alternated rounds")
     args = p.parse_args()
     if args.attention != "torch":
-        cpu_kernel.load()
+        cpu_kernel.use(True)
     torch.set_num_threads(args.threads)
     rt = ModelRuntime.load(args.model, device="cpu", dtype=getattr(torch, args.dtype))
     rt.pack_linears()

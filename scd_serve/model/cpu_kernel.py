@@ -39,6 +39,7 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: the so
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _thread: threading.Thread | None = None
+_in_use = False  # whether this process's steps take the kernels: a serving role's start turns it on
 
 
 def unavailable_reason() -> str | None:
@@ -112,6 +113,15 @@ def load() -> ModuleType:
         return _module
 
 
+def use(on: bool = True) -> None:
+    """Whether this process's decode steps take the kernels (building them first where need
+    be); a serving role's start turns them on, tests and benchmarks choose."""
+    global _in_use
+    if on:
+        load()
+    _in_use = on
+
+
 def start() -> bool:
     """A serving role's start: load this machine's build of the kernels now, or where there is
     none yet build it in a background thread (the torch path serves meanwhile). -> whether they
@@ -123,7 +133,7 @@ def start() -> bool:
         return False
     if (_build_dir() / f"{build_name()}.so").exists():
         _load_and_say()  # built before: loading it takes a moment
-        return _module is not None
+        return _in_use
     with _lock:
         if _thread is None and _module is None:
             log.info("CPU kernels: building in the background (once per machine; the torch path serves until then)")
@@ -135,7 +145,7 @@ def start() -> bool:
 def _load_and_say() -> None:
     began = time.monotonic()
     try:
-        load()
+        use(True)
         log.info("CPU kernels loaded (%.1f s): decode attention reads the pool in place", time.monotonic() - began)
     except Exception as exc:  # noqa: BLE001 - the torch path serves on; say why once
         last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
@@ -153,7 +163,7 @@ def attend_blocks(k_layer: Tensor, v_layer: Tensor, tables: Tensor, lengths: Ten
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether attend_blocks serves a pool of this device and dtype now (never waits for a build)."""
-    return _module is not None and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+    return _in_use and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
 
 
 

@@ -19,14 +19,16 @@ from scd_serve.model.paged import attend_gathered
 from step_case import mixed_and_decode, windowed_model
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(cpu_kernel.ENV, "auto")
-        reason = cpu_kernel.unavailable_reason()
-        if reason:
-            pytest.skip(f"CPU kernels cannot be built here: {reason}")
-        return cpu_kernel.load()
+@pytest.fixture
+def kernels(monkeypatch):
+    """The kernels built and this process's steps on them for the test (off after: the suite's
+    other tests run the torch path)."""
+    monkeypatch.setenv(cpu_kernel.ENV, "auto")
+    if reason := cpu_kernel.unavailable_reason():
+        pytest.skip(f"CPU kernels cannot be built here: {reason}")
+    cpu_kernel.use(True)
+    yield
+    cpu_kernel.use(False)
 
 
 def case(seed, heads, kv_heads, hd, block, window, dtype):
@@ -80,6 +82,14 @@ def test_decode_and_mixed_steps_through_the_kernel_equal_the_torch_path(kernels,
     assert m0.abs().max() > 0.1
     assert (m0 - m1).abs().max() <= tol and (d0 - d1).abs().max() <= tol
     assert torch.equal(d0.argmax(-1), d1.argmax(-1))
+
+
+def test_steps_take_the_kernels_only_once_turned_on(kernels):
+    assert cpu_kernel.serves(torch.device("cpu"), torch.bfloat16)
+    assert not cpu_kernel.serves(torch.device("meta"), torch.bfloat16)
+    assert not cpu_kernel.serves(torch.device("cpu"), torch.float16)
+    cpu_kernel.use(False)
+    assert not cpu_kernel.serves(torch.device("cpu"), torch.bfloat16)  # loaded, but not in use
 
 
 def test_start_says_why_the_kernels_are_not_used(monkeypatch, caplog):
