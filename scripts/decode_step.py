@@ -4,7 +4,7 @@ how much of a step the linears take, and what the rest is):
 
     .venv/bin/python scripts/decode_step.py --model out/shaped/consumer --batch 8 --cached 300 --threads 2
 
---attention both: rounds of the step with the CPU's C++ decode attention (model/cpu_kernel.py)
+--attention both: rounds of the step with the CPU's C++ kernels (model/cpu_kernel.py: attention, norms, rotary, SiLU)
 and with the torch path, alternated in one process (a ratio measured side by side).
 """
 
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=23, help="steps in all: 3 warm-up, 5 profiled (--profile), the rest timed")
     p.add_argument("--profile", action="store_true", help="then 5 steps under torch.profiler, by op")
     p.add_argument("--attention", choices=["kernel", "torch", "both"], default="kernel",
-                   help="kernel: the CPU's C++ decode attention (built here if need be); both: alternated rounds")
+                   help="kernel: the CPU's C++ kernels (built here if need be); both: alternated rounds")
     args = p.parse_args()
     if args.attention != "torch":
         cpu_kernel.use(True)
@@ -67,7 +67,7 @@ def main() -> None:
         for kernel, ts in times.items():
             if ts:
                 print(f"batch {args.batch}, {args.cached}+ cached, {args.threads} threads, {args.dtype}, "
-                      f"{'C++ kernel' if kernel else 'torch'} attention: step median {1e3 * statistics.median(ts):.1f} ms "
+                      f"{'C++ kernels' if kernel else 'torch path'}: step median {1e3 * statistics.median(ts):.1f} ms "
                       f"(min {1e3 * min(ts):.1f}, {len(ts)} steps)")
         rt.paged_kernel = paths[0]
         if args.profile:

@@ -1,10 +1,14 @@
 """C++ kernels for the CPU's decode step (csrc/), built once per machine where a compiler is.
 
-A decode step's attention through torch ops gathers every sequence's blocks into a copy, then
-two batched matmuls, a mask and a softmax: ~0.3 ms a layer at 8 sequences of 300 keys on the
-Qwen2.5-0.5B shape, ~7 ms of a 68 ms step. `decode_attention` reads the pool's blocks in place
-in one call a layer (model/paged.py's `attend_gathered` is its reference, and serves until the
-kernel is loaded or where it cannot be built).
+A decode step through torch ops gathers every sequence's blocks into a copy for attention (two
+batched matmuls, a mask and a softmax: ~0.3 ms a layer at 8 sequences of 300 keys on the
+Qwen2.5-0.5B shape), and runs RMSNorm, the rotary and the pool's writes, and SiLU's product as
+a few dozen small ops a layer: ~18 ms of a 65 ms step beside the linears. The kernels:
+`decode_attention` reads the pool's blocks in place in one call a layer (model/paged.py's
+`attend_gathered` is its reference, and serves until the kernels are in use or where they cannot
+be built); `rms_norm`, `rope_write` and `silu_mul` do the rest in one pass each, rounding where
+model/layers.py and model/rope.py round (bfloat16: the same numbers, but for RMSNorm's order of
+sums and exp's last float bit in SiLU).
 
 Built with torch's cpp_extension (a C++ compiler and ninja; `-march=native`, so the build's
 name carries this CPU's flags and a machine of another CPU builds its own) into
@@ -33,7 +37,8 @@ from scd_serve.errors import ConfigError
 Tensor = torch.Tensor
 log = logging.getLogger("scd_serve.model")
 ENV = "SCD_CPU_KERNELS"
-SOURCES = (Path(__file__).with_name("csrc") / "decode_attention.cpp",)
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("bindings.cpp", "decode_attention.cpp", "elementwise.cpp"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: the softmax's exp vectorized
 
 _lock = threading.Lock()
@@ -161,22 +166,12 @@ def attend_blocks(k_layer: Tensor, v_layer: Tensor, tables: Tensor, lengths: Ten
     return _module.decode_attention(q, k_layer, v_layer, tables, lengths, window or 0, q.shape[-1] ** -0.5)
 
 
-def serves(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether attend_blocks serves a pool of this device and dtype now (never waits for a build)."""
-    return _in_use and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
-
-
-
-def add_arguments(parser) -> None:  # `scd-serve build-kernels`: no options
-    del parser
-
-
-def run(args) -> int:
-    began = time.monotonic()
-    try:
-        load()
-    except RuntimeError as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
-    print(f"CPU kernels ready in {_build_dir()} ({time.monotonic() - began:.1f} s)")
-    return 0
+def ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The kernels, where this process's steps take them for tensors of this device and dtype
+    (never waits for a build); None: the torch path. Besides `decode_attention` (attend_blocks):
+    `rms_norm(x, weight, eps)`, `rope_write(q, k, v, cos, sin, k_layer, v_layer, slots) -> q`
+    (rotates q and k, writes k and v into the pool) and `silu_mul(gate_up)`, each one pass where
+    torch runs several ops, rounding where model/layers.py and model/rope.py round."""
+    if _in_use and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        return _module
+    return None

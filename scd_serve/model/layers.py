@@ -6,6 +6,8 @@ optional q/k/v biases and per-head q/k RMSNorm, SDPA with the default 1/sqrt(hea
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -78,25 +80,29 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
 MLP_ROWS = 512
 
 
-def finish_layer(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> Tensor:
-    # h: residual [..., hidden]; attn: attention output [..., heads*hd] -> new residual
+def finish_layer(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor, fused: Any = None) -> Tensor:
+    # h: residual [..., hidden]; attn: attention output [..., heads*hd] -> new residual.
+    # fused: the CPU's kernels (model/cpu_kernel.ops) for the norm and SiLU's product, outside autograd
     rows = h.shape[:-1].numel()
     if torch.is_grad_enabled() or rows <= MLP_ROWS:
-        return _finish_rows(lw, spec, h, attn)
+        return _finish_rows(lw, spec, h, attn, fused)
     h2, attn2 = h.reshape(rows, -1), attn.reshape(rows, -1)  # [rows, hidden], [rows, heads*hd]
     out = torch.empty_like(h2)
     for i in range(0, rows, MLP_ROWS):
-        out[i:i + MLP_ROWS] = _finish_rows(lw, spec, h2[i:i + MLP_ROWS], attn2[i:i + MLP_ROWS])
+        out[i:i + MLP_ROWS] = _finish_rows(lw, spec, h2[i:i + MLP_ROWS], attn2[i:i + MLP_ROWS], fused)
     return out.view(h.shape)
 
 
-def _finish_rows(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor) -> Tensor:
+def _finish_rows(lw: LayerWeights, spec: ModelSpec, h: Tensor, attn: Tensor, fused: Any = None) -> Tensor:
     # outside autograd (calibration differentiates through the layers) the sums land in the
     # projections' own fresh buffers (a + b == b + a, bit for bit), SiLU runs in place and its
     # product is written contiguous, which the down projection reads without a copy
     grad = torch.is_grad_enabled()
     out = linear(attn, lw.wo, lw.bo)
     h = h + out if grad else out.add_(h)
+    if fused is not None and not grad:
+        gate_up = linear(fused.rms_norm(h, lw.ln2, spec.rms_norm_eps), lw.w_gate_up, lw.b_gate_up)
+        return linear(fused.silu_mul(gate_up), lw.w_down, lw.b_down).add_(h)
     gate, up = linear(rms_norm(h, lw.ln2, spec.rms_norm_eps), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
     if grad:
         return h + linear(F.silu(gate) * up, lw.w_down, lw.b_down)

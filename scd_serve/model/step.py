@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from scd_serve.errors import InvalidRequest, PromptTooLong
-from scd_serve.model import cpu_kernel, paged_kernel, rope
+from scd_serve.model import cpu_kernel, layers, paged_kernel, rope
 from scd_serve.model.kv_pool import KVPool
-from scd_serve.model.layers import finish_layer, project_kv, project_q, rms_norm
+from scd_serve.model.layers import finish_layer, project_kv, project_q
 from scd_serve.model.paged import GATHER_BYTES, attend_gathered, attend_paged, stretches
 
 if TYPE_CHECKING:
@@ -73,9 +73,11 @@ class Step:
         # in place (CUDA's Triton one, the CPU's C++ one once built), else a gathered copy of their
         # blocks (paged.attend_gathered)
         kernel = None
+        # the CPU's kernels also fuse the elementwise work between the linears (cpu_kernel.ops)
+        self.fused = cpu_kernel.ops(rt.device, rt.dtype) if rt.paged_kernel and pool.k.dtype == rt.dtype else None
         if rt.paged_kernel and paged_kernel.usable(rt.device, pool.block_size):
             kernel = paged_kernel.attend_blocks
-        elif rt.paged_kernel and pool.k.dtype == rt.dtype and cpu_kernel.serves(rt.device, rt.dtype):
+        elif self.fused is not None:
             kernel = cpu_kernel.attend_blocks
         self.attend_one_token = kernel or attend_gathered
         self.one_token_rows = self._one_token_plan(pool, kernel is not None)
@@ -128,15 +130,18 @@ class Step:
         spec, layer = self.rt.spec, self.layer
         if self.done:
             raise RuntimeError("every layer of this step has run")
-        lw, h_in = self.rt.weights.layers[layer], self.h
-        x = rms_norm(self.h, lw.ln1, spec.rms_norm_eps)
-        k_pre, v = project_kv(lw, spec, x)  # [N, kv_heads, hd]
-        self.pool.write(layer, self.slots, rope.apply(k_pre, self.cos, self.sin), v)
-        q = rope.apply(project_q(lw, spec, x), self.cos, self.sin)  # [N, heads, hd]
-        window = spec.window(layer)
+        lw, h_in, fused = self.rt.weights.layers[layer], self.h, self.fused
         k_layer, v_layer = self.pool.k[layer], self.pool.v[layer]
-        out = self._attend(k_layer, v_layer, q, window)
-        self.h = finish_layer(lw, spec, self.h, out)
+        norm = layers.rms_norm if fused is None else fused.rms_norm
+        x = norm(self.h, lw.ln1, spec.rms_norm_eps)
+        k_pre, v = project_kv(lw, spec, x)  # [N, kv_heads, hd]
+        if fused is not None:  # k rotated into the pool and q rotated in one pass
+            q = fused.rope_write(project_q(lw, spec, x), k_pre, v, self.cos, self.sin, k_layer, v_layer, self.slots)
+        else:
+            self.pool.write(layer, self.slots, rope.apply(k_pre, self.cos, self.sin), v)
+            q = rope.apply(project_q(lw, spec, x), self.cos, self.sin)  # [N, heads, hd]
+        out = self._attend(k_layer, v_layer, q, spec.window(layer))
+        self.h = finish_layer(lw, spec, self.h, out, fused)
         self.layer += 1
         return h_in, x, k_pre, v
 

@@ -3,7 +3,7 @@
 // Per (sequence, kv head), one task: the query heads that share that kv head score every key
 // of the sequence's blocks in float32 (bfloat16 widened by a shift), one softmax, then the
 // weighted sum of the values; no gathered copy of the blocks and one call a layer.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -196,8 +196,8 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
 }  // namespace
 
 // window <= 0: every key; else the last `window` keys of each sequence
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_layer, torch::Tensor v_layer, torch::Tensor tables,
-                               torch::Tensor lengths, int64_t window, double scale) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_layer, at::Tensor v_layer, at::Tensor tables,
+                               at::Tensor lengths, int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_layer.dim() == 4 && v_layer.sizes() == k_layer.sizes(), "decode_attention: bad shapes");
   TORCH_CHECK(q.scalar_type() == k_layer.scalar_type() && q.scalar_type() == v_layer.scalar_type(),
               "decode_attention: q, k and v must share a dtype");
@@ -205,9 +205,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_layer, torch::Te
   TORCH_CHECK(q.size(2) == k_layer.size(3) && q.size(2) <= 512 && q.size(1) % k_layer.size(2) == 0,
               "decode_attention: head sizes do not match");
   q = q.contiguous();
-  auto t = tables.to(torch::kLong).contiguous();
-  auto l = lengths.to(torch::kLong).contiguous();
-  auto out = torch::empty_like(q);
+  auto t = tables.to(at::kLong).contiguous();
+  auto l = lengths.to(at::kLong).contiguous();
+  auto out = at::empty_like(q);
   const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);
   const int64_t block_size = k_layer.size(1), kv_heads = k_layer.size(2), width = t.size(1);
   TORCH_CHECK(t.dim() == 2 && t.size(0) == batch && l.numel() == batch, "decode_attention: one table row and length per query");
@@ -218,20 +218,16 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_layer, torch::Te
     TORCH_CHECK(tp[i] >= 0 && tp[i] < k_layer.size(0), "decode_attention: block ids outside the pool");
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * block_size, "decode_attention: lengths must lie in 1..blocks x block_size");
-  if (q.scalar_type() == torch::kBFloat16) {
+  if (q.scalar_type() == at::kBFloat16) {
     attend<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), k_layer.data_ptr<c10::BFloat16>(),
                           v_layer.data_ptr<c10::BFloat16>(), t.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
                           out.data_ptr<c10::BFloat16>(), batch, heads, kv_heads, hd, block_size, width, window,
                           static_cast<float>(scale));
   } else {
-    TORCH_CHECK(q.scalar_type() == torch::kFloat, "decode_attention: bfloat16 or float32 only");
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: bfloat16 or float32 only");
     attend<float>(q.data_ptr<float>(), k_layer.data_ptr<float>(), v_layer.data_ptr<float>(), t.data_ptr<int64_t>(),
                   l.data_ptr<int64_t>(), out.data_ptr<float>(), batch, heads, kv_heads, hd, block_size, width,
                   window, static_cast<float>(scale));
   }
   return out.view({batch, heads * hd});
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "one query per sequence over its paged K/V");
 }

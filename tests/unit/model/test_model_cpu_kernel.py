@@ -11,9 +11,10 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from scd_serve.errors import ConfigError
-from scd_serve.model import cpu_kernel
+from scd_serve.model import cpu_kernel, layers, rope
 from scd_serve.model.paged import attend_gathered
 
 from step_case import mixed_and_decode, windowed_model
@@ -85,11 +86,56 @@ def test_decode_and_mixed_steps_through_the_kernel_equal_the_torch_path(kernels,
 
 
 def test_steps_take_the_kernels_only_once_turned_on(kernels):
-    assert cpu_kernel.serves(torch.device("cpu"), torch.bfloat16)
-    assert not cpu_kernel.serves(torch.device("meta"), torch.bfloat16)
-    assert not cpu_kernel.serves(torch.device("cpu"), torch.float16)
+    assert cpu_kernel.ops(torch.device("cpu"), torch.bfloat16) is not None
+    assert cpu_kernel.ops(torch.device("meta"), torch.bfloat16) is None
+    assert cpu_kernel.ops(torch.device("cpu"), torch.float16) is None
     cpu_kernel.use(False)
-    assert not cpu_kernel.serves(torch.device("cpu"), torch.bfloat16)  # loaded, but not in use
+    assert cpu_kernel.ops(torch.device("cpu"), torch.bfloat16) is None  # loaded, but not in use
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_elementwise_ops_round_as_the_torch_path(kernels, dtype):
+    """bfloat16: RMSNorm and the rotary write bit for bit (they round where layers.py and rope.py
+    round), SiLU's product within one unit in the last place (exp's last float bit); float32:
+    the same within float32's rounding."""
+    fused, gen = cpu_kernel.ops(torch.device("cpu"), dtype), torch.Generator().manual_seed(3)
+    x, w = torch.randn(8, 96, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype)
+    q, k, v = (torch.randn(8, h, 32, generator=gen).to(dtype) for h in (6, 2, 2))
+    cos, sin = (torch.randn(8, 1, 32, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.tensor([3, 17, 40, 41, 63, 5, 6, 0])
+    pool_k, pool_v = torch.zeros(4, 16, 2, 32, dtype=dtype), torch.zeros(4, 16, 2, 32, dtype=dtype)
+    q_rot = fused.rope_write(q, k, v, cos, sin, pool_k, pool_v, slots)
+    want_k, want_v = torch.zeros_like(pool_k), torch.zeros_like(pool_v)
+    want_k.flatten(0, 1)[slots], want_v.flatten(0, 1)[slots] = rope.apply(k, cos, sin), v
+    gate_up = 3 * torch.randn(8, 2 * 80, generator=gen).to(dtype)
+    gate, up = gate_up.clone().chunk(2, dim=-1)
+    silu = fused.silu_mul(gate_up)
+    want_silu = F.silu(gate) * up
+    if dtype == torch.bfloat16:
+        assert torch.equal(fused.rms_norm(x, w, 1e-6), layers.rms_norm(x, w, 1e-6))
+        assert torch.equal(q_rot, rope.apply(q, cos, sin)) and torch.equal(pool_k, want_k)
+        ulp = want_silu.float().abs() * 2 ** -7  # bfloat16 keeps 8 significant bits
+        assert ((silu.float() - want_silu.float()).abs() <= ulp).all()
+    else:
+        torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), layers.rms_norm(x, w, 1e-6))
+        torch.testing.assert_close(q_rot, rope.apply(q, cos, sin))
+        torch.testing.assert_close(pool_k, want_k)
+        torch.testing.assert_close(silu, want_silu)
+    assert torch.equal(pool_v, want_v)
+
+
+def test_the_fused_ops_refuse_what_they_cannot_serve(kernels):
+    fused = cpu_kernel.ops(torch.device("cpu"), torch.float32)
+    q, k = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8)
+    pool = torch.zeros(2, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        fused.rope_write(q, k, k, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), pool, pool.clone(), torch.tensor([0, 8]))
+    with pytest.raises(RuntimeError, match="share q's dtype"):
+        fused.rope_write(q, k.double(), k, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), pool, pool.clone(), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        fused.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32 only"):
+        fused.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
 
 
 def test_start_says_why_the_kernels_are_not_used(monkeypatch, caplog):
