@@ -14,7 +14,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
-BASE_IMAGE="${SCD_BASE_IMAGE:-scd-serve-base:bookworm}"
+BASE_IMAGE="${SCD_BASE_IMAGE:-scd-serve-base:bookworm-2}"
 IMAGE="${SCD_IMAGE:-scd-serve:local}"
 PROMETHEUS_IMAGE="${SCD_TEST_PROMETHEUS_IMAGE:-scd-prometheus:bookworm}"
 WHEELHOUSE="$ROOT/deploy/docker/wheelhouse"
@@ -151,7 +151,7 @@ start=$SECONDS
 install_packages
 start_dockerd
 install_compose
-debootstrap_image "$BASE_IMAGE" python3,python3-venv,ca-certificates,libtcmalloc-minimal4 "about a minute"
+debootstrap_image "$BASE_IMAGE" python3,python3-venv,python3-dev,ca-certificates,libtcmalloc-minimal4,g++ "about two minutes"
 build_wheelhouse
 build_image
 # Debian's prometheus package (2.42): /bin/prometheus and /bin/sh, as the compose service's command

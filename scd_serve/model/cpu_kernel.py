@@ -21,6 +21,7 @@ does). SCD_CPU_KERNELS=off keeps the torch path.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -54,6 +55,8 @@ def unavailable_reason() -> str | None:
         raise ConfigError(f"{ENV}={mode!r}: use auto (build and use them where a compiler is) or off")
     if mode == "off":
         return f"{ENV}=off"
+    if _built().exists():  # this machine's build, made before: no compiler needed
+        return None
     if not shutil.which(os.environ.get("CXX", "c++")):
         return "no C++ compiler (install g++, or set CXX)"
     from torch.utils import cpp_extension
@@ -100,6 +103,11 @@ def _build_dir() -> Path:
     return cache / build_name()
 
 
+def _built() -> Path:
+    """Where this machine's build of the kernels is (or goes)."""
+    return _build_dir() / f"{build_name()}.so"
+
+
 def load() -> ModuleType:
     """Build (or load the earlier build of) the kernels, now; raises where they cannot be built."""
     global _module
@@ -108,13 +116,19 @@ def load() -> ModuleType:
             reason = unavailable_reason()
             if reason:
                 raise RuntimeError(f"CPU kernels unavailable: {reason}")
-            from torch.utils import cpp_extension
+            built = _built()
+            if built.exists():  # imported as it is: cpp_extension would write a lock file (a read-only image)
+                spec = importlib.util.spec_from_file_location(built.stem, built)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                _module = module
+            else:
+                from torch.utils import cpp_extension
 
-            build_dir = _build_dir()
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _module = cpp_extension.load(name=build_dir.name, sources=[str(s) for s in SOURCES],
-                                         extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                         build_directory=str(build_dir), verbose=False)
+                built.parent.mkdir(parents=True, exist_ok=True)
+                _module = cpp_extension.load(name=built.stem, sources=[str(s) for s in SOURCES],
+                                             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                                             build_directory=str(built.parent), verbose=False)
         return _module
 
 
@@ -136,7 +150,7 @@ def start() -> bool:
     if reason:
         log.info("CPU kernels: not used (%s)", reason)
         return False
-    if (_build_dir() / f"{build_name()}.so").exists():
+    if _built().exists():
         _load_and_say()  # built before: loading it takes a moment
         return _in_use
     with _lock:

@@ -7,7 +7,11 @@ build); skipped where the machine has no C++ compiler.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -138,7 +142,8 @@ def test_the_fused_ops_refuse_what_they_cannot_serve(kernels):
         fused.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
 
 
-def test_start_says_why_the_kernels_are_not_used(monkeypatch, caplog):
+def test_start_says_why_the_kernels_are_not_used(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("SCD_KERNEL_CACHE", str(tmp_path))  # no build made before here
     monkeypatch.setenv(cpu_kernel.ENV, "off")
     with caplog.at_level(logging.INFO, logger="scd_serve.model"):
         assert cpu_kernel.start() is False
@@ -156,3 +161,26 @@ def test_the_build_is_named_for_this_cpu_and_these_sources(monkeypatch):
     assert name.startswith("scd_cpu_ops_") and name == cpu_kernel.build_name()
     monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda: "flags : sse2 avx2")
     assert cpu_kernel.build_name() != name
+
+
+def test_a_build_made_before_loads_without_a_compiler_from_a_read_only_directory(kernels, tmp_path):
+    """An image's build: its directory read-only (compose's read-only root), no compiler there."""
+    cache = tmp_path / "cache"
+    built = cache / cpu_kernel.build_name() / f"{cpu_kernel.build_name()}.so"
+    built.parent.mkdir(parents=True)
+    shutil.copy(cpu_kernel._built(), built)
+    for path in (built, built.parent, cache):
+        path.chmod(0o555)
+    env = os.environ | {"SCD_KERNEL_CACHE": str(cache), "CXX": "no-such-compiler-here", cpu_kernel.ENV: "auto"}
+    code = ("import torch; from scd_serve.model import cpu_kernel; assert cpu_kernel.unavailable_reason() is None; "
+            "cpu_kernel.use(True); print(cpu_kernel.ops(torch.device('cpu'), torch.float32).rms_norm("
+            "torch.ones(1, 4), torch.full((4,), 2.0), 0.0).tolist())")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        for path in (cache, built.parent):
+            path.chmod(0o755)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[[2.0, 2.0, 2.0, 2.0]]"
+    # nothing written beside it (the read-only bits do not stop root: this does)
+    assert [p.name for p in built.parent.iterdir()] == [built.name]
