@@ -189,3 +189,18 @@ def ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
     if _in_use and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
         return _module
     return None
+
+
+def add_arguments(parser) -> None:  # `scd-serve build-kernels`: no options
+    del parser
+
+
+def run(args) -> int:
+    began = time.monotonic()
+    try:
+        load()
+    except (RuntimeError, OSError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    print(f"CPU kernels ready in {_build_dir()} ({time.monotonic() - began:.1f} s)")
+    return 0

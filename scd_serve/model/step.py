@@ -69,12 +69,12 @@ class Step:
         self.slots = torch.tensor(slots, device=dev)  # [N] where each row's K/V goes
         self.h = rt.weights.embed[torch.tensor(tokens, device=dev)]  # [N, hidden]: every item's rows, in order
         self.cos, self.sin = rt.rotary.tables(torch.tensor(positions, device=dev))
-        # the items of one token (decodes) attend in one batched call: a kernel reading the blocks
-        # in place (CUDA's Triton one, the CPU's C++ one once built), else a gathered copy of their
-        # blocks (paged.attend_gathered)
-        kernel = None
-        # the CPU's kernels also fuse the elementwise work between the linears (cpu_kernel.ops)
+        # the CPU's C++ kernels where this process uses them: the elementwise work between the
+        # linears in one pass each (cpu_kernel.ops), and decode attention
         self.fused = cpu_kernel.ops(rt.device, rt.dtype) if rt.paged_kernel and pool.k.dtype == rt.dtype else None
+        # the items of one token (decodes) attend in one batched call: a kernel reading the blocks
+        # in place (CUDA's Triton one, the CPU's C++ one), else a gathered copy of their blocks
+        kernel = None
         if rt.paged_kernel and paged_kernel.usable(rt.device, pool.block_size):
             kernel = paged_kernel.attend_blocks
         elif self.fused is not None:

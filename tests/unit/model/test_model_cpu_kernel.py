@@ -184,3 +184,13 @@ def test_a_build_made_before_loads_without_a_compiler_from_a_read_only_directory
     assert out.stdout.strip() == "[[2.0, 2.0, 2.0, 2.0]]"
     # nothing written beside it (the read-only bits do not stop root: this does)
     assert [p.name for p in built.parent.iterdir()] == [built.name]
+
+
+def test_build_kernels_builds_them_or_says_why_not(kernels, tmp_path):
+    """`scd-serve build-kernels`: the build (made already by the fixture: here it is found), and
+    where the kernels are off, exit 1 with the reason."""
+    cli = [sys.executable, "-m", "scd_serve.cli", "build-kernels"]
+    done = subprocess.run(cli, env=os.environ | {cpu_kernel.ENV: "auto"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "CPU kernels ready in" in done.stdout, done.stderr[-2000:]
+    off = subprocess.run(cli, env=os.environ | {cpu_kernel.ENV: "off"}, capture_output=True, text=True, timeout=60)
+    assert off.returncode == 1 and "CPU kernels unavailable: SCD_CPU_KERNELS=off" in off.stderr
