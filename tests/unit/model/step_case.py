@@ -1,13 +1,35 @@
-"""A model's decode-only and mixed steps on scattered blocks, with a sliding-window layer: the
-case both attention kernels' tests (CUDA's Triton one, the CPU's C++ one) run with and without
-their kernel. Imported by a child process too (test_model_paged_kernel.py)."""
+"""The cases both attention kernels' tests (CUDA's Triton one, the CPU's C++ one) run: random
+pools with tables over shuffled blocks, and a model's decode-only and mixed steps on scattered
+blocks with a sliding-window layer. Imported by a child process too (test_model_paged_kernel.py)."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
 from scd_serve.model.runtime import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
+
+
+# (heads, kv_heads, head_dim, block, window): grouped and plain heads, a head_dim that is not a
+# power of two, larger blocks, sliding windows that start inside a block
+SHAPES = [(4, 2, 32, 16, None), (8, 1, 24, 16, None), (2, 2, 64, 32, 20), (14, 2, 64, 16, None), (6, 3, 16, 16, 7)]
+
+
+def random_pool(seed, heads, kv_heads, hd, block, dtype) -> tuple[torch.Tensor, ...]:
+    """-> (k, v [blocks, block, kv_heads, hd], table [5, W] over shuffled blocks, lengths [5] of
+    1, block - 1, block, block + 1 and up to 6 blocks, q [5, heads, hd])"""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    lengths = [1, block - 1, block, block + 1, rng.randint(2, 6 * block)]
+    width = -(-max(lengths) // block)
+    ids = list(range(len(lengths) * width + 3))
+    rng.shuffle(ids)
+    table = torch.tensor(ids[:len(lengths) * width]).view(len(lengths), width)
+    k = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
+    v = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
+    q = torch.randn(len(lengths), heads, hd, generator=gen).to(dtype)
+    return k, v, table, torch.tensor(lengths), q
 
 
 def windowed_model(path, dtype=torch.float32) -> ModelRuntime:

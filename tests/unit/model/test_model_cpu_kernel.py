@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from scd_serve.errors import ConfigError
 from scd_serve.model import cpu_kernel, layers, rope
 from scd_serve.model.paged import attend_gathered
 
-from step_case import mixed_and_decode, windowed_model
+from step_case import SHAPES, mixed_and_decode, random_pool, windowed_model
 
 
 @pytest.fixture
@@ -36,30 +35,14 @@ def kernels(monkeypatch):
     cpu_kernel.use(False)
 
 
-def case(seed, heads, kv_heads, hd, block, window, dtype):
-    """Random pools, a table over shuffled blocks per sequence, one query each: (args, lengths)."""
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    lengths = [1, block - 1, block, block + 1, rng.randint(2, 6 * block)]
-    width = -(-max(lengths) // block)
-    ids = list(range(len(lengths) * width + 3))
-    rng.shuffle(ids)
-    table = torch.tensor(ids[:len(lengths) * width]).view(len(lengths), width)
-    k = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
-    v = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
-    q = torch.randn(len(lengths), heads, hd, generator=gen).to(dtype)
-    return k, v, table, torch.tensor(lengths), q
-
-
-# (heads, kv_heads, head_dim, block, window): grouped and plain heads, a head_dim that is not a
-# power of two, larger blocks, sliding windows that start inside a block
-SHAPES = [(4, 2, 32, 16, None), (8, 1, 24, 16, None), (2, 2, 64, 32, 20), (14, 2, 64, 16, None), (6, 3, 16, 16, 7),
-          (8, 8, 128, 16, None), (4, 1, 64, 2, 5)]
+# step_case's shapes, and wider heads and blocks of 2
+CPU_SHAPES = SHAPES + [(8, 8, 128, 16, None), (4, 1, 64, 2, 5)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_equals_attention_over_a_gathered_copy(kernels, dtype):
-    for seed, (heads, kv_heads, hd, block, window) in enumerate(SHAPES):
-        k, v, table, lengths, q = case(seed, heads, kv_heads, hd, block, window, dtype)
+    for seed, (heads, kv_heads, hd, block, window) in enumerate(CPU_SHAPES):
+        k, v, table, lengths, q = random_pool(seed, heads, kv_heads, hd, block, dtype)
         got = cpu_kernel.attend_blocks(k, v, table, lengths, q, window)
         assert got.shape == (5, heads * hd) and got.dtype == dtype
         want = attend_gathered(k.float(), v.float(), table, lengths, q.float(), window)
@@ -68,7 +51,7 @@ def test_the_kernel_equals_attention_over_a_gathered_copy(kernels, dtype):
 
 
 def test_the_kernel_refuses_tables_outside_the_pool(kernels):
-    k, v, table, lengths, q = case(0, 4, 2, 32, 16, None, torch.float32)
+    k, v, table, lengths, q = random_pool(0, 4, 2, 32, 16, torch.float32)
     with pytest.raises(RuntimeError, match="block ids outside the pool"):
         cpu_kernel.attend_blocks(k, v, table + k.shape[0], lengths, q, None)
     with pytest.raises(RuntimeError, match="lengths must lie in"):

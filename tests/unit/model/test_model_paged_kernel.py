@@ -18,38 +18,29 @@ import torch
 
 from scd_serve.model import paged_kernel
 
+from step_case import SHAPES
+
 pytestmark = pytest.mark.skipif(paged_kernel.triton is None, reason="Triton is not installed")
 
-# Shared by the child and the CUDA test: random pools, tables over shuffled blocks, one query each.
+# Shared by the child and the CUDA test: random pools (step_case.py), one query each.
 SETUP = """
-import random, torch
+import torch
 from scd_serve.model.paged import attend_gathered
 from scd_serve.model.paged_kernel import attend_blocks
+from step_case import random_pool
 
 def case(seed, heads, kv_heads, hd, block, window, dtype, device="cpu", splits=None):
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [1, block - 1, block, block + 1, rng.randint(2, 6 * block)]
-    width = -(-max(lengths) // block)
-    ids = list(range(len(lengths) * width + 3))
-    rng.shuffle(ids)
-    table = torch.tensor(ids[:len(lengths) * width]).view(len(lengths), width)
-    k = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
-    v = torch.randn(len(ids), block, kv_heads, hd, generator=gen).to(dtype)
-    q = torch.randn(len(lengths), heads, hd, generator=gen).to(dtype)
-    args = [x.to(device) for x in (k, v, table, torch.tensor(lengths), q)]
+    args = [x.to(device) for x in random_pool(seed, heads, kv_heads, hd, block, dtype)]
     got = attend_blocks(*args, window, splits).float().cpu()
     want = attend_gathered(*[x.cpu().float() if x.is_floating_point() else x.cpu() for x in args], window)
     return (got - want).abs().max().item()
 """
 
-# (heads, kv_heads, head_dim, block, window): grouped and plain heads, a head_dim that is not a
-# power of two, larger blocks, sliding windows that start inside a block
-SHAPES = [(4, 2, 32, 16, None), (8, 1, 24, 16, None), (2, 2, 64, 32, 20), (14, 2, 64, 16, None), (6, 3, 16, 16, 7)]
-
 
 def interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # step_case.py beside this file importable in the child, as pytest makes it here
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -74,8 +65,6 @@ def test_decode_and_mixed_steps_through_the_kernel_equal_the_torch_path(tmp_path
     """A model's steps (decode-only and a prefill chunk beside decode tokens, on scattered
     blocks, with a sliding-window layer) give the same logits with the kernel as without."""
     out = interpreted(f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
         from step_case import mixed_and_decode, windowed_model
 
         rt = windowed_model({str(tmp_path)!r})
