@@ -165,7 +165,8 @@ def _load_and_say() -> None:
     began = time.monotonic()
     try:
         use(True)
-        log.info("CPU kernels loaded (%.1f s): decode attention reads the pool in place", time.monotonic() - began)
+        log.info("CPU kernels loaded (%.1f s): decode steps attend, normalize, rotate and gate in C++",
+                 time.monotonic() - began)
     except Exception as exc:  # noqa: BLE001 - the torch path serves on; say why once
         last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         log.warning("CPU kernels: not used (the build failed: %s)", last)

@@ -1,7 +1,7 @@
 // A decode step's elementwise work between the linears, one pass each instead of torch's several
 // ops (model/cpu_kernel.py builds it). Each rounds where model/layers.py and model/rope.py round
 // (to the tensors' dtype after each product and sum), so bfloat16 results match the torch path's
-// but for the order of RMSNorm's sum of squares.
+// but for the order of RMSNorm's sum of squares and the last float bit of SiLU's exp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
