@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -92,7 +93,12 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
   // q: [B, heads, hd]; k, v: [num_blocks, block_size, kv_heads, hd]; out: [B, heads, hd]
   // float32 rows padded to a whole number of vectors: every inner loop below is fixed-width
   const int64_t hdp = (hd + VEC - 1) / VEC * VEC;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // tasks per thread at least: a parallel region pays only for ~32k multiply-adds or more (torch's
+  // own grain), else the step's few short tasks run where they are
+  int64_t longest = 1;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, window > 0 ? std::min(lengths[b], window) : lengths[b]);
+  const int64_t grain = std::max<int64_t>(1, 32768 / (longest * group * hd));
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * hdp, 0.f), acc(group * hdp), kf(hdp, 0.f), vt(TILE * hdp, 0.f), scores;
     std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
