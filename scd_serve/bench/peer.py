@@ -130,7 +130,7 @@ def prebuild_kernels() -> str:
         cpu_kernel.load()
     except RuntimeError as exc:
         return f"not used ({exc})"
-    return "decode attention"
+    return "in use (attention, norms, rotary, SiLU)"
 
 
 def run_peer(args) -> dict:
