@@ -12,6 +12,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t TILE = 16;  // keys scored together: one AVX-512 vector of float32
@@ -26,16 +30,13 @@ inline float widen(c10::BFloat16 x) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 // 16 values widened to float32 lanes
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const c10::BFloat16* x) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-#endif
 
-#if defined(__AVX512F__)
 // scores [group, n] of one task: each key's chunks loaded once, one product a query head, summed
 template <typename T>
 void scores_avx512(const float* qf, int64_t hdp, int64_t group, const T* k, const int64_t* rows, int64_t n,
@@ -215,8 +216,8 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_layer, at::Tensor v_layer
   auto l = lengths.to(at::kLong).contiguous();
   auto out = at::empty_like(q);
   const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);
-  const int64_t block_size = k_layer.size(1), kv_heads = k_layer.size(2), width = t.size(1);
   TORCH_CHECK(t.dim() == 2 && t.size(0) == batch && l.numel() == batch, "decode_attention: one table row and length per query");
+  const int64_t block_size = k_layer.size(1), kv_heads = k_layer.size(2), width = t.size(1);
   // the blocks read are in the pool and each length fits its row: no read outside the tensors
   const int64_t* tp = t.data_ptr<int64_t>();
   const int64_t* lp = l.data_ptr<int64_t>();
@@ -224,16 +225,16 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_layer, at::Tensor v_layer
     TORCH_CHECK(tp[i] >= 0 && tp[i] < k_layer.size(0), "decode_attention: block ids outside the pool");
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * block_size, "decode_attention: lengths must lie in 1..blocks x block_size");
-  if (q.scalar_type() == at::kBFloat16) {
-    attend<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), k_layer.data_ptr<c10::BFloat16>(),
-                          v_layer.data_ptr<c10::BFloat16>(), t.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
-                          out.data_ptr<c10::BFloat16>(), batch, heads, kv_heads, hd, block_size, width, window,
-                          static_cast<float>(scale));
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: bfloat16 or float32 only");
-    attend<float>(q.data_ptr<float>(), k_layer.data_ptr<float>(), v_layer.data_ptr<float>(), t.data_ptr<int64_t>(),
-                  l.data_ptr<int64_t>(), out.data_ptr<float>(), batch, heads, kv_heads, hd, block_size, width,
-                  window, static_cast<float>(scale));
-  }
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "decode_attention: bfloat16 or float32 only");
+  const auto run = [&](auto zero) {  // zero: a value of the element type, for its type
+    using T = decltype(zero);
+    attend<T>(q.data_ptr<T>(), k_layer.data_ptr<T>(), v_layer.data_ptr<T>(), tp, lp, out.data_ptr<T>(), batch, heads,
+              kv_heads, hd, block_size, width, window, static_cast<float>(scale));
+  };
+  if (q.scalar_type() == at::kBFloat16)
+    run(c10::BFloat16{});
+  else
+    run(0.f);
   return out.view({batch, heads * hd});
 }
