@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from scd_serve.bench.stats import alternated
 from scd_serve.model import cpu_kernel
 from scd_serve.model.paged import attend_gathered
 
@@ -38,16 +38,7 @@ def main() -> None:
     q = torch.randn(args.batch, args.heads, args.head_dim).to(dtype)
     paths = {"torch": lambda: attend_gathered(k, v, tables, lengths, q, None),
              "C++ kernel": lambda: cpu_kernel.attend_blocks(k, v, tables, lengths, q, None)}
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(4):
-        for name, fn in paths.items():
-            for _ in range(10):
-                fn()
-            for _ in range(args.calls // 4):
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    for name, ts in times.items():
+    for name, ts in alternated(paths, rounds=4, calls=args.calls // 4, warm=10).items():
         print(f"{args.batch} x {args.keys} keys, {args.heads} heads over {args.kv_heads}, {args.dtype}, "
               f"{args.threads} threads, {name}: median {1e6 * statistics.median(ts):.1f} us")
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from collections.abc import Callable
 
 import torch
 
+from scd_serve.bench.stats import alternated
 from scd_serve.model import cpu_kernel
 from scd_serve.model.runtime import ModelRuntime
 
@@ -55,21 +56,22 @@ def main() -> None:
 
         for _ in range(3):
             step()
-        paths = {"kernel": [True], "torch": [False], "both": [True, False] * 3}[args.attention]
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for kernel in paths:
-            rt.paged_kernel = kernel
-            step()  # the first step of a round on its path: not timed
-            for _ in range((args.steps - 4 - (5 if args.profile else 0)) // (len(paths) // 2 or 1)):
-                start = time.perf_counter()
+        def on(kernel: bool) -> Callable[[], None]:
+            def run() -> None:
+                rt.paged_kernel = kernel
                 step()
-                times[kernel].append(time.perf_counter() - start)
-        for kernel, ts in times.items():
-            if ts:
-                print(f"batch {args.batch}, {args.cached}+ cached, {args.threads} threads, {args.dtype}, "
-                      f"{'C++ kernels' if kernel else 'torch path'}: step median {1e3 * statistics.median(ts):.1f} ms "
-                      f"(min {1e3 * min(ts):.1f}, {len(ts)} steps)")
-        rt.paged_kernel = paths[0]
+            return run
+
+        paths = {"C++ kernels": on(True), "torch path": on(False)}
+        if args.attention != "both":
+            paths = {name: fn for name, fn in paths.items() if (name == "torch path") == (args.attention == "torch")}
+        rounds = 3 if args.attention == "both" else 1
+        # the first step of a round on its path is not timed
+        times = alternated(paths, rounds, calls=(args.steps - 4 - (5 if args.profile else 0)) // rounds, warm=1)
+        for name, ts in times.items():
+            print(f"batch {args.batch}, {args.cached}+ cached, {args.threads} threads, {args.dtype}, "
+                  f"{name}: step median {1e3 * statistics.median(ts):.1f} ms (min {1e3 * min(ts):.1f}, {len(ts)} steps)")
+        rt.paged_kernel = args.attention != "torch"
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from scd_serve import codec as registry
+from scd_serve.bench.stats import alternated
 from scd_serve.calibration import distill
 from scd_serve.codec.codebook import Codebook
 from scd_serve.model.runtime import ModelRuntime
@@ -50,15 +50,10 @@ def main() -> None:
             (decoders.loss(consumer, ex) / len(examples)).backward()
         opt.step()
 
-    times: dict[str, list[float]] = {"summed": [], "one at a time": []}
     with torch.enable_grad():
         summed()  # warm
         each()
-        for _ in range(args.rounds):
-            for name, step in (("summed", summed), ("one at a time", each)):
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
+        times = alternated({"summed": summed, "one at a time": each}, rounds=args.rounds, calls=1)
     for name, ts in times.items():
         print(f"{name}: a step of {len(examples)} examples, median {statistics.median(ts):.3f} s "
               f"(min {min(ts):.3f}, max {max(ts):.3f})")

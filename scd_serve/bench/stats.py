@@ -1,8 +1,10 @@
-"""Summaries of request timings: percentiles, throughput, goodput under an SLO."""
+"""Summaries of request timings: percentiles, throughput, goodput under an SLO; and timings of
+code paths side by side (`alternated`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -97,3 +99,19 @@ def summarize(results: list[RequestResult], wall_s: float, slo: Slo) -> dict:
             "throughput_requests_per_s": rate(len(ok)), "goodput_requests_per_s": rate(len(good)),
             "goodput_tokens_per_s": rate(sum(r.tokens for r in good)),
             "slo": {"ttft_s": slo.ttft_s, "mean_itl_s": slo.itl_s, "met": len(good)}}
+
+
+def alternated(paths: dict[str, Callable[[], object]], rounds: int, calls: int, warm: int = 0) -> dict[str, list[float]]:
+    """Seconds of each call of each path, by name: in each of `rounds` rounds every path in turn,
+    `warm` untimed calls then `calls` timed ones. Side by side, so that a shared machine's drifting
+    load weighs on every path alike (compare medians)."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            for _ in range(warm):
+                fn()
+            for _ in range(calls):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return times

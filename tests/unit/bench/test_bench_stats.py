@@ -3,7 +3,7 @@
 import pytest
 
 from scd_serve.bench.loadgen import poisson_arrivals
-from scd_serve.bench.stats import RequestResult, Slo, percentile, summarize
+from scd_serve.bench.stats import RequestResult, Slo, alternated, percentile, summarize
 
 
 def test_percentile_interpolates():
@@ -32,3 +32,11 @@ def test_poisson_arrivals_are_increasing_with_the_right_mean_rate():
     ts = poisson_arrivals(rate=10.0, num=2000, seed=1)
     assert all(b > a for a, b in zip(ts, ts[1:]))
     assert 2000 / ts[-1] == pytest.approx(10.0, rel=0.1)
+
+
+def test_alternated_takes_turns_warms_each_round_and_times_only_the_timed_calls():
+    order = []
+    times = alternated({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=2, calls=2, warm=1)
+    assert order == ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
+    assert {name: len(ts) for name, ts in times.items()} == {"a": 4, "b": 4}
+    assert all(t >= 0 for ts in times.values() for t in ts)
