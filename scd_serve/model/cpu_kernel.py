@@ -20,6 +20,7 @@ does). SCD_CPU_KERNELS=off keeps the torch path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -81,13 +82,20 @@ def _ninja_on_path() -> None:
 
 def build_name() -> str:
     """The build's name: the sources, the flags, torch's version and this CPU's flags."""
-    digest = hashlib.sha256()
-    for src in SOURCES:
-        digest.update(src.read_bytes())
+    digest = hashlib.sha256(_sources_digest())
     digest.update(" ".join(FLAGS).encode() + torch.__version__.encode() + _cpu_flags().encode())
     return f"scd_cpu_ops_{digest.hexdigest()[:16]}"
 
 
+@functools.cache  # a start asks for the name several times: the sources are read once
+def _sources_digest() -> bytes:
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    return digest.digest()
+
+
+@functools.cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
