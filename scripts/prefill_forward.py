@@ -8,6 +8,7 @@ prefill lead comes from). Each engine in its own python, pinned the same way:
     VLLM_CPU_OMP_THREADS_BIND=1 taskset -c 1 VLLM_VENV/bin/python scripts/prefill_forward.py vllm \\
         --model out/shaped/consumer
 
+scd takes the CPU's C++ kernels as a worker does (SCD_CPU_KERNELS=off: the torch path).
 Prints the median of --runs after a warm-up, then (--profile) the profiler's top ops of one more.
 `--layout second|passing-load` (scd) runs the forward in a second thread, the model loaded on the
 main thread or in a thread that exited (model/threads.py: two OpenMP teams, or one):
@@ -38,6 +39,11 @@ def scd_prefill(model: str, dtype: str):
 
     rt = ModelRuntime.load(model, dtype=dtype)
     rt.pack_linears()
+    if os.environ.get("SCD_CPU_KERNELS", "auto") != "off":  # as a serving role runs it (model/cpu_kernel.py)
+        from scd_serve.model import cpu_kernel
+
+        cpu_kernel.load()
+        cpu_kernel.use(True)
 
     def run(ids: list[int]) -> None:
         blocks = list(range(len(ids) // 16 + 1))

@@ -40,7 +40,7 @@ Tensor = torch.Tensor
 log = logging.getLogger("scd_serve.model")
 ENV = "SCD_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("bindings.cpp", "decode_attention.cpp", "elementwise.cpp"))
+                for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: the softmax's exp vectorized
 
 _lock = threading.Lock()
@@ -189,10 +189,25 @@ def attend_blocks(k_layer: Tensor, v_layer: Tensor, tables: Tensor, lengths: Ten
     return _module.decode_attention(q, k_layer, v_layer, tables, lengths, window or 0, q.shape[-1] ** -0.5)
 
 
+def prefill(q: Tensor, k_layer: Tensor, v_layer: Tensor, table: Tensor, first: int, window: int | None) -> Tensor:
+    """Causal attention of one sequence's queries at positions first.. over its blocks, read in
+    place (paged.attend_paged's contract). q: [T, heads, hd]; k_layer, v_layer: [num_blocks,
+    block_size, kv_heads, hd]; table: [W] the sequence's block ids. -> [T, heads*hd]"""
+    assert _module is not None, "cpu_kernel.prefill before the kernels are loaded"
+    return _module.prefill_attention(q, k_layer, v_layer, table, first, window or 0, q.shape[-1] ** -0.5)
+
+
+def prefill_ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """ops(), where its prefill attention is also vectorized here (AVX-512: faster than SDPA and
+    the bfloat16 matmul blocks); None: the torch path's prefill attention."""
+    module = ops(device, dtype)
+    return module if module is not None and module.prefill_vectorized else None
+
+
 def ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
     """The kernels, where this process's steps take them for tensors of this device and dtype
     (never waits for a build); None: the torch path. Besides `decode_attention` (attend_blocks):
-    `rms_norm(x, weight, eps)`, `rope_write(q, k, v, cos, sin, k_layer, v_layer, slots) -> q`
+    `prefill_attention` (prefill), `rms_norm(x, weight, eps)`, `rope_write(q, k, v, cos, sin, k_layer, v_layer, slots) -> q`
     (rotates q and k, writes k and v into the pool) and `silu_mul(gate_up)`, each one pass where
     torch runs several ops, rounding where model/layers.py and model/rope.py round."""
     if _in_use and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):

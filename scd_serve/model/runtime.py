@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from scd_serve.errors import InvalidRequest, PromptTooLong
-from scd_serve.model import loader, paged, rope
+from scd_serve.model import cpu_kernel, loader, paged, rope
 from scd_serve.model.kv_pool import KVPool
 from scd_serve.model.layers import (PackedWeight, attend, causal_mask, finish_layer, linear, project_kv, project_q,
                                     rms_norm)
@@ -23,6 +23,7 @@ from scd_serve.model.step import DecodeStep, Step
 PACK_FLOAT32_FROM_HIDDEN = 512
 
 Tensor = torch.Tensor
+ONE_BLOCK = torch.zeros(1, dtype=torch.long)  # a whole prompt's K/V viewed as block 0 of a pool (cpu_kernel.prefill)
 
 
 @dataclass
@@ -139,13 +140,16 @@ class ModelRuntime:
         pos = torch.arange(t, device=self.device)
         masks = self._masks(pos[None], torch.tensor([t], device=self.device), t)
         cos, sin = rot.tables(pos)  # once per forward, shared by all layers
+        fused = cpu_kernel.prefill_ops(self.device, h.dtype) if self.paged_kernel and not torch.is_grad_enabled() else None
         for layer in range(first, spec.num_layers):
             lw = self.weights.layers[layer]
             x = rms_norm(h, lw.ln1, spec.rms_norm_eps)  # [T, hidden]
             k_pre, v = project_kv(lw, spec, x)
             q = rope.apply(project_q(lw, spec, x), cos, sin)
             k = rope.apply(k_pre, cos, sin)
-            if paged.bf16_blocks(q):  # bfloat16 on a CPU that multiplies it natively: faster than SDPA
+            if fused is not None:  # the CPU's C++ kernel: the prompt's K/V as one block
+                attn = cpu_kernel.prefill(q, k.contiguous()[None], v.contiguous()[None], ONE_BLOCK, 0, spec.window(layer))[None]
+            elif paged.bf16_blocks(q):  # bfloat16 on a CPU that multiplies it natively: faster than SDPA
                 attn = paged.attend_blocks(q, pos, [(k, v, 0)], spec.window(layer))[None]
             else:
                 attn = attend(q[None], k[None], v[None], masks[spec.window(layer)])

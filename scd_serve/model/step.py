@@ -80,6 +80,10 @@ class Step:
         elif self.fused is not None:
             kernel = cpu_kernel.attend_blocks
         self.attend_one_token = kernel or attend_gathered
+        # each item's block ids, where the CPU's prefill attention reads them (model/cpu_kernel.prefill)
+        self.prefill_tables = None
+        if self.fused is not None and cpu_kernel.prefill_ops(rt.device, rt.dtype) is not None:
+            self.prefill_tables = [torch.tensor(blocks) for blocks in self.blocks]
         self.one_token_rows = self._one_token_plan(pool, kernel is not None)
         self.layer = 0  # the next layer to run
 
@@ -157,9 +161,12 @@ class Step:
         if self.one_token_rows is not None:
             out[rows] = one_token
         at = 0
-        for runs, cached, n in zip(self.runs, self.cached, self.lengths):
+        for i, (runs, cached, n) in enumerate(zip(self.runs, self.cached, self.lengths)):
             if n > 1 or self.one_token_rows is None:
-                out[at:at + n] = attend_paged(k_layer, v_layer, runs, cached + n, q[at:at + n], cached, window)
+                if self.prefill_tables is not None:
+                    out[at:at + n] = cpu_kernel.prefill(q[at:at + n], k_layer, v_layer, self.prefill_tables[i], cached, window)
+                else:
+                    out[at:at + n] = attend_paged(k_layer, v_layer, runs, cached + n, q[at:at + n], cached, window)
             at += n
         return out
 

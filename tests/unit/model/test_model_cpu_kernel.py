@@ -1,4 +1,5 @@
-"""The CPU's C++ decode attention (model/cpu_kernel.py) equals the torch path it replaces.
+"""The CPU's C++ kernels (model/cpu_kernel.py: decode and prefill attention, the elementwise ops)
+equal the torch path they replace.
 
 Built here once per machine with the test's compiler (~30 s the first time; later runs load the
 build); skipped where the machine has no C++ compiler.
@@ -58,6 +59,62 @@ def test_the_kernel_refuses_tables_outside_the_pool(kernels):
         cpu_kernel.attend_blocks(k, v, table, lengths + table.shape[1] * 16, q, None)
     with pytest.raises(RuntimeError, match="share a dtype"):
         cpu_kernel.attend_blocks(k, v, table, lengths, q.double(), None)
+
+
+def prefill_reference(k, v, table, first, q, window):
+    """Causal attention of q [T, heads, hd] at positions first.. over the table's keys, in float64."""
+    tokens, heads, hd = q.shape
+    keys = first + tokens
+    kk = k[table].flatten(0, 1)[:keys].double().repeat_interleave(heads // k.shape[2], 1)  # [S, heads, hd]
+    vv = v[table].flatten(0, 1)[:keys].double().repeat_interleave(heads // k.shape[2], 1)
+    scores = torch.einsum("thd,shd->hts", q.double(), kk) / hd ** 0.5
+    pos, key_pos = torch.arange(first, keys)[:, None], torch.arange(keys)[None]
+    seen = (key_pos <= pos) & ((key_pos > pos - window) if window else True)
+    return torch.einsum("hts,shd->thd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vv).reshape(tokens, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefill_kernel_equals_causal_attention_over_the_sequences_keys(kernels, dtype):
+    """Chunks from the prompt's start and after a cached prefix, of 1 to 150 queries (several key
+    tiles of 64, a last tile cut short), over shuffled blocks, with and without a window."""
+    cases = [(0, 150, None), (37, 50, None), (5, 33, None), (200, 70, 64), (0, 1, None), (300, 1, 9), (63, 66, 20)]
+    for seed, ((heads, kv_heads, hd, block, _), (first, tokens, window)) in enumerate(zip(CPU_SHAPES, cases)):
+        gen = torch.Generator().manual_seed(seed)
+        blocks = -(-(first + tokens) // block)
+        k = torch.randn(blocks + 4, block, kv_heads, hd, generator=gen).to(dtype)
+        v = torch.randn(blocks + 4, block, kv_heads, hd, generator=gen).to(dtype)
+        table = torch.randperm(blocks + 4, generator=gen)[:blocks]
+        q = torch.randn(tokens, heads, hd, generator=gen).to(dtype)
+        got = cpu_kernel.prefill(q, k, v, table, first, window)
+        assert got.shape == (tokens, heads * hd) and got.dtype == dtype
+        want = prefill_reference(k, v, table, first, q, window)
+        assert (got.double() - want).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2), (seed, window)
+
+
+def test_the_prefill_kernel_refuses_what_lies_outside_the_pool(kernels):
+    k, v = torch.randn(4, 16, 2, 32), torch.randn(4, 16, 2, 32)
+    q = torch.randn(20, 4, 32)
+    with pytest.raises(RuntimeError, match="block ids outside the pool"):
+        cpu_kernel.prefill(q, k, v, torch.tensor([1, 4]), 0, None)
+    with pytest.raises(RuntimeError, match="must lie in the table's blocks"):
+        cpu_kernel.prefill(q, k, v, torch.tensor([1, 2]), 13, None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernel.prefill(q.bfloat16(), k, v, torch.tensor([1, 2]), 0, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_pass_prefill_through_the_kernel_equals_the_torch_path(kernels, tmp_path, dtype):
+    """The prefill worker's whole-prompt pass (sliding-window layer too) where prefill_vectorized."""
+    rt = windowed_model(tmp_path, dtype)
+    ids = torch.arange(3, 90)
+    rt.paged_kernel = False
+    want = rt.prefill(ids)
+    rt.paged_kernel = True
+    got = rt.prefill(ids)
+    tol = 1e-4 if dtype == torch.float32 else 0.1 * want.logits.abs().max().item()
+    assert (got.logits - want.logits).abs().max() <= tol
+    assert torch.equal(got.keys[0], want.keys[0]) and torch.equal(got.values[0], want.values[0])  # the same inputs
+    assert (got.keys - want.keys).abs().max() <= tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
