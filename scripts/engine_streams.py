@@ -41,7 +41,13 @@ async def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prompt tokens per engine step")
+    p.add_argument("--prefill-attention", choices=("kernel", "torch"), default="kernel",
+                   help="torch: prefill chunks attend through the torch path, the other CPU kernels kept")
     args = p.parse_args()
+    if args.prefill_attention == "torch":
+        from scd_serve.model import cpu_kernel
+
+        cpu_kernel.prefill_ops = lambda device, dtype: None
     if args.max_tokens < 2:
         p.error("--max-tokens must be at least 2: time per output token needs two tokens")
     rt = load_for_serving(args.model, "cpu", args.dtype)

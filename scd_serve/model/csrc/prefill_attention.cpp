@@ -1,12 +1,13 @@
 // Causal attention of a prompt chunk's queries over its sequence's paged K/V, read in place:
 // the CPU's prefill attention (model/cpu_kernel.py builds it; model/paged.py's attend_paged is
-// the reference). One task per (kv head, tile of queries): the tile's rows (every query head of
-// the group times the tile's queries) walk the keys they may see a tile of KT keys at a time,
-// with a running max and sum (flash attention's online softmax), so no score matrix is made and
-// each key tile is packed once for all the rows that share it. Products in float32 (AVX-512
-// multiply-adds), or bfloat16 pairs into float32 (AVX512-BF16's dot products) where the CPU has
-// them; plain loops elsewhere. Masked scores are a large finite negative (the build is
-// -ffast-math: no infinities).
+// the reference). One task per (kv head, tile of queries); its rows (every query head of the
+// group times the tile's queries) lie across vector lanes, 16 rows a vector: the queries are
+// transposed once per task, and each key's elements are broadcast from the pool as they are,
+// so nothing is packed per key and no sum runs across lanes. The keys are walked a tile of KT
+// at a time with a running max and sum per row (flash attention's online softmax): no score
+// matrix is made. Products in float32 multiply-adds, or bfloat16 pairs into float32 (AVX512-BF16)
+// where the CPU has them. Masked scores are a large finite negative and their weights zeroed by
+// mask (the build is -ffast-math: no infinities).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -22,9 +23,9 @@
 
 namespace {
 
-constexpr int64_t KT = 64;      // keys per tile
-constexpr int KV = KT / 16;     // AVX-512 vectors of float32 a tile row
-constexpr int64_t RB = 4;       // rows scored together (the key tile's loads shared)
+constexpr int64_t KT = 32;  // keys per tile (a multiple of 4: the score loops write four keys at a time)
+constexpr int L = 16;       // rows a vector (float32 lanes)
+constexpr int RB = 4;       // row vectors a block (64 rows): the broadcast keys shared by them
 constexpr float MASKED = -1e30f;
 
 inline float widen(float x) { return x; }
@@ -34,6 +35,52 @@ inline float widen(c10::BFloat16 x) {
   std::memcpy(&out, &bits, sizeof out);
   return out;
 }
+
+// 16 float32 lanes: AVX-512 registers where the CPU has them, else arrays the compiler vectorizes
+#if defined(__AVX512F__)
+struct Vec {
+  __m512 x;
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec all(float v) { return {_mm512_set1_ps(v)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, x); }
+  Vec fma(Vec a, Vec b) const { return {_mm512_fmadd_ps(a.x, b.x, x)}; }  // this + a * b
+  Vec operator*(Vec b) const { return {_mm512_mul_ps(x, b.x)}; }
+  Vec operator+(Vec b) const { return {_mm512_add_ps(x, b.x)}; }
+  Vec operator-(Vec b) const { return {_mm512_sub_ps(x, b.x)}; }
+  Vec max(Vec b) const { return {_mm512_max_ps(x, b.x)}; }
+  Vec keep(uint16_t m, float other) const { return {_mm512_mask_mov_ps(_mm512_set1_ps(other), m, x)}; }
+  // exp of x <= 0: 2^(x log2 e), a degree-6 polynomial of the fraction scaled by 2^n (rel.
+  // error ~2e-7), 0 below -87
+  Vec exp() const {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504089f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return {_mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n))};
+  }
+};
+#else
+struct Vec {
+  float x[L];
+  static Vec load(const float* p) { Vec v; std::memcpy(v.x, p, sizeof v.x); return v; }
+  static Vec all(float s) { Vec v; for (int l = 0; l < L; ++l) v.x[l] = s; return v; }
+  void store(float* p) const { std::memcpy(p, x, sizeof x); }
+  Vec fma(Vec a, Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] + a.x[l] * b.x[l]; return v; }
+  Vec operator*(Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] * b.x[l]; return v; }
+  Vec operator+(Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] + b.x[l]; return v; }
+  Vec operator-(Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] - b.x[l]; return v; }
+  Vec max(Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = std::max(x[l], b.x[l]); return v; }
+  Vec keep(uint16_t m, float other) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = (m >> l) & 1 ? x[l] : other; return v; }
+  Vec exp() const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] < -87.f ? 0.f : std::exp(x[l]); return v; }
+};
+#endif
 
 // What one call attends: q [T, heads, hd]; k, v [num_blocks, block_size, kv_heads, hd]; query i
 // is at position first + i and sees keys max(0, p - window + 1)..p (window <= 0: from 0)
@@ -53,320 +100,247 @@ struct Problem {
   }
 };
 
-// One thread's buffers: rows padded to RB, head_dim to 16 floats
+// One task's state, rows in lanes (R rows padded to whole vectors): the transposed queries
+// (float32 [hd, R], or bfloat16 pairs [hd/2, R]), the running max and sum [R], the weighted
+// values [hd, R], each row's visible keys, and a tile's scores, then weights [KT, R]
 struct Scratch {
-  std::vector<float> q, o, m, l, p, kt, vt;
-  std::vector<uint32_t> qp, kp, vp;  // bfloat16 pairs (AVX512-BF16)
-  std::vector<int64_t> lo, hi;       // each row's first and last visible key
+  std::vector<float> q, m, l, o, s;
+  std::vector<uint32_t> qp, vp, pp;  // bfloat16 pairs: queries, a tile's values, its weights
+  std::vector<int64_t> lo, hi;
 };
 
-#if defined(__AVX512F__)
-// exp of x <= 0: 2^(x log2 e), a degree-6 polynomial of the fraction scaled by 2^n (rel. error
-// ~2e-7); 0 below -87 (masked keys)
-inline __m512 exp512(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
-#endif
-
-// Scores of rows r0..r0+RB over the tile: s [RB, KT] = q rows . keys (float32 tiles:
-// q [rows, hdp], kt [hdp, KT] transposed)
-inline void scores_f32(const float* q, const float* kt, int64_t hdp, float* s) {
-#if defined(__AVX512F__)
-  __m512 acc[RB][KV];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < KV; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < hdp; ++d) {
-    __m512 k[KV];
-    for (int c = 0; c < KV; ++c) k[c] = _mm512_loadu_ps(kt + d * KT + 16 * c);
-    for (int r = 0; r < RB; ++r) {
-      const __m512 x = _mm512_set1_ps(q[r * hdp + d]);
-      for (int c = 0; c < KV; ++c) acc[r][c] = _mm512_fmadd_ps(x, k[c], acc[r][c]);
+// scores s [KT, R] of row vectors v0..v0+V over keys 0..nk-1: float32 queries, keys widened
+template <int V, typename T>
+void scores_f32(const float* q, int64_t rows, const T* const* keys, int64_t nk, int64_t hd, int64_t v0, float* s) {
+  for (int64_t j0 = 0; j0 < nk; j0 += 4) {
+    const int64_t jn = std::min<int64_t>(4, nk - j0);
+    Vec acc[4][V];
+    for (int j = 0; j < 4; ++j)
+      for (int v = 0; v < V; ++v) acc[j][v] = Vec::all(0.f);
+    const T* kj[4];
+    for (int j = 0; j < 4; ++j) kj[j] = keys[j0 + std::min<int64_t>(j, jn - 1)];  // a short group repeats its last key
+    for (int64_t d = 0; d < hd; ++d) {
+      Vec x[V];
+      for (int v = 0; v < V; ++v) x[v] = Vec::load(q + d * rows + (v0 + v) * L);
+      for (int j = 0; j < 4; ++j) {
+        const Vec kd = Vec::all(widen(kj[j][d]));
+        for (int v = 0; v < V; ++v) acc[j][v] = acc[j][v].fma(kd, x[v]);
+      }
     }
+    for (int j = 0; j < 4; ++j)  // all four, past nk too (never read): fixed indices keep acc in registers
+      for (int v = 0; v < V; ++v) acc[j][v].store(s + (j0 + j) * rows + (v0 + v) * L);
   }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < KV; ++c) _mm512_storeu_ps(s + r * KT + 16 * c, acc[r][c]);
-#else
-  for (int r = 0; r < RB; ++r) {
-    float acc[KT] = {0.f};
-    for (int64_t d = 0; d < hdp; ++d) {
-      const float x = q[r * hdp + d];
-#pragma omp simd
-      for (int64_t j = 0; j < KT; ++j) acc[j] += x * kt[d * KT + j];
-    }
-    for (int64_t j = 0; j < KT; ++j) s[r * KT + j] = acc[j];
-  }
-#endif
 }
 
-// o [RB, hdp] += p [RB, KT] x values (vt [KT, hdp]), float32; C vectors of 16 dims at a time
-// (a compile-time count: the accumulators stay in registers)
-#if defined(__AVX512F__)
-template <int C>
-inline void values_f32_chunk(const float* p, const float* vt, int64_t hdp, int64_t c0, float* o) {
-  __m512 acc[RB][C];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + r * hdp + c0 + 16 * c);
-  for (int64_t j = 0; j < KT; ++j) {
-    __m512 x[C];
-    for (int c = 0; c < C; ++c) x[c] = _mm512_loadu_ps(vt + j * hdp + c0 + 16 * c);
-    for (int r = 0; r < RB; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r * KT + j]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, x[c], acc[r][c]);
+// o [hd, R] += weights s [KT, R] x values, row vectors v0..v0+V, float32
+template <int V, typename T>
+void values_f32(const float* s, int64_t rows, const T* const* vals, int64_t nk, int64_t hd, int64_t v0, float* o) {
+  for (int64_t d0 = 0; d0 < hd; d0 += 4) {
+    const int64_t dn = std::min<int64_t>(4, hd - d0);
+    Vec acc[4][V];
+    for (int d = 0; d < 4; ++d)
+      for (int v = 0; v < V; ++v) acc[d][v] = Vec::load(o + (d0 + d) * rows + (v0 + v) * L);
+    for (int64_t j = 0; j < nk; ++j) {
+      Vec w[V];
+      for (int v = 0; v < V; ++v) w[v] = Vec::load(s + j * rows + (v0 + v) * L);
+      for (int d = 0; d < 4; ++d) {
+        const Vec x = Vec::all(widen(vals[j][d0 + std::min<int64_t>(d, dn - 1)]));
+        for (int v = 0; v < V; ++v) acc[d][v] = acc[d][v].fma(x, w[v]);
+      }
     }
+    for (int d = 0; d < 4; ++d)  // o has rows for hd rounded up to 4 (never read past hd)
+      for (int v = 0; v < V; ++v) acc[d][v].store(o + (d0 + d) * rows + (v0 + v) * L);
   }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * hdp + c0 + 16 * c, acc[r][c]);
-}
-#endif
-
-inline void values_f32(const float* p, const float* vt, int64_t hdp, float* o) {
-#if defined(__AVX512F__)
-  for (int64_t c0 = 0; c0 < hdp; c0 += 64) {
-    switch ((hdp - c0) / 16) {
-      case 1: values_f32_chunk<1>(p, vt, hdp, c0, o); break;
-      case 2: values_f32_chunk<2>(p, vt, hdp, c0, o); break;
-      case 3: values_f32_chunk<3>(p, vt, hdp, c0, o); break;
-      default: values_f32_chunk<4>(p, vt, hdp, c0, o);
-    }
-  }
-#else
-  for (int r = 0; r < RB; ++r)
-    for (int64_t j = 0; j < KT; ++j) {
-      const float w = p[r * KT + j];
-#pragma omp simd
-      for (int64_t d = 0; d < hdp; ++d) o[r * hdp + d] += w * vt[j * hdp + d];
-    }
-#endif
 }
 
 #if defined(__AVX512BF16__)
-// The same two products in bfloat16 pairs: qp [rows, hd/2] (two dims a lane), kp [hd/2, KT]
-// (two dims of one key a lane), pp [RB, KT/2] (two keys' probabilities a lane), vp [KT/2, hd]
-// (one dim of two keys a lane)
-inline void scores_bf16(const uint32_t* qp, const uint32_t* kp, int64_t pairs, float* s) {
-  __m512 acc[RB][KV];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < KV; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < pairs; ++d) {
-    __m512bh k[KV];
-    for (int c = 0; c < KV; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kp + d * KT + 16 * c);
-    for (int r = 0; r < RB; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + d]));
-      for (int c = 0; c < KV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, k[c]);
+// The same products in bfloat16 pairs: a lane holds one row's two query dims (scores) or two
+// keys' weights (values); a key's dim pair, or one dim of two keys (vp [KT/2, hd]), broadcast
+template <int V>
+void scores_bf16(const uint32_t* qp, int64_t rows, const c10::BFloat16* const* keys, int64_t nk, int64_t pairs,
+                 int64_t v0, float* s) {
+  for (int64_t j0 = 0; j0 < nk; j0 += 4) {
+    const int64_t jn = std::min<int64_t>(4, nk - j0);
+    __m512 acc[4][V];
+    for (int j = 0; j < 4; ++j)
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+    const uint32_t* kj[4];
+    for (int j = 0; j < 4; ++j) kj[j] = reinterpret_cast<const uint32_t*>(keys[j0 + std::min<int64_t>(j, jn - 1)]);
+    for (int64_t d = 0; d < pairs; ++d) {
+      __m512bh x[V];
+      for (int v = 0; v < V; ++v) x[v] = (__m512bh)_mm512_loadu_si512(qp + d * rows + (v0 + v) * L);
+      for (int j = 0; j < 4; ++j) {
+        const __m512bh kd = (__m512bh)_mm512_set1_epi32(static_cast<int>(kj[j][d]));
+        for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], kd, x[v]);
+      }
     }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < KV; ++c) _mm512_storeu_ps(s + r * KT + 16 * c, acc[r][c]);
-}
-
-template <int C>
-inline void values_bf16_chunk(const uint32_t* pp, const uint32_t* vp, int64_t hd, int64_t c0, float* o) {
-  __m512 acc[RB][C];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + r * hd + c0 + 16 * c);
-  for (int64_t j = 0; j < KT / 2; ++j) {
-    __m512bh x[C];
-    for (int c = 0; c < C; ++c) x[c] = (__m512bh)_mm512_loadu_si512(vp + j * hd + c0 + 16 * c);
-    for (int r = 0; r < RB; ++r) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * (KT / 2) + j]));
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, x[c]);
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * hd + c0 + 16 * c, acc[r][c]);
-}
-
-inline void values_bf16(const uint32_t* pp, const uint32_t* vp, int64_t hd, float* o) {
-  for (int64_t c0 = 0; c0 < hd; c0 += 64) {
-    switch ((hd - c0) / 16) {
-      case 1: values_bf16_chunk<1>(pp, vp, hd, c0, o); break;
-      case 2: values_bf16_chunk<2>(pp, vp, hd, c0, o); break;
-      case 3: values_bf16_chunk<3>(pp, vp, hd, c0, o); break;
-      default: values_bf16_chunk<4>(pp, vp, hd, c0, o);
-    }
+    for (int j = 0; j < 4; ++j)  // all four, past nk too (never read): fixed indices keep acc in registers
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(s + (j0 + j) * rows + (v0 + v) * L, acc[j][v]);
   }
 }
 
+template <int V>
+void values_bf16(const uint32_t* pp, int64_t rows, const uint32_t* vp, int64_t nk, int64_t hd, int64_t v0, float* o) {
+  for (int64_t d0 = 0; d0 < hd; d0 += 4) {
+    const int64_t dn = std::min<int64_t>(4, hd - d0);
+    __m512 acc[4][V];
+    for (int d = 0; d < 4; ++d)
+      for (int v = 0; v < V; ++v) acc[d][v] = _mm512_loadu_ps(o + (d0 + d) * rows + (v0 + v) * L);
+    for (int64_t i = 0; i < (nk + 1) / 2; ++i) {
+      __m512bh w[V];
+      for (int v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(pp + i * rows + (v0 + v) * L);
+      for (int d = 0; d < 4; ++d) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[i * hd + d0 + std::min<int64_t>(d, dn - 1)]));
+        for (int v = 0; v < V; ++v) acc[d][v] = _mm512_dpbf16_ps(acc[d][v], x, w[v]);
+      }
+    }
+    for (int d = 0; d < 4; ++d)  // o has rows for hd rounded up to 4 (never read past hd)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(o + (d0 + d) * rows + (v0 + v) * L, acc[d][v]);
+  }
+}
 #endif
 
 template <typename T>
-constexpr bool pairs_path(const Problem<T>&) {
-  return false;
-}
+constexpr bool pairs_path() {
 #if defined(__AVX512BF16__)
-template <>
-constexpr bool pairs_path(const Problem<c10::BFloat16>&) {
-  return true;
-}
-#endif
-
-// Row sr [KT] of raw scores -> exp(scale * score - new max), keys outside a0..a1-1 zero; the
-// row's running max m and sum l updated and its accumulated values o [width] rescaled
-inline void online_softmax(float* sr, int64_t a0, int64_t a1, float scale, float& m, float& l, float* o, int64_t width) {
-#if defined(__AVX512F__)
-  const uint64_t seen = (a1 >= 64 ? ~uint64_t{0} : (uint64_t{1} << a1) - 1) & ~((uint64_t{1} << a0) - 1);
-  __m512 x[KV];
-  __m512 top = _mm512_set1_ps(MASKED);
-  for (int c = 0; c < KV; ++c) {
-    x[c] = _mm512_mask_mul_ps(_mm512_set1_ps(MASKED), static_cast<__mmask16>(seen >> (16 * c)), _mm512_loadu_ps(sr + 16 * c),
-                              _mm512_set1_ps(scale));
-    top = _mm512_max_ps(top, x[c]);
-  }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(top));
-  const __m512 mv = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_setzero_ps();
-  for (int c = 0; c < KV; ++c) {
-    const __m512 e = exp512(_mm512_sub_ps(x[c], mv));
-    _mm512_storeu_ps(sr + 16 * c, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  const float total = _mm512_reduce_add_ps(sum);
+  return std::is_same_v<T, c10::BFloat16>;
 #else
-  float top = MASKED;
-  for (int64_t j = 0; j < KT; ++j) {
-    sr[j] = (j >= a0 && j < a1) ? sr[j] * scale : MASKED;
-    top = std::max(top, sr[j]);
-  }
-  const float m_new = std::max(m, top);
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t j = 0; j < KT; ++j) {
-    sr[j] = (j >= a0 && j < a1) ? std::exp(sr[j] - m_new) : 0.f;
-    total += sr[j];
-  }
+  return false;
 #endif
-  const float alpha = std::exp(m - m_new);
-  l = l * alpha + total;
-  m = m_new;
-  if (alpha != 1.f)
-#pragma omp simd
-    for (int64_t d = 0; d < width; ++d) o[d] *= alpha;
 }
 
-// One task: kv head kvh, queries q0..q0+qn-1 (rows: the group's heads x those queries)
+// f(V, v0) over the row vectors in blocks of RB, V a compile-time count
+template <typename F>
+void by_blocks(int64_t vectors, F&& f) {
+  for (int64_t v0 = 0; v0 < vectors; v0 += RB) {
+    switch (std::min<int64_t>(RB, vectors - v0)) {
+      case 1: f(std::integral_constant<int, 1>{}, v0); break;
+      case 2: f(std::integral_constant<int, 2>{}, v0); break;
+      case 3: f(std::integral_constant<int, 3>{}, v0); break;
+      default: f(std::integral_constant<int, 4>{}, v0);
+    }
+  }
+}
+
+// One task: kv head kvh, queries q0..q0+qn-1; row r = g * qn + i (the group's head g, query i)
 template <typename T>
 void run_task(const Problem<T>& a, int64_t kvh, int64_t q0, int64_t qn, Scratch& s) {
-  const int64_t group = a.group(), hd = a.hd;
-  const int64_t hdp = (hd + 15) / 16 * 16, pairs = hd / 2;
-  const bool bf16 = pairs_path(a) && hd % 16 == 0;
-  const int64_t rows = group * qn, padded = (rows + RB - 1) / RB * RB;
-  s.q.assign(padded * hdp, 0.f);
-  s.o.assign(padded * hdp, 0.f);
-  s.m.assign(padded, MASKED);
-  s.l.assign(padded, 0.f);
-  s.p.resize(padded * KT);
-  s.lo.assign(padded, 1);
-  s.hi.assign(padded, 0);  // padding rows see nothing
-  if (bf16) s.qp.assign(padded * pairs, 0u);
+  constexpr bool bf16 = pairs_path<T>();
+  const int64_t group = a.group(), hd = a.hd, pairs = hd / 2;
+  const int64_t rows = (group * qn + L - 1) / L * L, vectors = rows / L;
+  s.m.assign(rows, MASKED);
+  s.l.assign(rows, 0.f);
+  s.o.assign((hd + 3) / 4 * 4 * rows, 0.f);
+  s.s.resize(KT * rows);
+  s.lo.assign(rows, 1);
+  s.hi.assign(rows, 0);  // padding rows see nothing
+  if (bf16) {
+    s.qp.assign(pairs * rows, 0u);
+    s.pp.resize(KT / 2 * rows);
+    s.vp.resize(KT / 2 * hd);
+  } else {
+    s.q.assign(hd * rows, 0.f);
+  }
   for (int64_t g = 0; g < group; ++g)
     for (int64_t i = 0; i < qn; ++i) {
       const int64_t r = g * qn + i, pos = a.first + q0 + i;
       const T* src = a.q + ((q0 + i) * a.heads + kvh * group + g) * hd;
       if (bf16) {
-        std::memcpy(s.qp.data() + r * pairs, src, hd * sizeof(T));
+        const uint32_t* two = reinterpret_cast<const uint32_t*>(src);
+        for (int64_t d = 0; d < pairs; ++d) s.qp[d * rows + r] = two[d];
       } else {
-        for (int64_t d = 0; d < hd; ++d) s.q[r * hdp + d] = widen(src[d]);
+        for (int64_t d = 0; d < hd; ++d) s.q[d * rows + r] = widen(src[d]) * a.scale;
       }
       s.lo[r] = a.lowest(pos);
       s.hi[r] = pos;
     }
-  const int64_t last = a.first + q0 + qn - 1, start = a.lowest(a.first + q0) / KT * KT;
-  s.kt.assign(hdp * KT, 0.f);
-  s.vt.assign(KT * hdp, 0.f);
-  if (bf16) {
-    s.kp.assign(pairs * KT, 0u);
-    s.vp.assign(KT / 2 * hd, 0u);
-  }
-  std::vector<uint32_t> pp(bf16 ? RB * KT / 2 : 0);
-  for (int64_t t0 = start; t0 <= last; t0 += KT) {
+  const int64_t last = a.first + q0 + qn - 1;
+  const T* keys[KT];
+  const T* vals[KT];
+  for (int64_t t0 = a.lowest(a.first + q0); t0 <= last; t0 += KT) {
     const int64_t nk = std::min<int64_t>(KT, last + 1 - t0);
-    // the tile packed once for every row of the task; keys past nk stay zero
-    for (int64_t j = 0; j < KT; ++j) {
-      if (j >= nk) {
-        if (bf16) {
-          for (int64_t d = 0; d < pairs; ++d) s.kp[d * KT + j] = 0u;
-          for (int64_t d = 0; d < hd; ++d) reinterpret_cast<uint16_t*>(s.vp.data() + (j / 2) * hd + d)[j % 2] = 0;
-        } else {
-          for (int64_t d = 0; d < hd; ++d) s.kt[d * KT + j] = s.vt[j * hdp + d] = 0.f;
-        }
-        continue;
-      }
+    for (int64_t j = 0; j < nk; ++j) {
       const int64_t at = a.offset(t0 + j, kvh);
-      const T* key = a.k + at;
-      const T* val = a.v + at;
-      if (bf16) {
-        const uint32_t* kpairs = reinterpret_cast<const uint32_t*>(key);
-        for (int64_t d = 0; d < pairs; ++d) s.kp[d * KT + j] = kpairs[d];
-        const uint16_t* vbits = reinterpret_cast<const uint16_t*>(val);
-        for (int64_t d = 0; d < hd; ++d) reinterpret_cast<uint16_t*>(s.vp.data() + (j / 2) * hd + d)[j % 2] = vbits[d];
-      } else {
-        for (int64_t d = 0; d < hd; ++d) {
-          s.kt[d * KT + j] = widen(key[d]);
-          s.vt[j * hdp + d] = widen(val[d]);
-        }
+      keys[j] = a.k + at;
+      vals[j] = a.v + at;
+    }
+    if constexpr (bf16) {  // one dim of two keys a lane; an odd last key's partner zero
+      for (int64_t i = 0; i < (nk + 1) / 2; ++i) {
+        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vals[2 * i]);
+        const uint16_t* v1 = 2 * i + 1 < nk ? reinterpret_cast<const uint16_t*>(vals[2 * i + 1]) : nullptr;
+        for (int64_t d = 0; d < hd; ++d) s.vp[i * hd + d] = v0[d] | (v1 ? static_cast<uint32_t>(v1[d]) << 16 : 0u);
       }
     }
-    for (int64_t r0 = 0; r0 < padded; r0 += RB) {
-      bool any = false;
-      for (int r = 0; r < RB; ++r) any |= s.hi[r0 + r] >= t0 && s.lo[r0 + r] < t0 + nk;
-      if (!any) continue;
-      float* sc = s.p.data() + r0 * KT;
-#if defined(__AVX512BF16__)
-      if (bf16) scores_bf16(s.qp.data() + r0 * pairs, s.kp.data(), pairs, sc);
-#endif
-      if (!bf16) scores_f32(s.q.data() + r0 * hdp, s.kt.data(), hdp, sc);
-      // the online softmax, row by row: masked keys out, the running max and sum updated, the
-      // row's accumulated values rescaled by exp(old max - new max)
-      for (int r = 0; r < RB; ++r) {
-        const int64_t row = r0 + r;
-        float* sr = sc + r * KT;
-        const int64_t a0 = std::max<int64_t>(s.lo[row], t0) - t0, a1 = std::min<int64_t>(s.hi[row] + 1, t0 + nk) - t0;
-        if (a0 >= a1) {  // nothing visible in this tile: no weight, the row's state kept
-          std::fill(sr, sr + KT, 0.f);
-          continue;
-        }
-        const int64_t width = bf16 ? hd : hdp;
-        online_softmax(sr, a0, a1, a.scale, s.m[row], s.l[row], s.o.data() + row * width, width);
+    by_blocks(vectors, [&](auto vn, int64_t v0) {
+      constexpr int V = decltype(vn)::value;
+      // rows of this block that see some key of the tile, and whether every row sees all of them
+      bool any = false, whole = true;
+      for (int64_t r = v0 * L; r < (v0 + V) * L; ++r) {
+        any |= s.hi[r] >= t0 && s.lo[r] < t0 + nk;
+        whole &= s.lo[r] <= t0 && s.hi[r] >= t0 + nk - 1;
       }
+      if (!any) return;
 #if defined(__AVX512BF16__)
-      if (bf16) {  // the probabilities rounded to bfloat16, two keys a lane
-        for (int r = 0; r < RB; ++r)
-          for (int64_t j = 0; j < KT; j += 16) {
-            const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(sc + r * KT + j));
-            std::memcpy(pp.data() + r * (KT / 2) + j / 2, &b, 32);
+      if constexpr (bf16) scores_bf16<V>(s.qp.data(), rows, reinterpret_cast<const c10::BFloat16* const*>(keys), nk, pairs, v0, s.s.data());
+#endif
+      if constexpr (!bf16) scores_f32<V>(s.q.data(), rows, keys, nk, hd, v0, s.s.data());
+      for (int64_t v = v0; v < v0 + V; ++v) {
+        uint16_t seen[KT];
+        for (int64_t j = 0; j < nk; ++j) {
+          seen[j] = 0xffff;
+          if (!whole)
+            for (int l = 0; l < L; ++l)
+              if (s.lo[v * L + l] > t0 + j || s.hi[v * L + l] < t0 + j) seen[j] &= static_cast<uint16_t>(~(1u << l));
+        }
+        const Vec scale = Vec::all(bf16 ? a.scale : 1.f);
+        Vec top = Vec::all(MASKED);
+        for (int64_t j = 0; j < nk; ++j) {
+          const Vec x = (Vec::load(s.s.data() + j * rows + v * L) * scale).keep(seen[j], MASKED);
+          x.store(s.s.data() + j * rows + v * L);
+          top = top.max(x);
+        }
+        const Vec m_old = Vec::load(s.m.data() + v * L), m_new = m_old.max(top);
+        const Vec alpha = (m_old - m_new).exp();
+        Vec sum = Vec::all(0.f);
+        for (int64_t j = 0; j < nk; ++j) {
+          const Vec p = (Vec::load(s.s.data() + j * rows + v * L) - m_new).exp().keep(seen[j], 0.f);
+          p.store(s.s.data() + j * rows + v * L);
+          sum = sum + p;
+        }
+        (Vec::load(s.l.data() + v * L) * alpha + sum).store(s.l.data() + v * L);
+        m_new.store(s.m.data() + v * L);
+        for (int64_t d = 0; d < hd; ++d) (Vec::load(s.o.data() + d * rows + v * L) * alpha).store(s.o.data() + d * rows + v * L);
+#if defined(__AVX512BF16__)
+        if constexpr (bf16) {  // the weights rounded to bfloat16, two keys a lane
+          for (int64_t i = 0; i < (nk + 1) / 2; ++i) {
+            const __m512i w0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s.s.data() + 2 * i * rows + v * L)));
+            const __m512i w1 = 2 * i + 1 < nk
+                ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s.s.data() + (2 * i + 1) * rows + v * L)))
+                : _mm512_setzero_si512();
+            _mm512_storeu_si512(s.pp.data() + i * rows + v * L, _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16)));
           }
-        values_bf16(pp.data(), s.vp.data(), hd, s.o.data() + r0 * hd);
-      }
+        }
 #endif
-      if (!bf16) values_f32(sc, s.vt.data(), hdp, s.o.data() + r0 * hdp);
-    }
+      }
+#if defined(__AVX512BF16__)
+      if constexpr (bf16) values_bf16<V>(s.pp.data(), rows, s.vp.data(), nk, hd, v0, s.o.data());
+#endif
+      if constexpr (!bf16) values_f32<V>(s.s.data(), rows, vals, nk, hd, v0, s.o.data());
+    });
   }
   for (int64_t g = 0; g < group; ++g)
     for (int64_t i = 0; i < qn; ++i) {
       const int64_t r = g * qn + i;
       const float inv = 1.f / s.l[r];
-      const float* orow = s.o.data() + r * (bf16 ? hd : hdp);
       T* dst = a.out + ((q0 + i) * a.heads + kvh * group + g) * hd;
-      for (int64_t d = 0; d < hd; ++d) dst[d] = static_cast<T>(orow[d] * inv);
+      for (int64_t d = 0; d < hd; ++d) dst[d] = static_cast<T>(s.o[d * rows + r] * inv);
     }
 }
 
 template <typename T>
 void attend(const Problem<T>& a) {
-  // ~96 rows a task: a key tile's packing pays for itself, and enough tasks for the threads
-  const int64_t qt = std::max<int64_t>(4, std::min<int64_t>(64, 96 / a.group()));
+  // about 64 rows a task (whole vectors where the group allows), and enough tasks for the threads
+  const int64_t qt = std::max<int64_t>(1, std::min<int64_t>(64, 64 / a.group()));
   const int64_t tiles = (a.tokens + qt - 1) / qt, tasks = tiles * a.kv_heads;
   // task order: tiles from both ends in turn, so that each thread's contiguous share of the
   // causal triangle costs about the same
