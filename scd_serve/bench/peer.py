@@ -127,10 +127,10 @@ def prebuild_kernels() -> str:
     if reason := cpu_kernel.unavailable_reason():
         return f"not used ({reason})"
     try:
-        cpu_kernel.load()
+        module = cpu_kernel.load()
     except RuntimeError as exc:
         return f"not used ({exc})"
-    return "in use (attention, norms, rotary, SiLU)"
+    return f"in use (decode{' and prefill' if module.prefill_vectorized else ''} attention, norms, rotary, SiLU)"
 
 
 def run_peer(args) -> dict:

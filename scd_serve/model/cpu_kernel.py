@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU's decode step (csrc/), built once per machine where a compiler is.
+"""C++ kernels for the CPU's steps (csrc/), built once per machine where a compiler is.
 
 A decode step through torch ops gathers every sequence's blocks into a copy for attention (two
 batched matmuls, a mask and a softmax: ~0.3 ms a layer at 8 sequences of 300 keys on the
@@ -6,9 +6,11 @@ Qwen2.5-0.5B shape), and runs RMSNorm, the rotary and the pool's writes, and SiL
 a few dozen small ops a layer: ~18 ms of a 65 ms step beside the linears. The kernels:
 `decode_attention` reads the pool's blocks in place in one call a layer (model/paged.py's
 `attend_gathered` is its reference, and serves until the kernels are in use or where they cannot
-be built); `rms_norm`, `rope_write` and `silu_mul` do the rest in one pass each, rounding where
-model/layers.py and model/rope.py round (bfloat16: the same numbers, but for RMSNorm's order of
-sums and exp's last float bit in SiLU).
+be built); `prefill_attention` does the same for a prompt chunk's queries (causal, a running
+softmax over key tiles; paged.py's `attend_paged` is its reference), where it runs vectorized
+(AVX-512: `prefill_ops`); `rms_norm`, `rope_write` and `silu_mul` do the rest in one pass each,
+rounding where model/layers.py and model/rope.py round (bfloat16: the same numbers, but for
+RMSNorm's order of sums and exp's last float bit in SiLU).
 
 Built with torch's cpp_extension (a C++ compiler and ninja; `-march=native`, so the build's
 name carries this CPU's flags and a machine of another CPU builds its own) into

@@ -140,21 +140,24 @@ class ModelRuntime:
         pos = torch.arange(t, device=self.device)
         masks = self._masks(pos[None], torch.tensor([t], device=self.device), t)
         cos, sin = rot.tables(pos)  # once per forward, shared by all layers
-        fused = cpu_kernel.prefill_ops(self.device, h.dtype) if self.paged_kernel and not torch.is_grad_enabled() else None
+        # the CPU's C++ kernels where this process uses them: the norms and SiLU's product, and the
+        # attention where it runs vectorized (cpu_kernel.prefill_ops)
+        fused = cpu_kernel.ops(self.device, h.dtype) if self.paged_kernel and not torch.is_grad_enabled() else None
+        norm = rms_norm if fused is None else fused.rms_norm
         for layer in range(first, spec.num_layers):
             lw = self.weights.layers[layer]
-            x = rms_norm(h, lw.ln1, spec.rms_norm_eps)  # [T, hidden]
+            x = norm(h, lw.ln1, spec.rms_norm_eps)  # [T, hidden]
             k_pre, v = project_kv(lw, spec, x)
             q = rope.apply(project_q(lw, spec, x), cos, sin)
             k = rope.apply(k_pre, cos, sin)
-            if fused is not None:  # the CPU's C++ kernel: the prompt's K/V as one block
+            if fused is not None and fused.prefill_vectorized:  # the prompt's K/V as one block of a pool
                 attn = cpu_kernel.prefill(q, k.contiguous()[None], v.contiguous()[None], ONE_BLOCK, 0, spec.window(layer))[None]
             elif paged.bf16_blocks(q):  # bfloat16 on a CPU that multiplies it natively: faster than SDPA
                 attn = paged.attend_blocks(q, pos, [(k, v, 0)], spec.window(layer))[None]
             else:
                 attn = attend(q[None], k[None], v[None], masks[spec.window(layer)])
             state = LayerState(keys=k_pre, values=v, attn_input=x, residual=h if residuals else None)
-            h = finish_layer(lw, spec, h, attn[0])
+            h = finish_layer(lw, spec, h, attn[0], fused)
             yield layer, state
         return self.logits_of(h) if compute_logits else None
 

@@ -104,7 +104,8 @@ def test_the_prefill_kernel_refuses_what_lies_outside_the_pool(kernels):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_one_pass_prefill_through_the_kernel_equals_the_torch_path(kernels, tmp_path, dtype):
-    """The prefill worker's whole-prompt pass (sliding-window layer too) where prefill_vectorized."""
+    """The prefill worker's whole-prompt pass (sliding-window layer too): the norms and SiLU through
+    the kernels, and the attention where prefill_vectorized."""
     rt = windowed_model(tmp_path, dtype)
     ids = torch.arange(3, 90)
     rt.paged_kernel = False
@@ -113,8 +114,7 @@ def test_a_one_pass_prefill_through_the_kernel_equals_the_torch_path(kernels, tm
     got = rt.prefill(ids)
     tol = 1e-4 if dtype == torch.float32 else 0.1 * want.logits.abs().max().item()
     assert (got.logits - want.logits).abs().max() <= tol
-    assert torch.equal(got.keys[0], want.keys[0]) and torch.equal(got.values[0], want.values[0])  # the same inputs
-    assert (got.keys - want.keys).abs().max() <= tol
+    assert (got.keys - want.keys).abs().max() <= tol and (got.values - want.values).abs().max() <= tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
