@@ -104,6 +104,17 @@ def attention_kernels(model: str, tokens: int, runs: int) -> None:
                "model/paged.attend_blocks": lambda: attend_blocks(
                    q[0].transpose(0, 1), torch.arange(t), [(k[0].transpose(0, 1), v[0].transpose(0, 1), 0)],
                    None).view(t, h, d).transpose(0, 1)[None]}
+    from scd_serve.model import cpu_kernel
+
+    if cpu_kernel.unavailable_reason() is None:  # the CPU's C++ kernel (csrc/prefill_attention.cpp), both dtypes
+        cpu_kernel.load()
+        rows = [x[0].transpose(0, 1).contiguous() for x in (q, k, v)]  # [T, heads, hd]
+
+        def cpp(dtype):
+            qr, kr, vr = (x.to(dtype) for x in rows)
+            return lambda: cpu_kernel.prefill(qr, kr[None], vr[None], torch.zeros(1, dtype=torch.long), 0,
+                                              None).view(t, h, d).transpose(0, 1)[None]
+        kernels |= {"C++ prefill_attention": cpp(dt), "C++ prefill_attention, float32": cpp(torch.float32)}
     for name, kernel in kernels.items():
         kernel()
         start = time.perf_counter()
