@@ -41,8 +41,9 @@ from scd_serve.errors import ConfigError
 Tensor = torch.Tensor
 log = logging.getLogger("scd_serve.model")
 ENV = "SCD_CPU_KERNELS"
-SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp"))
+HEADERS = (CSRC / "widen.h",)  # included by the sources: part of the build's name too
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: the softmax's exp vectorized
 
 _lock = threading.Lock()
@@ -92,7 +93,7 @@ def build_name() -> str:
 @functools.cache  # a start asks for the name several times: the sources are read once
 def _sources_digest() -> bytes:
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     return digest.digest()
 

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <vector>
 
+#include "widen.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -20,14 +22,6 @@ namespace {
 
 constexpr int64_t TILE = 16;  // keys scored together: one AVX-512 vector of float32
 constexpr int64_t VEC = 16;   // float32 lanes the loops are written for (AVX2: two registers)
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
 
 #if defined(__AVX512F__)
 // 16 values widened to float32 lanes

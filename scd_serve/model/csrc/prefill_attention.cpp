@@ -17,6 +17,8 @@
 #include <cstring>
 #include <vector>
 
+#include "widen.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -27,14 +29,6 @@ constexpr int64_t KT = 32;  // keys per tile (a multiple of 4: the score loops w
 constexpr int L = 16;       // rows a vector (float32 lanes)
 constexpr int RB = 4;       // row vectors a block (64 rows): the broadcast keys shared by them
 constexpr float MASKED = -1e30f;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
 
 // 16 float32 lanes: AVX-512 registers where the CPU has them, else arrays the compiler vectorizes
 #if defined(__AVX512F__)
