@@ -80,10 +80,11 @@ class Step:
         elif self.fused is not None:
             kernel = cpu_kernel.attend_blocks
         self.attend_one_token = kernel or attend_gathered
-        # each item's block ids, where the CPU's prefill attention reads them (model/cpu_kernel.prefill)
+        # each prefill chunk's block ids, where the CPU's prefill attention reads them
+        # (model/cpu_kernel.prefill; one-token items attend in the decode kernel's call)
         self.prefill_tables = None
         if self.fused is not None and cpu_kernel.prefill_ops(rt.device, rt.dtype) is not None:
-            self.prefill_tables = [torch.tensor(blocks) for blocks in self.blocks]
+            self.prefill_tables = [torch.tensor(b) if n > 1 else None for b, n in zip(self.blocks, self.lengths)]
         self.one_token_rows = self._one_token_plan(pool, kernel is not None)
         self.layer = 0  # the next layer to run
 
@@ -163,7 +164,7 @@ class Step:
         at = 0
         for i, (runs, cached, n) in enumerate(zip(self.runs, self.cached, self.lengths)):
             if n > 1 or self.one_token_rows is None:
-                if self.prefill_tables is not None:
+                if self.prefill_tables is not None and self.prefill_tables[i] is not None:
                     out[at:at + n] = cpu_kernel.prefill(q[at:at + n], k_layer, v_layer, self.prefill_tables[i], cached, window)
                 else:
                     out[at:at + n] = attend_paged(k_layer, v_layer, runs, cached + n, q[at:at + n], cached, window)
