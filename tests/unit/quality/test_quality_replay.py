@@ -12,7 +12,7 @@ from scd_serve.errors import CodebookError, ConfigError
 from scd_serve.model import ModelRuntime
 from scd_serve.model.tiny import save_tiny_model
 from scd_serve.quality.data import Record, tokenize
-from scd_serve.calibration.probes import MIN_TOP1_GAIN, ReplayProbes, pick
+from scd_serve.calibration.probes import MIN_TOP1_GAIN, ReplayProbes, pick, top1_error
 from scd_serve.quality.scorer import Scorer
 
 
@@ -61,6 +61,13 @@ def test_the_cheapest_option_meeting_both_targets_else_the_best_top1_worth_its_c
     over = option(16, None, 0.1, 0.06, 0.99)
     assert pick([alone, over], 0.05, 0.95) == (alone, False)
     assert pick([option(0, None, 0.0, 0.09, 0.5), run1 | {"kl": 0.07}], 0.05, 0.95)[0]["run"] == 1
+    # over the floor by less than the probe's standard error (0.952 of 2,000 positions: +-0.0048):
+    # the cheapest option clear of it, where one is; else the cheapest over the floor all the same
+    barely, clear = option(0, None, 0.0, 0.01, 0.952) | {"positions": 2000}, r16 | {"top1": 0.962, "positions": 2000}
+    assert top1_error(barely) == pytest.approx((0.952 * 0.048 / 2000) ** 0.5)
+    assert pick([barely, clear, r32 | {"positions": 2000}], 0.05, 0.95) == (clear, True)
+    assert pick([barely, r16 | {"top1": 0.953, "positions": 2000}], 0.05, 0.95) == (barely, True)
+    assert pick([barely | {"positions": 200_000}, clear], 0.05, 0.95)[0]["top1"] == 0.952  # a large probe: sure enough
 
 
 class FakeProbes:
@@ -76,7 +83,7 @@ class FakeProbes:
         from types import SimpleNamespace
 
         return SimpleNamespace(measure_all=lambda layers: self.measured.append(replay) or
-                               SimpleNamespace(kl=0.01, top1=0.90 + replay / 1000))
+                               SimpleNamespace(kl=0.01, top1=0.90 + replay / 1000, positions=1000))
 
 
 def test_a_timed_choice_skips_what_is_longer_than_an_option_over_and_falls_back_to_the_plan_alone():
@@ -124,7 +131,7 @@ def test_the_closest_plan_is_weighed_only_where_the_cheap_one_misses_the_targets
         def at(self, replay):
             def measure_all(layers):
                 self.measured.append((replay, layers[0]))
-                return SimpleNamespace(kl=0.01, top1=0.90 + replay / 1000 + (0.02 if layers[0] == 8 else 0.0))
+                return SimpleNamespace(kl=0.01, top1=0.90 + replay / 1000 + (0.02 if layers[0] == 8 else 0.0), positions=1000)
             return SimpleNamespace(measure_all=measure_all)
 
     search = SimpleNamespace(layer_kv=lambda lp: lp.r_k)
