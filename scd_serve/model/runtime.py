@@ -141,8 +141,9 @@ class ModelRuntime:
         masks = self._masks(pos[None], torch.tensor([t], device=self.device), t)
         cos, sin = rot.tables(pos)  # once per forward, shared by all layers
         # the CPU's C++ kernels where this process uses them: the norms and SiLU's product, and the
-        # attention where it runs vectorized (cpu_kernel.prefill_ops)
+        # attention where it runs vectorized (cpu_kernel.prefill_ops, as model/step.py asks)
         fused = cpu_kernel.ops(self.device, h.dtype) if self.paged_kernel and not torch.is_grad_enabled() else None
+        prefill = cpu_kernel.prefill_ops(self.device, h.dtype) if fused is not None else None
         norm = rms_norm if fused is None else fused.rms_norm
         for layer in range(first, spec.num_layers):
             lw = self.weights.layers[layer]
@@ -150,7 +151,7 @@ class ModelRuntime:
             k_pre, v = project_kv(lw, spec, x)
             q = rope.apply(project_q(lw, spec, x), cos, sin)
             k = rope.apply(k_pre, cos, sin)
-            if fused is not None and fused.prefill_vectorized:  # the prompt's K/V as one block of a pool
+            if prefill is not None:  # the prompt's K/V as one block of a pool
                 attn = cpu_kernel.prefill(q, k.contiguous()[None], v.contiguous()[None], ONE_BLOCK, 0, spec.window(layer))[None]
             elif paged.bf16_blocks(q):  # bfloat16 on a CPU that multiplies it natively: faster than SDPA
                 attn = paged.attend_blocks(q, pos, [(k, v, 0)], spec.window(layer))[None]

@@ -12,7 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#include "widen.h"
+#include "support.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -88,12 +88,10 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
   // q: [B, heads, hd]; k, v: [num_blocks, block_size, kv_heads, hd]; out: [B, heads, hd]
   // float32 rows padded to a whole number of vectors: every inner loop below is fixed-width
   const int64_t hdp = (hd + VEC - 1) / VEC * VEC;
-  // tasks per thread at least: a parallel region pays only for ~32k multiply-adds or more (torch's
-  // own grain), else the step's few short tasks run where they are
+  // a task's work at most: the step's few short tasks run where they are
   int64_t longest = 1;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, window > 0 ? std::min(lengths[b], window) : lengths[b]);
-  const int64_t grain = std::max<int64_t>(1, 32768 / (longest * group * hd));
-  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch * kv_heads, parallel_grain(longest * group * hd), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * hdp, 0.f), acc(group * hdp), kf(hdp, 0.f), vt(TILE * hdp, 0.f), scores;
     std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
@@ -221,14 +219,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_layer, at::Tensor v_layer
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * block_size, "decode_attention: lengths must lie in 1..blocks x block_size");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
               "decode_attention: bfloat16 or float32 only");
-  const auto run = [&](auto zero) {  // zero: a value of the element type, for its type
+  with_element_type(q.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     attend<T>(q.data_ptr<T>(), k_layer.data_ptr<T>(), v_layer.data_ptr<T>(), tp, lp, out.data_ptr<T>(), batch, heads,
               kv_heads, hd, block_size, width, window, static_cast<float>(scale));
-  };
-  if (q.scalar_type() == at::kBFloat16)
-    run(c10::BFloat16{});
-  else
-    run(0.f);
+  });
   return out.view({batch, heads * hd});
 }

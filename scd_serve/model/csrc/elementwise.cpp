@@ -5,15 +5,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-namespace {
+#include "support.h"
 
-// Rows per thread at least: below about this many elements a parallel region costs more than it
-// saves (and on a loaded machine far more), as torch's own grain (32,768) has it
-inline int64_t grain(int64_t per_row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, per_row)); }
+namespace {
 
 template <typename T>
 inline T round_to(float x) {
@@ -22,7 +19,7 @@ inline T round_to(float x) {
 
 template <typename T>
 void norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, parallel_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
       float sum = 0.f;
@@ -53,7 +50,7 @@ inline void rotate(const T* x, const T* cos, const T* sin, T* out, int64_t hd) {
 template <typename T>
 void rope_rows(const T* q, const T* k, const T* v, const T* cos, const T* sin, T* k_pool, T* v_pool, const int64_t* slots,
                T* q_out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd) {
-  at::parallel_for(0, rows, grain((heads + 2 * kv_heads) * hd), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, parallel_grain((heads + 2 * kv_heads) * hd), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* c = cos + r * hd;
       const T* s = sin + r * hd;
@@ -70,7 +67,7 @@ void rope_rows(const T* q, const T* k, const T* v, const T* cos, const T* sin, T
 // out = round(round(silu(gate)) * up), gate and up the two halves of each row (layers._finish_rows)
 template <typename T>
 void silu_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, grain(2 * inter), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, parallel_grain(2 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gate_up + r * 2 * inter;
       const T* u = g + inter;

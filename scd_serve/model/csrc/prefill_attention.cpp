@@ -17,7 +17,7 @@
 #include <cstring>
 #include <vector>
 
-#include "widen.h"
+#include "support.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -374,14 +374,10 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_layer, at::Tensor v_laye
   for (int64_t i = 0; i < (first + tokens + block_size - 1) / block_size; ++i)
     TORCH_CHECK(tp[i] >= 0 && tp[i] < k_layer.size(0), "prefill_attention: block ids outside the pool");
   auto out = at::empty_like(q);
-  const auto run = [&](auto zero) {  // zero: a value of the element type, for its type
+  with_element_type(q.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     attend<T>(Problem<T>{q.data_ptr<T>(), k_layer.data_ptr<T>(), v_layer.data_ptr<T>(), tp, out.data_ptr<T>(), tokens,
                          q.size(1), k_layer.size(2), q.size(2), block_size, first, window, static_cast<float>(scale)});
-  };
-  if (q.scalar_type() == at::kBFloat16)
-    run(c10::BFloat16{});
-  else
-    run(0.f);
+  });
   return out.view({tokens, q.size(1) * q.size(2)});
 }
