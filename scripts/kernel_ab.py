@@ -62,7 +62,8 @@ def main() -> None:
                 med = {label: statistics.median(t) for label, t in times.items()}
                 old, new = med.values()
                 each = ", ".join(f"{label} {m * 1e3:.1f} ms a layer" for label, m in med.items())
-                print(f"{tokens} tokens, {str(dtype).removeprefix('torch.')}: {each}; ratio {new / old:.3f}", flush=True)
+                case = f"{tokens} tokens, {str(dtype).removeprefix('torch.')}"
+                print(f"{case}: {each}; ratio {new / old:.3f}", flush=True)
 
 
 if __name__ == "__main__":
