@@ -1,0 +1,73 @@
+"""Decoder-side information (issue 40, a measurement, not built): if the consumer ran its own first
+k layers (k/N of a prefill), its attention input at layer k would be exact on the decode side. How
+much of its upper layers' K/V would that explain, beside the producer's attention input of the
+layer (what the codes are fitted on now)? Per layer j > k and stream, the relative squared error
+left of what the consumer's token prior leaves, linear maps at full width fitted on the first 80%
+of the pair's calibration documents and scored on the rest (as scripts/code_fit_study.py):
+
+    .venv/bin/python scripts/side_info_study.py PAIR_DIR [--side 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from code_fit_study import scored_error
+
+from scd_serve.calibration.fit import collect_rows
+from scd_serve.codec.features import FeaturePrior
+from scd_serve.config.codec import CalibrateConfig
+from scd_serve.model.runtime import ModelRuntime
+from scd_serve.quality.calibrate import prior_fitter
+from scd_serve.quality.data import read_prompts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("pair")
+    p.add_argument("--side", type=int, nargs="+", default=[1, 2], help="layers k whose exact input the consumer has")
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    producer = ModelRuntime.load(f"{args.pair}/producer", dtype="float32")
+    consumer = ModelRuntime.load(f"{args.pair}/consumer", dtype="float32")
+    items = read_prompts(f"{args.pair}/eval/calibration.jsonl", AutoTokenizer.from_pretrained(f"{args.pair}/consumer"),
+                         512).items
+    docs = sorted({x.document for x in items})
+    fitted = set(docs[: int(0.8 * len(docs))])
+    fit_ids = [x.ids for x in items if x.document in fitted][:120]
+    score_ids = [x.ids for x in items if x.document not in fitted][:40]
+    cfg = CalibrateConfig(kl_budget=0.05)
+    fit_prior = prior_fitter(cfg, consumer, fit_ids)
+    rows = collect_rows(producer, consumer, fit_ids, 30000, prior=fit_prior)  # the same positions at every layer
+    prior, heads = fit_prior.solve(cfg.ridge)
+    scored = collect_rows(producer, consumer, score_ids, 10000, prior=prior_fitter(cfg, consumer, fit_ids))
+    ctx = {"fit": prior.reduce(rows[0]["ctx"]), "score": prior.reduce(scored[0]["ctx"])}
+
+    def left(rs, which, layer, s):  # the consumer's rows less the token prior: what the codes carry
+        return rs[layer][s][1] - FeaturePrior.apply(*heads[(layer, s)], ctx[which])
+
+    ks = ", ".join(f"k={k}" for k in args.side)
+    print(f"stream layer: producer's input of the layer / the consumer's own at {ks} alone / both, at {ks}")
+    for s in ("k", "v"):
+        for j in range(min(args.side) + 1, len(rows)):
+            b, bv = left(rows, "fit", j, s), left(scored, "score", j, s)
+            own, own_v = rows[j]["h"][0], scored[j]["h"][0]  # [N, hidden]: the producer's attention input
+            alone, both = [], []
+            for k in args.side:
+                if k >= j:
+                    alone.append("-")
+                    both.append("-")
+                    continue
+                side, side_v = rows[k]["h"][1], scored[k]["h"][1]  # the consumer's own attention input at k
+                alone.append(f"{scored_error(side, b, side_v, bv, b.shape[1]):.3f}")
+                joint = scored_error(torch.cat([own, side], 1), b, torch.cat([own_v, side_v], 1), bv, b.shape[1])
+                both.append(f"{joint:.3f}")
+            print(f"{s} {j}: {scored_error(own, b, own_v, bv, b.shape[1]):.3f} / {' '.join(alone)} / {' '.join(both)}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
