@@ -55,20 +55,25 @@ def refined_errors(a, b, av, bv, ctx, ctx_v, ranks: list[int], width: int, epoch
         return {r: rel_error(linear(zv, r) + ref(zv[:, :r], ctx_v), bv.float()) for r in ranks}
 
 
+def load_pair(pair: str) -> tuple[ModelRuntime, ModelRuntime, list, list]:
+    """-> (producer, consumer, prompts to fit, prompts to score): the first 80% of the calibration
+    data's documents fit (up to 120 prompts), the rest (up to 40) score."""
+    from transformers import AutoTokenizer
+
+    producer = ModelRuntime.load(f"{pair}/producer", dtype="float32")
+    consumer = ModelRuntime.load(f"{pair}/consumer", dtype="float32")
+    items = read_prompts(f"{pair}/eval/calibration.jsonl", AutoTokenizer.from_pretrained(f"{pair}/consumer"), 512).items
+    docs = sorted({x.document for x in items})
+    fitted = set(docs[: int(0.8 * len(docs))])
+    return (producer, consumer, [x.ids for x in items if x.document in fitted][:120],
+            [x.ids for x in items if x.document not in fitted][:40])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("pair")
     args = p.parse_args()
-    from transformers import AutoTokenizer
-
-    producer = ModelRuntime.load(f"{args.pair}/producer", dtype="float32")
-    consumer = ModelRuntime.load(f"{args.pair}/consumer", dtype="float32")
-    tok = AutoTokenizer.from_pretrained(f"{args.pair}/consumer")
-    items = read_prompts(f"{args.pair}/eval/calibration.jsonl", tok, 512).items
-    docs = sorted({x.document for x in items})
-    fitted = set(docs[: int(0.8 * len(docs))])
-    fit_ids = [x.ids for x in items if x.document in fitted][:120]
-    score_ids = [x.ids for x in items if x.document not in fitted][:40]
+    producer, consumer, fit_ids, score_ids = load_pair(args.pair)
     cfg = CalibrateConfig(kl_budget=0.05)
     fit_prior = prior_fitter(cfg, consumer, fit_ids)
     rows = collect_rows(producer, consumer, fit_ids, 30000, prior=fit_prior)

@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-from code_fit_study import scored_error
+from code_fit_study import load_pair, scored_error
 
 from scd_serve.calibration.fit import collect_rows
 from scd_serve.codec.features import FeaturePrior
 from scd_serve.config.codec import CalibrateConfig
-from scd_serve.model.runtime import ModelRuntime
 from scd_serve.quality.calibrate import prior_fitter
-from scd_serve.quality.data import read_prompts
 
 
 def main() -> None:
@@ -28,17 +26,8 @@ def main() -> None:
     p.add_argument("pair")
     p.add_argument("--side", type=int, nargs="+", default=[1, 2], help="layers k whose exact input the consumer has")
     args = p.parse_args()
-    from transformers import AutoTokenizer
-
     torch.set_num_threads(1)
-    producer = ModelRuntime.load(f"{args.pair}/producer", dtype="float32")
-    consumer = ModelRuntime.load(f"{args.pair}/consumer", dtype="float32")
-    items = read_prompts(f"{args.pair}/eval/calibration.jsonl", AutoTokenizer.from_pretrained(f"{args.pair}/consumer"),
-                         512).items
-    docs = sorted({x.document for x in items})
-    fitted = set(docs[: int(0.8 * len(docs))])
-    fit_ids = [x.ids for x in items if x.document in fitted][:120]
-    score_ids = [x.ids for x in items if x.document not in fitted][:40]
+    producer, consumer, fit_ids, score_ids = load_pair(args.pair)
     cfg = CalibrateConfig(kl_budget=0.05)
     fit_prior = prior_fitter(cfg, consumer, fit_ids)
     rows = collect_rows(producer, consumer, fit_ids, 30000, prior=fit_prior)  # the same positions at every layer
