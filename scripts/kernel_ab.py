@@ -23,13 +23,10 @@ CSRC = Path("scd_serve/model/csrc")
 
 def build(name: str, files: dict[str, str], where: Path):
     """The kernels from `files` (name -> source text) as module `name`."""
-    from torch.utils import cpp_extension
-
     where.mkdir(parents=True)
     for file, text in files.items():
         (where / file).write_text(text)
-    return cpp_extension.load(name=name, sources=[str(where / s.name) for s in cpu_kernel.SOURCES],
-                              extra_cflags=cpu_kernel.FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(where))
+    return cpu_kernel.compile_sources(name, where, where)
 
 
 def main() -> None:

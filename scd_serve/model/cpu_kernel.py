@@ -134,13 +134,17 @@ def load() -> ModuleType:
                 spec.loader.exec_module(module)
                 _module = module
             else:
-                from torch.utils import cpp_extension
-
                 built.parent.mkdir(parents=True, exist_ok=True)
-                _module = cpp_extension.load(name=built.stem, sources=[str(s) for s in SOURCES],
-                                             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                             build_directory=str(built.parent), verbose=False)
+                _module = compile_sources(built.stem, CSRC, built.parent)
         return _module
+
+
+def compile_sources(name: str, source_dir: Path, build_dir: Path) -> ModuleType:
+    """Build the kernels' sources (SOURCES' names) found in source_dir, as module `name`."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(name=name, sources=[str(source_dir / s.name) for s in SOURCES], extra_cflags=FLAGS,
+                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
 def use(on: bool = True) -> None:
