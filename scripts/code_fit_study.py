@@ -20,6 +20,7 @@ its documents fit (up to 120 prompts), the rest (up to 40 prompts) score.
 from __future__ import annotations
 
 import argparse
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,9 +56,23 @@ def refined_errors(a, b, av, bv, ctx, ctx_v, ranks: list[int], width: int, epoch
         return {r: rel_error(linear(zv, r) + ref(zv[:, :r], ctx_v), bv.float()) for r in ranks}
 
 
-def load_pair(pair: str) -> tuple[ModelRuntime, ModelRuntime, list, list]:
-    """-> (producer, consumer, prompts to fit, prompts to score): the first 80% of the calibration
-    data's documents fit (up to 120 prompts), the rest (up to 40) score."""
+class PairRows(NamedTuple):
+    """A zoo pair's rows for the studies: the first 80% of its calibration documents fit (up to 120
+    prompts, 30k rows), the rest (up to 40 prompts, 10k rows) score; the same positions at every layer."""
+    consumer: ModelRuntime
+    rows: list  # collect_rows of the fitted prompts: per layer {stream: (producer's, consumer's)}
+    scored: list  # the same of the scored prompts
+    ctx: dict  # "fit" / "score": the rows' reduced token features
+    prior: Any  # the token prior fitted on the fitted prompts
+    heads: dict
+
+    def left(self, which: str, layer: int, s: str) -> torch.Tensor:
+        """The consumer's rows of `which` ("fit" or "score") less the token prior: what codes carry."""
+        rs = self.rows if which == "fit" else self.scored
+        return rs[layer][s][1] - FeaturePrior.apply(*self.heads[(layer, s)], self.ctx[which])
+
+
+def pair_rows(pair: str) -> PairRows:
     from transformers import AutoTokenizer
 
     producer = ModelRuntime.load(f"{pair}/producer", dtype="float32")
@@ -65,15 +80,8 @@ def load_pair(pair: str) -> tuple[ModelRuntime, ModelRuntime, list, list]:
     items = read_prompts(f"{pair}/eval/calibration.jsonl", AutoTokenizer.from_pretrained(f"{pair}/consumer"), 512).items
     docs = sorted({x.document for x in items})
     fitted = set(docs[: int(0.8 * len(docs))])
-    return (producer, consumer, [x.ids for x in items if x.document in fitted][:120],
-            [x.ids for x in items if x.document not in fitted][:40])
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("pair")
-    args = p.parse_args()
-    producer, consumer, fit_ids, score_ids = load_pair(args.pair)
+    fit_ids = [x.ids for x in items if x.document in fitted][:120]
+    score_ids = [x.ids for x in items if x.document not in fitted][:40]
     cfg = CalibrateConfig(kl_budget=0.05)
     fit_prior = prior_fitter(cfg, consumer, fit_ids)
     rows = collect_rows(producer, consumer, fit_ids, 30000, prior=fit_prior)
@@ -81,18 +89,24 @@ def main() -> None:
     # the same features (spec, frequent tokens) for the scored prompts' contexts; nothing fitted on them
     scored = collect_rows(producer, consumer, score_ids, 10000, prior=prior_fitter(cfg, consumer, fit_ids))
     ctx = {"fit": prior.reduce(rows[0]["ctx"]), "score": prior.reduce(scored[0]["ctx"])}
+    return PairRows(consumer, rows, scored, ctx, prior, heads)
 
-    def left(rs, which, layer, s):  # the consumer's rows less the token prior: what codes carry
-        return rs[layer][s][1] - FeaturePrior.apply(*heads[(layer, s)], ctx[which])
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("pair")
+    args = p.parse_args()
+    d = pair_rows(args.pair)
+    rows, scored, ctx = d.rows, d.scored, d.ctx
 
     def h(rs, layers):
         return torch.cat([rs[j]["h"][0] for j in layers], 1)
 
-    width = refiner_width(consumer, 2 * (len(rows) - 1), prior.rows(), CalibrateConfig.refiner_width)
+    width = refiner_width(d.consumer, 2 * (len(rows) - 1), d.prior.rows(), CalibrateConfig.refiner_width)
     print(f"stream layer rank: joint own / rrr own / rrr h / rrr h3 / refined (width {width}; rank 0: refiner alone)")
     for s in ("k", "v"):
         for layer in range(1, len(rows)):
-            b, bv = left(rows, "fit", layer, s), left(scored, "score", layer, s)
+            b, bv = d.left("fit", layer, s), d.left("score", layer, s)
             below = range(max(0, layer - 2), layer + 1)
             refined = refined_errors(rows[layer]["h"][0], b, scored[layer]["h"][0], bv, ctx["fit"].float(),
                                      ctx["score"].float(), [0, b.shape[1] // 4, b.shape[1]], width)

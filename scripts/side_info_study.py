@@ -13,12 +13,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from code_fit_study import load_pair, scored_error
+from code_fit_study import pair_rows, scored_error
 
-from scd_serve.calibration.fit import collect_rows
-from scd_serve.codec.features import FeaturePrior
-from scd_serve.config.codec import CalibrateConfig
-from scd_serve.quality.calibrate import prior_fitter
 
 
 def main() -> None:
@@ -27,22 +23,13 @@ def main() -> None:
     p.add_argument("--side", type=int, nargs="+", default=[1, 2], help="layers k whose exact input the consumer has")
     args = p.parse_args()
     torch.set_num_threads(1)
-    producer, consumer, fit_ids, score_ids = load_pair(args.pair)
-    cfg = CalibrateConfig(kl_budget=0.05)
-    fit_prior = prior_fitter(cfg, consumer, fit_ids)
-    rows = collect_rows(producer, consumer, fit_ids, 30000, prior=fit_prior)  # the same positions at every layer
-    prior, heads = fit_prior.solve(cfg.ridge)
-    scored = collect_rows(producer, consumer, score_ids, 10000, prior=prior_fitter(cfg, consumer, fit_ids))
-    ctx = {"fit": prior.reduce(rows[0]["ctx"]), "score": prior.reduce(scored[0]["ctx"])}
-
-    def left(rs, which, layer, s):  # the consumer's rows less the token prior: what the codes carry
-        return rs[layer][s][1] - FeaturePrior.apply(*heads[(layer, s)], ctx[which])
-
+    d = pair_rows(args.pair)
+    rows, scored = d.rows, d.scored
     ks = ", ".join(f"k={k}" for k in args.side)
     print(f"stream layer: producer's input of the layer / the consumer's own at {ks} alone / both, at {ks}")
     for s in ("k", "v"):
         for j in range(min(args.side) + 1, len(rows)):
-            b, bv = left(rows, "fit", j, s), left(scored, "score", j, s)
+            b, bv = d.left("fit", j, s), d.left("score", j, s)
             own, own_v = rows[j]["h"][0], scored[j]["h"][0]  # [N, hidden]: the producer's attention input
             alone, both = [], []
             for k in args.side:
