@@ -122,7 +122,8 @@ async def paired_ttft(local_url: str, pd_url: str, vocab: int, args) -> dict:
                 ttft = {}
                 for name in (("local", "pd") if i % 2 == 0 else ("pd", "local")):
                     url = local_url if name == "local" else pd_url
-                    seed = 20_000 * tokens + 2 * i + (name == "pd")  # a fresh prompt each: no prefix cache hit
+                    # a fresh prompt each, apart from workload's seeds (10_000 * tokens + i): no prefix cache hit
+                    seed = 10**12 + 10_000 * tokens + 2 * i + (name == "pd")
                     r = await stream_completion(client, url, body(vocab, tokens, seed, 1), args.request_timeout)
                     if not r.ok:
                         raise RuntimeError(f"{url}: a {tokens}-token request failed: {r.error}")
