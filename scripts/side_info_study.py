@@ -16,7 +16,6 @@ import torch
 from code_fit_study import pair_rows, scored_error
 
 
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("pair")

@@ -102,13 +102,17 @@ async def workload(url: str, vocab: int, args) -> dict:
         for tokens in args.ttft_tokens:
             ttfts = []
             for i in range(args.ttft_requests):
-                r = await stream_completion(client, url, body(vocab, tokens, 10_000 * tokens + i, 1),
-                                            args.request_timeout)
-                if not r.ok:
-                    raise RuntimeError(f"{url}: a {tokens}-token request failed: {r.error}")
-                ttfts.append(r.ttft)
+                ttfts.append(await first_token_s(client, url, vocab, tokens, 10_000 * tokens + i, args))
             out["ttft"][str(tokens)] = {"p50_s": round(percentile(ttfts, 50), 3), "p90_s": round(percentile(ttfts, 90), 3)}
     return out
+
+
+async def first_token_s(client: httpx.AsyncClient, url: str, vocab: int, tokens: int, seed: int, args) -> float:
+    """TTFT of one seeded `tokens`-token prompt (one token out); a failed request fails the bench."""
+    r = await stream_completion(client, url, body(vocab, tokens, seed, 1), args.request_timeout)
+    if not r.ok:
+        raise RuntimeError(f"{url}: a {tokens}-token request failed: {r.error}")
+    return r.ttft
 
 
 async def paired_ttft(local_url: str, pd_url: str, vocab: int, args) -> dict:
@@ -124,10 +128,7 @@ async def paired_ttft(local_url: str, pd_url: str, vocab: int, args) -> dict:
                     url = local_url if name == "local" else pd_url
                     # a fresh prompt each, apart from workload's seeds (10_000 * tokens + i): no prefix cache hit
                     seed = 10**12 + 10_000 * tokens + 2 * i + (name == "pd")
-                    r = await stream_completion(client, url, body(vocab, tokens, seed, 1), args.request_timeout)
-                    if not r.ok:
-                        raise RuntimeError(f"{url}: a {tokens}-token request failed: {r.error}")
-                    ttft[name] = r.ttft
+                    ttft[name] = await first_token_s(client, url, vocab, tokens, seed, args)
                 rounds.append(ttft)
             out[str(tokens)] = paired_summary(rounds)
     return out

@@ -1,6 +1,6 @@
 """`bench peer`'s ratios: each scd-serve target's speed over vLLM's (above 1.0 is faster)."""
 
-from scd_serve.bench.peer import ratios
+from scd_serve.bench.peer import paired_summary, ratios
 
 
 def result(tokens_per_s, tpot_ms, ttft_s):
@@ -22,8 +22,6 @@ def test_without_vllm_only_pd_over_local():
 
 
 def test_pd_over_local_from_paired_rounds_is_the_median_of_their_ratios():
-    from scd_serve.bench.peer import paired_summary
-
     rounds = [{"local": 1.0, "pd": 1.1}, {"local": 2.0, "pd": 2.0}, {"local": 1.0, "pd": 1.3}]
     assert paired_summary(rounds) == {"local_p50_s": 1.0, "pd_p50_s": 1.3, "pd_over_local": 1.1}
     # the ratios prefer the paired figure to the two targets' own TTFTs (timed apart: 2.0 here)
