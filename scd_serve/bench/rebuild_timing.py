@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             return registry.build(method, producer=rt_a, consumer=rt_b, codebook=book)
 
         c = build()
-        codes = [c.encode_layer(i, s) for i, s in enumerate(states)]
+        first = registry.codes_from(c, 0, args.tokens)  # after the codec's head, computed in the rebuild
+        codes = [c.encode_layer(i, s.rows_from(first)) for i, s in enumerate(states)]
 
         def rebuild(fresh, c=c, codes=codes):  # as the decode worker: prepare once, then every layer
             c = fresh if fresh is not None else c

@@ -24,7 +24,7 @@ import httpx
 import torch
 
 from scd_serve.bench.loadgen import answer_commands, random_prompt, stream_completion, wait_ready
-from scd_serve.codec.rebuild import begin
+from scd_serve.codec.rebuild import begin, codes_from
 from scd_serve.decode.receive import drain, receive
 from scd_serve.engine.step_ahead import StepAhead
 from scd_serve.errors import TransferFailed
@@ -72,13 +72,15 @@ class Probe:
 
     async def transfer(self, address: str, method: str, ids: list[int]) -> dict:
         client, info = await self.client(address)
+        codec = self.codecs.get(info, method)
         t0 = time.perf_counter()
         req = pb.PrefillRequest(request_id=uuid.uuid4().hex[:16], token_ids=ids[:-1], method=method,
+                                start=codes_from(codec, 0, len(ids) - 1),  # after the codec's head
                                 consumer_fingerprint=self.rt.fingerprint, timeout_ms=600_000)
         call = client.stream(req, timeout=600.0)  # as the decode worker: the request leaves, then a thread reads
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self.thread, self._transfer, call, self.codecs.get(info, method), method, ids, t0, req.request_id)
+                self.thread, self._transfer, call, codec, method, ids, t0, req.request_id)
         except BaseException:
             call.cancel()  # the prefill worker stops now, not at the deadline
             raise
@@ -89,7 +91,7 @@ class Probe:
         shipped, last = ids[:-1], ids[-1]  # the last prompt token is the first decode step
         pool = self.rt.new_kv_pool(-(-len(ids) // BLOCK) + 1, BLOCK)
         blocks = list(range(pool.num_blocks))
-        verifier = StreamVerifier(rid, method, len(shipped), self.rt.spec.num_layers,
+        verifier = StreamVerifier(rid, method, len(shipped) - codes_from(codec, 0, len(shipped)), self.rt.spec.num_layers,
                                   check_header=lambda h: _check_version(h, method, codec))
         rebuild = begin(codec, shipped, self.rt)
         writer, logits = [], []

@@ -1,14 +1,19 @@
-"""Codecs measured on probe prompts, each with its replayed tail, and the choice of that tail.
+"""Codecs measured on probe prompts, each with its replayed tail, and the choice of that tail,
+of the head and of a run.
 
 A codec with `replay_tokens` R (codec/base.py) is sent the codes of all but the prompt's last
 R handed-off tokens; the consumer computes those itself over the rebuilt rest (target-side
 context replay, as Mixture-of-Translators does). Its figures must be measured the way it is
 served, so `ReplayProbes` keeps one probe per R over the same prompts and scored positions.
 
-Calibration weighs the replays in `CalibrateConfig.replay` against runs of the consumer's upper
-layers (plan.py): both are the consumer computing part of the cache itself, a run for every
-token and some layers, a replay for some tokens and every layer. Counted, a replay costs the
-decode worker R / T of its own prefill of a T-token prompt and a run from L (N - L) / N; what
+Calibration weighs the replays in `CalibrateConfig.replay` with the heads in `CalibrateConfig.head`
+(the prompt's first S tokens computed by the consumer, codec/rebuild.py) and runs of the
+consumer's upper layers (plan.py): all are the consumer computing part of the cache itself, a
+run for every token and some layers, a replay or a head for some tokens and every layer. A
+head's rows are the consumer's own (causal: its prefill of them alone computes the oracle's), so
+the probe measures one by keeping the oracle's first S rows of every rebuilt layer
+(`with_head`), with no probe of its own. Counted, a replay costs the decode worker R / T of its
+own prefill of a T-token prompt, a head S / T and a run from L (N - L) / N; what
 a rebuild costs on top (the prior's context, the codes' decode) is only known by timing it, so
 an option whose count fits max_rebuild is timed (`cost`, quality/rebuild_cost.py) and must fit
 it measured.
@@ -19,9 +24,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import torch
+
 from scd_serve.codec.base import payload_bytes
 from scd_serve.codec.codec_spec import spec_of
-from scd_serve.codec.rebuild import begin
+from scd_serve.codec.rebuild import begin, codes_from
 from scd_serve.calibration.kl_probe import KLProbe, make_examples, split_prompt
 from scd_serve.calibration.search import MIN_TOP1_GAIN
 from scd_serve.codec.plan import Plan
@@ -49,11 +56,24 @@ class ReplayProbes:
             self._held[replay] = KLProbe(self.consumer, examples)
         return self._held[replay]
 
-    def replay_share(self, replay: int) -> float:
-        """The replayed tokens' share of the probe prompts' handed-off tokens (as make_examples
-        splits each prompt, without building the probe)."""
+    def share(self, replay: int, head: int = 0) -> float:
+        """The replayed and head tokens' share of the probe prompts' handed-off tokens (as
+        make_examples splits each prompt, without building the probe)."""
         splits = [split_prompt(len(prompt), self.tail, replay) for prompt, _ in self.pairs]
-        return sum(r for _, r in splits) / max(1, sum(p + r for p, r in splits))
+        return sum(r + min(head, p - 1) for p, r in splits) / max(1, sum(p + r for p, r in splits))
+
+
+def with_head(layer_kv: Any, head: int) -> Any:
+    """A probe's layer rebuild (kl_probe.LayerKV) with the prompt's first `head` rows the
+    consumer's own, as HeadRebuild serves them (at least the last transferred row rebuilt)."""
+    if not head:
+        return layer_kv
+
+    def headed(ex, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = layer_kv(ex, layer)  # [P, kv_heads, head_dim] each
+        n, own = min(head, ex.prefix - 1), ex.consumer[layer]
+        return torch.cat([own.keys[:n].to(k.dtype), k[n:]]), torch.cat([own.values[:n].to(v.dtype), v[n:]])
+    return headed
 
 
 def codec_sums(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
@@ -66,7 +86,7 @@ def codec_sums(probe: KLProbe, codec: Any, consumer: Any) -> dict[str, float]:
     def rebuild(ex, layer):
         if prompt["ex"] is not ex:
             prompt["ex"], prompt["rebuild"] = ex, begin(codec, ex.tokens, consumer)
-        code = codec.encode_layer(layer, ex.producer[layer])
+        code = codec.encode_layer(layer, ex.producer[layer].rows_from(codes_from(codec, 0, ex.prefix)))
         nbytes["n"] += payload_bytes(code)
         return prompt["rebuild"].decode_layer(layer, code)
 
@@ -95,7 +115,7 @@ def measure_methods(producer: Any, consumer: Any, book: Any, pairs: list, tail: 
     `calibration.methods` (calibrate's report, `scd-serve measure`). One prompt at a time, every
     method on it, then the next: a prompt's probe holds a pool and both models' states (0.14 GB
     at the 0.5B shape), so holding all of them was calibration's memory peak.
-    -> ({method: kl, top1, payload_ratio, replay_tokens}, {prompts, positions})"""
+    -> ({method: kl, top1, payload_ratio, replay_tokens, head_tokens}, {prompts, positions})"""
     from scd_serve import codec as registry
 
     names = [m for m in registry.METHODS if m != "identity"] + ["prior-only"]
@@ -109,70 +129,79 @@ def measure_methods(producer: Any, consumer: Any, book: Any, pairs: list, tail: 
             for name in (n for n in names if replays[n] == replay):
                 for key, value in codec_sums(probe, codecs[name], consumer).items():
                     sums[name][key] += value
-    methods = {name: figures_of(sums[name]) | {"replay_tokens": replays[name]} for name in names}
+    methods = {name: figures_of(sums[name]) | {"replay_tokens": replays[name],
+                                                "head_tokens": int(getattr(codecs[name], "head_tokens", 0))}
+               for name in names}
     return methods, {"prompts": len(pairs), "positions": int(sums[names[-1]]["positions"])}
 
 
 def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int],
                           max_width: int | None, kl_budget: float, min_top1: float, max_rebuild: float,
-                          replays: tuple[int, ...], cost: Callable[[Plan, int], float] | None = None,
-                          log: Callable[[str], None] = print, closest: Plan | None = None) -> tuple[Plan, int, dict]:
+                          replays: tuple[int, ...], cost: Callable[[Plan, int, int], float] | None = None,
+                          log: Callable[[str], None] = print, closest: Plan | None = None,
+                          heads: tuple[int, ...] = (0,)) -> tuple[Plan, int, dict]:
     """The consumer's own share of the rebuild, chosen jointly: `plan` or a run from a layer of
-    `run_ranks` (plan.py, on a residual code of that rank), each with each replay. An option whose
-    counted share of a prefill ((N - L) / N for the run, R / T of the probe's prompts for the
-    replay) fits max_rebuild is timed, `cost(plan, replay)` -> its rebuild over the consumer's
-    prefill (None: the count stands for it), and measured on the probe at that replay when that
-    fits too; one whose replay and run are both as long as those of one timed over is not timed.
-    `plan` without a replay is always measured: where nothing fits, it is the cheapest.
-    closest (search.py: the plan nearest a top-1 floor the search found out of reach): weighed the
-    same way only when no option of `plan` meets both targets, and chosen only by `pick` over all.
-    -> (plan, replay, {"options": every one timed, ...}) by `pick` among those that fit."""
+    `run_ranks` (plan.py, on a residual code of that rank), each with each replay and each head.
+    An option whose counted share of a prefill ((N - L) / N for the run, R / T and S / T of the
+    probe's prompts for the replay and the head) fits max_rebuild is timed, `cost(plan, replay,
+    head)` -> its rebuild over the consumer's prefill (None: the count stands for it), and
+    measured on the probe at that replay when that fits too; one whose replay, head and run are
+    all as long as those of one timed over is not timed. `plan` alone is always measured: where
+    nothing fits, it is the cheapest. closest (search.py: the plan nearest a top-1 floor the
+    search found out of reach): weighed the same way only when no option of `plan` meets both
+    targets, and chosen only by `pick` over all.
+    -> (plan, replay, {"options": every one timed, "head": its head, ...}) by `pick` among those that fit."""
     timed: list[dict] = []
-    within = _weigh(search, plan, probes, run_ranks, max_width, max_rebuild, replays, cost, log, timed)
+    weigh = dict(run_ranks=run_ranks, max_width=max_width, max_rebuild=max_rebuild, replays=replays, heads=heads,
+                 cost=cost, log=log, timed=timed)
+    within = _weigh(search, plan, probes, **weigh)
     chosen, meets = pick(within, kl_budget, min_top1)
     if not meets and closest is not None:
         log("no option meets both targets: the closest plan's options too")
-        within += _weigh(search, closest, probes, run_ranks, max_width, max_rebuild, replays, cost, log, timed,
-                         closest=True)
+        within += _weigh(search, closest, probes, **weigh, closest=True)
         chosen, meets = pick(within, kl_budget, min_top1)
     return chosen["plan"], chosen["replay"], {
-        "options": timed, "meets": meets, "tokens": chosen["replay"], "run": chosen["run"], "kl": chosen["kl"],
+        "options": timed, "meets": meets, "tokens": chosen["replay"], "head": chosen["head"], "run": chosen["run"],
+        "kl": chosen["kl"],
         "top1": chosen["top1"], "rebuild": chosen["cost"], "rebuild_within": chosen["cost"] <= max_rebuild,
         "closest": bool(chosen.get("closest"))}
 
 
 def _weigh(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int], max_width: int | None,
-           max_rebuild: float, replays: tuple[int, ...], cost: Callable[[Plan, int], float] | None,
-           log: Callable[[str], None], timed: list[dict], closest: bool = False) -> list[dict]:
+           max_rebuild: float, replays: tuple[int, ...], heads: tuple[int, ...],
+           cost: Callable[[Plan, int, int], float] | None, log: Callable[[str], None], timed: list[dict],
+           closest: bool = False) -> list[dict]:
     """choose_run_and_replay's options of one plan, each timed one appended to `timed`. -> those
     within max_rebuild (else the plan alone). closest: the options are the closest plan's (marked so)."""
     tag = " (closest plan)" if closest else ""
     n = len(plan.layers)
     runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
-    options, over = [], []  # over: (replay, run's share) of options measured over max_rebuild
-    for replay in sorted(set(replays) | {0}):
-        share = probes.replay_share(replay) if replay else 0.0
+    options, over = [], []  # over: (replay, head, run's share) of options measured over max_rebuild
+    for replay, head in ((r, s) for r in sorted(set(replays) | {0}) for s in sorted(set(heads) | {0})):
+        share = probes.share(replay, head) if replay or head else 0.0
         for layer, candidate in runs:
             ran = (n - layer) / n if layer is not None else 0.0
-            counted, base = share + ran, not replay and layer is None
+            counted, base = share + ran, not replay and not head and layer is None
             if not base and (counted > max_rebuild or (max_width is not None and candidate.code_width() > max_width)):
                 continue
-            if any(replay >= r and ran >= f for r, f in over):  # a longer replay or run than one already over
+            if any(replay >= r and head >= s and ran >= f for r, s, f in over):  # longer than one already over
                 continue
-            measured = cost(candidate, replay) if cost is not None else counted
-            timed.append({"replay": replay, "run": layer, "counted": round(counted, 4), "cost": round(measured, 4)}
-                         | ({"closest": True} if closest else {}))
+            name = f"replay {replay}, head {head}, run from {layer}{tag}"
+            measured = cost(candidate, replay, head) if cost is not None else counted
+            timed.append({"replay": replay, "head": head, "run": layer, "counted": round(counted, 4),
+                          "cost": round(measured, 4)} | ({"closest": True} if closest else {}))
             if measured > max_rebuild:
-                over.append((replay, ran))
+                over.append((replay, head, ran))
                 if not base:  # the plan alone is measured all the same: where nothing fits, it is the cheapest
-                    log(f"replay {replay}, run from {layer}{tag}: rebuild {measured:.2f} of a prefill (counted "
-                        f"{counted:.2f}), over --max-rebuild {max_rebuild}")
+                    log(f"{name}: rebuild {measured:.2f} of a prefill (counted {counted:.2f}), over --max-rebuild "
+                        f"{max_rebuild}")
                     continue
-            m = probes.at(replay).measure_all({i: search.layer_kv(lp) for i, lp in enumerate(candidate.layers)})
+            m = probes.at(replay).measure_all({i: with_head(search.layer_kv(lp), head)
+                                               for i, lp in enumerate(candidate.layers)})
             timed[-1] |= {"kl": m.kl, "top1": m.top1, "positions": m.positions}
             options.append(timed[-1] | {"plan": candidate})
-            log(f"replay {replay}, run from {layer}{tag}: probe KL {m.kl:.4f}, top-1 {m.top1:.3f}, "
-                f"rebuild {measured:.2f} of a prefill (counted {counted:.2f})")
+            log(f"{name}: probe KL {m.kl:.4f}, top-1 {m.top1:.3f}, rebuild {measured:.2f} of a prefill "
+                f"(counted {counted:.2f})")
     return [o for o in options if o["cost"] <= max_rebuild] or options[:1]  # options[0]: the plan alone
 
 

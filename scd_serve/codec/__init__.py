@@ -19,7 +19,7 @@ from scd_serve.codec.baselines import IdentityCodec, RawCodec
 from scd_serve.codec.droidspeak import DroidSpeakCodec
 from scd_serve.codec.codebook import Codebook, as_codebook
 from scd_serve.codec.quant import QuantCodec
-from scd_serve.codec.rebuild import Rebuild, begin
+from scd_serve.codec.rebuild import Rebuild, begin, codes_from
 from scd_serve.codec.scd import ScdCodec
 from scd_serve.config import methods
 from scd_serve.errors import ConfigError
@@ -53,13 +53,14 @@ def _droidspeak(producer: Any, consumer: Any, codebook: Any) -> DroidSpeakCodec:
 
 
 def _scd(method: str, producer: Any, consumer: Any, codebook: Any) -> ScdCodec:
-    """The scd plan's codecs replay what calibration chose for it; so does prior-only, its
-    zero-payload control (the two then differ only in the codes); reuse, the ablation, does not."""
+    """The scd plan's codecs compute the head and replay the tail calibration chose for it; so
+    does prior-only, its zero-payload control (the two then differ only in the codes); reuse, the
+    ablation, does not."""
     book = as_codebook(codebook, producer, consumer)
+    own = {"replay_tokens": replayed(method, book), "head_tokens": headed(method, book)}
     if method == "prior-only":
-        return ScdCodec(method, book, book.plan("reuse"), codes=False, replay_tokens=replayed(method, book))
-    return ScdCodec(method, book, book.plan(_plan_name(method, book)), int8=method.endswith("int8"),
-                    replay_tokens=replayed(method, book))
+        return ScdCodec(method, book, book.plan("reuse"), codes=False, **own)
+    return ScdCodec(method, book, book.plan(_plan_name(method, book)), int8=method.endswith("int8"), **own)
 
 
 def _plan_name(method: str, book: Codebook) -> str:
@@ -70,9 +71,18 @@ def replayed(method: str, book: Codebook | None) -> int:
     """The prompt's last handed-off tokens the consumer computes itself under `method` with this
     codebook (codec/base.py): the scd plan's replayed tail (prior-only's too), else 0. Read
     from the manifest alone, so a vLLM scheduler counts them without loading the tensors."""
-    if book is None or method not in NEEDS_CODEBOOK:
-        return 0
-    return book.replay_tokens if method == "prior-only" or _plan_name(method, book) == "scd" else 0
+    return book.replay_tokens if _has_scd_plan(method, book) else 0
+
+
+def headed(method: str, book: Codebook | None) -> int:
+    """The prompt's first tokens the consumer computes itself under `method` (codec/rebuild.py):
+    the scd plan's head (prior-only's too), else 0."""
+    return book.head_tokens if _has_scd_plan(method, book) else 0
+
+
+def _has_scd_plan(method: str, book: Codebook | None) -> bool:
+    return book is not None and method in NEEDS_CODEBOOK and (method == "prior-only"
+                                                               or _plan_name(method, book) == "scd")
 
 # What serving offers; ABLATIONS are built by name for the eval table only (config/methods.py).
 ABLATIONS: list[str] = list(methods.ABLATIONS)
@@ -91,5 +101,5 @@ def build(method: str, producer: Any = None, consumer: Any = None, codebook: Any
     return factory(producer, consumer, codebook)
 
 
-__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "NEEDS_CONSUMER_WEIGHTS", "build", "replayed", "begin", "Rebuild", "payload_bytes", "transferred", "wants_residuals", "Codebook", "TransferCodec",
+__all__ = ["METHODS", "ABLATIONS", "NEEDS_CODEBOOK", "NEEDS_CONSUMER_WEIGHTS", "build", "replayed", "headed", "begin", "codes_from", "Rebuild", "payload_bytes", "transferred", "wants_residuals", "Codebook", "TransferCodec",
            "KEYS", "VALUES", "ATTN_INPUT"]

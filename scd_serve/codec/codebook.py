@@ -71,9 +71,18 @@ class Codebook:
     def replay_tokens(self) -> int:
         """Prompt tokens the consumer recomputes itself before the handoff's end (codec/base.py),
         chosen by calibration for the scd plan; 0 in codebooks from before it."""
-        value = self.manifest.get("replay_tokens", 0)
+        return self._token_count("replay_tokens")
+
+    @property
+    def head_tokens(self) -> int:
+        """The prompt's first tokens the consumer computes itself (codec/rebuild.py), chosen by
+        calibration for the scd plan; 0 in codebooks from before it."""
+        return self._token_count("head_tokens")
+
+    def _token_count(self, key: str) -> int:
+        value = self.manifest.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CodebookError(f"codebook manifest: replay_tokens must be a non-negative integer, got {value!r}")
+            raise CodebookError(f"codebook manifest: {key} must be a non-negative integer, got {value!r}")
         return value
 
     @property

@@ -1,7 +1,7 @@
 """A codebook's quality figures, in one place: what `calibrate` and `measure` write into the
 manifest's calibration block, and what `auto` (and anyone) reads back from it.
 
-    calibration.methods      {method: {kl, top1, payload_ratio, replay_tokens[, probe_kl]}}
+    calibration.methods      {method: {kl, top1, payload_ratio, replay_tokens, head_tokens[, probe_kl]}}
     calibration.report       {prompts, positions, held_out[, source]}: where they were measured
     calibration.min_top1     the agreement target; kl_budget the KL one
     calibration.meets_budget scd within both

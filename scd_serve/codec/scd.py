@@ -39,14 +39,16 @@ class ScdCodec:
     codes=False is the zero-payload ablation `prior-only`: every layer rebuilt from the
     consumer's means and token priors (where the codebook has them) alone (the Reuse plan's
     tensors), nothing shipped. replay_tokens: the prompt's last tokens the consumer computes
-    itself (codec/base.py; the codebook's choice for its scd plan)."""
+    itself (codec/base.py), head_tokens its first (codec/rebuild.py): the codebook's choices for
+    its scd plan."""
 
     def __init__(self, name: str, codebook: Codebook, plan: Plan, int8: bool = False,
-                 dtype: torch.dtype = torch.float16, codes: bool = True, replay_tokens: int = 0):
+                 dtype: torch.dtype = torch.float16, codes: bool = True, replay_tokens: int = 0,
+                 head_tokens: int = 0):
         self.name = name
         self.version = f"{name}/{codebook.manifest.get('version')}/{codebook.manifest.get('tensors_sha256', '')[:12]}"
         self.codebook, self.plan, self.int8, self.dtype, self.codes = codebook, plan, int8, dtype, codes
-        self.replay_tokens = replay_tokens
+        self.replay_tokens, self.head_tokens = replay_tokens, head_tokens
         # for the serving handshake: which codebook, and which models it was fitted for
         self.codebook_id = codebook.manifest.get("tensors_sha256", "")[:16]
         self.producer_fingerprint = codebook.side_spec("producer").fingerprint or ""

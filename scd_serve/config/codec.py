@@ -47,8 +47,8 @@ class CalibrateConfig:
     # every layer whose run costs at most max_rebuild of a prefill).
     run_layers: tuple[int, ...] | None = None
     # The most a rebuild may cost the decode worker, as a share of its own prefill of the prompt
-    # (a run from L computes (layers - L) / layers of it, a replay of R tokens R / T, and the codes'
-    # decode comes on top; 0: the plan alone, no run, no replay).
+    # (a run from L computes (layers - L) / layers of it, a replay of R tokens R / T, a head of S
+    # tokens S / T, and the codes' decode comes on top; 0: the plan alone, no run, replay or head).
     # "timed" (quality/rebuild_cost.py: each option on num_timing_prompts probe prompts spread over
     # their lengths) or "counted"
     # (the shares above alone: the same choice on every machine, but blind to the codes' decode).
@@ -73,6 +73,9 @@ class CalibrateConfig:
     # Replayed tails tried on the scd plan (calibration/probes.py): prompt tokens before the handoff's
     # end the consumer computes itself rather than rebuilds (0 alone: never).
     replay: tuple[int, ...] = (0, 16, 32, 64)
+    # Heads tried with them (codec/rebuild.py): the prompt's first tokens the consumer computes
+    # itself, which every later row attends to (0 alone: never).
+    head: tuple[int, ...] = (0, 16, 64)
     distill_lr: float = 1e-4
     distill_batch: int = 16
     seed: int = 0
@@ -111,8 +114,10 @@ class CalibrateConfig:
             raise ConfigError(f"max_rebuild must be in [0, 1) (a share of the consumer's prefill), got {self.max_rebuild}")
         if self.rebuild_cost not in REBUILD_COSTS:
             raise ConfigError(f"rebuild_cost must be one of {', '.join(REBUILD_COSTS)}, got {self.rebuild_cost!r}")
-        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.replay) or not self.replay:
-            raise ConfigError(f"replay must list non-negative token counts, got {self.replay!r}")
+        for name in ("replay", "head"):
+            counts = getattr(self, name)
+            if not counts or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in counts):
+                raise ConfigError(f"{name} must list non-negative token counts, got {counts!r}")
         if self.max_patches is not None and self.max_patches < 0:
             raise ConfigError(f"max_patches must be >= 0, got {self.max_patches}")
 

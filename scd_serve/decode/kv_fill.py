@@ -25,7 +25,7 @@ import grpc
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import detach
 from scd_serve.codec.base import transferred
-from scd_serve.codec.rebuild import begin, checked_layer, decodes_from
+from scd_serve.codec.rebuild import begin, checked_layer, codes_from, decodes_from
 from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.job import TransferJob
 from scd_serve.decode.receive import Received, check_header
@@ -222,13 +222,15 @@ class RemoteKVFill:
             raise DeadlineExceeded(f"request {rid} has no time left for a transfer")
         # Rows sink.start.. are missing here (those before were in the prefix cache): raw K/V
         # would ship them all; a replayed tail is prefilled here (codec/base.py), at least one
-        # row is shipped; a codec whose rows do not decode alone is sent them all (rebuild.py).
+        # row is shipped; a codec whose rows do not decode alone is sent them all, and a codec's
+        # head is computed here: its codes start after it (rebuild.py).
         held = sink.start
         num_needed = len(tokens) - held
         tokens = tokens[:max(held + 1, transferred(codec, len(tokens)))]
         sink.limit(len(tokens))
         ship_from = decodes_from(codec, held)
-        request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method, start=ship_from,
+        first = codes_from(codec, ship_from, len(tokens))
+        request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method, start=first,
                                     consumer_fingerprint=self.rt.fingerprint)
         rebuild = begin(codec, tokens, self.rt, ship_from)  # the prompt's decode side (codec/rebuild.py)
         for hook in self.codec_hooks:
@@ -238,7 +240,7 @@ class RemoteKVFill:
             check_header(header, peer, codec)
             self._check_cold(header, peer, req.transfer)
 
-        verifier = StreamVerifier(rid, req.method, len(tokens) - ship_from, self.rt.spec.num_layers,
+        verifier = StreamVerifier(rid, req.method, len(tokens) - first, self.rt.spec.num_layers,
                                   check_header=check)
         job = TransferJob(peer, request, deadline)
         self._jobs.add(job)

@@ -146,17 +146,18 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     run_ranks = {layer: min(h_grid[-1], fits[layer].codes["r"].max_rank) for layer in run_layers}
     timer = RebuildCost(producer, consumer, spread([p for p, _ in choice_pairs or probe_pairs], cfg.num_timing_prompts))
 
-    def timed(candidate: Plan, replay: int) -> float:
-        book = build_codebook(fits, {"scd": candidate}, pspec, cspec, extra={"replay_tokens": replay})
+    def timed(candidate: Plan, replay: int, head: int) -> float:
+        book = build_codebook(fits, {"scd": candidate}, pspec, cspec, extra={"replay_tokens": replay,
+                                                                            "head_tokens": head})
         return timer(registry.build("scd", producer=producer, consumer=consumer, codebook=book))
 
     plan, replay, tail = choose_run_and_replay(search, plan, probes, run_ranks, max_width, cfg.kl_budget,
                                                cfg.min_top1, cfg.max_rebuild, cfg.replay,
                                                timed if cfg.rebuild_cost == "timed" else None, log,
-                                               search.closest.plan if search.closest else None)
+                                               search.closest.plan if search.closest else None, cfg.head)
     stats_kl = tail["kl"]
     run["kl"] = {str(o["run"]): o["kl"] for o in tail["options"]
-                 if not o["replay"] and o["run"] is not None and "kl" in o}
+                 if not o["replay"] and not o["head"] and o["run"] is not None and "kl" in o}
     # Reuse-only at SCD's payload: the equal-payload ablation of Patch (and of a run)
     reuse = (search.fit_width((), plan.code_width(), curve[0].kl_full_rank)  # curve[0]: no patches
              if plan.patch_layers or plan.run_layer is not None else best)
@@ -182,7 +183,8 @@ def calibrate(producer: Any, consumer: Any, fit_prompts: list, probe_pairs: list
     }
     stats["reuse_plan"] = {"code_width": reuse.plan.code_width(), "kl": reuse.kl}
     book = build_codebook(fits, {"scd": plan, "reuse": reuse.plan}, pspec, cspec,
-                          extra={"droidspeak_layers": ds_layers, "calibration": stats, "replay_tokens": replay})
+                          extra={"droidspeak_layers": ds_layers, "calibration": stats, "replay_tokens": replay,
+                                 "head_tokens": tail["head"]})
     if cfg.distill_steps:
         stats["distill"] = distill_plan(book, producer, consumer, cfg, show_progress, distill_pairs or
                                         [(p, torch.zeros(0, dtype=torch.long)) for p in fit_prompts],
@@ -270,16 +272,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "whose run fits --max-rebuild)")
     parser.add_argument("--max-rebuild", type=float, default=CalibrateConfig.max_rebuild, metavar="SHARE",
                         help="the most a rebuild may cost the decode worker as a share of its own prefill, timed on "
-                             "probe prompts for each run and replay weighed (0: the plan alone, no run or replay)")
+                             "probe prompts for each run, replay and head weighed (0: the plan alone, none of them)")
     parser.add_argument("--rebuild-cost", choices=REBUILD_COSTS, default=CalibrateConfig.rebuild_cost,
                         help="timed: each option's rebuild timed against the consumer's prefill on probe prompts; "
-                             "counted: a run from L as (layers - L) / layers of it and a replay of R tokens as R / T "
+                             "counted: a run from L as (layers - L) / layers of it, a replay of R tokens as R / T "
+                             "and a head of S tokens as S / T "
                              "(the same choice on every machine, blind to the codes' decode)")
     parser.add_argument("--replay", type=int, nargs="+", default=list(CalibrateConfig.replay), metavar="R",
                         help="replayed tails tried: the prompt's last R tokens before the handoff's end are computed "
                              "by the consumer over the rebuilt rest instead of rebuilt from codes (about R / T of its "
                              "prefill, timed against --max-rebuild); the shortest meeting the budget is kept, else "
                              "the one of best top-1 (0 alone: never)")
+    parser.add_argument("--head", type=int, nargs="+", default=list(CalibrateConfig.head), metavar="S",
+                        help="heads tried with each replay and run: the prompt's first S tokens are computed by the "
+                             "consumer (exact, and every later token attends to them) and their codes not sent "
+                             "(about S / T of its prefill, timed against --max-rebuild; 0 alone: never)")
     parser.add_argument("--distill-steps", type=int, default=CalibrateConfig.distill_steps,
                         help="Adam steps that tune the scd plan's decoders and aligners on the consumer's own "
                              "next-token KL over the fit prompts (payload unchanged; 0: closed-form fits only)")
@@ -325,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     flags = {f.name: getattr(args, f.name) for f in fields(CalibrateConfig) if hasattr(args, f.name)}
     cfg = CalibrateConfig(**flags | dict(num_probe_prompts=args.probe_prompts, num_report_prompts=args.report_prompts,
                                          run_layers=None if args.run_layers is None else tuple(args.run_layers),
-                                         replay=tuple(args.replay)))
+                                         replay=tuple(args.replay), head=tuple(args.head)))
     if args.greedy_tokens < 1:
         raise ConfigError(f"--greedy-tokens must be >= 1, got {args.greedy_tokens}", field="greedy_tokens")
     # nothing is loaded before the memory estimate and the data file are checked

@@ -27,16 +27,17 @@ def print_report(result: Any, cfg: CalibrateConfig, out: Path) -> None:
     print(f"rebuild: {r['rebuild']:.2f} of the consumer's own prefill, {cfg.rebuild_cost} on the probe prompts ("
           f"{'within' if r['rebuild_within'] else 'OVER, the cheapest plan there is:'} --max-rebuild "
           f"{cfg.max_rebuild}); the consumer computes {computed} of its {chosen_layers} layers' K/V itself from "
-          f"codes (patches and a run) and the last {r['tokens']} prompt tokens in full; "
+          f"codes (patches and a run), the first {r.get('head', 0)} and the last {r['tokens']} prompt tokens in full; "
           f"{sum(not lp.streams for lp in chosen.layers)} layers ship nothing", flush=True)
     print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} the budget, KL "
           f"{cfg.kl_budget} and top-1 {cfg.min_top1}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {book.droidspeak_layers}; "
           f"{stats['seconds']} s")
-    tried = "; ".join(f"replay {o['replay']} run {o['run']}{' (closest plan)' if o.get('closest') else ''}: " + (
+    tried = "; ".join(f"replay {o['replay']} head {o.get('head', 0)} run {o['run']}"
+                      f"{' (closest plan)' if o.get('closest') else ''}: " + (
         f"KL {o['kl']:.4f} top-1 {o['top1']:.3f} rebuild {o['cost']:.2f}" if "kl" in o else
         f"rebuild {o['cost']:.2f}, over") for o in r["options"])
-    print(f"replay: the consumer computes the prompt's last {r['tokens']} tokens itself ({tried}; on the probe, "
-          "before distillation)")
+    print(f"head and replay: the consumer computes the prompt's first {r.get('head', 0)} and last {r['tokens']} "
+          f"tokens itself ({tried}; on the probe, before distillation)")
     if stats["run"].get("kl"):
         measured = ", ".join(f"{layer}: {kl:.4f}" for layer, kl in stats["run"]["kl"].items())
         print(f"runs measured (probe KL by first layer): {measured}; without a run {stats['run']['kl_without']:.4f}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from scd_serve.codec.base import payload_bytes, transferred, wants_residuals
-from scd_serve.codec.rebuild import begin
+from scd_serve.codec.rebuild import begin, codes_from
 
 ORACLE = "oracle"
 # the control that shows codes carry the prompt: scd rebuilt from another prompt's codes (its
@@ -61,10 +61,12 @@ def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens:
 
 
 def encoded(codec, rt_a, tokens: torch.Tensor):
-    """The producer's side: (layer, code) of each layer of its prefill of tokens [n], in turn."""
+    """The producer's side: (layer, code) of each layer of its prefill of tokens [n], in turn,
+    the codes of the rows after the codec's head (which the consumer computes itself)."""
+    first = codes_from(codec, 0, tokens.shape[0])
     for layer, state in rt_a.iter_prefill(tokens, compute_logits=False,
                                           residuals=wants_residuals(codec, rt_a.spec.num_layers)):
-        yield layer, codec.encode_layer(layer, state)
+        yield layer, codec.encode_layer(layer, state.rows_from(first))
 
 
 def rebuild_from(codec, rt_b, pool, blocks: list[int], prefix: torch.Tensor, cut: int, codes) -> tuple[float, int]:

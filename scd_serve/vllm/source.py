@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from scd_serve.codec.rebuild import begin, checked_layer, decodes_from
+from scd_serve.codec.rebuild import begin, checked_layer, codes_from, decodes_from
 from scd_serve.config.connector import ConnectorConfig
 from scd_serve.decode.consumer_codecs import ConsumerCodecs
 from scd_serve.decode.peers import compat_problems
@@ -140,8 +140,9 @@ class CodeSource:
         t0 = time.monotonic()
         codec = self.codecs.get(worker.info, self.config.method)
         ship_from = decodes_from(codec, start)  # a run's rows do not decode alone: it is sent them all
+        first = codes_from(codec, ship_from, len(tokens))  # after the head, which is computed here
         rid = f"{request_id[:90]}-{uuid.uuid4().hex[:12]}"  # unique per attempt: a retry is a new transfer
-        request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=self.config.method, start=ship_from,
+        request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=self.config.method, start=first,
                                     consumer_fingerprint=self.rt.fingerprint,
                                     timeout_ms=max(1, int((deadline - t0) * 1e3)))
         rebuild = begin(codec, tokens, self.rt, ship_from)
@@ -152,7 +153,7 @@ class CodeSource:
             k_pre, v = checked_layer(rebuild, layer, code, skip)
             write(layer, self.rt.rotate_keys(k_pre, positions), v)
 
-        verifier = StreamVerifier(rid, self.config.method, len(tokens) - ship_from, self.rt.spec.num_layers,
+        verifier = StreamVerifier(rid, self.config.method, len(tokens) - first, self.rt.spec.num_layers,
                                   check_header=lambda header: check_header(header, worker, codec))
         call = worker.stub.Prefill(request, timeout=max(0.001, deadline - t0),
                                    metadata=(*worker.metadata, (REQUEST_ID_KEY, rid)))

@@ -30,9 +30,10 @@ async def scd_stack(rt, book):
         await node.stop()
 
 
-def save_codebook(rt, path, rank, run_from=None, replay=0):
+def save_codebook(rt, path, rank, run_from=None, replay=0, head=0):
     """run_from: the scd plan runs the consumer's layers from there on a full-rank residual code;
-    replay: the consumer computes the handoff's last tokens itself (codec/base.py)."""
+    replay: the consumer computes the handoff's last tokens itself (codec/base.py), head its first
+    (codec/rebuild.py)."""
     spec = spec_of(rt)
     rows = collect_rows(rt, rt, [__import__("torch").tensor(p) for p in prompts(6, seed=11)], max_rows=4096,
                         run_layers=() if run_from is None else (run_from,))
@@ -40,7 +41,7 @@ def save_codebook(rt, path, rank, run_from=None, replay=0):
     plan = Plan(tuple(LayerPlan(REUSE, rank, rank) for _ in range(spec.num_layers)))
     scd = plan if run_from is None else Plan.with_run(plan, run_from, spec.hidden_size)
     book = build_codebook(fits, {"scd": scd, "reuse": plan}, spec, spec)
-    book.manifest["replay_tokens"] = replay
+    book.manifest["replay_tokens"], book.manifest["head_tokens"] = replay, head
     book.save(path)
     return str(path)
 
@@ -100,6 +101,32 @@ async def test_a_replayed_tail_is_not_shipped_and_serves_as_local_greedy(setup, 
         # full-rank fp16 codes weigh what raw K/V of the same tokens does: only the tail is missing
         assert (s.num_transfers, fill.shared.num_shared) == (4, 2)
         assert s.payload_bytes * handoff == s.raw_kv_bytes * shipped
+
+
+async def test_a_head_is_computed_on_the_decode_side_and_not_shipped(setup, tmp_path):
+    """A codebook whose head is 6 tokens: the prefill worker is asked for the rows after it, the
+    decode worker computes the head's rows itself (while the codes travel) and serves what a
+    local prefill does; with a run the codes carry every row and the head replaces the first."""
+    import asyncio
+
+    rt, _, _ = setup
+    spec = spec_of(rt)
+    book = save_codebook(rt, tmp_path / "book-head", spec.kv_width, head=6)
+    async with scd_stack(rt, book) as (_, peers, fill, engine):
+        batch = prompts(3, seed=8)
+        got = await asyncio.gather(*(greedy(engine, f"h{i}", p, "scd", fill) for i, p in enumerate(batch)))
+        assert got == [await greedy(engine, f"l{i}", p) for i, p in enumerate(batch)]
+        s = fill.stats
+        # a handoff of 5 tokens (a 6-token prompt) still ships its last row: its head is 4
+        shipped, handoff = sum(len(p) - 1 - min(6, len(p) - 2) for p in batch), sum(len(p) - 1 for p in batch)
+        assert s.num_transfers == 3 and s.payload_bytes * handoff == s.raw_kv_bytes * shipped
+    run = save_codebook(rt, tmp_path / "book-head-run", spec.kv_width, run_from=spec.num_layers // 2, head=6)
+    async with scd_stack(rt, run) as (_, peers, fill, engine):
+        p = prompts(1, seed=9)[0]
+        assert await greedy(engine, "hr", p, "scd", fill) == await greedy(engine, "lr", p)
+        half = spec.num_layers // 2
+        per_row, raw = half * 2 * spec.kv_width + spec.hidden_size, spec.num_layers * 2 * spec.kv_width
+        assert fill.stats.payload_bytes * raw == fill.stats.raw_kv_bytes * per_row  # every row
 
 
 async def test_streams_of_rank_zero_ship_nothing_and_serve(setup, tmp_path):

@@ -263,24 +263,27 @@ def test_an_options_timed_rounds_rebuild_from_one_encoding(tmp_path):
     assert prefills == [prefix.numel()]  # the producer's prefill is not rebuild time: once for all rounds
 
 
-def test_calibration_weighs_replays_against_runs_and_the_served_codecs_use_its_choice(tmp_path):
+def test_calibration_weighs_replays_and_heads_against_runs_and_the_served_codecs_use_its_choice(tmp_path):
     producer, consumer = make_pair(tmp_path, layers=2)
     pairs = prompts(10, 32)
     cfg = CalibrateConfig(kl_budget=0.05, min_top1=1.0, max_rows=1024, aligner_steps=0, max_patches=0,
-                          distill_steps=0, replay=(0, 4, 8, 64), max_rebuild=0.6, rebuild_cost="counted")
+                          distill_steps=0, replay=(0, 4, 8, 64), head=(0, 16), max_rebuild=0.6, rebuild_cost="counted")
     result = calibrate(producer, consumer, [p for p, _ in pairs[:6]], pairs[6:], cfg, show_progress=False)
     r = result.codebook.manifest["calibration"]["replay"]
     # counted: the plan and a run from layer 1 (half the layers), each with replay 0, 4 and 8 (of a
-    # 31-token handoff) where the two together fit 0.6; replay 64 (the whole prompt) never fits. Each
-    # replay's probe replaces the last (its examples' token contexts must not be taken for theirs)
-    tried = {(o["replay"], o["run"]): o["cost"] for o in r["options"]}
-    assert tried == pytest.approx({(0, None): 0.0, (0, 1): 0.5, (4, None): 4 / 31, (8, None): 8 / 31}, abs=1e-3)
+    # 31-token handoff) and head 0 and 16 where they fit 0.6 together; replay 64 (the whole prompt)
+    # never fits, nor head 16 with anything else. Each replay's probe replaces the last (its
+    # examples' token contexts must not be taken for theirs)
+    tried = {(o["replay"], o["head"], o["run"]): o["cost"] for o in r["options"]}
+    assert tried == pytest.approx({(0, 0, None): 0.0, (0, 0, 1): 0.5, (0, 16, None): 16 / 31, (4, 0, None): 4 / 31,
+                                   (8, 0, None): 8 / 31}, abs=1e-3)
     meets = [o for o in r["options"] if o["kl"] <= 0.05 and o["top1"] >= 1.0]
-    chosen = next(o for o in r["options"] if (o["replay"], o["run"]) == (r["tokens"], r["run"]))
+    chosen = next(o for o in r["options"] if (o["replay"], o["head"], o["run"]) == (r["tokens"], r["head"], r["run"]))
     assert r["meets"] == bool(meets) and (not meets or chosen["cost"] == min(o["cost"] for o in meets))
     assert result.codebook.plan("scd").run_layer == r["run"]
     result.codebook.save(tmp_path / "book")
     build = lambda m: codec.build(m, producer=producer, consumer=consumer, codebook=tmp_path / "book")  # noqa: E731
-    assert build("scd").replay_tokens == build("scd-int8").replay_tokens == build("prior-only").replay_tokens \
-        == r["tokens"] == result.methods["scd"]["replay_tokens"]
-    assert build("reuse").replay_tokens == 0 and result.methods["raw"]["replay_tokens"] == 0
+    for field, chosen_count in (("replay_tokens", r["tokens"]), ("head_tokens", r["head"])):
+        assert getattr(build("scd"), field) == getattr(build("scd-int8"), field) == \
+            getattr(build("prior-only"), field) == chosen_count == result.methods["scd"][field]
+        assert getattr(build("reuse"), field) == 0 and result.methods["raw"][field] == 0

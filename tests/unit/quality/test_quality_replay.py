@@ -76,8 +76,8 @@ class FakeProbes:
     def __init__(self):
         self.measured = []
 
-    def replay_share(self, replay):
-        return replay / 100
+    def share(self, replay, head=0):
+        return (replay + head) / 100
 
     def at(self, replay):
         from types import SimpleNamespace
@@ -97,7 +97,7 @@ def test_a_timed_choice_skips_what_is_longer_than_an_option_over_and_falls_back_
     measured = {(0, None): 0.2, (0, 2): 0.7, (0, 3): 0.45, (16, None): 0.55}
     timed = []
 
-    def cost(candidate, replay):
+    def cost(candidate, replay, head):
         timed.append((replay, candidate.run_layer))
         return measured[(replay, candidate.run_layer)]
 
@@ -173,7 +173,7 @@ def test_a_replay_probe_scores_the_same_positions_with_the_same_oracle(rt):
     assert measured.kl == pytest.approx(0.0, abs=1e-8) and measured.top1 == 1.0
     # the share calibration charges a replay, worked out from the prompts, is the built probe's
     share = sum(e.scored_from for e in replayed) / sum(e.prefix + e.scored_from for e in replayed)
-    assert ReplayProbes(rt, rt, pairs, tail=2).replay_share(8) == pytest.approx(share) == pytest.approx((8 + 8) / (28 + 10))
+    assert ReplayProbes(rt, rt, pairs, tail=2).share(8) == pytest.approx(share) == pytest.approx((8 + 8) / (28 + 10))
 
 
 def test_the_scorer_ships_fewer_tokens_and_the_consumer_computes_the_rest(rt):
