@@ -49,7 +49,8 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     a = save_tiny_model(root / "producer", "qwen2", seed=0, **SHAPE)
     b = save_tiny_model(root / "consumer", "qwen2", seed=1, **SHAPE)
-    book = quick_codebook(ModelRuntime.load(a), ModelRuntime.load(b), root / "codebook", patch=(2,), replay=4)
+    book = quick_codebook(ModelRuntime.load(a), ModelRuntime.load(b), root / "codebook", patch=(2,), replay=4,
+                          head=6)
     return a, b, book
 
 
@@ -120,7 +121,7 @@ def test_identity_codes_equal_vllms_own_prefill(pair, prompts, tmp_path, engine)
 @pytest.mark.parametrize("engine", ["scd-serve", "vllm"])
 def test_scd_codes_match_scd_serves_own_engine(pair, prompts, tmp_path, engine):
     """A cross-model pair: vLLM's first-token log-probabilities after the connector's scd rebuild
-    are scd-serve's own rebuild's (same codes, same codebook, replayed tail and Patch layer),
+    are scd-serve's own rebuild's (same codes, same codebook, replayed tail, head and Patch layer),
     its greedy tokens too; both measured against the consumer's own prefill (KL, top-1). With
     engine "vllm" the codes are encoded from vLLM's prefill of the producer."""
     producer, consumer, book = pair
