@@ -21,6 +21,7 @@ it measured.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -69,6 +70,7 @@ def with_head(layer_kv: Any, head: int) -> Any:
     if not head:
         return layer_kv
 
+    @functools.wraps(layer_kv)
     def headed(ex, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = layer_kv(ex, layer)  # [P, kv_heads, head_dim] each
         n, own = min(head, ex.prefix - 1), ex.consumer[layer]
@@ -171,38 +173,52 @@ def _weigh(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, i
            max_rebuild: float, replays: tuple[int, ...], heads: tuple[int, ...],
            cost: Callable[[Plan, int, int], float] | None, log: Callable[[str], None], timed: list[dict],
            closest: bool = False) -> list[dict]:
-    """choose_run_and_replay's options of one plan, each timed one appended to `timed`. -> those
-    within max_rebuild (else the plan alone). closest: the options are the closest plan's (marked so)."""
+    """choose_run_and_replay's options of one plan, each appended to `timed`. Every option whose
+    count fits max_rebuild is measured on the probe (cheap: the scored tail alone runs), then timed
+    in the order of its count (most of what weighing costs, ~25 s an option at the 0.5B shape),
+    except one as long in every way as one timed over, or no better on the probe (KL and top-1)
+    than one counted cheaper and timed within. -> those timed within max_rebuild (else the plan
+    alone). closest: the options are the closest plan's (marked so)."""
     tag = " (closest plan)" if closest else ""
     n = len(plan.layers)
     runs = [(None, plan)] + [(layer, Plan.with_run(plan, layer, rank)) for layer, rank in sorted(run_ranks.items())]
-    options, over = [], []  # over: (replay, head, run's share) of options measured over max_rebuild
-    for replay, head in ((r, s) for r in sorted(set(replays) | {0}) for s in sorted(set(heads) | {0})):
-        share = probes.share(replay, head) if replay or head else 0.0
-        for layer, candidate in runs:
-            ran = (n - layer) / n if layer is not None else 0.0
-            counted, base = share + ran, not replay and not head and layer is None
-            if not base and (counted > max_rebuild or (max_width is not None and candidate.code_width() > max_width)):
-                continue
-            if any(replay >= r and head >= s and ran >= f for r, s, f in over):  # longer than one already over
-                continue
-            name = f"replay {replay}, head {head}, run from {layer}{tag}"
-            measured = cost(candidate, replay, head) if cost is not None else counted
-            timed.append({"replay": replay, "head": head, "run": layer, "counted": round(counted, 4),
-                          "cost": round(measured, 4)} | ({"closest": True} if closest else {}))
-            if measured > max_rebuild:
-                over.append((replay, head, ran))
-                if not base:  # the plan alone is measured all the same: where nothing fits, it is the cheapest
-                    log(f"{name}: rebuild {measured:.2f} of a prefill (counted {counted:.2f}), over --max-rebuild "
-                        f"{max_rebuild}")
+    options = []
+    for replay in sorted(set(replays) | {0}):
+        for head in sorted(set(heads) | {0}):
+            share = probes.share(replay, head) if replay or head else 0.0
+            for layer, candidate in runs:
+                ran = (n - layer) / n if layer is not None else 0.0
+                base = not replay and not head and layer is None
+                if not base and (share + ran > max_rebuild
+                                 or (max_width is not None and candidate.code_width() > max_width)):
                     continue
-            m = probes.at(replay).measure_all({i: with_head(search.layer_kv(lp), head)
-                                               for i, lp in enumerate(candidate.layers)})
-            timed[-1] |= {"kl": m.kl, "top1": m.top1, "positions": m.positions}
-            options.append(timed[-1] | {"plan": candidate})
-            log(f"{name}: probe KL {m.kl:.4f}, top-1 {m.top1:.3f}, rebuild {measured:.2f} of a prefill "
-                f"(counted {counted:.2f})")
-    return [o for o in options if o["cost"] <= max_rebuild] or options[:1]  # options[0]: the plan alone
+                m = probes.at(replay).measure_all({i: with_head(search.layer_kv(lp), head)
+                                                   for i, lp in enumerate(candidate.layers)})
+                options.append({"replay": replay, "head": head, "run": layer, "counted": round(share + ran, 4),
+                                "kl": m.kl, "top1": m.top1, "positions": m.positions}
+                               | ({"closest": True} if closest else {}) | {"plan": candidate, "ran": ran})
+    within, over = [], []  # over: (replay, head, run's share) of options timed over max_rebuild
+    for o in sorted(options, key=lambda o: o["counted"]):  # the plan alone first
+        timed.append(record := {k: v for k, v in o.items() if k not in ("plan", "ran")})
+        name = f"replay {o['replay']}, head {o['head']}, run from {o['run']}{tag}: probe KL {o['kl']:.4f}, " \
+               f"top-1 {o['top1']:.3f}"
+        base = o is options[0]
+        if not base and any(o["replay"] >= r and o["head"] >= s and o["ran"] >= f for r, s, f in over):
+            continue  # longer than one already over
+        if not base and any(w["kl"] <= o["kl"] and w["top1"] >= o["top1"] and w["cost"] <= max_rebuild
+                            for w in within):
+            log(f"{name}, no better than an option counted cheaper: not timed")
+            continue
+        o["cost"] = record["cost"] = round(cost(o["plan"], o["replay"], o["head"]) if cost is not None
+                                           else o["counted"], 4)
+        log(f"{name}, rebuild {o['cost']:.2f} of a prefill (counted {o['counted']:.2f})"
+            + (f", over --max-rebuild {max_rebuild}" if o["cost"] > max_rebuild else ""))
+        if o["cost"] > max_rebuild:
+            over.append((o["replay"], o["head"], o["ran"]))
+            if not base:  # the plan alone is weighed all the same: where nothing fits, it is the cheapest
+                continue
+        within.append(o)
+    return [o for o in within if o["cost"] <= max_rebuild] or within[:1]  # within[0]: the plan alone
 
 
 def pick(options: list[dict], kl_budget: float, min_top1: float) -> tuple[dict, bool]:

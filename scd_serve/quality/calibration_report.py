@@ -33,9 +33,9 @@ def print_report(result: Any, cfg: CalibrateConfig, out: Path) -> None:
           f"{cfg.kl_budget} and top-1 {cfg.min_top1}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {book.droidspeak_layers}; "
           f"{stats['seconds']} s")
     tried = "; ".join(f"replay {o['replay']} head {o.get('head', 0)} run {o['run']}"
-                      f"{' (closest plan)' if o.get('closest') else ''}: " + (
-        f"KL {o['kl']:.4f} top-1 {o['top1']:.3f} rebuild {o['cost']:.2f}" if "kl" in o else
-        f"rebuild {o['cost']:.2f}, over") for o in r["options"])
+                      f"{' (closest plan)' if o.get('closest') else ''}: KL {o['kl']:.4f} top-1 {o['top1']:.3f} "
+                      + ("not timed" if "cost" not in o else f"rebuild {o['cost']:.2f}"
+                         + (", over" if o["cost"] > cfg.max_rebuild else "")) for o in r["options"])
     print(f"head and replay: the consumer computes the prompt's first {r.get('head', 0)} and last {r['tokens']} "
           f"tokens itself ({tried}; on the probe, before distillation)")
     if stats["run"].get("kl"):

@@ -71,7 +71,8 @@ def test_the_cheapest_option_meeting_both_targets_else_the_best_top1_worth_its_c
 
 
 class FakeProbes:
-    """A probe whose figures improve with the replay; replay R costs R / 100 counted."""
+    """A probe whose top-1 improves with the replay and each layer a run computes, not with a
+    head; a replay R and a head S cost (R + S) / 100 counted."""
 
     def __init__(self):
         self.measured = []
@@ -82,35 +83,52 @@ class FakeProbes:
     def at(self, replay):
         from types import SimpleNamespace
 
-        return SimpleNamespace(measure_all=lambda layers: self.measured.append(replay) or
-                               SimpleNamespace(kl=0.01, top1=0.90 + replay / 1000, positions=1000))
+        from scd_serve.codec.plan import RUN
+
+        def measure_all(layers):  # layers: {i: the fake search's layer_kv, which holds its LayerPlan}
+            self.measured.append(replay)
+            ran = sum(fn.lp.mode == RUN for fn in layers.values())
+            return SimpleNamespace(kl=0.01, top1=0.90 + replay / 1000 + ran / 100, positions=1000)
+        return SimpleNamespace(measure_all=measure_all)
 
 
-def test_a_timed_choice_skips_what_is_longer_than_an_option_over_and_falls_back_to_the_plan_alone():
+def test_options_are_measured_then_timed_by_count_skipping_the_longer_than_one_over_and_the_no_better():
     from types import SimpleNamespace
 
     from scd_serve.calibration.probes import choose_run_and_replay
     from scd_serve.codec.plan import REUSE, LayerPlan, Plan
 
     plan = Plan(tuple(LayerPlan(REUSE, 4, 4) for _ in range(4)))
-    search = SimpleNamespace(layer_kv=lambda lp: None)
+    def layer_kv(lp):
+        def rebuild(ex, layer):
+            raise AssertionError("a fake probe rebuilds nothing")
+        rebuild.lp = lp
+        return rebuild
+
+    search = SimpleNamespace(layer_kv=layer_kv)
     measured = {(0, None): 0.2, (0, 2): 0.7, (0, 3): 0.45, (16, None): 0.55}
     timed = []
 
     def cost(candidate, replay, head):
-        timed.append((replay, candidate.run_layer))
+        timed.append((replay, head, candidate.run_layer))
         return measured[(replay, candidate.run_layer)]
 
     probes = FakeProbes()
     chosen, replay, info = choose_run_and_replay(search, plan, probes, {2: 8, 3: 8}, None, 0.05, 0.99, 0.5,
-                                                 (0, 16, 32, 48), cost, log=lambda _: None)
-    # by count (replay R: R / 100; a run from L: (4 - L) / 4) all but (16, 2), (32, 2), (32, 3) and (48, 2..3)
-    # fit 0.5; timed, replay 16 alone is over, so no longer replay is timed, nor replay 16 with a run
-    assert timed == [(0, None), (0, 2), (0, 3), (16, None)]
-    assert probes.measured == [0, 0]  # the plan alone and the run from 3: the two that fit, measured
-    assert [o["run"] for o in info["options"] if "kl" in o] == [None, 3]
-    # neither reaches top-1 0.99 and they tie on it: the cheaper, the plan alone
-    assert (replay, chosen.run_layer) == (0, None) and info["rebuild"] == 0.2 and info["rebuild_within"]
+                                                 (0, 16, 32, 48), cost, log=lambda _: None, heads=(0, 8))
+    # counted (replay R, head S: (R + S) / 100; a run from L: (4 - L) / 4), 12 options fit 0.5: each
+    # measured on its replay's probe
+    assert probes.measured == [0] * 5 + [16] * 4 + [32] * 2 + [48]
+    # timed by count: the plan alone; head 8 alone is no better on the probe (not timed); replay 16
+    # is over, so nothing as long in every way is timed; the run from 3 is better and within; head
+    # 8 with it no better than it; the run from 2 better still, and over
+    assert timed == [(0, 0, None), (16, 0, None), (0, 0, 3), (0, 0, 2)]
+    assert {(o["replay"], o["head"], o["run"]) for o in info["options"] if "cost" not in o} == {
+        (0, 8, None), (0, 8, 3), (16, 8, None), (16, 8, 3), (16, 0, 3), (32, 0, None), (32, 8, None), (48, 0, None)}
+    assert all("kl" in o for o in info["options"]) and len(info["options"]) == 12
+    # none reaches top-1 0.99: of those within, the run from 3 gains more than MIN_TOP1_GAIN over the plan alone
+    assert (replay, info["head"], chosen.run_layer) == (0, 0, 3) and info["rebuild"] == 0.45
+    assert info["rebuild_within"]
     # nothing within: the plan alone all the same, said to be over
     probes = FakeProbes()
     chosen, replay, info = choose_run_and_replay(search, plan, probes, {2: 8, 3: 8}, None, 0.05, 0.99, 0.1,
