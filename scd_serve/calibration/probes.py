@@ -145,14 +145,13 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
     """The consumer's own share of the rebuild, chosen jointly: `plan` or a run from a layer of
     `run_ranks` (plan.py, on a residual code of that rank), each with each replay and each head.
     An option whose counted share of a prefill ((N - L) / N for the run, R / T and S / T of the
-    probe's prompts for the replay and the head) fits max_rebuild is timed, `cost(plan, replay,
-    head)` -> its rebuild over the consumer's prefill (None: the count stands for it), and
-    measured on the probe at that replay when that fits too; one whose replay, head and run are
-    all as long as those of one timed over is not timed. `plan` alone is always measured: where
-    nothing fits, it is the cheapest. closest (search.py: the plan nearest a top-1 floor the
+    probe's prompts for the replay and the head) fits max_rebuild is measured on the probe at that
+    replay, then timed (`_weigh`), `cost(plan, replay, head)` -> its rebuild over the consumer's
+    prefill (None: the count stands for it). `plan` alone is always weighed: where nothing fits,
+    it is the cheapest. closest (search.py: the plan nearest a top-1 floor the
     search found out of reach): weighed the same way only when no option of `plan` meets both
     targets, and chosen only by `pick` over all.
-    -> (plan, replay, {"options": every one timed, "head": its head, ...}) by `pick` among those that fit."""
+    -> (plan, replay, {"options": every one weighed, "head": its head, ...}) by `pick` among those timed within."""
     timed: list[dict] = []
     weigh = dict(run_ranks=run_ranks, max_width=max_width, max_rebuild=max_rebuild, replays=replays, heads=heads,
                  cost=cost, log=log, timed=timed)
