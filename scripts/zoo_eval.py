@@ -10,7 +10,8 @@ Per pair (ZOO_DIR/PAIR: producer/, consumer/, eval/calibration.jsonl, eval/heldo
 (each skipped when its output is already there: delete it to redo). The table goes to
 ZOO_DIR/results.md and to stdout. Held-out texts come from other documents than calibration's
 (make-pair-zoo deals documents to splits), so the manifest's figure is checked against texts it
-never saw. Plan: a letter per layer (o own, r reuse, P patch, R run).
+never saw. Plan: a letter per layer (o own, r reuse, P patch, R run), then the prompt's first and
+last tokens the consumer computes itself (head, replay).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def evaluate(pair: Path, limit: int | None) -> dict:
     manifest = json.loads((book / "manifest.json").read_text())
     info = json.loads((pair / "pair.json").read_text())
     plan = " ".join({"own": "o", "reuse": "r", "patch": "P", "run": "R"}[lp["mode"]] for lp in manifest["plans"]["scd"])
+    plan += f"; head {manifest.get('head_tokens', 0)}, replay {manifest.get('replay_tokens', 0)}"
     return {"pair": pair.name, "axes": info["axes"], "held_back": info["held_back"], "rows": rows,
             "manifest_kl": manifest["calibration"]["methods"]["scd"]["kl"], "plan": plan}
 
