@@ -52,7 +52,7 @@ class PrefillOutput:
 
 
 class PrefillIterator:
-    """Yields (layer, LayerState) as each layer finishes. Once exhausted, `.logits` holds the
+    """Yields (layer, LayerState) as each layer's K/V are known. Once exhausted, `.logits` holds the
     [T, vocab] float32 logits (also the StopIteration value); None if compute_logits=False."""
 
     def __init__(self, gen: Iterator):
@@ -149,6 +149,9 @@ class ModelRuntime:
             lw = self.weights.layers[layer]
             x = norm(h, lw.ln1, spec.rms_norm_eps)  # [T, hidden]
             k_pre, v = project_kv(lw, spec, x)
+            # handed over before the layer's attention and MLP: a caller that needs only K/V
+            # stops after the last layer's, and those two are never computed
+            yield layer, LayerState(keys=k_pre, values=v, attn_input=x, residual=h if residuals else None)
             q = rope.apply(project_q(lw, spec, x), cos, sin)
             k = rope.apply(k_pre, cos, sin)
             if prefill is not None:  # the prompt's K/V as one block of a pool
@@ -157,9 +160,7 @@ class ModelRuntime:
                 attn = paged.attend_blocks(q, pos, [(k, v, 0)], spec.window(layer))[None]
             else:
                 attn = attend(q[None], k[None], v[None], masks[spec.window(layer)])
-            state = LayerState(keys=k_pre, values=v, attn_input=x, residual=h if residuals else None)
             h = finish_layer(lw, spec, h, attn[0], fused)
-            yield layer, state
         return self.logits_of(h) if compute_logits else None
 
     def run_from(self, layer: int, residual: Tensor, grad: bool = False) -> PrefillIterator:
