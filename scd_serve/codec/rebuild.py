@@ -90,14 +90,9 @@ class HeadRebuild(Rebuild):
         """Per layer (k_pre, v) of rows start..head-1: [head - start, kv_heads, head_dim] each."""
         if self._kv is None:
             ids = torch.as_tensor(self.tokens[:self.head], dtype=torch.long)  # ids: [head]
-            layers, kv = self.consumer.iter_prefill(ids, compute_logits=False), []
-            with torch.no_grad():
-                for layer, s in layers:
-                    kv.append((s.keys[self.start:], s.values[self.start:]))
-                    if layer == self.consumer.spec.num_layers - 1:
-                        break  # the last layer's attention and MLP would feed nothing
-            layers.close()
-            self._kv = kv
+            with torch.no_grad():  # K/V alone: the last layer's attention and MLP are not run
+                self._kv = [(s.keys[self.start:], s.values[self.start:])
+                            for _, s in self.consumer.iter_prefill(ids, compute_logits=False)]
         return self._kv
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -152,6 +152,8 @@ class ModelRuntime:
             # handed over before the layer's attention and MLP: a caller that needs only K/V
             # stops after the last layer's, and those two are never computed
             yield layer, LayerState(keys=k_pre, values=v, attn_input=x, residual=h if residuals else None)
+            if layer == spec.num_layers - 1 and not compute_logits:
+                return None  # the last layer's attention and MLP would feed only the logits
             q = rope.apply(project_q(lw, spec, x), cos, sin)
             k = rope.apply(k_pre, cos, sin)
             if prefill is not None:  # the prompt's K/V as one block of a pool

@@ -86,6 +86,11 @@ class Step:
         if self.fused is not None and cpu_kernel.prefill_ops(rt.device, rt.dtype) is not None:
             self.prefill_tables = [torch.tensor(b) if n > 1 else None for b, n in zip(self.blocks, self.lengths)]
         self.one_token_rows = self._one_token_plan(pool, kernel is not None)
+        self.wanted, self.spans = self._wanted_rows()
+        # the last layer's attention and MLP only for the rows whose logits are wanted (a prompt
+        # chunk's last, none of a chunk whose logits are not asked for): the others feed nothing
+        # once their K/V are written, and at 24 layers they are 1/24 of a prefill
+        self.kept = None if len(self.wanted) == len(tokens) else torch.tensor(self.wanted, device=dev, dtype=torch.long)
         self.layer = 0  # the next layer to run
 
     def _one_token_plan(self, pool: KVPool, kernel: bool) -> tuple[Tensor | None, Tensor, Tensor] | None:
@@ -145,8 +150,12 @@ class Step:
         else:
             self.pool.write(layer, self.slots, rope.apply(k_pre, self.cos, self.sin), v)
             q = rope.apply(project_q(lw, spec, x), self.cos, self.sin)  # [N, heads, hd]
-        out = self._attend(k_layer, v_layer, q, spec.window(layer))
-        self.h = finish_layer(lw, spec, self.h, out, fused)
+        if self.kept is not None and layer == spec.num_layers - 1:  # self.h: the wanted rows [R, hidden]
+            h = self.h[self.kept]
+            self.h = h if not self.wanted else finish_layer(
+                lw, spec, h, self._attend_wanted(k_layer, v_layer, q[self.kept], spec.window(layer)), fused)
+        else:
+            self.h = finish_layer(lw, spec, self.h, self._attend(k_layer, v_layer, q, spec.window(layer)), fused)
         self.layer += 1
         return h_in, x, k_pre, v
 
@@ -171,6 +180,36 @@ class Step:
             at += n
         return out
 
+    def _attend_wanted(self, k_layer: Tensor, v_layer: Tensor, q: Tensor, window: int | None) -> Tensor:
+        """_attend for the wanted rows only, q: theirs [R, heads, hd] -> [R, heads*hd]: an item
+        wanting all its rows as _attend runs it, a chunk's last row as a one-row chunk at its position."""
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        ones = [i for i, n in enumerate(self.lengths) if n == 1]
+        batched = self.one_token_rows is not None and all(self.spans[i][1] for i in ones)
+        if batched:
+            _, table, lengths = self.one_token_rows
+            rows = torch.tensor([self.spans[i][0] for i in ones], device=q.device)
+            out[rows] = self.attend_one_token(k_layer, v_layer, table, lengths, q[rows], window)
+        for i, ((at, n), runs, cached, length) in enumerate(zip(self.spans, self.runs, self.cached, self.lengths)):
+            if not n or (batched and length == 1):
+                continue
+            first = cached + length - n  # the position of the item's first wanted row
+            if self.prefill_tables is not None and self.prefill_tables[i] is not None:
+                out[at:at + n] = cpu_kernel.prefill(q[at:at + n], k_layer, v_layer, self.prefill_tables[i], first, window)
+            else:
+                out[at:at + n] = attend_paged(k_layer, v_layer, runs, cached + length, q[at:at + n], first, window)
+        return out
+
+    def _wanted_rows(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """(the rows whose logits are wanted, in order; per item (its first among them, how many))."""
+        rows, spans, at = [], [], 0
+        for n, want in zip(self.lengths, self.wants):
+            pick = {"all": range(at, at + n), "last": range(at + n - 1, at + n), "none": range(0)}[want]
+            spans.append((len(rows), len(pick)))
+            rows.extend(pick)
+            at += n
+        return rows, spans
+
     @torch.no_grad()
     def logits(self) -> list[Tensor | None]:
         """Per item, by its want: "all" [n, vocab], "last" [1, vocab] (float32), "none" None. The
@@ -178,16 +217,11 @@ class Step:
         as several layers)."""
         while not self.done:
             self.run_layer()
-        rows, spans, at = [], [], 0
-        for n, want in zip(self.lengths, self.wants):
-            pick = {"all": range(at, at + n), "last": range(at + n - 1, at + n), "none": range(0)}[want]
-            spans.append((len(rows), len(pick)))
-            rows.extend(pick)
-            at += n
-        if not rows:
+        if not self.wanted:
             return [None] * len(self.wants)
-        out = self.rt.logits_of(self.h[torch.tensor(rows, device=self.h.device)])  # [R, vocab]
-        return [None if want == "none" else out[start:start + n] for (start, n), want in zip(spans, self.wants)]
+        h = self.h if self.kept is not None else self.h[torch.tensor(self.wanted, device=self.h.device)]
+        out = self.rt.logits_of(h)  # [R, vocab]
+        return [None if want == "none" else out[start:start + n] for (start, n), want in zip(self.spans, self.wants)]
 
 
 class DecodeStep(Step):

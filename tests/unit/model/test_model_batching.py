@@ -133,3 +133,29 @@ def test_mixed_step_equals_extend_then_decode_step(model, request, attention_pat
     for a, b in zip(mix_chunks, sep_chunks):
         assert a.shape == b.shape and (a - b).abs().max() <= cross_path_tol(b)
     assert (pools[1].k - pools[0].k).abs().max() <= cross_path_tol(pools[0].k)
+
+
+@pytest.mark.parametrize("model", ["llama", "rt"])
+def test_the_last_layer_runs_only_the_rows_whose_logits_are_wanted(model, request, attention_path):
+    """A chunk asking for its last logits (or none) runs the last layer's attention and MLP for
+    that row only (model/step.py): the same logits as the last of all its rows', the same K/V
+    written, and beside a decode token in one step too."""
+    m = request.getfixturevalue(model)
+    gen = torch.Generator().manual_seed(8)
+    prompt, other = torch.randint(0, 256, (21,), generator=gen), torch.randint(0, 256, (7,), generator=gen)
+    pools = [m.new_kv_pool(16, 4) for _ in range(3)]
+    blocks, other_blocks = [0, 1, 2, 3, 4, 5], [6, 7, 8]
+    for pool in pools:  # the first 3 tokens cached the same way in each pool
+        m.extend(pool, [(blocks, 0, prompt[:3])], logits="none")
+    every = m.extend(pools[0], [(blocks, 3, prompt[3:]), (other_blocks, 0, other)], logits="all")
+    last = m.extend(pools[1], [(blocks, 3, prompt[3:]), (other_blocks, 0, other)], logits=["last", "none"])
+    assert last[1] is None and (last[0] - every[0][-1:]).abs().max() <= cross_path_tol(every[0])
+    m.extend(pools[2], [(blocks, 3, prompt[3:]), (other_blocks, 0, other)], logits="none")
+    for pool in pools[1:]:
+        assert torch.equal(pool.k, pools[0].k) and torch.equal(pool.v, pools[0].v)
+    # with a decode token in the step: its logits as in a decode step of its own
+    chunk_logits, decode_logits = m.mixed_step(pools[1], [(other_blocks, 7, prompt[:5])], ["last"],
+                                               [(blocks, 21, int(other[0]))])
+    alone = m.decode_step(pools[2], [(blocks, 21, int(other[0]))])
+    assert (decode_logits - alone).abs().max() <= cross_path_tol(alone)
+    assert chunk_logits[0].shape == (1, m.spec.vocab_size)
