@@ -75,7 +75,7 @@ class CalibrateConfig:
     replay: tuple[int, ...] = (0, 16, 32, 64)
     # Heads tried with them (codec/rebuild.py): the prompt's first tokens the consumer computes
     # itself, which every later row attends to (0 alone: never).
-    head: tuple[int, ...] = (0, 16, 64)
+    head: tuple[int, ...] = (0, 16, 32, 64)
     distill_lr: float = 1e-4
     distill_batch: int = 16
     seed: int = 0
