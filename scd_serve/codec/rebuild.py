@@ -105,10 +105,11 @@ class HeadRebuild(Rebuild):
 def begin(codec: Any, tokens: Any, consumer: Any, start: int = 0) -> Rebuild:
     """The prompt's Rebuild of rows start..: the codec's own where it keeps per-prompt state, else
     the plain one, under the consumer's own head rows where the codec has a head past `start`."""
-    first = codes_from(codec, start, 0 if tokens is None else len(tokens))
+    num_tokens = 0 if tokens is None else len(tokens)
+    first = codes_from(codec, start, num_tokens)
     make = getattr(codec, "begin", None)
     inner = make(tokens, consumer, first) if make is not None else Rebuild(codec, tokens, consumer, first)
-    head = head_rows(codec, 0 if tokens is None else len(tokens))
+    head = head_rows(codec, num_tokens)
     return HeadRebuild(inner, consumer, start, head) if head > start else inner
 
 
