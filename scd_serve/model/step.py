@@ -85,6 +85,9 @@ class Step:
         self.prefill_tables = None
         if self.fused is not None and cpu_kernel.prefill_ops(rt.device, rt.dtype) is not None:
             self.prefill_tables = [torch.tensor(b) if n > 1 else None for b, n in zip(self.blocks, self.lengths)]
+        starts = [0, *accumulate(self.lengths)][:-1]  # item i's rows start at starts[i]
+        self.all_spans = list(zip(starts, self.lengths))  # per item (its first row, how many)
+        self.one_token_items = [i for i, n in enumerate(self.lengths) if n == 1]
         self.one_token_rows = self._one_token_plan(pool, kernel is not None)
         self.wanted, self.spans = self._wanted_rows()
         # the last layer's attention and MLP only for the rows whose logits are wanted (a prompt
@@ -98,7 +101,7 @@ class Step:
         the items with one token, whose attention runs as one call; None: every item attends
         alone, in place. Without the kernel, only for two or more such items whose gathered table
         of one layer is at most GATHER_BYTES (paged.py)."""
-        ones = [i for i, n in enumerate(self.lengths) if n == 1]
+        ones = self.one_token_items
         if not ones:
             return None
         if not kernel:
@@ -107,8 +110,7 @@ class Step:
                 return None
         rows = None
         if len(ones) < len(self.lengths):
-            first_rows = [0, *accumulate(self.lengths)]  # item i's rows start at first_rows[i]
-            rows = torch.tensor([first_rows[i] for i in ones], device=self.rt.device)
+            rows = torch.tensor([self.all_spans[i][0] for i in ones], device=self.rt.device)
         return (rows, *self._one_token_table(ones))
 
     def _one_token_table(self, items: Sequence[int]) -> tuple[Tensor, Tensor]:
@@ -153,47 +155,35 @@ class Step:
         if self.kept is not None and layer == spec.num_layers - 1:  # self.h: the wanted rows [R, hidden]
             h = self.h[self.kept]
             self.h = h if not self.wanted else finish_layer(
-                lw, spec, h, self._attend_wanted(k_layer, v_layer, q[self.kept], spec.window(layer)), fused)
+                lw, spec, h, self._attend(k_layer, v_layer, q[self.kept], spec.window(layer), self.spans), fused)
         else:
             self.h = finish_layer(lw, spec, self.h, self._attend(k_layer, v_layer, q, spec.window(layer)), fused)
         self.layer += 1
         return h_in, x, k_pre, v
 
-    def _attend(self, k_layer: Tensor, v_layer: Tensor, q: Tensor, window: int | None) -> Tensor:
-        # q: [N, heads, hd] -> [N, heads*hd]; the one-token items in one call where planned, the
-        # others (prefill chunks) each over its own stretches of the pool
-        if self.one_token_rows is not None:
+    def _attend(self, k_layer: Tensor, v_layer: Tensor, q: Tensor, window: int | None,
+                spans: list[tuple[int, int]] | None = None) -> Tensor:
+        # q: [R, heads, hd] -> [R, heads*hd]: per item its last n rows, at q's rows at..at+n-1
+        # (spans: (at, n) per item; None: every row of every item). The one-token items in one call
+        # where planned (and all attend), the others (prefill chunks, a chunk's last row as a
+        # one-row chunk at its position) each over its own stretches of the pool
+        spans = self.all_spans if spans is None else spans
+        batched = self.one_token_rows is not None and (
+            spans is self.all_spans or all(spans[i][1] for i in self.one_token_items))
+        if batched:
             rows, table, lengths = self.one_token_rows
+            if spans is not self.all_spans:
+                rows = torch.tensor([spans[i][0] for i in self.one_token_items], device=q.device)
             one_token = self.attend_one_token(k_layer, v_layer, table, lengths, q if rows is None else q[rows], window)
             if rows is None:  # a decode-only step
                 return one_token
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        if self.one_token_rows is not None:
-            out[rows] = one_token
-        at = 0
-        for i, (runs, cached, n) in enumerate(zip(self.runs, self.cached, self.lengths)):
-            if n > 1 or self.one_token_rows is None:
-                if self.prefill_tables is not None and self.prefill_tables[i] is not None:
-                    out[at:at + n] = cpu_kernel.prefill(q[at:at + n], k_layer, v_layer, self.prefill_tables[i], cached, window)
-                else:
-                    out[at:at + n] = attend_paged(k_layer, v_layer, runs, cached + n, q[at:at + n], cached, window)
-            at += n
-        return out
-
-    def _attend_wanted(self, k_layer: Tensor, v_layer: Tensor, q: Tensor, window: int | None) -> Tensor:
-        """_attend for the wanted rows only, q: theirs [R, heads, hd] -> [R, heads*hd]: an item
-        wanting all its rows as _attend runs it, a chunk's last row as a one-row chunk at its position."""
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        ones = [i for i, n in enumerate(self.lengths) if n == 1]
-        batched = self.one_token_rows is not None and all(self.spans[i][1] for i in ones)
         if batched:
-            _, table, lengths = self.one_token_rows
-            rows = torch.tensor([self.spans[i][0] for i in ones], device=q.device)
-            out[rows] = self.attend_one_token(k_layer, v_layer, table, lengths, q[rows], window)
-        for i, ((at, n), runs, cached, length) in enumerate(zip(self.spans, self.runs, self.cached, self.lengths)):
+            out[rows] = one_token
+        for i, ((at, n), runs, cached, length) in enumerate(zip(spans, self.runs, self.cached, self.lengths)):
             if not n or (batched and length == 1):
                 continue
-            first = cached + length - n  # the position of the item's first wanted row
+            first = cached + length - n  # the position of the item's first row attending here
             if self.prefill_tables is not None and self.prefill_tables[i] is not None:
                 out[at:at + n] = cpu_kernel.prefill(q[at:at + n], k_layer, v_layer, self.prefill_tables[i], first, window)
             else:
@@ -219,7 +209,9 @@ class Step:
             self.run_layer()
         if not self.wanted:
             return [None] * len(self.wants)
-        h = self.h if self.kept is not None else self.h[torch.tensor(self.wanted, device=self.h.device)]
+        # self.h holds the wanted rows alone when the last layer ran for them, or when they are all
+        # (a step resumed past its last layer holds every row)
+        h = self.h if self.h.shape[0] == len(self.wanted) else self.h[torch.tensor(self.wanted, device=self.h.device)]
         out = self.rt.logits_of(h)  # [R, vocab]
         return [None if want == "none" else out[start:start + n] for (start, n), want in zip(self.spans, self.wants)]
 

@@ -159,3 +159,9 @@ def test_the_last_layer_runs_only_the_rows_whose_logits_are_wanted(model, reques
     alone = m.decode_step(pools[2], [(blocks, 21, int(other[0]))])
     assert (decode_logits - alone).abs().max() <= cross_path_tol(alone)
     assert chunk_logits[0].shape == (1, m.spec.vocab_size)
+    # a step resumed past its last layer holds every row: its last row's logits all the same
+    every_row = m.begin_extend(pools[0], [(blocks, 3, prompt[3:])], "all")
+    every_logits = every_row.logits()[0]
+    resumed = m.begin_extend(pools[0], [(blocks, 3, prompt[3:])], "last")
+    resumed.resume(m.spec.num_layers, every_row.h)
+    assert (resumed.logits()[0] - every_logits[-1:]).abs().max() <= cross_path_tol(every_logits)
