@@ -152,9 +152,9 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
     search found out of reach): weighed the same way only when no option of `plan` meets both
     targets, and chosen only by `pick` over all.
     -> (plan, replay, {"options": every one weighed, "head": its head, ...}) by `pick` among those timed within."""
-    timed: list[dict] = []
+    weighed: list[dict] = []
     weigh = dict(run_ranks=run_ranks, max_width=max_width, max_rebuild=max_rebuild, replays=replays, heads=heads,
-                 cost=cost, log=log, timed=timed)
+                 cost=cost, log=log, weighed=weighed)
     within = _weigh(search, plan, probes, **weigh)
     chosen, meets = pick(within, kl_budget, min_top1)
     if not meets and closest is not None:
@@ -162,7 +162,7 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
         within += _weigh(search, closest, probes, **weigh, closest=True)
         chosen, meets = pick(within, kl_budget, min_top1)
     return chosen["plan"], chosen["replay"], {
-        "options": timed, "meets": meets, "tokens": chosen["replay"], "head": chosen["head"], "run": chosen["run"],
+        "options": weighed, "meets": meets, "tokens": chosen["replay"], "head": chosen["head"], "run": chosen["run"],
         "kl": chosen["kl"],
         "top1": chosen["top1"], "rebuild": chosen["cost"], "rebuild_within": chosen["cost"] <= max_rebuild,
         "closest": bool(chosen.get("closest"))}
@@ -170,9 +170,9 @@ def choose_run_and_replay(search: Any, plan: Plan, probes: ReplayProbes, run_ran
 
 def _weigh(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, int], max_width: int | None,
            max_rebuild: float, replays: tuple[int, ...], heads: tuple[int, ...],
-           cost: Callable[[Plan, int, int], float] | None, log: Callable[[str], None], timed: list[dict],
+           cost: Callable[[Plan, int, int], float] | None, log: Callable[[str], None], weighed: list[dict],
            closest: bool = False) -> list[dict]:
-    """choose_run_and_replay's options of one plan, each appended to `timed`. Every option whose
+    """choose_run_and_replay's options of one plan, each appended to `weighed`. Every option whose
     count fits max_rebuild is measured on the probe (cheap: the scored tail alone runs), then timed
     in the order of its count (most of what weighing costs, ~25 s an option at the 0.5B shape),
     except one as long in every way as one timed over, or no better on the probe (KL and top-1)
@@ -198,7 +198,7 @@ def _weigh(search: Any, plan: Plan, probes: ReplayProbes, run_ranks: dict[int, i
                                | ({"closest": True} if closest else {}) | {"plan": candidate, "ran": ran})
     within, over = [], []  # over: (replay, head, run's share) of options timed over max_rebuild
     for o in sorted(options, key=lambda o: o["counted"]):  # the plan alone first
-        timed.append(record := {k: v for k, v in o.items() if k not in ("plan", "ran")})
+        weighed.append(record := {k: v for k, v in o.items() if k not in ("plan", "ran")})
         name = f"replay {o['replay']}, head {o['head']}, run from {o['run']}{tag}: probe KL {o['kl']:.4f}, " \
                f"top-1 {o['top1']:.3f}"
         base = o is options[0]

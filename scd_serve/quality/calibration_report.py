@@ -27,16 +27,16 @@ def print_report(result: Any, cfg: CalibrateConfig, out: Path) -> None:
     print(f"rebuild: {r['rebuild']:.2f} of the consumer's own prefill, {cfg.rebuild_cost} on the probe prompts ("
           f"{'within' if r['rebuild_within'] else 'OVER, the cheapest plan there is:'} --max-rebuild "
           f"{cfg.max_rebuild}); the consumer computes {computed} of its {chosen_layers} layers' K/V itself from "
-          f"codes (patches and a run), the first {r.get('head', 0)} and the last {r['tokens']} prompt tokens in full; "
+          f"codes (patches and a run), the first {r['head']} and the last {r['tokens']} prompt tokens in full; "
           f"{sum(not lp.streams for lp in chosen.layers)} layers ship nothing", flush=True)
     print(f"codebook: {out} (search on the probe: {'within' if stats['feasible'] else 'OVER'} the budget, KL "
           f"{cfg.kl_budget} and top-1 {cfg.min_top1}); patch layers {list(chosen.patch_layers)}; run from {chosen.run_layer}; droidspeak layers {book.droidspeak_layers}; "
           f"{stats['seconds']} s")
-    tried = "; ".join(f"replay {o['replay']} head {o.get('head', 0)} run {o['run']}"
+    tried = "; ".join(f"replay {o['replay']} head {o['head']} run {o['run']}"
                       f"{' (closest plan)' if o.get('closest') else ''}: KL {o['kl']:.4f} top-1 {o['top1']:.3f} "
                       + ("not timed" if "cost" not in o else f"rebuild {o['cost']:.2f}"
                          + (", over" if o["cost"] > cfg.max_rebuild else "")) for o in r["options"])
-    print(f"head and replay: the consumer computes the prompt's first {r.get('head', 0)} and last {r['tokens']} "
+    print(f"head and replay: the consumer computes the prompt's first {r['head']} and last {r['tokens']} "
           f"tokens itself ({tried}; on the probe, before distillation)")
     if stats["run"].get("kl"):
         measured = ", ".join(f"{layer}: {kl:.4f}" for layer, kl in stats["run"]["kl"].items())
