@@ -43,7 +43,7 @@ log = logging.getLogger("scd_serve.model")
 ENV = "SCD_CPU_KERNELS"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp"))
-HEADERS = (CSRC / "support.h",)  # included by the sources: part of the build's name too
+HEADERS = (CSRC / "support.h", CSRC / "vec.h")  # included by the sources: part of the build's name too
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: the softmax's exp vectorized
 
 _lock = threading.Lock()

@@ -10,11 +10,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "support.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -78,6 +79,84 @@ void values_avx512(const float* w, int64_t group, int64_t hdp, const T* v, const
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 values widened to float32 lanes
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// lane j: the sum of a[j]'s lanes (8 sums in one tree of additions, not one reduction each)
+inline __m256 sum_lanes8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // each 128-bit half holds the sums of lanes 0-3 (low) or 4-7 (high) of a[0..3] / a[4..7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// scores [group, n] of one task, eight keys at a time: per query head, one accumulator a key
+// over the head's dims, the eight summed together (bfloat16 keys widened once into kbuf [8, hd])
+template <typename T>
+void scores_avx2(const float* qf, int64_t hdp, int64_t hd, int64_t group, const T* k, const int64_t* rows,
+                 int64_t n, float* scores, float* kbuf) {
+  const int64_t chunks = hd / 8;
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i0);
+    const float* key[8];
+    for (int j = 0; j < 8; ++j) {  // a short last group repeats its last key
+      const T* src = k + rows[i0 + std::min<int64_t>(j, m - 1)];
+      if constexpr (std::is_same_v<T, float>) {
+        key[j] = src;
+      } else {
+        for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(kbuf + j * hd + 8 * c, load8(src + 8 * c));
+        key[j] = kbuf + j * hd;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * hdp;
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(key[j] + 8 * c), acc[j]);
+      }
+      float sums[8];
+      _mm256_storeu_ps(sums, sum_lanes8(acc));
+      std::copy(sums, sums + m, scores + g * n + i0);
+    }
+  }
+}
+
+// acc [group, hdp] = probabilities [group, n] x values: two query heads and four chunks of 8 at a
+// time, eight independent accumulators over the keys
+template <typename T>
+void values_avx2(const float* w, int64_t group, int64_t hd, int64_t hdp, const T* v, const int64_t* rows, int64_t n,
+                 float* acc) {
+  const int64_t chunks = hd / 8;
+  for (int64_t g = 0; g < group; g += 2) {
+    const bool pair = g + 1 < group;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+      const int64_t cn = std::min<int64_t>(4, chunks - c0);
+      __m256 a0[4], a1[4];
+      for (int c = 0; c < 4; ++c) a0[c] = a1[c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        const T* val = v + rows[i] + 8 * c0;
+        const __m256 w0 = _mm256_set1_ps(w[g * n + i]);
+        const __m256 w1 = _mm256_set1_ps(pair ? w[(g + 1) * n + i] : 0.f);
+        for (int c = 0; c < cn; ++c) {
+          const __m256 x = load8(val + 8 * c);
+          a0[c] = _mm256_fmadd_ps(w0, x, a0[c]);
+          a1[c] = _mm256_fmadd_ps(w1, x, a1[c]);
+        }
+      }
+      for (int c = 0; c < cn; ++c) {
+        _mm256_storeu_ps(acc + g * hdp + 8 * (c0 + c), a0[c]);
+        if (pair) _mm256_storeu_ps(acc + (g + 1) * hdp + 8 * (c0 + c), a1[c]);
+      }
+    }
+  }
+}
 #endif
 
 template <typename T>
@@ -92,7 +171,7 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
   int64_t longest = 1;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, window > 0 ? std::min(lengths[b], window) : lengths[b]);
   at::parallel_for(0, batch * kv_heads, parallel_grain(longest * group * hd), [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * hdp, 0.f), acc(group * hdp), kf(hdp, 0.f), vt(TILE * hdp, 0.f), scores;
+    std::vector<float> qf(group * hdp, 0.f), acc(group * hdp), kf(8 * hdp, 0.f), vt(TILE * hdp, 0.f), scores;
     std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, kvh = task % kv_heads;
@@ -112,6 +191,9 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
 #if defined(__AVX512F__)
       const bool vector = hd % 16 == 0 && hd <= 256;
       if (vector) scores_avx512(qf.data(), hdp, group, k, rows.data(), n, scores.data());
+#elif defined(__AVX2__) && defined(__FMA__)
+      const bool vector = hd % 8 == 0;
+      if (vector) scores_avx2(qf.data(), hdp, hd, group, k, rows.data(), n, scores.data(), kf.data());
 #else
       const bool vector = false;
 #endif
@@ -153,6 +235,8 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512F__)
       if (vector) values_avx512(scores.data(), group, hdp, v, rows.data(), n, acc.data());
+#elif defined(__AVX2__) && defined(__FMA__)
+      if (vector) values_avx2(scores.data(), group, hd, hdp, v, rows.data(), n, acc.data());
 #endif
       for (int64_t i0 = 0; i0 < n && !vector; i0 += TILE) {
         const int64_t tile = std::min<int64_t>(TILE, n - i0);

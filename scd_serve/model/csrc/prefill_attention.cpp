@@ -1,7 +1,7 @@
 // Causal attention of a prompt chunk's queries over its sequence's paged K/V, read in place:
 // the CPU's prefill attention (model/cpu_kernel.py builds it; model/paged.py's attend_paged is
 // the reference). One task per (kv head, tile of queries); its rows (every query head of the
-// group times the tile's queries) lie across vector lanes, 16 rows a vector: the queries are
+// group times the tile's queries) lie across vector lanes, L rows a vector (vec.h): the queries are
 // transposed once per task, and each key's elements are broadcast from the pool as they are,
 // so nothing is packed per key and no sum runs across lanes. The keys are walked a tile of KT
 // at a time with a running max and sum per row (flash attention's online softmax): no score
@@ -18,78 +18,14 @@
 #include <vector>
 
 #include "support.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
 // keys per tile, a multiple of 4 (the score loops write four keys at a time); 128, not 32: each
 // tile's rescaling of the running output spreads over more keys (4k tokens: 0.93x the time)
 constexpr int64_t KT = 128;
-constexpr int L = 16;       // rows a vector (float32 lanes)
-constexpr int RB = 4;       // row vectors a block (64 rows): the broadcast keys shared by them
 constexpr float MASKED = -1e30f;
-
-#if defined(__AVX512F__)
-// x in a register the compiler may not fold back into its uses as memory operands: a vector read by
-// several multiply-adds is loaded once, not once a use (where a CPU loads 64 bytes a cycle the
-// reloads set the pace: 1.4x the time in float32, 1.25x in bfloat16, at the 0.5B shape)
-template <typename R>
-R pinned_register(R x) {
-  asm("" : "+v"(x));
-  return x;
-}
-#endif
-
-// 16 float32 lanes: AVX-512 registers where the CPU has them, else arrays the compiler vectorizes
-#if defined(__AVX512F__)
-struct Vec {
-  __m512 x;
-  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static Vec all(float v) { return {_mm512_set1_ps(v)}; }
-  void store(float* p) const { _mm512_storeu_ps(p, x); }
-  Vec fma(Vec a, Vec b) const { return {_mm512_fmadd_ps(a.x, b.x, x)}; }  // this + a * b
-  Vec operator*(Vec b) const { return {_mm512_mul_ps(x, b.x)}; }
-  Vec operator+(Vec b) const { return {_mm512_add_ps(x, b.x)}; }
-  Vec operator-(Vec b) const { return {_mm512_sub_ps(x, b.x)}; }
-  Vec max(Vec b) const { return {_mm512_max_ps(x, b.x)}; }
-  Vec keep(uint16_t m, float other) const { return {_mm512_mask_mov_ps(_mm512_set1_ps(other), m, x)}; }
-  Vec pinned() const { return {pinned_register(x)}; }
-  // exp of x <= 0: 2^(x log2 e), a degree-6 polynomial of the fraction scaled by 2^n (rel.
-  // error ~2e-7), 0 below -87
-  Vec exp() const {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504089f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return {_mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n))};
-  }
-};
-#else
-struct Vec {
-  float x[L];
-  static Vec load(const float* p) { Vec v; std::memcpy(v.x, p, sizeof v.x); return v; }
-  static Vec all(float s) { Vec v; for (int l = 0; l < L; ++l) v.x[l] = s; return v; }
-  void store(float* p) const { std::memcpy(p, x, sizeof x); }
-  Vec fma(Vec a, Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] + a.x[l] * b.x[l]; return v; }
-  Vec operator*(Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] * b.x[l]; return v; }
-  Vec operator+(Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] + b.x[l]; return v; }
-  Vec operator-(Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] - b.x[l]; return v; }
-  Vec max(Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = std::max(x[l], b.x[l]); return v; }
-  Vec keep(uint16_t m, float other) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = (m >> l) & 1 ? x[l] : other; return v; }
-  Vec exp() const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] < -87.f ? 0.f : std::exp(x[l]); return v; }
-  Vec pinned() const { return *this; }
-};
-#endif
 
 // What one call attends: q [T, heads, hd]; k, v [num_blocks, block_size, kv_heads, hd]; query i
 // is at position first + i and sees keys max(0, p - window + 1)..p (window <= 0: from 0)
