@@ -48,6 +48,7 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: the so
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
+_other_builds: dict[str, ModuleType] = {}  # -march -> the kernels built for it (load_for)
 _thread: threading.Thread | None = None
 _in_use = False  # whether this process's steps take the kernels: a serving role's start turns it on
 
@@ -127,23 +128,37 @@ def load() -> ModuleType:
             reason = unavailable_reason()
             if reason:
                 raise RuntimeError(f"CPU kernels unavailable: {reason}")
-            built = _built()
-            if built.exists():  # imported as it is: cpp_extension would write a lock file (a read-only image)
-                spec = importlib.util.spec_from_file_location(built.stem, built)
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                _module = module
-            else:
-                built.parent.mkdir(parents=True, exist_ok=True)
-                _module = compile_sources(built.stem, CSRC, built.parent)
+            _module = _load_or_build(_built())
         return _module
 
 
-def compile_sources(name: str, source_dir: Path, build_dir: Path) -> ModuleType:
-    """Build the kernels' sources (SOURCES' names) found in source_dir, as module `name`."""
+def load_for(march: str) -> ModuleType:
+    """The kernels built for another instruction set than this CPU's (`-march`, one below it:
+    the tests run the vector paths of other CPUs here), cached beside this CPU's build."""
+    with _lock:
+        if march not in _other_builds:
+            name = f"{build_name()}_{march.replace('-', '_')}"
+            _other_builds[march] = _load_or_build(_build_dir().parent / name / f"{name}.so", march)
+        return _other_builds[march]
+
+
+def _load_or_build(built: Path, march: str = "native") -> ModuleType:
+    if built.exists():  # imported as it is: cpp_extension would write a lock file (a read-only image)
+        spec = importlib.util.spec_from_file_location(built.stem, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    built.parent.mkdir(parents=True, exist_ok=True)
+    return compile_sources(built.stem, CSRC, built.parent, march)
+
+
+def compile_sources(name: str, source_dir: Path, build_dir: Path, march: str = "native") -> ModuleType:
+    """Build the kernels' sources (SOURCES' names) found in source_dir, as module `name`; `march`
+    another instruction set than this CPU's (the tests build the vector paths of CPUs below it)."""
     from torch.utils import cpp_extension
 
-    return cpp_extension.load(name=name, sources=[str(source_dir / s.name) for s in SOURCES], extra_cflags=FLAGS,
+    flags = [f"-march={march}" if f == "-march=native" else f for f in FLAGS]
+    return cpp_extension.load(name=name, sources=[str(source_dir / s.name) for s in SOURCES], extra_cflags=flags,
                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from scd_serve.errors import ConfigError
 from scd_serve.model import cpu_kernel, layers, rope
+from scd_serve.model.loader import cpu_flags
 from scd_serve.model.paged import attend_gathered
 
 from step_case import SHAPES, mixed_and_decode, random_pool, windowed_model
@@ -36,15 +38,31 @@ def kernels(monkeypatch):
     cpu_kernel.use(False)
 
 
+def lower_instruction_sets() -> list[str]:
+    """-march targets below this CPU with vector paths of their own in csrc/: AVX2 with FMA
+    (haswell) under AVX-512, and the plain loops (x86-64) under either, so that one machine
+    tests what every CPU runs."""
+    if platform.machine() != "x86_64":
+        return []
+    flags = cpu_flags()
+    return (["haswell"] if "avx512f" in flags else []) + (["x86-64"] if {"avx2", "fma"} <= flags else [])
+
+
+@pytest.fixture(params=["native", *lower_instruction_sets()])
+def attention_ops(request, kernels):
+    """The kernels built for this CPU, then for each instruction set below it (~1 min a build, once)."""
+    return cpu_kernel.load() if request.param == "native" else cpu_kernel.load_for(request.param)
+
+
 # step_case's shapes, and wider heads and blocks of 2
 CPU_SHAPES = SHAPES + [(8, 8, 128, 16, None), (4, 1, 64, 2, 5)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_equals_attention_over_a_gathered_copy(kernels, dtype):
+def test_the_kernel_equals_attention_over_a_gathered_copy(attention_ops, dtype):
     for seed, (heads, kv_heads, hd, block, window) in enumerate(CPU_SHAPES):
         k, v, table, lengths, q = random_pool(seed, heads, kv_heads, hd, block, dtype)
-        got = cpu_kernel.attend_blocks(k, v, table, lengths, q, window)
+        got = attention_ops.decode_attention(q, k, v, table, lengths, window or 0, hd**-0.5)
         assert got.shape == (5, heads * hd) and got.dtype == dtype
         want = attend_gathered(k.float(), v.float(), table, lengths, q.float(), window)
         # float32: the same sums in another order; bfloat16: the output rounded to 8 mantissa bits
@@ -74,7 +92,7 @@ def prefill_reference(k, v, table, first, q, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_prefill_kernel_equals_causal_attention_over_the_sequences_keys(kernels, dtype):
+def test_the_prefill_kernel_equals_causal_attention_over_the_sequences_keys(attention_ops, dtype):
     """Chunks from the prompt's start and after a cached prefix, of 1 to 150 queries (one to four
     key tiles of 128, a last one cut short), over shuffled blocks, with and without a window."""
     cases = [(0, 150, None), (37, 50, None), (330, 33, None), (200, 70, 64), (0, 1, None), (300, 1, 9), (63, 66, 20)]
@@ -85,7 +103,7 @@ def test_the_prefill_kernel_equals_causal_attention_over_the_sequences_keys(kern
         v = torch.randn(blocks + 4, block, kv_heads, hd, generator=gen).to(dtype)
         table = torch.randperm(blocks + 4, generator=gen)[:blocks]
         q = torch.randn(tokens, heads, hd, generator=gen).to(dtype)
-        got = cpu_kernel.prefill(q, k, v, table, first, window)
+        got = attention_ops.prefill_attention(q, k, v, table, first, window or 0, hd**-0.5)
         assert got.shape == (tokens, heads * hd) and got.dtype == dtype
         want = prefill_reference(k, v, table, first, q, window)
         assert (got.double() - want).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2), (seed, window)
