@@ -18,6 +18,7 @@ main thread or in a thread that exited (model/threads.py: two OpenMP teams, or o
 in place of SDPA's), its error against float32 SDPA:
 
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python scripts/prefill_forward.py attention --model out/shaped/consumer
+    (--only float32: SDPA and the C++ kernel in float32 alone)
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def vllm_prefill(model: str, dtype: str, eager: bool):
     return lambda ids: llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
-def attention_kernels(model: str, tokens: int, runs: int) -> None:
+def attention_kernels(model: str, tokens: int, runs: int, only: list[str]) -> None:
     import math
 
     import torch.nn.functional as F
@@ -116,6 +117,8 @@ def attention_kernels(model: str, tokens: int, runs: int) -> None:
                                               None).view(t, h, d).transpose(0, 1)[None]
         kernels |= {"C++ prefill_attention": cpp(dt), "C++ prefill_attention, float32": cpp(torch.float32)}
     for name, kernel in kernels.items():
+        if only and not any(word in name for word in only):
+            continue
         kernel()
         start = time.perf_counter()
         for _ in range(runs):
@@ -132,13 +135,14 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--only", nargs="+", default=[], help="attention: the kernels whose names hold one of these words")
     p.add_argument("--layout", choices=("main", "second", "passing-load"), default="main",
                    help="scd: the model loaded and the forward run on the main thread; loaded there and run in a "
                         "second thread (two OpenMP teams); or loaded in a thread that exits, run in a second (served)")
     args = p.parse_args()
     if args.engine == "attention":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        return attention_kernels(args.model, args.tokens, args.runs)
+        return attention_kernels(args.model, args.tokens, args.runs, args.only)
     if args.engine == "scd":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         if args.layout == "passing-load":  # as a worker serves (model/threads.py)

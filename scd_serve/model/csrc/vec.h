@@ -2,8 +2,8 @@
 // AVX-512 (16 lanes), AVX2 with FMA (8 lanes: one ymm register, half the rows a vector and,
 // with 16 registers instead of 32, fewer row vectors a block), else L arrays the compiler
 // vectorizes as it can. Only AVX-512's serves (bindings.cpp, prefill_vectorized): on an AVX2
-// CPU the kernel beat SDPA at 1k tokens (0.78-0.85x) but not at 4k (1.13-1.24x, one thread),
-// so SDPA serves there and the tests run these paths against the reference.
+// CPU the kernel was not shown to beat SDPA (docs/benchmarks.md: runs a minute apart disagreed
+// by more than the difference), so SDPA serves there; the tests run these paths too.
 #pragma once
 
 #include <algorithm>
