@@ -14,24 +14,48 @@
 #include <vector>
 
 #include "support.h"
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
 constexpr int64_t TILE = 16;  // keys scored together: one AVX-512 vector of float32
 constexpr int64_t VEC = 16;   // float32 lanes the loops are written for (AVX2: two registers)
 
-#if defined(__AVX512F__)
-// 16 values widened to float32 lanes
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+// L values widened to float32 lanes
+inline Vec load_lanes(const float* x) { return Vec::load(x); }
+inline Vec load_lanes(const c10::BFloat16* x) { return Vec::load_bf16(reinterpret_cast<const uint16_t*>(x)); }
+
+// acc [group, hdp] = probabilities [group, n] x values (hd a multiple of L): two query heads and
+// four vectors of dimensions at a time, eight independent accumulators over the keys
+template <typename T>
+void values_lanes(const float* w, int64_t group, int64_t hd, int64_t hdp, const T* v, const int64_t* rows, int64_t n,
+                  float* acc) {
+  const int64_t chunks = hd / L;
+  for (int64_t g = 0; g < group; g += 2) {
+    const bool pair = g + 1 < group;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+      const int64_t cn = std::min<int64_t>(4, chunks - c0);
+      Vec a0[4], a1[4];
+      for (int c = 0; c < 4; ++c) a0[c] = a1[c] = Vec::all(0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        const T* val = v + rows[i] + L * c0;
+        const Vec w0 = Vec::all(w[g * n + i]);
+        const Vec w1 = Vec::all(pair ? w[(g + 1) * n + i] : 0.f);
+        for (int c = 0; c < cn; ++c) {
+          const Vec x = load_lanes(val + L * c);
+          a0[c] = a0[c].fma(w0, x);
+          a1[c] = a1[c].fma(w1, x);
+        }
+      }
+      for (int c = 0; c < cn; ++c) {
+        a0[c].store(acc + g * hdp + L * (c0 + c));
+        if (pair) a1[c].store(acc + (g + 1) * hdp + L * (c0 + c));
+      }
+    }
+  }
 }
 
+#if defined(__AVX512F__)
 // scores [group, n] of one task: each key's chunks loaded once, one product a query head, summed
 template <typename T>
 void scores_avx512(const float* qf, int64_t hdp, int64_t group, const T* k, const int64_t* rows, int64_t n,
@@ -40,7 +64,7 @@ void scores_avx512(const float* qf, int64_t hdp, int64_t group, const T* k, cons
   for (int64_t i = 0; i < n; ++i) {
     const T* key = k + rows[i];
     __m512 kc[16];
-    for (int64_t c = 0; c < chunks; ++c) kc[c] = load16(key + 16 * c);
+    for (int64_t c = 0; c < chunks; ++c) kc[c] = load_lanes(key + 16 * c).x;
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf + g * hdp;
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
@@ -50,42 +74,7 @@ void scores_avx512(const float* qf, int64_t hdp, int64_t group, const T* k, cons
   }
 }
 
-// acc [group, hdp] = probabilities [group, n] x values: two query heads and four chunks at a
-// time, eight independent accumulators over the keys
-template <typename T>
-void values_avx512(const float* w, int64_t group, int64_t hdp, const T* v, const int64_t* rows, int64_t n,
-                   float* acc) {
-  const int64_t chunks = hdp / 16;
-  for (int64_t g = 0; g < group; g += 2) {
-    const bool pair = g + 1 < group;
-    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-      const int64_t cn = std::min<int64_t>(4, chunks - c0);
-      __m512 a0[4], a1[4];
-      for (int c = 0; c < 4; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < n; ++i) {
-        const T* val = v + rows[i] + 16 * c0;
-        const __m512 w0 = _mm512_set1_ps(w[g * n + i]);
-        const __m512 w1 = _mm512_set1_ps(pair ? w[(g + 1) * n + i] : 0.f);
-        for (int c = 0; c < cn; ++c) {
-          const __m512 x = load16(val + 16 * c);
-          a0[c] = _mm512_fmadd_ps(w0, x, a0[c]);
-          a1[c] = _mm512_fmadd_ps(w1, x, a1[c]);
-        }
-      }
-      for (int c = 0; c < cn; ++c) {
-        _mm512_storeu_ps(acc + g * hdp + 16 * (c0 + c), a0[c]);
-        if (pair) _mm512_storeu_ps(acc + (g + 1) * hdp + 16 * (c0 + c), a1[c]);
-      }
-    }
-  }
-}
 #elif defined(__AVX2__) && defined(__FMA__)
-// 8 values widened to float32 lanes
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const c10::BFloat16* x) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
 
 // lane j: the sum of a[j]'s lanes (8 sums in one tree of additions, not one reduction each)
 inline __m256 sum_lanes8(const __m256* a) {
@@ -109,7 +98,7 @@ void scores_avx2(const float* qf, int64_t hdp, int64_t hd, int64_t group, const 
       if constexpr (std::is_same_v<T, float>) {
         key[j] = src;
       } else {
-        for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(kbuf + j * hd + 8 * c, load8(src + 8 * c));
+        for (int64_t c = 0; c < chunks; ++c) load_lanes(src + 8 * c).store(kbuf + j * hd + 8 * c);
         key[j] = kbuf + j * hd;
       }
     }
@@ -128,35 +117,6 @@ void scores_avx2(const float* qf, int64_t hdp, int64_t hd, int64_t group, const 
   }
 }
 
-// acc [group, hdp] = probabilities [group, n] x values: two query heads and four chunks of 8 at a
-// time, eight independent accumulators over the keys
-template <typename T>
-void values_avx2(const float* w, int64_t group, int64_t hd, int64_t hdp, const T* v, const int64_t* rows, int64_t n,
-                 float* acc) {
-  const int64_t chunks = hd / 8;
-  for (int64_t g = 0; g < group; g += 2) {
-    const bool pair = g + 1 < group;
-    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-      const int64_t cn = std::min<int64_t>(4, chunks - c0);
-      __m256 a0[4], a1[4];
-      for (int c = 0; c < 4; ++c) a0[c] = a1[c] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; ++i) {
-        const T* val = v + rows[i] + 8 * c0;
-        const __m256 w0 = _mm256_set1_ps(w[g * n + i]);
-        const __m256 w1 = _mm256_set1_ps(pair ? w[(g + 1) * n + i] : 0.f);
-        for (int c = 0; c < cn; ++c) {
-          const __m256 x = load8(val + 8 * c);
-          a0[c] = _mm256_fmadd_ps(w0, x, a0[c]);
-          a1[c] = _mm256_fmadd_ps(w1, x, a1[c]);
-        }
-      }
-      for (int c = 0; c < cn; ++c) {
-        _mm256_storeu_ps(acc + g * hdp + 8 * (c0 + c), a0[c]);
-        if (pair) _mm256_storeu_ps(acc + (g + 1) * hdp + 8 * (c0 + c), a1[c]);
-      }
-    }
-  }
-}
 #endif
 
 template <typename T>
@@ -233,11 +193,7 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
       // the weighted values: tiles of TILE rows widened into vt [TILE, hdp]; per query head and
       // vector of dimensions, two chains over the tile's keys
       std::fill(acc.begin(), acc.end(), 0.f);
-#if defined(__AVX512F__)
-      if (vector) values_avx512(scores.data(), group, hdp, v, rows.data(), n, acc.data());
-#elif defined(__AVX2__) && defined(__FMA__)
-      if (vector) values_avx2(scores.data(), group, hd, hdp, v, rows.data(), n, acc.data());
-#endif
+      if (vector) values_lanes(scores.data(), group, hd, hdp, v, rows.data(), n, acc.data());
       for (int64_t i0 = 0; i0 < n && !vector; i0 += TILE) {
         const int64_t tile = std::min<int64_t>(TILE, n - i0);
         for (int64_t j = 0; j < tile; ++j) {

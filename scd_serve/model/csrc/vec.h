@@ -1,9 +1,9 @@
-// L float32 lanes as one vector register, for the prefill attention's row-in-lanes loops:
-// AVX-512 (16 lanes), AVX2 with FMA (8 lanes: one ymm register, half the rows a vector and,
-// with 16 registers instead of 32, fewer row vectors a block), else L arrays the compiler
-// vectorizes as it can. Only AVX-512's serves (bindings.cpp, prefill_vectorized): on an AVX2
-// CPU the kernel was not shown to beat SDPA (docs/benchmarks.md: runs a minute apart disagreed
-// by more than the difference), so SDPA serves there; the tests run these paths too.
+// L float32 lanes as one vector register: AVX-512 (16 lanes), AVX2 with FMA (8 lanes: one ymm
+// register; with 16 registers instead of 32, fewer row vectors a block), else L arrays the
+// compiler vectorizes as it can. The decode attention's weighted values use it (AVX-512, AVX2); the
+// prefill attention's row-in-lanes loops serve on AVX-512 only (bindings.cpp, prefill_vectorized):
+// on an AVX2 CPU that kernel was not shown to beat SDPA (docs/benchmarks.md: runs a minute apart
+// disagreed by more than the difference), so SDPA serves there; the tests run these paths too.
 #pragma once
 
 #include <algorithm>
@@ -45,6 +45,10 @@ constexpr int RB = 4;   // row vectors a block (the broadcast keys shared by the
 struct Vec {
   __m512 x;
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load_bf16(const uint16_t* p) {  // bfloat16 bits widened: float32's high half
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+  }
   static Vec all(float v) { return {_mm512_set1_ps(v)}; }
   void store(float* p) const { _mm512_storeu_ps(p, x); }
   Vec fma(Vec a, Vec b) const { return {_mm512_fmadd_ps(a.x, b.x, x)}; }  // this + a * b
@@ -70,6 +74,10 @@ constexpr int RB = 2;  // 4 keys x 2 + 2 + the broadcast key of 16 registers
 struct Vec {
   __m256 x;
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load_bf16(const uint16_t* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+  }
   static Vec all(float v) { return {_mm256_set1_ps(v)}; }
   void store(float* p) const { _mm256_storeu_ps(p, x); }
   Vec fma(Vec a, Vec b) const { return {_mm256_fmadd_ps(a.x, b.x, x)}; }
@@ -101,6 +109,14 @@ constexpr int RB = 4;
 struct Vec {
   float x[L];
   static Vec load(const float* p) { Vec v; std::memcpy(v.x, p, sizeof v.x); return v; }
+  static Vec load_bf16(const uint16_t* p) {
+    Vec v;
+    for (int l = 0; l < L; ++l) {
+      const uint32_t bits = static_cast<uint32_t>(p[l]) << 16;
+      std::memcpy(&v.x[l], &bits, sizeof bits);
+    }
+    return v;
+  }
   static Vec all(float s) { Vec v; for (int l = 0; l < L; ++l) v.x[l] = s; return v; }
   void store(float* p) const { std::memcpy(p, x, sizeof x); }
   Vec fma(Vec a, Vec b) const { Vec v; for (int l = 0; l < L; ++l) v.x[l] = x[l] + a.x[l] * b.x[l]; return v; }
