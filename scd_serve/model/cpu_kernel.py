@@ -14,7 +14,8 @@ RMSNorm's order of sums and exp's last float bit in SiLU).
 
 Built with torch's cpp_extension (a C++ compiler and ninja; `-march=native`, so the build's
 name carries this CPU's flags and a machine of another CPU builds its own) into
-$SCD_KERNEL_CACHE (~/.cache/scd-serve/kernels). A serving role loads this machine's build at
+$SCD_KERNEL_CACHE (~/.cache/scd-serve/kernels; each build in a directory of its own, its library
+then renamed into place: no lock between processes). A serving role loads this machine's build at
 start; where there is none yet it builds it in a background thread and serves on the torch path
 meanwhile (~25-35 s on two cores). `scd-serve build-kernels` builds it ahead (`bench peer`
 does). SCD_CPU_KERNELS=off keeps the torch path.
@@ -22,6 +23,7 @@ does). SCD_CPU_KERNELS=off keeps the torch path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -29,8 +31,10 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -148,8 +152,29 @@ def _load_or_build(built: Path, march: str = "native") -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
+    return build_and_publish(built, lambda work: compile_sources(built.stem, CSRC, work, march))
+
+
+STALE_BUILD_S = 3600  # a private build directory this old belongs to a build that was killed
+
+
+def build_and_publish(built: Path, build: Callable[[Path], ModuleType]) -> ModuleType:
+    """build(directory) in a directory of this process's own, then its library moved to `built`
+    in one rename: processes share no lock. torch's build lock, left behind by a build that was
+    killed (a worker stopped during its first start), made every later build wait for ever; now
+    two processes that build at once each build, and the last rename wins with the same file."""
     built.parent.mkdir(parents=True, exist_ok=True)
-    return compile_sources(built.stem, CSRC, built.parent, march)
+    for old in built.parent.glob("build-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(old, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=built.parent))
+    try:
+        module = build(work)
+        os.replace(work / built.name, built)  # the module stays loaded from the moved file
+        return module
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def compile_sources(name: str, source_dir: Path, build_dir: Path, march: str = "native") -> ModuleType:

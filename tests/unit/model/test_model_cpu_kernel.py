@@ -252,3 +252,34 @@ def test_build_kernels_builds_them_or_says_why_not(kernels, tmp_path):
     assert done.returncode == 0 and "CPU kernels ready in" in done.stdout, done.stderr[-2000:]
     off = subprocess.run(cli, env=os.environ | {cpu_kernel.ENV: "off"}, capture_output=True, text=True, timeout=60)
     assert off.returncode == 1 and "CPU kernels unavailable: SCD_CPU_KERNELS=off" in off.stderr
+
+
+def test_a_build_killed_before_never_blocks_the_next(tmp_path):
+    """torch's build lock left by a killed build (a worker stopped in its first start) made every
+    later build wait for ever; each build now runs in a directory of its own and renames its
+    library into place, and a build that fails leaves nothing behind."""
+    built = tmp_path / "scd_cpu_ops_x" / "scd_cpu_ops_x.so"
+    built.parent.mkdir()
+    (built.parent / "lock").touch()  # what the killed build left
+    stale = built.parent / "build-killed"
+    stale.mkdir()
+    os.utime(stale, (0, 0))
+    other = built.parent / "build-running"  # another process building now
+    other.mkdir()
+
+    def failing(work):
+        (work / "half.o").write_bytes(b"")
+        raise RuntimeError("compiler error")
+
+    with pytest.raises(RuntimeError, match="compiler error"):
+        cpu_kernel.build_and_publish(built, failing)
+    assert not built.exists() and not stale.exists() and other.exists()
+    assert sorted(p.name for p in built.parent.iterdir()) == ["build-running", "lock"]
+
+    def building(work):
+        (work / built.name).write_bytes(b"library")
+        return "module"
+
+    assert cpu_kernel.build_and_publish(built, building) == "module"
+    assert built.read_bytes() == b"library"
+    assert sorted(p.name for p in built.parent.iterdir()) == ["build-running", "lock", built.name]
