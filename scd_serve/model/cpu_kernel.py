@@ -162,7 +162,7 @@ def build_and_publish(built: Path, build: Callable[[Path], ModuleType]) -> Modul
     """build(directory) in a directory of this process's own, then its library moved to `built`
     in one rename: processes share no lock. torch's build lock, left behind by a build that was
     killed (a worker stopped during its first start), made every later build wait for ever; now
-    two processes that build at once each build, and the last rename wins with the same file."""
+    two processes that build at once each build, and the last rename wins with an equal library."""
     built.parent.mkdir(parents=True, exist_ok=True)
     for old in built.parent.glob("build-*"):
         with contextlib.suppress(OSError):
