@@ -18,8 +18,10 @@
 
 namespace {
 
-constexpr int64_t TILE = 16;  // keys scored together: one AVX-512 vector of float32
-constexpr int64_t VEC = 16;   // float32 lanes the loops are written for (AVX2: two registers)
+// the plain loops' sizes, where no vector path applies (no AVX2 with FMA, or a head size the vector
+// paths do not take); every path pads its float32 rows to VEC
+constexpr int64_t TILE = 16;  // value rows widened together
+constexpr int64_t VEC = 16;   // float32 lanes the loops are written for
 
 // L values widened to float32 lanes
 inline Vec load_lanes(const float* x) { return Vec::load(x); }
@@ -190,8 +192,8 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
         const float inv = 1.f / total;
         for (int64_t i = 0; i < n; ++i) row[i] *= inv;
       }
-      // the weighted values: tiles of TILE rows widened into vt [TILE, hdp]; per query head and
-      // vector of dimensions, two chains over the tile's keys
+      // the weighted values (the plain loops: tiles of TILE rows widened into vt [TILE, hdp]; per query
+      // head and vector of dimensions, two chains over the tile's keys)
       std::fill(acc.begin(), acc.end(), 0.f);
       if (vector) values_lanes(scores.data(), group, hd, hdp, v, rows.data(), n, acc.data());
       for (int64_t i0 = 0; i0 < n && !vector; i0 += TILE) {
