@@ -117,7 +117,8 @@ def make_producer(cfg: ZooConfig, p: ZooProducerConfig, tokenizer, out: Path, lo
     info = {"config": asdict(p), "params": sum(x.numel() for x in model.parameters()),
             "train_tokens": int(stream.numel())}
     info["train"] = train(model, lm_batches(stream, p.seq_len, p.batch_tokens, p.steps, rng), p.steps, p.lr,
-                          p.warmup, f"producer {p.name}", log)
+                          p.warmup, f"producer {p.name}", log,
+                          checkpoint=out / "producers" / f"{p.name}.checkpoint.pt")
     _save(model, tokenizer, path, info)
     return path
 
@@ -140,7 +141,8 @@ def make_consumer(cfg: ZooConfig, pair: ZooPairConfig, producer_dir: Path, token
         data = {"train_tokens": int(stream.numel())}
     trained = with_lora(model, pair) if pair.method == "lora" else model
     info = {"config": asdict(pair), **data}
-    info["train"] = train(trained, batches, pair.steps, pair.lr, pair.warmup, pair.name, log)
+    info["train"] = train(trained, batches, pair.steps, pair.lr, pair.warmup, pair.name, log,
+                          checkpoint=out / pair.name / "consumer.checkpoint.pt")
     if pair.method == "lora":
         trained.save_pretrained(str(out / pair.name / "adapter"))  # the adapter as users bring it
         model = trained.merge_and_unload()

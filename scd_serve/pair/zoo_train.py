@@ -9,8 +9,10 @@ bring are made; the adapter itself is saved too.
 
 from __future__ import annotations
 
+import os
 import random
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -88,21 +90,53 @@ def weighted_loss(model: PreTrainedModel, ids: Tensor, weights: Tensor) -> Tenso
 
 
 def train(model: torch.nn.Module, batches: Iterator[tuple[Tensor, Tensor]], steps: int, lr: float, warmup: int,
-          name: str, log: Callable[[str], None] = print, log_every: int = 100) -> dict:
-    """Trains in place; -> {"steps", "seconds", "final_loss"}."""
+          name: str, log: Callable[[str], None] = print, log_every: int = 100,
+          checkpoint: Path | None = None, checkpoint_seconds: float = 300.0) -> dict:
+    """Trains in place; -> {"steps", "seconds", "final_loss"}.
+
+    With `checkpoint`, the weights, the optimizer and the step are saved there every
+    `checkpoint_seconds` and a run killed midway resumes from the last one: the batches are
+    replayed up to its step (they are cheap), so the result equals an uninterrupted run's.
+    The file is removed once training ends."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(model, lr) if len(params) == len(list(model.parameters())) else \
         torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     model.train()
-    start, running = time.time(), None
+    first, running, spent = 0, None, 0.0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        first, running, spent = state["step"], state["running"], state["seconds"]
+        log(f"[{name}] resumed at step {first}/{steps} from {checkpoint}")
+    start = last_save = time.time()
     for step, (ids, weights) in enumerate(batches):
+        if step < first:
+            continue  # replayed only to move the batch RNG to where the checkpoint left it
         loss = weighted_loss(model, ids, weights)
         optimizer_step(opt, params, loss, lr_at(lr, warmup, steps, step))
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        elapsed = spent + time.time() - start
         if log_every and ((step + 1) % log_every == 0 or step + 1 == steps):
-            log(f"[{name}] step {step + 1}/{steps} loss {running:.3f} {time.time() - start:.0f}s")
+            log(f"[{name}] step {step + 1}/{steps} loss {running:.3f} {elapsed:.0f}s")
+        if checkpoint is not None and step + 1 < steps and time.time() - last_save >= checkpoint_seconds:
+            _save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                          "torch_rng": torch.get_rng_state(), "step": step + 1,
+                                          "running": running, "seconds": elapsed})
+            last_save = time.time()
     model.eval()
-    return {"steps": steps, "seconds": round(time.time() - start, 1), "final_loss": running}
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)
+    return {"steps": steps, "seconds": round(spent + time.time() - start, 1), "final_loss": running}
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    """Written aside and renamed: a kill mid-write leaves the previous checkpoint whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".writing")
+    torch.save(state, partial)
+    os.replace(partial, path)
 
 
 def with_lora(model: PreTrainedModel, pair: ZooPairConfig):

@@ -95,3 +95,42 @@ def test_bad_zoo_settings_are_refused():
     with pytest.raises(ConfigError, match="no zoo pair named 'nope'"):
         ZooConfig().pair("nope")
     assert main(["make-pair-zoo", "--out", "/tmp/x", "--only", "nope", "--shrunk"]) == 2
+
+
+def test_a_training_killed_midway_resumes_to_the_uninterrupted_result(tmp_path):
+    import random
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scd_serve.pair.zoo_train import lm_batches, train
+
+    stream = torch.arange(400) % 50
+
+    def fresh():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2))
+
+    def batches():
+        return lm_batches(stream, 16, 64, 6, random.Random(3))
+
+    def killed_after(n, it):
+        for step, batch in enumerate(it):
+            if step == n:
+                raise KeyboardInterrupt  # the process dies between steps
+            yield batch
+
+    whole = fresh()
+    train(whole, batches(), 6, 1e-2, 1, "whole", log=lambda _: None)
+    ckpt = tmp_path / "c.pt"
+    with pytest.raises(KeyboardInterrupt):
+        train(fresh(), killed_after(4, batches()), 6, 1e-2, 1, "killed", log=lambda _: None,
+              checkpoint=ckpt, checkpoint_seconds=0)
+    assert ckpt.exists()
+    lines: list[str] = []
+    resumed = fresh()
+    info = train(resumed, batches(), 6, 1e-2, 1, "resumed", log=lines.append, checkpoint=ckpt, checkpoint_seconds=0)
+    assert any("resumed at step 4/6" in line for line in lines)
+    assert not ckpt.exists() and info["steps"] == 6
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
