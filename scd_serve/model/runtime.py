@@ -109,14 +109,17 @@ class ModelRuntime:
         return PrefillOutput(it.logits, *stacked)  # [L, T, ...] each
 
     def iter_prefill(self, input_ids, compute_logits: bool = True, residuals: bool = False,
-                     cached: tuple[KVPool, Sequence[int], int] | None = None) -> PrefillIterator:
+                     cached: tuple[KVPool, Sequence[int], int] | None = None,
+                     last_hidden: bool = False) -> PrefillIterator:
         """cached: (pool, block_ids, n) where the prompt's first n tokens' K/V are (a prefix
         cache): input_ids are then the rest, computed over that K/V in place (model/step.py,
-        their own K/V written after it), and every LayerState has residuals, start n, no logits."""
+        their own K/V written after it), and every LayerState has residuals, start n, no logits.
+        last_hidden (with compute_logits=False): the last layer runs for the final row alone and
+        the iterator ends with that row's output [1, hidden] (what the output head would read)."""
         ids = self._check_ids(input_ids)
         if cached is not None:
             return PrefillIterator(self._continue(ids, *cached))
-        return PrefillIterator(self._prefill_layers(ids, compute_logits, residuals))
+        return PrefillIterator(self._prefill_layers(ids, compute_logits, residuals, last_hidden=last_hidden))
 
     @torch.no_grad()
     def _continue(self, ids: Tensor, pool: KVPool, block_ids: Sequence[int], num_cached: int):
@@ -128,10 +131,11 @@ class ModelRuntime:
 
     @torch.no_grad()
     def _prefill_layers(self, ids: Tensor, compute_logits: bool, residuals: bool, first: int = 0,
-                        h: Tensor | None = None):
-        return (yield from self._layers(ids, compute_logits, residuals, first, h))
+                        h: Tensor | None = None, last_hidden: bool = False):
+        return (yield from self._layers(ids, compute_logits, residuals, first, h, last_hidden))
 
-    def _layers(self, ids: Tensor, compute_logits: bool, residuals: bool, first: int = 0, h: Tensor | None = None):
+    def _layers(self, ids: Tensor, compute_logits: bool, residuals: bool, first: int = 0, h: Tensor | None = None,
+                last_hidden: bool = False):
         """Layers first.. over the whole prompt, from the residual h [T, hidden] entering `first`
         (None: the token embeddings, first = 0); differentiable unless the caller is not."""
         spec, rot = self.spec, self.rotary
@@ -153,7 +157,8 @@ class ModelRuntime:
             # stops after the last layer's, and those two are never computed
             yield layer, LayerState(keys=k_pre, values=v, attn_input=x, residual=h if residuals else None)
             if layer == spec.num_layers - 1 and not compute_logits:
-                return None  # the last layer's attention and MLP would feed only the logits
+                # the last layer's attention and MLP feed only the logits: the final row's, or none
+                return self._final_row(lw, h, x, k_pre, v, pos, cos, sin, fused) if last_hidden else None
             q = rope.apply(project_q(lw, spec, x), cos, sin)
             k = rope.apply(k_pre, cos, sin)
             if prefill is not None:  # the prompt's K/V as one block of a pool
@@ -164,6 +169,16 @@ class ModelRuntime:
                 attn = attend(q[None], k[None], v[None], masks[spec.window(layer)])
             h = finish_layer(lw, spec, h, attn[0], fused)
         return self.logits_of(h) if compute_logits else None
+
+    def _final_row(self, lw, h: Tensor, x: Tensor, k_pre: Tensor, v: Tensor, pos: Tensor, cos: Tensor, sin: Tensor,
+                   fused) -> Tensor:
+        """The last layer for the prompt's final row: its query over every key -> h [1, hidden]."""
+        spec, t = self.spec, h.shape[0]
+        q = rope.apply(project_q(lw, spec, x[-1:]), cos[-1:], sin[-1:])  # [1, heads, hd]
+        k = rope.apply(k_pre, cos, sin)  # [T, kv_heads, hd]
+        window = spec.window(spec.num_layers - 1)
+        mask = causal_mask(pos[-1:][None], torch.tensor([t], device=self.device), t, window)  # [1, 1, 1, T]
+        return finish_layer(lw, spec, h[-1:], attend(q[None], k[None], v[None], mask)[0], fused)
 
     def run_from(self, layer: int, residual: Tensor, grad: bool = False) -> PrefillIterator:
         """The prompt's layers layer.. computed here from the residual stream entering `layer`

@@ -124,6 +124,19 @@ def test_iter_prefill_streams_layers_then_logits(pair):
     assert torch.equal(it.logits, full.logits)
 
 
+def test_iter_prefill_can_end_with_the_final_rows_hidden_state(pair):
+    """last_hidden: the last layer for the final row alone (sliding windows included); the output
+    head on that row gives the prompt's last logits, as a full prefill does."""
+    rt, _ = pair
+    ids = prompt(20, 7)
+    full = rt.prefill(ids)
+    it = rt.iter_prefill(ids, compute_logits=False, last_hidden=True)
+    states = [state for _, state in it]
+    assert len(states) == rt.spec.num_layers and torch.equal(states[-1].keys, full.keys[-1])
+    assert it.logits.shape == (1, rt.spec.hidden_size)
+    assert (rt.logits_of(it.logits) - full.logits[-1:]).abs().max() <= MAX_DIFF
+
+
 def test_run_from_a_layer_recomputes_the_upper_layers(pair):
     """Given the residual entering layer L (iter_prefill keeps it when asked), run_from computes
     layers L.. as the prefill did; a residual of the wrong width is refused with a message that
