@@ -53,7 +53,8 @@ class PrefillOutput:
 
 class PrefillIterator:
     """Yields (layer, LayerState) as each layer's K/V are known. Once exhausted, `.logits` holds the
-    [T, vocab] float32 logits (also the StopIteration value); None if compute_logits=False."""
+    [T, vocab] float32 logits (also the StopIteration value); None if compute_logits=False, or the
+    final row's output [1, hidden] where last_hidden asked for it."""
 
     def __init__(self, gen: Iterator):
         self._gen = gen
