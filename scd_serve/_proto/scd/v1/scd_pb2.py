@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10scd/v1/scd.proto\x12\x06scd.v1\"Q\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x88\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x1c\n\x14\x63onsumer_fingerprint\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\r\n\x05start\x18\x06 \x01(\r\"h\n\x0cPrefillChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.scd.v1.TransferHeaderH\x00\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.scd.v1.KVChunkH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x03\x10\x04\"\x91\x02\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63odec_id\x18\x02 \x01(\t\x12\x15\n\rcodec_version\x18\x03 \x01(\t\x12\x1c\n\x14producer_fingerprint\x18\x04 \x01(\t\x12\x1c\n\x14\x63onsumer_fingerprint\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0ctotal_chunks\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x11\n\tcache_hit\x18\x0b \x01(\x08\x12\r\n\x05start\x18\x0c \x01(\r\"\xcd\x01\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x1f\n\x07tensors\x18\x06 \x03(\x0b\x32\x0e.scd.v1.Tensor\x12\x0e\n\x06\x64igest\x18\x07 \x01(\x06\x12\x11\n\tencode_us\x18\x08 \x01(\x04\x12&\n\x06header\x18\t \x01(\x0b\x32\x16.scd.v1.TransferHeader\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"!\n\nAbortReply\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"I\n\tCodecInfo\x12\x10\n\x08\x63odec_id\x18\x01 \x01(\t\x12\x15\n\rcodec_version\x18\x02 \x01(\t\x12\x13\n\x0b\x63odebook_id\x18\x03 \x01(\t\"\xc6\x02\n\tInfoReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x1c\n\x14producer_fingerprint\x18\x02 \x01(\t\x12\x14\n\x0cmodel_family\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x15\n\rcompute_dtype\x18\x07 \x01(\t\x12!\n\x06\x63odecs\x18\x08 \x03(\x0b\x32\x11.scd.v1.CodecInfo\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\n \x01(\r\x12\x13\n\x0bhidden_size\x18\x0b \x01(\r\x12\x12\n\nrope_theta\x18\x0c \x01(\x01\x12\x16\n\x0emax_concurrent\x18\r \x01(\r2\xae\x01\n\x0ePrefillService\x12\x39\n\x07Prefill\x12\x16.scd.v1.PrefillRequest\x1a\x14.scd.v1.PrefillChunk0\x01\x12\x31\n\x05\x41\x62ort\x12\x14.scd.v1.AbortRequest\x1a\x12.scd.v1.AbortReply\x12.\n\x04Info\x12\x13.scd.v1.InfoRequest\x1a\x11.scd.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10scd/v1/scd.proto\x12\x06scd.v1\"Q\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\xb0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x1c\n\x14\x63onsumer_fingerprint\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\r\n\x05start\x18\x06 \x01(\r\x12\x17\n\nlast_token\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_last_token\"h\n\x0cPrefillChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.scd.v1.TransferHeaderH\x00\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.scd.v1.KVChunkH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x03\x10\x04\"\x91\x02\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63odec_id\x18\x02 \x01(\t\x12\x15\n\rcodec_version\x18\x03 \x01(\t\x12\x1c\n\x14producer_fingerprint\x18\x04 \x01(\t\x12\x1c\n\x14\x63onsumer_fingerprint\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0ctotal_chunks\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x11\n\tcache_hit\x18\x0b \x01(\x08\x12\r\n\x05start\x18\x0c \x01(\r\"\xcd\x01\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x1f\n\x07tensors\x18\x06 \x03(\x0b\x32\x0e.scd.v1.Tensor\x12\x0e\n\x06\x64igest\x18\x07 \x01(\x06\x12\x11\n\tencode_us\x18\x08 \x01(\x04\x12&\n\x06header\x18\t \x01(\x0b\x32\x16.scd.v1.TransferHeader\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"!\n\nAbortReply\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"I\n\tCodecInfo\x12\x10\n\x08\x63odec_id\x18\x01 \x01(\t\x12\x15\n\rcodec_version\x18\x02 \x01(\t\x12\x13\n\x0b\x63odebook_id\x18\x03 \x01(\t\"\xc6\x02\n\tInfoReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x1c\n\x14producer_fingerprint\x18\x02 \x01(\t\x12\x14\n\x0cmodel_family\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x15\n\rcompute_dtype\x18\x07 \x01(\t\x12!\n\x06\x63odecs\x18\x08 \x03(\x0b\x32\x11.scd.v1.CodecInfo\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\n \x01(\r\x12\x13\n\x0bhidden_size\x18\x0b \x01(\r\x12\x12\n\nrope_theta\x18\x0c \x01(\x01\x12\x16\n\x0emax_concurrent\x18\r \x01(\r2\xae\x01\n\x0ePrefillService\x12\x39\n\x07Prefill\x12\x16.scd.v1.PrefillRequest\x1a\x14.scd.v1.PrefillChunk0\x01\x12\x31\n\x05\x41\x62ort\x12\x14.scd.v1.AbortRequest\x1a\x12.scd.v1.AbortReply\x12.\n\x04Info\x12\x13.scd.v1.InfoRequest\x1a\x11.scd.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=28
   _globals['_TENSOR']._serialized_end=109
   _globals['_PREFILLREQUEST']._serialized_start=112
-  _globals['_PREFILLREQUEST']._serialized_end=248
-  _globals['_PREFILLCHUNK']._serialized_start=250
-  _globals['_PREFILLCHUNK']._serialized_end=354
-  _globals['_TRANSFERHEADER']._serialized_start=357
-  _globals['_TRANSFERHEADER']._serialized_end=630
-  _globals['_KVCHUNK']._serialized_start=633
-  _globals['_KVCHUNK']._serialized_end=838
-  _globals['_ABORTREQUEST']._serialized_start=840
-  _globals['_ABORTREQUEST']._serialized_end=890
-  _globals['_ABORTREPLY']._serialized_start=892
-  _globals['_ABORTREPLY']._serialized_end=925
-  _globals['_INFOREQUEST']._serialized_start=927
-  _globals['_INFOREQUEST']._serialized_end=940
-  _globals['_CODECINFO']._serialized_start=942
-  _globals['_CODECINFO']._serialized_end=1015
-  _globals['_INFOREPLY']._serialized_start=1018
-  _globals['_INFOREPLY']._serialized_end=1344
-  _globals['_PREFILLSERVICE']._serialized_start=1347
-  _globals['_PREFILLSERVICE']._serialized_end=1521
+  _globals['_PREFILLREQUEST']._serialized_end=288
+  _globals['_PREFILLCHUNK']._serialized_start=290
+  _globals['_PREFILLCHUNK']._serialized_end=394
+  _globals['_TRANSFERHEADER']._serialized_start=397
+  _globals['_TRANSFERHEADER']._serialized_end=670
+  _globals['_KVCHUNK']._serialized_start=673
+  _globals['_KVCHUNK']._serialized_end=878
+  _globals['_ABORTREQUEST']._serialized_start=880
+  _globals['_ABORTREQUEST']._serialized_end=930
+  _globals['_ABORTREPLY']._serialized_start=932
+  _globals['_ABORTREPLY']._serialized_end=965
+  _globals['_INFOREQUEST']._serialized_start=967
+  _globals['_INFOREQUEST']._serialized_end=980
+  _globals['_CODECINFO']._serialized_start=982
+  _globals['_CODECINFO']._serialized_end=1055
+  _globals['_INFOREPLY']._serialized_start=1058
+  _globals['_INFOREPLY']._serialized_end=1384
+  _globals['_PREFILLSERVICE']._serialized_start=1387
+  _globals['_PREFILLSERVICE']._serialized_end=1561
 # @@protoc_insertion_point(module_scope)
