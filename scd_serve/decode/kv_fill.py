@@ -25,7 +25,7 @@ import grpc
 from scd_serve.config.decode import DecodeConfig
 from scd_serve.control.lifecycle import detach
 from scd_serve.codec.base import transferred
-from scd_serve.codec.rebuild import begin, checked_layer, codes_from, decodes_from
+from scd_serve.codec.rebuild import all_finite, begin, checked_layer, codes_from, decodes_from
 from scd_serve.decode.breaker import OPEN
 from scd_serve.decode.job import TransferJob
 from scd_serve.decode.receive import Received, check_header
@@ -37,6 +37,7 @@ from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, Overloaded, Sc
                               TransferTimedOut, Unavailable)
 from scd_serve.transport.chunking import StreamVerifier
 from scd_serve.transport.proto import pb
+from scd_serve.transport.tensors import LAST_H, LAST_K, LAST_V, split_last_row
 from scd_serve.transport.status import from_rpc_error, is_retryable
 
 log = logging.getLogger("scd_serve.decode")
@@ -232,6 +233,9 @@ class RemoteKVFill:
         first = codes_from(codec, ship_from, len(tokens))
         request = pb.PrefillRequest(request_id=rid, token_ids=tokens, method=req.method, start=first,
                                     consumer_fingerprint=self.rt.fingerprint)
+        if getattr(sink, "takes_last_row", False) and peer.info.producer_fingerprint == self.rt.fingerprint:
+            # the worker runs this model: it may prefill the last token too and ship the first step
+            request.last_token = req.prompt_token_ids[-1]
         rebuild = begin(codec, tokens, self.rt, ship_from)  # the prompt's decode side (codec/rebuild.py)
         for hook in self.codec_hooks:
             rebuild = hook(rebuild, rid)
@@ -327,7 +331,14 @@ class RemoteKVFill:
             raise TransferFailed(f"preparing the rebuild failed: {type(exc).__name__}: {exc}") from None
 
     def rebuild_layer(self, layer: int, code: dict, rebuild, sink, skip: int = 0) -> None:
-        """One layer's code into the sink, less its first `skip` rows (held here already)."""
+        """One layer's code into the sink, less its first `skip` rows (held here already); the
+        prompt's last row first where the producer shipped it (last-row handoff)."""
+        code, last = split_last_row(code)
+        if last:
+            k, v, h = last.get(LAST_K), last.get(LAST_V), last.get(LAST_H)
+            if not all(all_finite(t) for t in (k, v, h) if t is not None):
+                raise TransferCorrupt(f"layer {layer}: the last row is not finite: refused before the cache")
+            sink.write_last_row(layer, k, v, h)
         sink.write_layer(layer, *checked_layer(rebuild, layer, code, skip))
 
     def _abort_remote(self, peer, rid: str) -> None:

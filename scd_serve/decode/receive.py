@@ -15,12 +15,12 @@ import grpc
 
 from scd_serve.errors import IncompatiblePeer, TransferCorrupt
 from scd_serve.transport.chunking import StreamVerifier
-from scd_serve.transport.tensors import decode_code
+from scd_serve.transport.tensors import LAST_ROW, decode_code
 
 
 @dataclass
 class Received:
-    payload_bytes: int = 0  # code bytes received
+    payload_bytes: int = 0  # code bytes received (not a last-row handoff's few: prefill/service.py)
     encode_us: int = 0  # producer time the chunks report
     rebuild_s: float = 0.0  # prepare + decode + write, summed
     first_chunk_at: float | None = None  # time.perf_counter() at each chunk's arrival
@@ -69,7 +69,7 @@ def receive(call: Iterable, verifier: StreamVerifier, prepare: Callable[[], None
         if chunk is None:
             waiting = time.perf_counter()
             continue
-        nbytes = sum(len(t.data) for t in chunk.tensors)
+        nbytes = sum(len(t.data) for t in chunk.tensors if t.name not in LAST_ROW)  # codes only
         if got.first_chunk_at is None:
             got.first_chunk_at, got.first_chunk_bytes = now, nbytes
         got.last_chunk_at = now

@@ -81,6 +81,13 @@ class _Tee:
     def limit(self, num_tokens: int) -> None:
         self._sink.limit(num_tokens)
 
+    @property
+    def takes_last_row(self) -> bool:
+        return self._sink.takes_last_row
+
+    def write_last_row(self, layer: int, k_pre, v, h=None) -> None:
+        self._sink.write_last_row(layer, k_pre, v, h)  # not kept: a copy runs its own first step
+
     def write_layer(self, layer: int, k_pre, v) -> None:
         self._sink.write_layer(layer, k_pre, v)
         self._shared.put(layer, k_pre, v)

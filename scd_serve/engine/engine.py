@@ -125,7 +125,8 @@ class Engine:
                 "prefix_cache_queried_tokens": bm.num_queried_tokens, "prefix_cache_hit_tokens": bm.num_hit_tokens,
                 "num_generated_tokens": self.num_generated_tokens,
                 "num_steps": self.num_steps, "num_fallbacks": self.num_fallbacks,
-                "num_steps_ahead": self.runner.num_steps_ahead, "ready": self.ready()}
+                "num_steps_ahead": self.runner.num_steps_ahead,
+                "num_last_rows": self.runner.num_last_rows, "ready": self.ready()}
 
     def cached_prefix(self, token_ids: list[int], method: str) -> int:
         """Prompt tokens a request by `method` (a fill's, or "local") would find in the prefix

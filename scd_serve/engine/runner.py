@@ -17,6 +17,7 @@ from scd_serve.engine.sequence import Sequence
 from scd_serve.engine.runtime_protocol import Runtime
 from scd_serve.engine.sink import LayerSink
 from scd_serve.engine.step_ahead import StepAhead
+from scd_serve.errors import TransferCorrupt
 
 
 class Runner:
@@ -28,7 +29,10 @@ class Runner:
         # sink reports complete (so never for a fill that falls back), taken by the sequence's
         # next decode, or forgotten when it ends before one
         self._ready: dict[int, torch.Tensor] = {}
-        self.num_steps_ahead = 0  # first tokens sampled from a step made ahead (engine stats)
+        # first tokens sampled from logits made ahead of the engine's step: by a step run as the
+        # fill landed (StepAhead), or by the prefill worker (a last-row handoff, counted apart too)
+        self.num_steps_ahead = 0
+        self.num_last_rows = 0  # first steps the prefill worker made (last-row handoffs taken)
         self.mask = TokenMask()  # structured outputs' bitmask, allocated on the first constrained step
 
     @torch.inference_mode()
@@ -105,9 +109,18 @@ class Runner:
                               request_id=seq.request.request_id)
         fill = _FillWriter(lambda n: self.runtime.kv_writer(self.pool, block_ids, n - start, start),  # start..n-1
                            num_tokens, ahead)
+        last = None
+        if getattr(self.runtime, "logits_of", None) is not None:
+            last = _LastRow(lambda: self.runtime.kv_writer(self.pool, block_ids, 1, num_tokens),  # slot T-1
+                            self.runtime, lambda logits: self._hand_over(seq, logits), fill)
         return LayerSink(fill.write, request_id=seq.request.request_id, num_layers=spec.num_layers,
                          num_tokens=num_tokens, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, start=start,
-                         prepare=fill.prepare, on_complete=on_complete, on_limit=fill.limit)
+                         prepare=fill.prepare, on_complete=on_complete, on_limit=fill.limit,
+                         write_last=last.write if last is not None else None)
+
+    def _hand_over(self, seq: Sequence, logits: torch.Tensor) -> None:
+        self._ready[seq.seq_id] = logits[0]
+        self.num_last_rows += 1
 
 
 class _FillWriter:
@@ -121,6 +134,9 @@ class _FillWriter:
         """A fill of fewer tokens (a replayed tail): its own writer, and no step ahead, since the
         engine prefills the tail before the first decode step."""
         self._num_tokens, self._writer, self._ahead = num_tokens, None, None
+
+    def drop_step_ahead(self) -> None:
+        self._ahead = None
 
     def prepare(self) -> None:
         if self._writer is None:
@@ -136,3 +152,30 @@ class _FillWriter:
             self._writer.write(layer, k_pre, v)
             if self._ahead is not None:
                 self._ahead.landed(layer)
+
+
+class _LastRow:
+    """The prompt's last row as the producer computed it (the last-row handoff): each layer's K/V
+    written at slot T-1, and once every layer's is in, the final output's logits handed over as
+    the first step's. The fill's step ahead is dropped at the first row: it would compute the same."""
+
+    def __init__(self, make_writer, runtime, on_logits, fill: _FillWriter):
+        self._make_writer, self._rt, self._on_logits, self._fill = make_writer, runtime, on_logits, fill
+        self._writer, self._layers = None, set()
+
+    def write(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None) -> None:
+        # k_pre, v: [1, kv_heads, head_dim] of one layer, keys before RoPE; h: [1, hidden] or None
+        spec = self._rt.spec
+        if h is not None and h.shape[-1] != spec.hidden_size:
+            raise TransferCorrupt(f"last.h has {h.shape[-1]} columns; the model's hidden size is {spec.hidden_size}")
+        self._fill.drop_step_ahead()
+        with torch.inference_mode():
+            if self._writer is None:
+                self._writer = self._make_writer()
+            self._writer.write(layer, k_pre.to(self._rt.dtype), v.to(self._rt.dtype))  # a producer may run another dtype
+            self._layers.add(layer)
+            if h is not None and len(self._layers) == spec.num_layers:
+                logits = self._rt.logits_of(h.to(self._rt.dtype))  # [1, vocab] float32
+                if not bool(torch.isfinite(logits).all()):
+                    raise TransferCorrupt("last.h gives non-finite logits: refused")
+                self._on_logits(logits)

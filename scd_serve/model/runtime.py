@@ -36,11 +36,12 @@ class LayerState:
     residual: Tensor | None = None
     start: int = 0  # the prompt position of row 0
 
-    def rows_from(self, start: int) -> LayerState:
-        """The rows of prompt positions start.. (a transfer after the decode side's cached prefix)."""
-        cut = start - self.start
-        return LayerState(self.keys[cut:], self.values[cut:], self.attn_input[cut:],
-                          None if self.residual is None else self.residual[cut:], start)
+    def rows_from(self, start: int, end: int | None = None) -> LayerState:
+        """The rows of prompt positions start..end-1 (a transfer after the decode side's cached
+        prefix; end: before a row shipped apart, the last-row handoff's)."""
+        cut = slice(start - self.start, None if end is None else end - self.start)
+        return LayerState(self.keys[cut], self.values[cut], self.attn_input[cut],
+                          None if self.residual is None else self.residual[cut], start)
 
 
 @dataclass
@@ -76,6 +77,10 @@ class PrefillIterator:
 
 
 class ModelRuntime:
+    # iter_prefill(last_hidden=True) gives the final row's output: a prefill worker running the
+    # consumer's own model ships the decode side its first step (prefill/service.py)
+    computes_last_row = True
+
     def __init__(self, loaded: loader.Loaded, device: torch.device, dtype: torch.dtype):
         self.path: Path = loaded.path
         self.spec = loaded.spec

@@ -36,24 +36,32 @@ class PrefixStates:
         """Producer tokens not computed again (the block manager counts its hits)."""
         return self.blocks.num_hit_tokens
 
-    def layers(self, tokens: list[int], start: int) -> Iterator[tuple[int, LayerState]] | None:
+    def layers(self, tokens: list[int], start: int, last_hidden: bool = False) -> Iterator[tuple[int, LayerState]] | None:
         """The producer's states layer by layer (rows from the cached prefix on, at most `start`),
-        or None when the pool cannot hold the prompt now (the caller prefills it whole)."""
+        or None when the pool cannot hold the prompt now (the caller prefills it whole).
+        last_hidden: a run with nothing cached ends with the final row's output (iter_prefill's)."""
         seq = Sequence(GenerationRequest("prefill", tokens))
         with self._lock:
             if not self.blocks.can_allocate(seq, cache_lookup=True, limit=start):
                 return None
             cached = self.blocks.allocate(seq, cache_lookup=True, limit=start)
-        return self._run(seq, cached)
+        return self._run(seq, cached, last_hidden)
 
-    def _run(self, seq: Sequence, cached: int) -> Iterator[tuple[int, LayerState]]:
-        done = False
+    def _run(self, seq: Sequence, cached: int, last_hidden: bool):
+        done, out = False, None
         try:
             rest = torch.tensor(seq.token_ids[cached:], dtype=torch.long)  # rest: [T - cached]
             if cached:
                 yield from self.rt.iter_prefill(rest, compute_logits=False, cached=(self.pool, seq.block_ids, cached))
             else:  # nothing cached: the dense prefill (faster than attending to the pool), its K/V kept
-                for layer, state in self.rt.iter_prefill(rest, compute_logits=False, residuals=True):
+                states = iter(self.rt.iter_prefill(rest, compute_logits=False, residuals=True,
+                                                   **({"last_hidden": True} if last_hidden else {})))
+                while True:
+                    try:
+                        layer, state = next(states)
+                    except StopIteration as end:
+                        out = end.value  # the final row's output where last_hidden asked for it
+                        break
                     self.rt.write_kv(self.pool, seq.block_ids, layer, state.keys, state.values)
                     yield layer, state
             done = True
@@ -63,3 +71,4 @@ class PrefixStates:
                     seq.num_cached = seq.num_tokens
                     self.blocks.cache_full_blocks(seq)
                 self.blocks.free(seq)
+        return out

@@ -26,7 +26,7 @@ from scd_serve.prefill.metrics import PrefillMetrics
 from scd_serve.transport.chunking import chunk_message, group_layers
 from scd_serve.transport.proto import PROTOCOL_VERSION, pb, pb_grpc
 from scd_serve.transport.status import abort_with
-from scd_serve.transport.tensors import encode_code
+from scd_serve.transport.tensors import LAST_H, LAST_K, LAST_V, encode_code
 
 log = logging.getLogger("scd_serve.prefill")
 MAX_REQUEST_ID = 128
@@ -173,6 +173,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         vocab = self.rt.spec.vocab_size
         if max(tokens) >= vocab:
             raise InvalidRequest(f"token id {max(tokens)} >= vocab size {vocab}", field="token_ids")
+        if request.HasField("last_token") and request.last_token >= vocab:
+            raise InvalidRequest(f"last_token {request.last_token} >= vocab size {vocab}", field="last_token")
         offered = [c[request.method] for c in (self.codecs, *self.experts) if request.method in c]
         if not offered:
             raise InvalidRequest(f"method {request.method!r} not served here; have {sorted(self.codecs)}",
@@ -214,13 +216,24 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         # cached: an expert that reads the prompt next is served without a prefill of its own
         siblings = [c[request.method] for c in (self.codecs, *self.experts)
                     if request.method in c and c[request.method].version != codec.version]
-        made = await self._produce_and_send(tokens, request.start, [codec, *siblings], t, context, len(ranges))
+        made = await self._produce_and_send(tokens, request.start, [codec, *siblings], t, context, len(ranges),
+                                            self._last_token(request, tokens))
         for c, layers in zip([codec, *siblings], made):
             self.cache.put(cache_key(request.method, c.version, tokens, request.start), layers)
 
+    def _last_token(self, request, tokens: list[int]) -> int | None:
+        """The prompt's last token where this worker runs the asking consumer's own model (the
+        last-row handoff: its row rides along, so the decode side skips its first step), else None."""
+        if not request.HasField("last_token") or request.consumer_fingerprint != self.rt.fingerprint:
+            return None
+        if not getattr(self.rt, "computes_last_row", False) or len(tokens) >= self.rt.spec.max_position_embeddings:
+            return None
+        return request.last_token
+
     async def _produce_and_send(self, tokens, start: int, codecs: list, t: Transfer, context,
-                                total: int) -> list[list[list]]:
-        """Stream codecs[0]'s codes as the producer makes them; -> every codec's layers."""
+                                total: int, last_token: int | None = None) -> list[list[list]]:
+        """Stream codecs[0]'s codes (and the last row, where asked) as the producer makes them;
+        -> every codec's layers (codes only: they are what the code cache keeps)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -233,7 +246,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         # each keep an OpenMP team, and with more teams than CPUs libgomp sleeps every team's workers
         # between ops (model/threads.py): after a burst of streams, a 1k prompt's P/D TTFT 1.38 s
         # against 1.16 s this way (docs/benchmarks.md, with what it costs concurrent streams)
-        threading.Thread(target=_produce, args=(self.rt, codecs, tokens, start, t.stop, emit, self.prefix),
+        threading.Thread(target=_produce, args=(self.rt, codecs, tokens, start, t.stop, emit, self.prefix, last_token),
                          name="producer", daemon=True).start()
         made: list[list[list]] = [[] for _ in codecs]
         while True:
@@ -243,11 +256,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             if isinstance(item, BaseException):
                 log.error("producer failed request_id=%s: %s", t.request_id, item)
                 raise TransferFailed(f"producer failed on layer {len(made[0])}: {type(item).__name__}")
-            layer, per_codec, us = item
+            layer, per_codec, us, last_row = item
             for layers, tensors in zip(made[1:], per_codec[1:]):
                 layers.append(tensors)
             tensors = per_codec[0]
-            msg = chunk_message(t.request_id, layer, total, layer, layer + 1, tensors, us)
+            msg = chunk_message(t.request_id, layer, total, layer, layer + 1, tensors + last_row, us)
             if msg.ByteSize() > self.config.transport.max_message_bytes - FRAMING:
                 raise PayloadTooLarge(f"layer {layer} code is {msg.ByteSize()} bytes, over max_message_bytes "
                                       f"({self.config.transport.max_message_bytes}); raise --max-message-mb "
@@ -262,26 +275,52 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
 
 def _produce(rt, codecs: list, tokens: list[int], first: int, stop: threading.Event, emit,
-             prefix: PrefixStates | None = None) -> None:
+             prefix: PrefixStates | None = None, last_token: int | None = None) -> None:
     """Worker thread: prefill layer by layer (from the producer's cached prefix on, where it
     holds one), encode the rows from position `first` on (the states of every earlier token
-    shaped them) by each codec, hand each layer over at once."""
-    states = None
+    shaped them) by each codec, hand each layer over at once.
+
+    With last_token, the prompt's last token is prefilled too: its row of every layer ("last.k",
+    "last.v", pre-RoPE) rides with that layer's codes, and the last layer's output ("last.h",
+    [1, hidden]) with the last layer's, which waits for it. A prefix run over cached blocks
+    cannot give that row: it ships without it, and the decode side runs its first step."""
+    states, held = None, None
+    n, last_layer = len(tokens), rt.spec.num_layers - 1
     try:
         start = time.perf_counter()
-        states = prefix.layers(tokens, first) if prefix is not None else None
+        full = tokens if last_token is None else [*tokens, last_token]
+        states = prefix.layers(full, first, last_token is not None) if prefix is not None else None
         if states is None:
-            ids = torch.tensor(tokens, dtype=torch.long)  # ids: [T]
+            ids = torch.tensor(full, dtype=torch.long)  # ids: [T] (with the last token where asked)
             residuals = any(wants_residuals(c, rt.spec.num_layers) for c in codecs)
-            states = rt.iter_prefill(ids, compute_logits=False, residuals=residuals)
-        for layer, state in states:
+            states = rt.iter_prefill(ids, compute_logits=False, residuals=residuals,
+                                     **({"last_hidden": True} if last_token is not None else {}))
+        rows = iter(states)
+        while True:
+            try:
+                layer, state = next(rows)
+            except StopIteration as end:
+                final_row = end.value  # a last-row run's: the last layer's output [1, hidden]
+                break
             if stop.is_set():
                 return
-            rows = state.rows_from(first) if first else state
-            tensors = [encode_code(layer, c.encode_layer(layer, rows)) for c in codecs]
+            last_row: dict = {}
+            if state.start + state.keys.shape[0] > n:  # the last token's row came too
+                last_row = {LAST_K: state.keys[-1:], LAST_V: state.values[-1:]}  # [1, kv_heads, hd] each
+            rows_out = state.rows_from(first, n) if last_row or first else state
+            item = [layer, [encode_code(layer, c.encode_layer(layer, rows_out)) for c in codecs], 0,
+                    encode_code(layer, last_row)]
+            if last_row and layer == last_layer:
+                held = item  # sent with the final row's output, a moment later
+                continue
             now = time.perf_counter()
-            emit((layer, tensors, int((now - start) * 1e6)))
-            start = now
+            item[2], start = int((now - start) * 1e6), now
+            emit(tuple(item))
+        if held is not None:
+            if final_row is not None:
+                held[3] += encode_code(last_layer, {LAST_H: final_row})
+            held[2] = int((time.perf_counter() - start) * 1e6)
+            emit(tuple(held))
         emit(_DONE)
     except BaseException as exc:  # noqa: BLE001 - handed to the loop, which fails the RPC
         emit(exc)

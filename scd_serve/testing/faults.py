@@ -72,7 +72,12 @@ class FaultyProducer:
         return getattr(self._rt, name)
 
     def iter_prefill(self, ids, compute_logits: bool = True, residuals: bool = False, **kw):
-        for layer, state in self._rt.iter_prefill(ids, compute_logits=compute_logits, residuals=residuals, **kw):
+        states = iter(self._rt.iter_prefill(ids, compute_logits=compute_logits, residuals=residuals, **kw))
+        while True:
+            try:
+                layer, state = next(states)
+            except StopIteration as end:
+                return end.value  # the logits or the final row's output, as the runtime's iterator ends
             if self.layer_delay_s:
                 time.sleep(self.layer_delay_s)
             yield layer, state

@@ -17,6 +17,10 @@ DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n)
                                   for n in ("float16", "bfloat16", "float32", "int8", "uint8")}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_RANK = 6
+# the last-row handoff's tensors (PrefillRequest.last_token): the prompt's last token's K/V row of
+# a layer, pre-RoPE ([1, kv_heads, head_dim] each), and with the last layer its output [1, hidden]
+LAST_K, LAST_V, LAST_H = "last.k", "last.v", "last.h"
+LAST_ROW = frozenset((LAST_K, LAST_V, LAST_H))
 
 
 def to_proto(layer: int, name: str, tensor: torch.Tensor) -> pb.Tensor:
@@ -60,3 +64,9 @@ def decode_code(tensors, layer: int) -> dict[str, torch.Tensor]:
             raise ValueError(f"layer {layer}: tensor {msg.name!r} appears twice")
         code[msg.name] = from_proto(msg)
     return code
+
+
+def split_last_row(code: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A received layer's tensors -> (the codec's code, the last row's tensors, maybe none)."""
+    last = {name: code.pop(name) for name in (LAST_K, LAST_V, LAST_H) if name in code}
+    return code, last

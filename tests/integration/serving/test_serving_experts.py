@@ -11,6 +11,7 @@ from scd_serve.config.transport import TransportConfig
 from scd_serve.errors import IncompatiblePeer
 from scd_serve.prefill.worker import PrefillWorker
 from scd_serve.testing.codebooks import quick_codebook
+from scd_serve.transport.proto import pb
 
 from serving_helpers import engine_for, greedy, make_decode, prompts, settled, tiny_runtime
 
@@ -71,6 +72,6 @@ async def test_a_consumer_without_a_codebook_here_is_refused_by_name(experts):
     servicer = PrefillWorker(base, {"scd": codec_registry.build("scd", producer=base, codebook=Codebook.load(coder_book))},
                              PrefillConfig(model="unused", port=0, transport=TransportConfig())).servicer
     writer_fp = by_name["writer"][0].fingerprint
-    request = type("R", (), {"request_id": "x", "method": "scd", "consumer_fingerprint": writer_fp, "start": 0})()
+    request = pb.PrefillRequest(request_id="x", method="scd", consumer_fingerprint=writer_fp, start=0)
     with pytest.raises(IncompatiblePeer, match="no codebook of 'scd' here is for consumer"):
         servicer._admit(request, [1, 2, 3])

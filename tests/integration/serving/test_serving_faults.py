@@ -181,6 +181,7 @@ async def test_full_worker_says_resource_exhausted_and_stays_serving(rt):
         for bad, field in [(dict(request_id="", token_ids=[1]), "request_id"),
                            (dict(request_id="y", token_ids=[]), "token_ids"),
                            (dict(request_id="y", token_ids=[999]), "vocab"),
+                           (dict(request_id="y", token_ids=[1], last_token=999), "last_token"),
                            (dict(request_id="y", token_ids=[1], method="nope"), "method")]:
             call = client.prefill(pb.PrefillRequest(**({"method": "identity"} | bad)), timeout=5)
             with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -4,8 +4,13 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
+from scd_serve.config.transport import TransportConfig
 from scd_serve.decode import kv_fill
+from scd_serve.transport.client import PrefillClient
+from scd_serve.transport.proto import pb
+from scd_serve.transport.tensors import decode_code
 
 from serving_helpers import engine_for, greedy, make_decode, prompts, settled, start_prefill
 
@@ -162,6 +167,66 @@ async def test_requests_for_the_same_prompt_at_once_share_one_transfer(rt):
                                        return_exceptions=True)
         assert sum(r == want for r in results) == 2 and len(calls) == 3  # the two readers transferred alone
         assert fill.shared.num_shared == 2 and fill.shared.live == {}
+    finally:
+        await engine.stop(grace_s=1)
+        await peers.close()
+        await node.stop()
+
+
+async def _chunks(client, rid: str, tokens: list[int], **fields) -> list:
+    call = client.prefill(pb.PrefillRequest(request_id=rid, token_ids=tokens, method="identity", **fields), timeout=10)
+    return [m.chunk for m in [msg async for msg in call] if m.WhichOneof("body") == "chunk"]
+
+
+@pytest.mark.timeout(60)
+async def test_the_last_row_rides_with_each_layer_for_the_consumers_own_model(rt):
+    """PrefillRequest.last_token from a consumer running the worker's model: every layer's chunk
+    carries the last token's K/V row, the last one its output too, each the model's own; never
+    kept in the code cache, never for another model."""
+    node = await start_prefill(rt)
+    client = PrefillClient(node.address, TransportConfig())
+    try:
+        prompt = prompts(1, seed=11)[0]
+        tokens, last, n = prompt[:-1], prompt[-1], rt.spec.num_layers
+        full = rt.prefill(torch.tensor(prompt))  # keys [L, T, kv_heads, hd], logits [T, vocab]
+        chunks = await _chunks(client, "a", tokens, last_token=last, consumer_fingerprint=rt.fingerprint)
+        codes = [decode_code(c.tensors, layer) for c in chunks for layer in range(c.layer_start, c.layer_end)]
+        assert len(codes) == n
+        for layer, code in enumerate(codes):
+            assert torch.allclose(code["last.k"].float(), full.keys[layer, -1:].float(), atol=1e-5)
+            assert ("last.h" in code) == (layer == n - 1)
+            assert code["k"].shape[0] == len(tokens)  # the codes cover the handoff's rows only
+        first = rt.logits_of(codes[-1]["last.h"])[0]  # [vocab]
+        assert torch.allclose(first, full.logits[-1], atol=1e-4)
+        # the same prompt again: the code cache's codes, without the row
+        again = await _chunks(client, "b", tokens, last_token=last, consumer_fingerprint=rt.fingerprint)
+        assert node.servicer.cache.num_hits == 1
+        assert not [t.name for c in again for t in c.tensors if t.name.startswith("last.")]
+        # another consumer's model (or none named): no row
+        other = await _chunks(client, "c", prompt[1:-1], last_token=last, consumer_fingerprint="another")
+        assert not [t.name for c in other for t in c.tensors if t.name.startswith("last.")]
+    finally:
+        await client.close()
+        await node.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["identity", "raw"])
+async def test_the_first_token_comes_from_the_producers_last_row_and_equals_local(rt, method):
+    """P/D with one model: the decode side takes its first token from the row the worker shipped
+    (no first step of its own) and every token is the local prefill's; a resend from the code
+    cache carries no row, and the engine runs that step itself, to the same tokens."""
+    node = await start_prefill(rt, methods=(method,))
+    peers, fill = await make_decode(rt, [node.address], method=method)
+    engine = engine_for(rt, prefix_caching=False)  # a repeat is the producer code cache's to serve
+    try:
+        ps = prompts(3, seed=12)
+        local = [await greedy(engine, f"l{i}", p) for i, p in enumerate(ps)]
+        rows = engine.stats()["num_last_rows"]
+        assert [await greedy(engine, f"d{i}", p, method, fill) for i, p in enumerate(ps)] == local
+        assert engine.stats()["num_last_rows"] == rows + 3 and fill.stats.num_cache_hits == 0
+        assert await greedy(engine, "again", ps[0], method, fill) == local[0]
+        assert fill.stats.num_cache_hits == 1 and engine.stats()["num_last_rows"] == rows + 3
     finally:
         await engine.stop(grace_s=1)
         await peers.close()

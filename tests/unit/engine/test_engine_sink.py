@@ -120,3 +120,28 @@ def test_a_limited_fill_takes_the_shorter_rows_and_tells_its_writer_once():
     for bad in (0, 6):
         with pytest.raises(TransferFailed):
             sink.limit(bad)
+
+
+def test_a_last_row_is_checked_and_taken_only_for_the_whole_handoff():
+    rows = []
+    sink = LayerSink(lambda layer, k, v: None, request_id="r", num_layers=2, num_tokens=3, kv_heads=1, head_dim=4,
+                     write_last=lambda layer, k, v, h: rows.append((layer, h is not None)))
+    row = torch.zeros(1, 1, 4)
+    for layer, k, v, h in [(2, row, row, None), (0, torch.zeros(2, 1, 4), row, None), (0, row, None, None),
+                           (1, row, row, torch.zeros(2, 8)), (1, row, row, torch.zeros(8))]:
+        with pytest.raises(TransferCorrupt):
+            sink.write_last_row(layer, k, v, h)
+    assert sink.takes_last_row and rows == []
+    sink.write_last_row(0, row, row)
+    sink.write_last_row(1, row, row, torch.zeros(1, 8))
+    assert rows == [(0, False), (1, True)]
+    sink.limit(2)  # a replayed tail: the engine prefills the rest, the last row is not the next slot
+    assert not sink.takes_last_row
+    sink.write_last_row(0, row, row)
+    assert len(rows) == 2
+    sink.close()
+    with pytest.raises(TransferFailed):
+        sink.write_last_row(0, row, row)
+    plain = make([])  # an engine that cannot take one: ignored
+    assert not plain.takes_last_row
+    plain.write_last_row(0, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
