@@ -63,6 +63,9 @@ class Metrics:
         self.served = counter("scd_requests_served", "answered requests by where the prompt's K/V came from "
                               "(disaggregated: a prefill worker's transfer; local: this worker's own prefill)",
                               ["kv_source"])
+        self.first_ahead = counter("scd_first_tokens_made_ahead", "first tokens sampled from logits made before the "
+                                   "engine's step (decode_worker: a step run as the K/V landed; prefill_worker: "
+                                   "the last row the prefill worker shipped)", ["by"])
         self._totals: dict[int, float] = {}  # id(counter child) -> the cumulative stat counted so far
         self.ttft = latency("scd_time_to_first_token_seconds", "request received -> first token", ["method"])
         self.inter_token = gap("scd_inter_token_latency_seconds", "gap between consecutive tokens", ["method"])
@@ -153,6 +156,8 @@ class Metrics:
             self.vllm_kv_usage.labels(model).set(1.0 - stats.get("num_free_blocks", total) / total)
         counted = [(self.vllm_prefix_queries.labels(model), stats.get("prefix_cache_queried_tokens")),
                    (self.vllm_prefix_hits.labels(model), stats.get("prefix_cache_hit_tokens")),
+                   (self.first_ahead.labels("decode_worker"), stats.get("num_steps_ahead")),
+                   (self.first_ahead.labels("prefill_worker"), stats.get("num_last_rows")),
                    *((self.served.labels(k), n) for k, n in stats.get("served", {}).items())]
         for child, now in counted:
             if now is not None:

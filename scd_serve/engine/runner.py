@@ -29,10 +29,9 @@ class Runner:
         # sink reports complete (so never for a fill that falls back), taken by the sequence's
         # next decode, or forgotten when it ends before one
         self._ready: dict[int, torch.Tensor] = {}
-        # first tokens sampled from logits made ahead of the engine's step: by a step run as the
-        # fill landed (StepAhead), or by the prefill worker (a last-row handoff, counted apart too)
-        self.num_steps_ahead = 0
-        self.num_last_rows = 0  # first steps the prefill worker made (last-row handoffs taken)
+        self._by_producer: set[int] = set()  # seq_ids whose ready logits came from a last-row handoff
+        self.num_steps_ahead = 0  # first tokens sampled from a step run as the fill landed (StepAhead)
+        self.num_last_rows = 0  # first tokens sampled from the prefill worker's last row
         self.mask = TokenMask()  # structured outputs' bitmask, allocated on the first constrained step
 
     @torch.inference_mode()
@@ -86,14 +85,20 @@ class Runner:
     def forget(self, seq: Sequence) -> None:
         """Drop a first step made ahead for a sequence that ends before its next decode."""
         self._ready.pop(seq.seq_id, None)
+        self._by_producer.discard(seq.seq_id)
 
     def _take_ready(self, seq: Sequence) -> torch.Tensor | None:
         row = self._ready.pop(seq.seq_id, None)
+        by_producer = seq.seq_id in self._by_producer
+        self._by_producer.discard(seq.seq_id)
         # only the step it was made for: the first one, on the filled K/V (not after a preemption)
         fresh = seq.num_output_tokens == 0 and seq.num_preemptions == 0 and seq.num_cached == seq.num_tokens - 1
         if row is None or not fresh:
             return None
-        self.num_steps_ahead += 1
+        if by_producer:
+            self.num_last_rows += 1
+        else:
+            self.num_steps_ahead += 1
         return row
 
     def sink_for(self, seq: Sequence, on_complete=None, step_ahead: bool = True) -> LayerSink:
@@ -105,7 +110,7 @@ class Runner:
         if step_ahead and self.runtime.begin_decode_step is not None:
             item = (block_ids, num_tokens, seq.last_token)
             ahead = StepAhead(lambda: self.runtime.begin_decode_step(self.pool, [item]), spec.num_layers,
-                              lambda logits: self._ready.__setitem__(seq.seq_id, logits[0]),
+                              lambda logits: self._made_ahead(seq, logits),
                               request_id=seq.request.request_id)
         fill = _FillWriter(lambda n: self.runtime.kv_writer(self.pool, block_ids, n - start, start),  # start..n-1
                            num_tokens, ahead)
@@ -118,9 +123,13 @@ class Runner:
                          prepare=fill.prepare, on_complete=on_complete, on_limit=fill.limit,
                          write_last=last.write if last is not None else None)
 
+    def _made_ahead(self, seq: Sequence, logits: torch.Tensor) -> None:
+        self._ready[seq.seq_id] = logits[0]
+        self._by_producer.discard(seq.seq_id)
+
     def _hand_over(self, seq: Sequence, logits: torch.Tensor) -> None:
         self._ready[seq.seq_id] = logits[0]
-        self.num_last_rows += 1
+        self._by_producer.add(seq.seq_id)
 
 
 class _FillWriter:

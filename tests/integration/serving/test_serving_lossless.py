@@ -222,11 +222,13 @@ async def test_the_first_token_comes_from_the_producers_last_row_and_equals_loca
     try:
         ps = prompts(3, seed=12)
         local = [await greedy(engine, f"l{i}", p) for i, p in enumerate(ps)]
-        rows = engine.stats()["num_last_rows"]
+        rows, ahead = engine.stats()["num_last_rows"], engine.stats()["num_steps_ahead"]
         assert [await greedy(engine, f"d{i}", p, method, fill) for i, p in enumerate(ps)] == local
         assert engine.stats()["num_last_rows"] == rows + 3 and fill.stats.num_cache_hits == 0
+        assert engine.stats()["num_steps_ahead"] == ahead  # no first step ran here
         assert await greedy(engine, "again", ps[0], method, fill) == local[0]
         assert fill.stats.num_cache_hits == 1 and engine.stats()["num_last_rows"] == rows + 3
+        assert engine.stats()["num_steps_ahead"] == ahead + 1  # the engine was idle: run as the K/V landed
     finally:
         await engine.stop(grace_s=1)
         await peers.close()
