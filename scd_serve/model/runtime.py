@@ -120,20 +120,21 @@ class ModelRuntime:
         """cached: (pool, block_ids, n) where the prompt's first n tokens' K/V are (a prefix
         cache): input_ids are then the rest, computed over that K/V in place (model/step.py,
         their own K/V written after it), and every LayerState has residuals, start n, no logits.
-        last_hidden (with compute_logits=False): the last layer runs for the final row alone and
-        the iterator ends with that row's output [1, hidden] (what the output head would read)."""
+        last_hidden (with compute_logits=False, or cached): the last layer runs for the final row
+        alone and the iterator ends with that row's output [1, hidden] (what the output head reads)."""
         ids = self._check_ids(input_ids)
         if cached is not None:
-            return PrefillIterator(self._continue(ids, *cached))
+            return PrefillIterator(self._continue(ids, *cached, last_hidden=last_hidden))
         return PrefillIterator(self._prefill_layers(ids, compute_logits, residuals, last_hidden=last_hidden))
 
     @torch.no_grad()
-    def _continue(self, ids: Tensor, pool: KVPool, block_ids: Sequence[int], num_cached: int):
-        step = self.begin_extend(pool, [(block_ids, num_cached, ids)], "none")
+    def _continue(self, ids: Tensor, pool: KVPool, block_ids: Sequence[int], num_cached: int,
+                  last_hidden: bool = False):
+        step = self.begin_extend(pool, [(block_ids, num_cached, ids)], "last" if last_hidden else "none")
         for layer in range(self.spec.num_layers):
             h, x, k_pre, v = step.run_layer()  # the rest's rows, [T - n, ...] each
             yield layer, LayerState(k_pre, v, x, h, start=num_cached)
-        return None
+        return step.h[-1:] if last_hidden else None  # the last layer ran for the final row: [1, hidden]
 
     @torch.no_grad()
     def _prefill_layers(self, ids: Tensor, compute_logits: bool, residuals: bool, first: int = 0,

@@ -39,7 +39,7 @@ class PrefixStates:
     def layers(self, tokens: list[int], start: int, last_hidden: bool = False) -> Iterator[tuple[int, LayerState]] | None:
         """The producer's states layer by layer (rows from the cached prefix on, at most `start`),
         or None when the pool cannot hold the prompt now (the caller prefills it whole).
-        last_hidden: a run with nothing cached ends with the final row's output (iter_prefill's)."""
+        last_hidden: the run ends with the final row's output [1, hidden] (iter_prefill's)."""
         seq = Sequence(GenerationRequest("prefill", tokens))
         with self._lock:
             if not self.blocks.can_allocate(seq, cache_lookup=True, limit=start):
@@ -51,11 +51,12 @@ class PrefixStates:
         done, out = False, None
         try:
             rest = torch.tensor(seq.token_ids[cached:], dtype=torch.long)  # rest: [T - cached]
+            wants = {"last_hidden": True} if last_hidden else {}
             if cached:
-                yield from self.rt.iter_prefill(rest, compute_logits=False, cached=(self.pool, seq.block_ids, cached))
+                out = yield from self.rt.iter_prefill(rest, compute_logits=False,
+                                                      cached=(self.pool, seq.block_ids, cached), **wants)
             else:  # nothing cached: the dense prefill (faster than attending to the pool), its K/V kept
-                states = iter(self.rt.iter_prefill(rest, compute_logits=False, residuals=True,
-                                                   **({"last_hidden": True} if last_hidden else {})))
+                states = iter(self.rt.iter_prefill(rest, compute_logits=False, residuals=True, **wants))
                 while True:
                     try:
                         layer, state = next(states)

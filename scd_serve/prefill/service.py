@@ -282,8 +282,7 @@ def _produce(rt, codecs: list, tokens: list[int], first: int, stop: threading.Ev
 
     With last_token, the prompt's last token is prefilled too: its row of every layer ("last.k",
     "last.v", pre-RoPE) rides with that layer's codes, and the last layer's output ("last.h",
-    [1, hidden]) with the last layer's, which waits for it. A prefix run over cached blocks
-    cannot give that row: it ships without it, and the decode side runs its first step."""
+    [1, hidden]) with the last layer's, which waits for it."""
     states, held = None, None
     n, last_layer = len(tokens), rt.spec.num_layers - 1
     try:

@@ -64,6 +64,8 @@ async def test_later_turns_ship_only_what_the_prefix_cache_lacks_and_answer_as_l
             sent.append((fill.stats.payload_bytes - before) / len(prompt))
             prompt = prompt + local + [5, 6, 7]
         assert fill.stats.num_transfers == 3 and fill.stats.num_failed == 0
+        # every turn's first token came from the producer's last row, later turns' over its cached blocks
+        assert engine.stats()["num_last_rows"] == 3 and node.servicer.prefix.num_hit_tokens > 0
         assert sent[1] < 0.7 * sent[0] and sent[2] < 0.7 * sent[0]  # bytes per prompt token
         assert engine.block_manager.num_hit_tokens > 0
     finally:

@@ -41,3 +41,21 @@ def test_a_run_stopped_half_way_caches_nothing_and_a_full_pool_prefills_whole(rt
     run.close()  # the transfer stopped: its blocks are half written
     assert cache.blocks.num_cached_blocks == 0 and cache.blocks.num_free == cache.blocks.num_blocks
     assert cache.layers(list(range(3, 3 + 80)), start=0) is None  # 80 tokens > the pool's 64
+
+
+def test_a_run_asked_for_the_final_row_ends_with_its_output_cached_prefix_or_not(rt):
+    """last_hidden (the last-row handoff): the final row's output, whose logits are a whole
+    prefill's last, from the dense run and from one over cached blocks."""
+    cache = PrefixStates(rt, num_tokens=256, block_size=8)
+    for tokens, start, hit in ((list(range(5, 45)), 0, 0), (list(range(5, 45)) + list(range(60, 70)), 40, 40)):
+        run = cache.layers(tokens, start, last_hidden=True)
+        states = []
+        while True:
+            try:
+                states.append(next(run)[1])
+            except StopIteration as end:
+                h = end.value
+                break
+        assert states[-1].start == hit and h.shape == (1, rt.spec.hidden_size)
+        want = rt.prefill(torch.tensor(tokens), capture=False).logits[-1:]
+        torch.testing.assert_close(rt.logits_of(h), want, atol=1e-4, rtol=1e-4)
