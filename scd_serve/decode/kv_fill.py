@@ -337,7 +337,7 @@ class RemoteKVFill:
         if last:
             k, v, h = last.get(LAST_K), last.get(LAST_V), last.get(LAST_H)
             if not all(all_finite(t) for t in (k, v, h) if t is not None):
-                raise TransferCorrupt(f"layer {layer}: the last row is not finite: refused before the cache")
+                raise TransferCorrupt(f"layer {layer}: the last row is non-finite: refused before the cache")
             sink.write_last_row(layer, k, v, h)
         sink.write_layer(layer, *checked_layer(rebuild, layer, code, skip))
 

@@ -243,7 +243,8 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - this step's requests fail, the engine goes on
                     self._step_failed(batch, exc)
                     continue
-                self._failed_steps = 0
+                if self.runner.ran_forward:  # a step of first tokens made ahead says nothing of the forward
+                    self._failed_steps = 0
                 logprobs = {batch.decodes[i].seq_id: lp for i, lp in sampled.logprobs.items()}
                 batch, tokens = self._drop_failed_rows(batch, sampled.rows)
                 self.scheduler.postprocess(batch, tokens)

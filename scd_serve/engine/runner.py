@@ -33,6 +33,7 @@ class Runner:
         self.num_steps_ahead = 0  # first tokens sampled from a step run as the fill landed (StepAhead)
         self.num_last_rows = 0  # first tokens sampled from the prefill worker's last row
         self.mask = TokenMask()  # structured outputs' bitmask, allocated on the first constrained step
+        self.ran_forward = False  # whether the last run() called the model (else: logits made ahead only)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> Sampled:
@@ -50,6 +51,9 @@ class Runner:
         todo = [i for i, (seq, row) in enumerate(zip(batch.decodes, rows)) if row is None and seq.seq_id not in last]
         steps = [(batch.decodes[i].block_ids, batch.decodes[i].num_cached, batch.decodes[i].last_token) for i in todo]
         logits = None
+        # whether this step ran the model: one that only sampled logits made ahead proves nothing
+        # about the forward (the engine's count of failing steps in a row goes on over it)
+        self.ran_forward = bool(chunks or steps)
         if chunks and steps and self.runtime.mixed_step is not None:
             outs, logits = self.runtime.mixed_step(self.pool, chunks, wants, steps)
         else:

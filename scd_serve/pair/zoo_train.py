@@ -104,7 +104,7 @@ def train(model: torch.nn.Module, batches: Iterator[tuple[Tensor, Tensor]], step
     model.train()
     first, running, spent = 0, None, 0.0
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=True)  # tensors, numbers, lists: no pickled code
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
