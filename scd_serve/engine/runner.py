@@ -25,11 +25,11 @@ class Runner:
         self.runtime = runtime
         self.eos_token_ids = eos_token_ids  # masked by the sampler until a request's min_tokens
         self.pool = runtime.new_kv_pool(config.num_blocks, config.block_size)  # allocated once, here
-        # seq_id -> first-step logits [vocab] from StepAhead; set by a writing thread before the
-        # sink reports complete (so never for a fill that falls back), taken by the sequence's
-        # next decode, or forgotten when it ends before one
-        self._ready: dict[int, torch.Tensor] = {}
-        self._by_producer: set[int] = set()  # seq_ids whose ready logits came from a last-row handoff
+        # seq_id -> (first-step logits [vocab], whether the prefill worker made them: a last-row
+        # handoff; else StepAhead); set by a writing thread before the sink reports complete (so
+        # never for a fill that falls back), taken by the sequence's next decode, or forgotten
+        # when it ends before one
+        self._ready: dict[int, tuple[torch.Tensor, bool]] = {}
         self.num_steps_ahead = 0  # first tokens sampled from a step run as the fill landed (StepAhead)
         self.num_last_rows = 0  # first tokens sampled from the prefill worker's last row
         self.mask = TokenMask()  # structured outputs' bitmask, allocated on the first constrained step
@@ -89,16 +89,14 @@ class Runner:
     def forget(self, seq: Sequence) -> None:
         """Drop a first step made ahead for a sequence that ends before its next decode."""
         self._ready.pop(seq.seq_id, None)
-        self._by_producer.discard(seq.seq_id)
 
     def _take_ready(self, seq: Sequence) -> torch.Tensor | None:
-        row = self._ready.pop(seq.seq_id, None)
-        by_producer = seq.seq_id in self._by_producer
-        self._by_producer.discard(seq.seq_id)
+        ready = self._ready.pop(seq.seq_id, None)
         # only the step it was made for: the first one, on the filled K/V (not after a preemption)
         fresh = seq.num_output_tokens == 0 and seq.num_preemptions == 0 and seq.num_cached == seq.num_tokens - 1
-        if row is None or not fresh:
+        if ready is None or not fresh:
             return None
+        row, by_producer = ready
         if by_producer:
             self.num_last_rows += 1
         else:
@@ -114,26 +112,19 @@ class Runner:
         if step_ahead and self.runtime.begin_decode_step is not None:
             item = (block_ids, num_tokens, seq.last_token)
             ahead = StepAhead(lambda: self.runtime.begin_decode_step(self.pool, [item]), spec.num_layers,
-                              lambda logits: self._made_ahead(seq, logits),
+                              lambda logits: self._ready.__setitem__(seq.seq_id, (logits[0], False)),
                               request_id=seq.request.request_id)
         fill = _FillWriter(lambda n: self.runtime.kv_writer(self.pool, block_ids, n - start, start),  # start..n-1
                            num_tokens, ahead)
         last = None
         if getattr(self.runtime, "logits_of", None) is not None:
             last = _LastRow(lambda: self.runtime.kv_writer(self.pool, block_ids, 1, num_tokens),  # slot T-1
-                            self.runtime, lambda logits: self._hand_over(seq, logits), fill)
+                            self.runtime, lambda logits: self._ready.__setitem__(seq.seq_id, (logits[0], True)),
+                            fill)
         return LayerSink(fill.write, request_id=seq.request.request_id, num_layers=spec.num_layers,
                          num_tokens=num_tokens, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, start=start,
                          prepare=fill.prepare, on_complete=on_complete, on_limit=fill.limit,
                          write_last=last.write if last is not None else None)
-
-    def _made_ahead(self, seq: Sequence, logits: torch.Tensor) -> None:
-        self._ready[seq.seq_id] = logits[0]
-        self._by_producer.discard(seq.seq_id)
-
-    def _hand_over(self, seq: Sequence, logits: torch.Tensor) -> None:
-        self._ready[seq.seq_id] = logits[0]
-        self._by_producer.add(seq.seq_id)
 
 
 class _FillWriter:
@@ -185,7 +176,8 @@ class _LastRow:
         with torch.inference_mode():
             if self._writer is None:
                 self._writer = self._make_writer()
-            self._writer.write(layer, k_pre.to(self._rt.dtype), v.to(self._rt.dtype))  # a producer may run another dtype
+            # a producer may run another dtype
+            self._writer.write(layer, k_pre.to(self._rt.dtype), v.to(self._rt.dtype))
             self._layers.add(layer)
             if h is not None and len(self._layers) == spec.num_layers:
                 logits = self._rt.logits_of(h.to(self._rt.dtype))  # [1, vocab] float32

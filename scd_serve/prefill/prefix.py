@@ -19,7 +19,7 @@ import torch
 from scd_serve.engine.block_manager import BlockManager
 from scd_serve.engine.request import GenerationRequest
 from scd_serve.engine.sequence import Sequence
-from scd_serve.model.runtime import LayerState
+from scd_serve.model.runtime import LayerState, PrefillIterator
 
 BLOCK_SIZE = 16
 
@@ -36,7 +36,8 @@ class PrefixStates:
         """Producer tokens not computed again (the block manager counts its hits)."""
         return self.blocks.num_hit_tokens
 
-    def layers(self, tokens: list[int], start: int, last_hidden: bool = False) -> Iterator[tuple[int, LayerState]] | None:
+    def layers(self, tokens: list[int], start: int,
+               last_hidden: bool = False) -> Iterator[tuple[int, LayerState]] | None:
         """The producer's states layer by layer (rows from the cached prefix on, at most `start`),
         or None when the pool cannot hold the prompt now (the caller prefills it whole).
         last_hidden: the run ends with the final row's output [1, hidden] (iter_prefill's)."""
@@ -56,15 +57,11 @@ class PrefixStates:
                 out = yield from self.rt.iter_prefill(rest, compute_logits=False,
                                                       cached=(self.pool, seq.block_ids, cached), **wants)
             else:  # nothing cached: the dense prefill (faster than attending to the pool), its K/V kept
-                states = iter(self.rt.iter_prefill(rest, compute_logits=False, residuals=True, **wants))
-                while True:
-                    try:
-                        layer, state = next(states)
-                    except StopIteration as end:
-                        out = end.value  # the final row's output where last_hidden asked for it
-                        break
+                states = PrefillIterator(self.rt.iter_prefill(rest, compute_logits=False, residuals=True, **wants))
+                for layer, state in states:
                     self.rt.write_kv(self.pool, seq.block_ids, layer, state.keys, state.values)
                     yield layer, state
+                out = states.logits  # the final row's output where last_hidden asked for it
             done = True
         finally:  # a transfer stopped half way caches nothing: its blocks are half written
             with self._lock:

@@ -20,6 +20,7 @@ from scd_serve.codec.base import wants_residuals
 from scd_serve.config.prefill import PrefillConfig
 from scd_serve.errors import (DeadlineExceeded, IncompatiblePeer, InvalidRequest, Overloaded,
                               PayloadTooLarge, ScdError, TransferFailed)
+from scd_serve.model.runtime import PrefillIterator
 from scd_serve.prefill.code_cache import CodeCache, cache_key
 from scd_serve.prefill.prefix import PrefixStates
 from scd_serve.prefill.metrics import PrefillMetrics
@@ -285,8 +286,15 @@ def _produce(rt, codecs: list, tokens: list[int], first: int, stop: threading.Ev
     [1, hidden]) with the last layer's, which waits for it."""
     states, held = None, None
     n, last_layer = len(tokens), rt.spec.num_layers - 1
+    start = time.perf_counter()
+
+    def send(layer: int, codes: list, last_row: list) -> None:
+        nonlocal start
+        now = time.perf_counter()
+        emit((layer, codes, int((now - start) * 1e6), last_row))
+        start = now
+
     try:
-        start = time.perf_counter()
         full = tokens if last_token is None else [*tokens, last_token]
         states = prefix.layers(full, first, last_token is not None) if prefix is not None else None
         if states is None:
@@ -294,32 +302,24 @@ def _produce(rt, codecs: list, tokens: list[int], first: int, stop: threading.Ev
             residuals = any(wants_residuals(c, rt.spec.num_layers) for c in codecs)
             states = rt.iter_prefill(ids, compute_logits=False, residuals=residuals,
                                      **({"last_hidden": True} if last_token is not None else {}))
-        rows = iter(states)
-        while True:
-            try:
-                layer, state = next(rows)
-            except StopIteration as end:
-                final_row = end.value  # a last-row run's: the last layer's output [1, hidden]
-                break
+        states = PrefillIterator(states)  # keeps what the run ends with (a wrapped runtime's too)
+        for layer, state in states:
             if stop.is_set():
                 return
             last_row: dict = {}
             if state.start + state.keys.shape[0] > n:  # the last token's row came too
                 last_row = {LAST_K: state.keys[-1:], LAST_V: state.values[-1:]}  # [1, kv_heads, hd] each
             rows_out = state.rows_from(first, n) if last_row or first else state
-            item = [layer, [encode_code(layer, c.encode_layer(layer, rows_out)) for c in codecs], 0,
-                    encode_code(layer, last_row)]
+            codes = [encode_code(layer, c.encode_layer(layer, rows_out)) for c in codecs]
             if last_row and layer == last_layer:
-                held = item  # sent with the final row's output, a moment later
+                held = (layer, codes, encode_code(layer, last_row))  # sent with the final row's output
                 continue
-            now = time.perf_counter()
-            item[2], start = int((now - start) * 1e6), now
-            emit(tuple(item))
+            send(layer, codes, encode_code(layer, last_row))
         if held is not None:
-            if final_row is not None:
-                held[3] += encode_code(last_layer, {LAST_H: final_row})
-            held[2] = int((time.perf_counter() - start) * 1e6)
-            emit(tuple(held))
+            layer, codes, last_row = held
+            if states.logits is not None:  # a last-row run's: the last layer's output [1, hidden]
+                last_row += encode_code(layer, {LAST_H: states.logits})
+            send(layer, codes, last_row)
         emit(_DONE)
     except BaseException as exc:  # noqa: BLE001 - handed to the loop, which fails the RPC
         emit(exc)

@@ -20,6 +20,8 @@ from typing import Any
 
 import grpc
 
+from scd_serve.model.runtime import PrefillIterator
+
 
 class FaultyRuntime:
     """Decode-side runtime whose forward (extend / decode_step / begin_decode_step) raises or stalls after N steps."""
@@ -72,15 +74,12 @@ class FaultyProducer:
         return getattr(self._rt, name)
 
     def iter_prefill(self, ids, compute_logits: bool = True, residuals: bool = False, **kw):
-        states = iter(self._rt.iter_prefill(ids, compute_logits=compute_logits, residuals=residuals, **kw))
-        while True:
-            try:
-                layer, state = next(states)
-            except StopIteration as end:
-                return end.value  # the logits or the final row's output, as the runtime's iterator ends
+        states = PrefillIterator(self._rt.iter_prefill(ids, compute_logits=compute_logits, residuals=residuals, **kw))
+        for layer, state in states:
             if self.layer_delay_s:
                 time.sleep(self.layer_delay_s)
             yield layer, state
+        return states.logits  # what the runtime's run ends with (logits, or the final row's output)
 
 
 class _Context:
