@@ -45,7 +45,7 @@ class Refiner(torch.nn.Module):
         self.down = torch.nn.Linear(width, out)
         torch.nn.init.zeros_(self.down.weight)  # starts as no correction: the linear decode
         torch.nn.init.zeros_(self.down.bias)
-        self._kept: dict[tuple, tuple[Tensor, Tensor]] = {}  # _folded's, made after training (eval())
+        self._kept: dict[tuple, tuple[Tensor, Tensor]] = {}  # fold's, made after training (eval())
 
     def inputs(self, z: Tensor, ctx: Tensor) -> Tensor:
         """z [T, r <= max_rank] (a code as shipped), ctx [T, c] -> x [T, max_rank + c], normalized,
@@ -58,11 +58,11 @@ class Refiner(torch.nn.Module):
         if self.training or torch.is_grad_enabled():  # training: the padded inputs, as fit_refiner has them
             hidden = self.up(self.inputs(z.float(), ctx.float()))
         else:  # serving: the channels a rank-r code lacks are zero, so their weights are skipped
-            weight, bias = self._folded(z.shape[1])
+            weight, bias = self.fold(z.shape[1])
             hidden = torch.cat([z.float(), ctx.float()], 1) @ weight.T + bias
         return self.down(torch.nn.functional.gelu(hidden))  # [T, out]
 
-    def _folded(self, rank: int) -> tuple[Tensor, Tensor]:
+    def fold(self, rank: int) -> tuple[Tensor, Tensor]:
         """The up projection of a rank-`rank` code's channels and the features', the normalization
         folded in: (weight [width, rank + ctx], bias [width]), kept per rank."""
         key = (rank, self.up.weight.device)

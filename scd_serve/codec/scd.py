@@ -23,6 +23,7 @@ from scd_serve.codec.lowrank import Aligner
 from scd_serve.codec.plan import OWN, REUSE, RUN, LayerPlan, Plan
 from scd_serve.codec.rebuild import Rebuild
 from scd_serve.codec.refiner import Refiner
+from scd_serve.codec.reuse import ReuseDecoder
 from scd_serve.errors import CodebookError
 
 
@@ -58,7 +59,9 @@ class ScdCodec:
         self._aligners: dict[int, Aligner] = {}
         self._refiners: dict[tuple[int, str, int], Refiner | None] = {}
         self._priors: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._reuse: dict[tuple, ReuseDecoder] = {}  # (layer, stream, rank, device) -> its folded decode
         self._context_prior = codebook.context_prior()
+        self._features = getattr(self._context_prior, "kind", None) == "features"  # float features, folded in
         self.inputs = codebook.code_inputs()  # stream -> the stream whose producer state its code reads
 
     def states_needed(self, layer: int) -> frozenset[str]:
@@ -189,22 +192,45 @@ class ScdCodec:
             lp = LayerPlan(REUSE)  # (an own layer is zero payload already: computed as in the plan)
         if lp.mode == OWN:  # layer 0 from the consumer's own embeddings of the prompt: exact
             return own_kv(consumer, layer, rebuild.token_ids(layer))
-        codes, priors = self.decoder_inputs(layer, code, rebuild, lp)  # codes: {stream: [T, r]}
         if lp.mode == REUSE:
-            n = next(iter(codes.values())).shape[0] if codes else rebuild.num_tokens(layer)
-            device = to_consumer(torch.empty(0), consumer).device
-            out = []
-            for s, rank in lp.decoded:
-                dec, mu = self._decoder(layer, s, rank, device)
-                b = mu + priors[s] + (codes[s] @ dec if rank else 0.0)  # [T, dB] ([dB]: mean alone)
-                out.append(b.expand(n, -1).reshape(n, spec.num_kv_heads, spec.head_dim))
-            return out[0], out[1]
+            return self._reuse_kv(layer, code, rebuild, lp)
+        codes, priors = self.decoder_inputs(layer, code, rebuild, lp)  # codes: {stream: [T, r]}
         if lp.mode == RUN:
             return rebuild.run_layer(layer, codes, priors)
         z = codes["h"]
         with torch.no_grad():
             h = self._aligner(layer, "h", lp.r_h, z.device)(z) + priors["h"]  # [T, hidden] H_in,B
         return consumer.recompute_kv(layer, h.to(consumer_dtype(consumer)))
+
+
+    def _reuse_kv(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild", lp: LayerPlan
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Reuse layer's (k_pre, v) through each stream's folded decode (codec/reuse.py): the
+        same sum decoder_inputs and the decoder make, in two matrix products a stream."""
+        spec, consumer = self.codebook.side_spec("consumer"), rebuild.consumer
+        codes = {s: self._unpack(code, f"z{s}", consumer) for s, _ in lp.streams}  # {stream: [T, r]}
+        like = next(iter(codes.values()), None)
+        n = like.shape[0] if like is not None else rebuild.num_tokens(layer)
+        if like is None:
+            like = to_consumer(torch.empty(n, 0), consumer)
+        rebuild.check_rows(like)
+        ctx = rebuild.context(like) if self._features else None
+        out = []
+        for s, rank in lp.decoded:
+            b = self._reuse_decoder(layer, s, rank, like.device)(codes.get(s), ctx, n)  # [T, dB]
+            if ctx is None and self._context_prior is not None:  # a dense prior: a table gather, not folded
+                b = b + self._prior(layer, s, rebuild, like)
+            out.append(b.reshape(n, spec.num_kv_heads, spec.head_dim))
+        return out[0], out[1]
+
+    def _reuse_decoder(self, layer: int, s: str, rank: int, device: torch.device) -> ReuseDecoder:
+        key = (layer, s, rank, device)
+        if key not in self._reuse:
+            dec, mu = self._decoder(layer, s, rank, device)
+            found = self.codebook.prior_tensors(layer, s) if self._features else None
+            prior = found and tuple(t.to(device, torch.float32) for t in found)
+            self._reuse[key] = ReuseDecoder(dec, mu, prior, self.refiner(layer, s, rank, device) if rank else None)
+        return self._reuse[key]
 
 
 class ScdRebuild(Rebuild):
@@ -215,6 +241,7 @@ class ScdRebuild(Rebuild):
         super().__init__(codec, tokens, consumer, start)
         self._context: tuple[torch.device, torch.Tensor] | None = None
         self._run: Any = None  # the consumer's forward from the run's first layer (model.run_from)
+        self._checked = -1  # the row count check_rows last found the prompt's tokens to match
 
     def prepare(self) -> None:
         """The prior's context, while the codes are on their way."""
@@ -223,6 +250,12 @@ class ScdRebuild(Rebuild):
 
     def decode_layer(self, layer: int, code: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.codec._decode(layer, code, self)
+
+    def check_rows(self, like: torch.Tensor) -> None:
+        """Refuse a code of another row count than the prompt's tokens (where given), once a prompt."""
+        if self._checked != like.shape[0]:
+            check_token_count(self.rows, like)
+            self._checked = like.shape[0]
 
     def token_ids(self, layer: int) -> Any:
         if self.tokens is None:

@@ -49,8 +49,9 @@ def transfer(method: str, codec, rt_a, rt_b, prefix: torch.Tensor, extra_tokens:
     nbytes, rebuild = 0, 0.0
     if method == ORACLE:
         start = time.perf_counter()
+        writer = rt_b.kv_writer(pool, blocks, prefix.shape[0])  # the prompt's slots and rotary tables, once
         for layer, state in rt_b.iter_prefill(prefix, compute_logits=False):
-            rt_b.write_kv(pool, blocks, layer, state.keys, state.values)
+            writer.write(layer, state.keys, state.values)
         rebuild = time.perf_counter() - start
     else:
         cut = transferred(codec, prefix.shape[0])
@@ -72,13 +73,14 @@ def encoded(codec, rt_a, tokens: torch.Tensor):
 def rebuild_from(codec, rt_b, pool, blocks: list[int], prefix: torch.Tensor, cut: int, codes) -> tuple[float, int]:
     """The consumer's side, timed: each (layer, code) of prefix[:cut] decoded and written into
     the pool, then the replayed tail prefix[cut:] computed over them. -> (seconds, code bytes)."""
-    prompt = begin(codec, prefix[:cut], rt_b)
-    rebuild, nbytes = 0.0, 0
+    start = time.perf_counter()
+    prompt, writer = begin(codec, prefix[:cut], rt_b), rt_b.kv_writer(pool, blocks, cut)  # as the decode worker
+    rebuild, nbytes = time.perf_counter() - start, 0
     for layer, code in codes:
         nbytes += payload_bytes(code)
         start = time.perf_counter()
         k_pre, v = prompt.decode_layer(layer, code)  # k_pre, v: [cut, kv_heads, head_dim]
-        rt_b.write_kv(pool, blocks, layer, k_pre, v)
+        writer.write(layer, k_pre, v)
         rebuild += time.perf_counter() - start
     if cut < prefix.shape[0]:  # the replayed tail, computed by the consumer over the rebuilt rest
         start = time.perf_counter()
