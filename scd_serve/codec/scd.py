@@ -209,11 +209,12 @@ class ScdCodec:
         same sum decoder_inputs and the decoder make, in two matrix products a stream."""
         spec, consumer = self.codebook.side_spec("consumer"), rebuild.consumer
         codes = {s: self._unpack(code, f"z{s}", consumer) for s, _ in lp.streams}  # {stream: [T, r]}
+        for z in codes.values():
+            rebuild.check_rows(z)
         like = next(iter(codes.values()), None)
         n = like.shape[0] if like is not None else rebuild.num_tokens(layer)
         if like is None:
             like = to_consumer(torch.empty(n, 0), consumer)
-        rebuild.check_rows(like)
         ctx = rebuild.context(like) if self._features else None
         out = []
         for s, rank in lp.decoded:
