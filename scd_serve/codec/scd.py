@@ -187,7 +187,6 @@ class ScdCodec:
     def _decode(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild"
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         lp, consumer = self.plan.layers[layer], rebuild.consumer
-        spec = self.codebook.side_spec("consumer")
         if not self.codes and lp.mode != OWN:  # prior-only: every layer its streams' priors alone
             lp = LayerPlan(REUSE)  # (an own layer is zero payload already: computed as in the plan)
         if lp.mode == OWN:  # layer 0 from the consumer's own embeddings of the prompt: exact
@@ -201,7 +200,6 @@ class ScdCodec:
         with torch.no_grad():
             h = self._aligner(layer, "h", lp.r_h, z.device)(z) + priors["h"]  # [T, hidden] H_in,B
         return consumer.recompute_kv(layer, h.to(consumer_dtype(consumer)))
-
 
     def _reuse_kv(self, layer: int, code: Mapping[str, torch.Tensor], rebuild: "ScdRebuild", lp: LayerPlan
                   ) -> tuple[torch.Tensor, torch.Tensor]:
