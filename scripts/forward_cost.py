@@ -9,11 +9,10 @@ once more on top of a rebuild.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from scd_serve.bench.stats import median_s
 from scd_serve.model import ModelRuntime
 
 
@@ -28,13 +27,7 @@ def main(model: str) -> None:
                 for _ in runtime.iter_prefill(ids, compute_logits=False):
                     pass
 
-        forward()
-        times = []
-        for _ in range(30):
-            start = time.perf_counter()
-            forward()
-            times.append(time.perf_counter() - start)
-        print(f"{num_tokens} tokens: {statistics.median(times) * 1e3:.2f} ms")
+        print(f"{num_tokens} tokens: {median_s(lambda _: forward(), 30) * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -9,22 +9,12 @@ consumer/ and codebook/ (a zoo pair after scripts/zoo_eval.py).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from scd_serve import codec as registry
+from scd_serve.bench.stats import median_s
 from scd_serve.model import ModelRuntime
-
-
-def median_ms(fn, n: int = 15) -> float:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main(pair: str, method: str, num_tokens: int) -> None:
@@ -52,9 +42,8 @@ def main(pair: str, method: str, num_tokens: int) -> None:
             if write:
                 writer.write(layer, k_pre, v)
 
-    for fn in (prefill, rebuild, prefill, rebuild):  # warm: kernels, the prior's token rows
-        fn()
-    p, r, d = median_ms(prefill), median_ms(rebuild), median_ms(lambda: rebuild(write=False))
+    # each after a warm call (median_s): kernels loaded, the prior's rows of the prompt's tokens known
+    p, r, d = (median_s(lambda _: fn(), 15) * 1e3 for fn in (prefill, rebuild, lambda: rebuild(write=False)))
     print(f"{method} T={num_tokens} head={getattr(codec, 'head_tokens', 0)} prefill {p:.2f} ms  rebuild {r:.2f} "
           f"({r / p:.3f})  decode-only {d:.2f} ({d / p:.3f})  writes {(r - d) / p:.3f}")
 
