@@ -172,7 +172,7 @@ class ScdCodec:
         lp = lp or self.plan.layers[layer]
         codes = {s: self._unpack(code, f"z{s}", rebuild.consumer) for s, _ in lp.streams}
         for z in codes.values():
-            check_token_count(rebuild.rows, z)
+            rebuild.check_rows(z)
         like = next(iter(codes.values()), None)
         if like is None and lp.decoded:
             like = to_consumer(torch.empty(rebuild.num_tokens(layer), 0), rebuild.consumer)  # [T, 0]
