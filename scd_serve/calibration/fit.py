@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from scd_serve.calibration.attention import received_attention
 from scd_serve.codec.base import OWN_INPUTS, STREAM_STATES
 from scd_serve.codec.codec_spec import spec_of
 from scd_serve.codec.lowrank import Aligner, JointCode, ProducerRows, fit_aligner, fit_code, producer_rows
@@ -47,9 +48,10 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
                  seed: int = 0, progress: Callable[[], None] | None = None,
                  prior: Any = None, run_layers: Iterable[int] = (),
                  inputs: dict[str, str] = OWN_INPUTS) -> list[dict[str, Any]]:
-    """-> per layer {stream: (A rows [N, dA], B rows [N, dB])}, at most max_rows rows, ROW_DTYPE;
-    stream r (the residuals) only at run_layers. A: the producer's state of stream inputs[s]
-    (streams with the same input share one tensor).
+    """-> per layer {stream: (A rows [N, dA], B rows [N, dB]), "w": [N]}, at most max_rows rows,
+    ROW_DTYPE; stream r (the residuals) only at run_layers. A: the producer's state of stream
+    inputs[s] (streams with the same input share one tensor). w: each row's weight in the fits,
+    the attention the consumer's queries give it at that layer (calibration/attention.py).
 
     With `prior` (a PriorFit or FeatureFit), every position (not only the sampled rows) is
     counted into its normal equations for targets (layer, stream), and each layer's dict also
@@ -59,6 +61,7 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
     per_prompt = max(1, max_rows // max(len(prompts), 1))
     gen = torch.Generator().manual_seed(seed)
     parts: list[tuple[dict[str, list], dict[str, list]]] = []  # per layer: (A by input stream, B by stream)
+    weights: list[list[Tensor]] = []  # per layer
     ctx_parts: list[Tensor] = []
     for ids in prompts:
         t = ids.shape[0]
@@ -72,7 +75,9 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
             streams = STREAMS + ("r",) * (layer in run_layers)
             if len(parts) <= layer:
                 parts.append(({inputs[s]: [] for s in streams}, {s: [] for s in streams}))
+                weights.append([])
             a_rows, b_rows = parts[layer]
+            weights[layer].append(received_attention(consumer, layer, sb.keys, sb.attn_input, gen)[idx])
             for s in a_rows:
                 a = getattr(sa, STREAM_STATES[s])
                 a_rows[s].append(a.reshape(t, -1)[idx.to(a.device)].to("cpu", ROW_DTYPE))
@@ -84,9 +89,9 @@ def collect_rows(producer: Any, consumer: Any, prompts: Iterable[Tensor], max_ro
         if progress:
             progress()
     rows = []
-    for a_rows, b_rows in parts:
+    for (a_rows, b_rows), w in zip(parts, weights):
         a = {s: torch.cat(v) for s, v in a_rows.items()}
-        rows.append({s: (a[inputs[s]], torch.cat(v)) for s, v in b_rows.items()})
+        rows.append({s: (a[inputs[s]], torch.cat(v)) for s, v in b_rows.items()} | {"w": torch.cat(w)})
     if prior is not None:
         ctx_rows = torch.cat(ctx_parts)
         for layer in rows:
@@ -121,7 +126,7 @@ def fit_layer(rows: dict[str, tuple[Tensor, Tensor]], kv_rank: int, h_ranks: Ite
     for s in (s for s in STREAMS + ("r",) if s in rows):
         a, b = rows[s]
         if id(a) not in prepared:
-            prepared[id(a)] = producer_rows(a)
+            prepared[id(a)] = producer_rows(a, weights=rows.get("w"))
         codes[s] = fit_code(prepared[id(a)], b, max_rank=kv_rank if s in "kv" else max(h_ranks), regression=s in "kv")
     del prepared
     fit = LayerFit(codes, inputs=dict(inputs))
@@ -174,4 +179,5 @@ def train_refiners(fit: LayerFit, rows: dict[str, Any], ranks: Iterable[int], wi
         def left(idx: Tensor, r: int) -> Tensor:  # what the linear decode at rank r leaves of rows idx
             return b[idx] - mu - z[idx, :r] @ decoders[r]
 
-        fit.refiners[s], fit.refiner_err[s] = fit_refiner(z, rows["ctx"], left, usable, width, epochs)
+        fit.refiners[s], fit.refiner_err[s] = fit_refiner(z, rows["ctx"], left, usable, width, epochs,
+                                                          weights=rows.get("w"))

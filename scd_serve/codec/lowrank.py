@@ -63,19 +63,34 @@ def _unit_rms(x: Tensor) -> Tensor:
 @dataclass
 class ProducerRows:
     """Producer rows centred, with the ridge system every code fitted on them solves: streams
-    whose codes read one state (codec/base.py ATTN_INPUTS) share it instead of each building it."""
+    whose codes read one state (codec/base.py ATTN_INPUTS) share it instead of each building it.
+    With row weights w the fits are weighted least squares: means are weighted, and centred rows
+    (the producer's here, the consumer's in fit_code) are scaled by sqrt(w)."""
     mu: Tensor  # [dA]
-    centred: Tensor  # [N, dA] float64
-    system: Tensor  # [dA, dA] A^T A + ridge
+    centred: Tensor  # [N, dA] float64, times sqrt(w)
+    system: Tensor  # [dA, dA] A^T W A + ridge
+    root_w: Tensor | None = None  # [N, 1] sqrt(w), None: every row weighs 1
+
+    def centre(self, b: Tensor) -> tuple[Tensor, Tensor]:
+        """Consumer rows b [N, dB] -> (their mean [dB], centred rows times sqrt(w)), float64."""
+        b = b.to(torch.float64)
+        if self.root_w is None:
+            mu = b.mean(0)
+            return mu, b - mu
+        w = self.root_w.pow(2)
+        mu = (w * b).sum(0) / w.sum()
+        return mu, (b - mu) * self.root_w
 
 
-def producer_rows(a: Tensor, ridge: float = 1e-6) -> ProducerRows:
+def producer_rows(a: Tensor, ridge: float = 1e-6, weights: Tensor | None = None) -> ProducerRows:
+    """a: [N, dA]; weights: [N] (None: all 1)."""
     a = a.to(torch.float64)
-    mu = a.mean(0)
-    ac = a - mu
+    root_w = None if weights is None else weights.to(torch.float64).clamp_min(0).sqrt()[:, None]
+    mu = a.mean(0) if root_w is None else (root_w.pow(2) * a).sum(0) / root_w.pow(2).sum()
+    ac = a - mu if root_w is None else (a - mu) * root_w
     gram = ac.T @ ac
     lam = ridge * float(torch.trace(gram)) / ac.shape[1]
-    return ProducerRows(mu, ac, gram + lam * torch.eye(ac.shape[1], dtype=a.dtype))
+    return ProducerRows(mu, ac, gram + lam * torch.eye(ac.shape[1], dtype=a.dtype), root_w)
 
 
 def fit_code(a: Tensor | ProducerRows, b: Tensor, max_rank: int, regression: bool = True) -> JointCode:
@@ -83,9 +98,8 @@ def fit_code(a: Tensor | ProducerRows, b: Tensor, max_rank: int, regression: boo
     tokens) -> JointCode up to max_rank; regression: reduced-rank regression, else the joint SVD
     (the module's docstring)."""
     pa = a if isinstance(a, ProducerRows) else producer_rows(a)
-    ac, b = pa.centred, b.to(torch.float64)
-    mu_b = b.mean(0)
-    bc = b - mu_b
+    ac = pa.centred
+    mu_b, bc = pa.centre(b)
     if regression:
         w = torch.linalg.solve(pa.system, ac.T @ bc)  # [dA, dB]
         fitted = ac @ w  # [N, dB]: B as A predicts it

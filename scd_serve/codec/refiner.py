@@ -95,14 +95,15 @@ class Refiner(torch.nn.Module):
 
 def fit_refiner(z: Tensor, ctx: Tensor, target: Callable[[Tensor, int], Tensor], ranks: Sequence[int],
                 width: int, epochs: int, batch: int = 512, lr: float = 1e-3, seed: int = 0,
-                holdout: float = 0.1) -> tuple[Refiner, dict[int, float]]:
+                holdout: float = 0.1, weights: Tensor | None = None) -> tuple[Refiner, dict[int, float]]:
     """z [N, R]: the rows' codes at the widest rank, in prompt order; ctx [N, c]; target(rows, r)
     -> what the linear decode at rank r leaves of those rows [n, dB]. -> (refiner, held-out
     relative squared error per rank, 1.0 being the linear decode's). The held-out rows are the
     last `holdout` of them, so other prompts than the trained ones (calibration rows come prompt
     by prompt): rows of the same prompts share their contexts and would flatter a refiner that
-    learned those contexts by heart."""
+    learned those contexts by heart. weights [N]: each row's in the squared error (None: all 1)."""
     z, ctx = z.float(), ctx.float()
+    w = torch.ones(z.shape[0], 1) if weights is None else weights.float()[:, None]  # [N, 1]
     gen = torch.Generator().manual_seed(seed)
     n_val = max(1, int(holdout * z.shape[0]))
     val, train = torch.arange(z.shape[0] - n_val, z.shape[0]), torch.arange(z.shape[0] - n_val)
@@ -113,11 +114,12 @@ def fit_refiner(z: Tensor, ctx: Tensor, target: Callable[[Tensor, int], Tensor],
     x = torch.cat([z, ctx], 1)
     ref.mean.copy_(x[train].mean(0))
     ref.scale.copy_(x[train].std(0).clamp_min(1e-6))
-    base = {r: float(t.pow(2).sum().clamp_min(1e-30)) for r, t in val_targets.items()}
+    base = {r: float((w[val] * t.pow(2)).sum().clamp_min(1e-30)) for r, t in val_targets.items()}
 
     def held_out() -> dict[int, float]:
         with torch.no_grad():
-            return {r: float((ref(z[val, :r], ctx[val]) - t).pow(2).sum()) / base[r] for r, t in val_targets.items()}
+            return {r: float((w[val] * (ref(z[val, :r], ctx[val]) - t).pow(2)).sum()) / base[r]
+                    for r, t in val_targets.items()}
 
     opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=1e-4)
     best_err = held_out()
@@ -127,7 +129,7 @@ def fit_refiner(z: Tensor, ctx: Tensor, target: Callable[[Tensor, int], Tensor],
         for i in range(0, order.shape[0], batch):
             rows = order[i:i + batch]
             r = ranks[int(torch.randint(len(ranks), (1,), generator=gen))]
-            loss = (ref(z[rows, :r], ctx[rows]) - target(rows, r)).pow(2).mean()
+            loss = (w[rows] * (ref(z[rows, :r], ctx[rows]) - target(rows, r)).pow(2)).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()

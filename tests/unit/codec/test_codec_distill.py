@@ -78,8 +78,9 @@ def test_distillation_lowers_the_kl_and_leaves_the_payload_alone(closed_form):
     assert (out["train_examples"], out["held_out_examples"]) == (100, 20)
     assert out["held_out_kl_after"] < 0.8 * out["held_out_kl_before"] and out["step_kept"] > 0
 
-    changed = {k for k, v in book.tensors.items() if not torch.equal(v, tensors_before[k])}
-    assert changed and all(".dec.r" in k or ".h.g.r" in k for k in changed)  # decoders and aligners only
+    changed = {k for k, v in book.tensors.items() if k not in tensors_before or not torch.equal(v, tensors_before[k])}
+    # decoders, aligners, and refiners (a tuned one beside the stream's, at the plan's rank)
+    assert changed and all(".dec.r" in k or ".h.g.r" in k or ".ref_r" in k for k in changed)
     tuned = codec.build("scd", producer=producer, consumer=consumer, codebook=book)
     code_after = tuned.encode_layer(0, state)
     assert code_after.keys() == code_before.keys()

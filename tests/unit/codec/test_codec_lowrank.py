@@ -40,3 +40,22 @@ def test_one_model_on_both_sides_is_exact_at_full_rank_either_way():
     a, _ = rows(da=6)
     for regression in (True, False):
         assert fit_code(a, a.clone(), max_rank=6, regression=regression).rel_error(6) < 1e-9
+
+
+def test_row_weights_fit_as_the_rows_repeated_that_many_times():
+    """Weighted least squares: a row of weight 3 counts as three copies of it (the code, its
+    decoder and the means), for the regression codes and the joint SVD alike."""
+    from scd_serve.codec.lowrank import producer_rows
+
+    a, g = rows(n=120, da=8)
+    b = torch.tanh(a[:, :6] @ torch.randn(6, 5, generator=g, dtype=torch.float64))
+    counts = torch.randint(1, 4, (120,), generator=g)
+    repeated = torch.repeat_interleave(torch.arange(120), counts)
+    for regression in (True, False):
+        weighted = fit_code(producer_rows(a, weights=counts.double()), b, max_rank=4, regression=regression)
+        copies = fit_code(a[repeated], b[repeated], max_rank=4, regression=regression)
+        assert torch.allclose(weighted.mu_a, copies.mu_a) and torch.allclose(weighted.mu_b, copies.mu_b)
+        for r in (1, 4):
+            decode = lambda jc: (a - jc.mu_a) @ jc.enc[:, :r] @ jc.decoder(r) + jc.mu_b
+            assert torch.allclose(decode(weighted), decode(copies), atol=1e-6)
+            assert abs(weighted.rel_error(r) - copies.rel_error(r)) < 1e-9

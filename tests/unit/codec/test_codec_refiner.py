@@ -61,6 +61,23 @@ def test_on_noise_it_keeps_the_linear_decode():
     assert all(e <= 1.0 for e in err.values())  # the kept epoch is never worse than no correction
 
 
+def test_rows_of_weight_zero_teach_it_nothing():
+    """Weighted rows: where a third of the rows' targets are noise of weight zero, it learns the
+    clean rows' correction as if the noise were absent; weighed like the rest, the noise costs it."""
+    z, c, y = synthetic(3000, 4)
+    noisy = torch.arange(3000) % 3 == 0
+    y_noisy = torch.where(noisy[:, None], 5 * torch.randn(3000, 2, generator=torch.Generator().manual_seed(5)), y)
+    zv, cv, yv = synthetic(1000, 6)
+
+    def left(weights):
+        ref, _ = fit_refiner(z, c, lambda idx, r: y_noisy[idx], ranks=[3], width=64, epochs=60, weights=weights)
+        with torch.no_grad():
+            return float((ref(zv, cv) - yv).pow(2).sum() / yv.pow(2).sum())
+
+    weighted, plain = left((~noisy).float()), left(None)
+    assert weighted < 0.2 and plain > 2 * weighted  # seed 4: 0.07 against 0.47
+
+
 @pytest.fixture(scope="module")
 def refined(tmp_path_factory):
     """A tiny two-model pair's layer fits with a feature prior and refiners, and a codebook of a
