@@ -164,26 +164,39 @@ def main(pair: str, num_fit: int = 200, num_held: int = 30, scored: int = 96, fi
                 if name == "oracle":
                     oracle = logits
                     continue
-                lp, lq = torch.log_softmax(logits, -1), torch.log_softmax(oracle, -1)
-                kl = float((lp.exp() * (lp - lq)).sum(-1).sum())
-                top1 = float((logits.argmax(-1) == oracle.argmax(-1)).sum())
-                acc = totals.setdefault(name, [0.0, 0.0, 0])
-                acc[0] += kl
-                acc[1] += top1
-                acc[2] += feed.numel()
-        print(f"{'strategy':<14}{'KL':>9}{'top-1':>8}   ({num_held} held-out texts, {scored} scored tokens each)")
-        for name, (kl, top1, count) in totals.items():
-            print(f"{name:<14}{kl / count:>9.4f}{top1 / count:>8.3f}", flush=True)
+                tally(totals.setdefault(name, [0.0, 0.0, 0]), logits, oracle)
+        print_totals("strategy", totals, num_held, scored)
 
 
-if __name__ == "__main__":
+def tally(acc: list, logits: Tensor, oracle: Tensor) -> None:
+    """Adds to acc [KL sum, top-1 hits, positions] one text's scored rows, logits [m, vocab]
+    against the oracle's."""
+    lp, lq = torch.log_softmax(logits, -1), torch.log_softmax(oracle, -1)
+    acc[0] += float((lp.exp() * (lp - lq)).sum())
+    acc[1] += float((logits.argmax(-1) == oracle.argmax(-1)).sum())
+    acc[2] += logits.shape[0]
+
+
+def print_totals(label: str, totals: dict, num_held: int, scored: int) -> None:
+    print(f"{label:<14}{'KL':>9}{'top-1':>8}   ({num_held} held-out texts, {scored} scored tokens each)")
+    for name, (kl, top1, count) in totals.items():
+        print(f"{name:<14}{kl / count:>9.4f}{top1 / count:>8.3f}", flush=True)
+
+
+def pair_arguments(description: str):
+    """The command line both studies share: PAIR_DIR [NUM_FIT] [NUM_HELD] [SCORED]."""
     import argparse
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("pair", help="directory with producer/, consumer/ and eval/")
     ap.add_argument("num_fit", type=int, nargs="?", default=200, help="calibration texts the maps are fitted on")
     ap.add_argument("num_held", type=int, nargs="?", default=30, help="held-out texts scored")
     ap.add_argument("scored", type=int, nargs="?", default=96, help="tokens scored per held-out text")
+    return ap
+
+
+if __name__ == "__main__":
+    ap = pair_arguments(__doc__.splitlines()[0])
     ap.add_argument("fit_file", nargs="?", default="calibration.jsonl", help="under PAIR/eval/")
     ap.add_argument("held_file", nargs="?", default="heldout.jsonl", help="under PAIR/eval/")
     a = ap.parse_args()
