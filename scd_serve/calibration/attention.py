@@ -18,6 +18,7 @@ from scd_serve.model.layers import project_q
 
 Tensor = torch.Tensor
 MAX_QUERIES = 256  # queries a prompt's weights are estimated from (a random subset past it)
+QUERY_CHUNK = 32  # queries scored at once: a long prompt's scores stay small (heads x 32 x T)
 MAX_WEIGHT = 16.0  # of a row, the prompt's mean row being 1: the first rows (attention sinks)
 # receive tens of times the mean, and a few such rows would outweigh the rest of a sample
 
@@ -38,8 +39,10 @@ def received_attention(consumer: Any, layer: int, keys: Tensor, attn_input: Tens
         q = project_q(consumer.weights.layers[layer], spec, attn_input[qi])  # [nq, heads, hd]
         q = consumer.rotary.rotate(q, qi)
         k = consumer.rotary.rotate(keys, pos)  # [T, kv_heads, hd]
-        q = q.unflatten(1, (spec.num_kv_heads, -1)).float()  # [nq, kv_heads, group, hd]
-        scores = torch.einsum("qkgd,tkd->kgqt", q, k.float()) * spec.head_dim ** -0.5  # [kv, group, nq, T]
-        scores.masked_fill_(pos[None, :] > qi[:, None], float("-inf"))
-        mass = scores.softmax(-1).sum(2).mean((0, 1))  # [T]
+        q, k = q.unflatten(1, (spec.num_kv_heads, -1)).float(), k.float()  # q: [nq, kv_heads, group, hd]
+        mass = torch.zeros(t, device=keys.device)
+        for i in range(0, qi.shape[0], QUERY_CHUNK):  # [kv, group, chunk, T] scores at a time
+            scores = torch.einsum("qkgd,tkd->kgqt", q[i:i + QUERY_CHUNK], k) * spec.head_dim ** -0.5
+            scores.masked_fill_(pos[None, :] > qi[i:i + QUERY_CHUNK, None], float("-inf"))
+            mass += scores.softmax(-1).sum(2).mean((0, 1))  # [T]
     return (mass / mass.mean().clamp_min(1e-12)).clamp_max(MAX_WEIGHT).float().cpu()

@@ -4,6 +4,7 @@ queries give each row, as its forward computes it, grouped query heads included.
 import pytest
 import torch
 
+from scd_serve.calibration import attention
 from scd_serve.calibration.attention import MAX_WEIGHT, received_attention
 from scd_serve.model import ModelRuntime
 from scd_serve.model.layers import project_q
@@ -11,7 +12,7 @@ from scd_serve.model.tiny import save_tiny_model
 
 
 @pytest.mark.parametrize("family, kv_heads", [("llama", 4), ("qwen2", 2)])
-def test_weights_are_the_attention_the_rows_receive(tmp_path, family, kv_heads):
+def test_weights_are_the_attention_the_rows_receive(tmp_path, monkeypatch, family, kv_heads):
     rt = ModelRuntime.load(save_tiny_model(tmp_path / family, family, num_attention_heads=4,
                                            num_key_value_heads=kv_heads))
     spec, t = rt.spec, 24
@@ -27,11 +28,11 @@ def test_weights_are_the_attention_the_rows_receive(tmp_path, family, kv_heads):
     scores = (q @ k.transpose(1, 2) / spec.head_dim ** 0.5).masked_fill(torch.ones(t, t).triu(1).bool(), -torch.inf)
     mass = scores.softmax(-1).sum(1).mean(0)  # [T]: what each row receives, summed over queries
     assert torch.allclose(w, (mass / mass.mean()).clamp_max(MAX_WEIGHT).float(), atol=1e-5)
+    monkeypatch.setattr(attention, "QUERY_CHUNK", 5)  # the queries scored a few at a time: the same sums
+    assert torch.allclose(received_attention(rt, layer, state.keys, state.attn_input), w, atol=1e-6)
 
 
 def test_long_prompts_estimate_the_weights_from_a_sample_of_queries(tmp_path, monkeypatch):
-    from scd_serve.calibration import attention
-
     rt = ModelRuntime.load(save_tiny_model(tmp_path / "m", "llama"))
     ids = torch.randint(4, rt.spec.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
     layer, state = next(iter(rt.iter_prefill(ids, compute_logits=False)))
