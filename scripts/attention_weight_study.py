@@ -32,24 +32,13 @@ ROWS_PER_PROMPT = 41  # calibration's 8,192 rows over 200 prompts
 KINDS = ("plain", "weighted", "plain-sub", "weighted-sub")
 
 
-class WeightedRidge(Ridge):
-    """Ridge's normal equations with a weight per row (rows and the bias column times sqrt(w))."""
-
-    def add(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None) -> None:
-        root = torch.ones(x.shape[0], 1, dtype=torch.float64) if w is None else w.double().sqrt()[:, None]
-        x1 = torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], 1) * root
-        y1 = y.double() * root
-        self.xtx = x1.T @ x1 if self.xtx is None else self.xtx + x1.T @ x1
-        self.xty = x1.T @ y1 if self.xty is None else self.xty + x1.T @ y1
-
-
 def main(pair: str, num_fit: int, num_held: int, scored: int) -> None:
     torch.set_num_threads(1)
     root = Path(pair)
     rt_a, rt_b = ModelRuntime.load(root / "producer"), ModelRuntime.load(root / "consumer")
     spec, tok = rt_b.spec, rt_b.tokenizer
     n, kvh, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
-    fits = {(kind, layer): WeightedRidge() for kind in KINDS for layer in range(1, n)}
+    fits = {(kind, layer): Ridge() for kind in KINDS for layer in range(1, n)}
     gen = torch.Generator().manual_seed(0)
 
     def inputs(sa, eb, layer):  # [T, hidden + 3 hidden]

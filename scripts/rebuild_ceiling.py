@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from scd_serve.model.runtime import ModelRuntime
+from scd_serve.quality.metrics import kl_and_tv
 
 Tensor = torch.Tensor
 
@@ -46,14 +47,17 @@ def lagged(e: Tensor, taps: int = 3) -> Tensor:
 
 
 class Ridge:
-    """Streamed normal equations of y ~ [x, 1] W."""
+    """Streamed normal equations of y ~ [x, 1] W, each row weighed by w (None: all 1)."""
 
     def __init__(self):
         self.xtx = self.xty = None
 
-    def add(self, x: Tensor, y: Tensor) -> None:
+    def add(self, x: Tensor, y: Tensor, w: Tensor | None = None) -> None:
         x = torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)
         y = y.double()
+        if w is not None:  # weighted least squares: rows times sqrt(w)
+            root = w.double().sqrt()[:, None]
+            x, y = x * root, y * root
         if self.xtx is None:
             self.xtx, self.xty = x.T @ x, x.T @ y
         else:
@@ -171,8 +175,7 @@ def main(pair: str, num_fit: int = 200, num_held: int = 30, scored: int = 96, fi
 def tally(acc: list, logits: Tensor, oracle: Tensor) -> None:
     """Adds to acc [KL sum, top-1 hits, positions] one text's scored rows, logits [m, vocab]
     against the oracle's."""
-    lp, lq = torch.log_softmax(logits, -1), torch.log_softmax(oracle, -1)
-    acc[0] += float((lp.exp() * (lp - lq)).sum())
+    acc[0] += float(kl_and_tv(logits, oracle)[0].sum())
     acc[1] += float((logits.argmax(-1) == oracle.argmax(-1)).sum())
     acc[2] += logits.shape[0]
 

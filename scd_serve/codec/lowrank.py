@@ -85,9 +85,13 @@ class ProducerRows:
 def producer_rows(a: Tensor, ridge: float = 1e-6, weights: Tensor | None = None) -> ProducerRows:
     """a: [N, dA]; weights: [N] (None: all 1)."""
     a = a.to(torch.float64)
-    root_w = None if weights is None else weights.to(torch.float64).clamp_min(0).sqrt()[:, None]
-    mu = a.mean(0) if root_w is None else (root_w.pow(2) * a).sum(0) / root_w.pow(2).sum()
-    ac = a - mu if root_w is None else (a - mu) * root_w
+    if weights is None:
+        root_w, mu = None, a.mean(0)
+        ac = a - mu
+    else:
+        w = weights.to(torch.float64).clamp_min(0)[:, None]  # [N, 1]
+        root_w, mu = w.sqrt(), (w * a).sum(0) / w.sum()
+        ac = (a - mu) * root_w
     gram = ac.T @ ac
     lam = ridge * float(torch.trace(gram)) / ac.shape[1]
     return ProducerRows(mu, ac, gram + lam * torch.eye(ac.shape[1], dtype=a.dtype), root_w)
