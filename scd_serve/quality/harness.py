@@ -21,6 +21,7 @@ import torch
 
 from scd_serve.engine.kv_budget import RAW_DTYPE_BYTES, bytes_per_token
 from scd_serve.calibration.memory import check_fits, estimate
+from scd_serve.config.decode import PRIOR_TABLE_MODES
 from scd_serve.errors import ConfigError
 from scd_serve.extras import tqdm
 from scd_serve.model.loader import DTYPES
@@ -52,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompt tokens explain (quality/locality.py; 0: not)")
     parser.add_argument("--split", default="heldout", choices=["heldout", "smoke"],
                         help="built-in QA split ('smoke': short prompts for quick checks)")
+    parser.add_argument("--prior-table", default="auto", choices=PRIOR_TABLE_MODES,
+                        help="the codebook's token prior for every vocabulary token, made before scoring as the "
+                             "decode worker makes it (scd-serve decode --prior-table, same default): without it a "
+                             "prompt's rebuild time also pays for its unseen tokens' rows")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype the models are loaded in")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--max-memory-gb", type=float, default=None,
@@ -196,6 +201,7 @@ def format_table(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from scd_serve import codec as codecs
+    from scd_serve.codec import prior_table
     from scd_serve.model import ModelRuntime
 
     torch.set_num_threads(1)  # a shared 2-core box: one thread is faster than two (see config/pair.py)
@@ -215,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
     check_pair(rt_a.spec, rt_b.spec)
     # loaded once: the methods share its token prior, so each prompt's token states are computed once
     book = codecs.Codebook.load(args.codebook, rt_a, rt_b) if args.codebook else None
+    if book is not None and (said := prior_table.fill_codebook(book, rt_b, args.prior_table)):
+        print(said, flush=True)  # rebuild times as a decode worker's, which makes it at its start
     methods = table_methods(book) if args.table else [(args.method, None)]
     if records is not None:
         rows = eval_data(args, records, rt_a, rt_b, methods, book)

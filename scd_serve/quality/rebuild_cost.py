@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from scd_serve.quality.transfer import ORACLE, rebuild_rounds, transfer
+from scd_serve.quality.transfer import ORACLE, rebuilder, transfer
 
-TIMED_ROUNDS = 2  # after a warm round, whose figures are dropped
+TIMED_ROUNDS = 1  # of each prompt's rebuild and prefill side by side, after a warm rebuild
 
 
 def spread(prompts: list[torch.Tensor], count: int) -> list[torch.Tensor]:
@@ -30,14 +30,16 @@ def spread(prompts: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 
 
 class RebuildCost:
-    """`cost(codec)` -> its rebuild of the prompts over the consumer's prefill of them: the
-    fastest of TIMED_ROUNDS rounds of each sum, one over the other. The prefill is the same for
-    every option, so it is timed once, at the first call (a warm round, then the rounds): timing
-    it again next to each of the ~45 options a calibration weighs cost 15 of a 63-minute
-    calibration at the 0.5B shape (docs/benchmarks.md). An option's rounds rebuild each prompt
-    from one encoding of it (the producer's prefill is not rebuild time: run per round, it was
-    most of a timing). The warm round leaves the token prior's rows of the prompts' tokens known,
-    as the decode worker's vocabulary table does (codec/prior_table.py)."""
+    """`cost(codec)` -> its rebuild of the prompts over the consumer's prefill of them. Per prompt,
+    a warm rebuild, then `rounds` of a rebuild and the consumer's own prefill of the prompt, one
+    right after the other; the fastest of each, summed over the prompts, one sum over the other.
+    The prefill is timed beside every option, not once for all: a calibration runs for minutes
+    beside whatever else the machine does, and a prefill timed once, in a busy spell at the first
+    option, made every later option look cheap (0.45 of a prefill on the probe, 0.58-0.62 on
+    held-out texts, docs/results.md); side by side, a busy spell slows both alike. An option's
+    rebuilds all start from one encoding of the prompt (the producer's prefill is not rebuild
+    time). The warm rebuild leaves the token prior's rows of the prompt's tokens known, as the
+    decode worker's vocabulary table does (codec/prior_table.py)."""
 
     def __init__(self, producer: Any, consumer: Any, prompts: list[torch.Tensor], rounds: int = TIMED_ROUNDS):
         # the handoff: every prompt token but the last, which the consumer decodes itself
@@ -47,19 +49,22 @@ class RebuildCost:
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
         self.producer, self.consumer, self.rounds = producer, consumer, rounds
-        self.prefill_s: list[float] = []  # the consumer's prefill of all the prompts, per timed round
+        self.prefill_s: list[float] = []  # the consumer's prefill of the prompts, one sum per option timed
+        self.warm = False
 
     def __call__(self, codec: Any) -> float:
-        if not self.prefill_s:
-            self.prefill_s = self._rounds(lambda prefix: [transfer(ORACLE, None, None, self.consumer, prefix, 1).rebuild_s
-                                                          for _ in range(self.rounds + 1)])
-        rebuild_s = self._rounds(lambda prefix: rebuild_rounds(codec, self.producer, self.consumer, prefix,
-                                                               self.rounds + 1))
-        # the fastest round of each: other work on the machine only ever adds time, so the least is
-        # the figure least moved by it (a busy spell during one option's rounds made it "over")
-        return min(rebuild_s) / min(self.prefill_s)
+        if not self.warm:  # the consumer's first prefill pays one-time costs no later one does
+            self._prefill(self.prefixes[0])
+            self.warm = True
+        rebuild_s = prefill_s = 0.0
+        for prefix in self.prefixes:
+            rebuild = rebuilder(codec, self.producer, self.consumer, prefix)
+            rebuild()  # warm
+            rounds = [(rebuild(), self._prefill(prefix)) for _ in range(self.rounds)]  # side by side
+            rebuild_s += min(r for r, _ in rounds)  # the fastest: other work only ever adds time
+            prefill_s += min(p for _, p in rounds)
+        self.prefill_s.append(prefill_s)
+        return rebuild_s / prefill_s
 
-    def _rounds(self, run) -> list[float]:
-        """run(prefix) -> its seconds in each round, a warm one first -> the prompts' sums per timed round."""
-        per_prompt = [run(prefix) for prefix in self.prefixes]
-        return [sum(seconds[r] for seconds in per_prompt) for r in range(1, self.rounds + 1)]
+    def _prefill(self, prefix: torch.Tensor) -> float:
+        return transfer(ORACLE, None, None, self.consumer, prefix, 1).rebuild_s

@@ -11,6 +11,7 @@ rest over them, as serving does; that time counts as rebuild.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,14 +90,14 @@ def rebuild_from(codec, rt_b, pool, blocks: list[int], prefix: torch.Tensor, cut
     return rebuild, nbytes
 
 
-def rebuild_rounds(codec, rt_a, rt_b, prefix: torch.Tensor, rounds: int) -> list[float]:
-    """`rounds` rebuilds of prefix [T] from one encoding of it: the producer's prefill and the
-    encode are not rebuild time, so they run once. -> seconds of each."""
+def rebuilder(codec, rt_a, rt_b, prefix: torch.Tensor) -> Callable[[], float]:
+    """A rebuild of prefix [T] to run again and again, from one encoding of it: the producer's
+    prefill and the encode are not rebuild time, so they run once. -> () -> seconds of a rebuild."""
     cut = transferred(codec, prefix.shape[0])
     codes = list(encoded(codec, rt_a, prefix[:cut]))
     num_blocks = -(-prefix.shape[0] // BLOCK)
-    return [rebuild_from(codec, rt_b, rt_b.new_kv_pool(num_blocks, BLOCK), list(range(num_blocks)), prefix, cut,
-                         codes)[0] for _ in range(rounds)]
+    return lambda: rebuild_from(codec, rt_b, rt_b.new_kv_pool(num_blocks, BLOCK), list(range(num_blocks)), prefix,
+                                cut, codes)[0]
 
 
 def teacher_forced(rt_b, h: Handoff, tokens: torch.Tensor) -> torch.Tensor:
