@@ -89,8 +89,12 @@ def test_calibrate_measures_the_run_layers_asked_for_then_eval(pair, tmp_path, c
     out = tmp_path / "eval.json"
     assert main(["eval", "--producer", str(a), "--consumer", str(b), "--data", str(data / "text.jsonl"),
                  "--codebook", str(tmp_path / "book"), "--method", "scd", "--max-tokens", "24",
-                 "--json", str(out)]) == 0
+                 "--json", str(out), "--prior-table", "on"]) == 0
     assert json.loads(out.read_text())["methods"][0]["kl"] >= 0
+    # eval times the rebuild as a decode worker does, its token prior's vocabulary table made first
+    assert Codebook.load(tmp_path / "book").manifest["prior"]["kind"] == "features"
+    assert re.search(r"feature prior table \[\d+ x \d+ x \d+\] \(\d+ MiB\): (made in|read from)",
+                     capsys.readouterr().out)
     assert main(calibrate_args(a, b, data / "prompt.jsonl", tmp_path / "book2", "--run-layers", "99")) == 2
     err = capsys.readouterr().err
     assert "run layers must be in 1.." in err and "got [99]" in err and "Traceback" not in err
