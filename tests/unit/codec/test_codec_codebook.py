@@ -257,6 +257,26 @@ def test_a_rebuild_is_timed_against_the_consumers_own_prefill_of_the_same_prompt
         RebuildCost(producer, consumer, [torch.arange(8)], rounds=0)
 
 
+def test_each_prompts_prefill_is_timed_right_after_the_options_rebuild_of_it(tmp_path, monkeypatch):
+    """Side by side, prompt by prompt and option by option: a busy spell then slows both alike."""
+    from scd_serve.quality import rebuild_cost, transfer
+
+    producer, consumer = make_pair(tmp_path, layers=2)
+    events = []
+    real_rebuild, real_transfer = transfer.rebuild_from, rebuild_cost.transfer
+    monkeypatch.setattr(transfer, "rebuild_from", lambda *a: (events.append(("rebuild", a[4].numel())),
+                                                              real_rebuild(*a))[1])
+    monkeypatch.setattr(rebuild_cost, "transfer", lambda *a: (events.append(("prefill", a[4].numel())),
+                                                              real_transfer(*a))[1])
+    timer = rebuild_cost.RebuildCost(producer, consumer, [torch.arange(4, 4 + n) for n in (9, 13)], rounds=2)
+    for method in ("identity", "raw"):
+        timer(codec.build(method, producer=producer, consumer=consumer))
+    per_prompt = lambda n: [("rebuild", n), ("rebuild", n), ("prefill", n), ("rebuild", n), ("prefill", n)]
+    option = per_prompt(8) + per_prompt(12)  # a warm rebuild, then a rebuild and a prefill per round
+    assert events == [("prefill", 8)] + option + option  # one warm-up prefill for the whole calibration
+    assert len(timer.prefill_s) == 2
+
+
 def test_an_options_timed_rounds_rebuild_from_one_encoding(tmp_path):
     from scd_serve.quality.transfer import rebuilder
 
