@@ -20,19 +20,20 @@ import torch
 
 from scd_serve import codec as codecs
 from scd_serve.codec import prior_table
+from scd_serve.config.codec import CalibrateConfig
 from scd_serve.model import ModelRuntime
 from scd_serve.quality.data import read_records, tokenize
 from scd_serve.quality.rebuild_cost import RebuildCost, spread
 from scd_serve.quality.transfer import ORACLE, transfer
 
-TIMING_PROMPTS = 8  # CalibrateConfig.num_timing_prompts
+TIMING_PROMPTS = CalibrateConfig.num_timing_prompts
 
 
-def eval_pass(codec, producer, consumer, prompts: list[torch.Tensor]) -> float:
+def eval_pass(method: str, codec, producer, consumer, prompts: list[torch.Tensor]) -> float:
     rebuild_s = prefill_s = 0.0
     for ids in prompts:
         prefill_s += transfer(ORACLE, None, None, consumer, ids[:-1], 1).rebuild_s
-        rebuild_s += transfer("scd", codec, producer, consumer, ids[:-1], 1).rebuild_s
+        rebuild_s += transfer(method, codec, producer, consumer, ids[:-1], 1).rebuild_s
     return rebuild_s / prefill_s
 
 
@@ -54,8 +55,8 @@ def main() -> None:
     prompts = [p.ids for p in tokenize(read_records(f"{args.pair}/eval/heldout.jsonl"), consumer.tokenizer,
                                        context, "heldout").items]
     print(f"{len(prompts)} prompts; rebuild over the consumer's prefill:")
-    print(f"  eval, one pass     {eval_pass(codec, producer, consumer, prompts):.3f}")
-    print(f"  eval, again        {eval_pass(codec, producer, consumer, prompts):.3f}")
+    print(f"  eval, one pass     {eval_pass(args.method, codec, producer, consumer, prompts):.3f}")
+    print(f"  eval, again        {eval_pass(args.method, codec, producer, consumer, prompts):.3f}")
     print(f"  calibration, all   {RebuildCost(producer, consumer, prompts)(codec):.3f}")
     print(f"  calibration, {TIMING_PROMPTS}     "
           f"{RebuildCost(producer, consumer, spread(prompts, TIMING_PROMPTS))(codec):.3f}")

@@ -50,12 +50,10 @@ class RebuildCost:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
         self.producer, self.consumer, self.rounds = producer, consumer, rounds
         self.prefill_s: list[float] = []  # the consumer's prefill of the prompts, one sum per option timed
-        self.warm = False
 
     def __call__(self, codec: Any) -> float:
-        if not self.warm:  # the consumer's first prefill pays one-time costs no later one does
+        if not self.prefill_s:  # the first option: the consumer's first prefill pays one-time costs
             self._prefill(self.prefixes[0])
-            self.warm = True
         rebuild_s = prefill_s = 0.0
         for prefix in self.prefixes:
             rebuild = rebuilder(codec, self.producer, self.consumer, prefix)
